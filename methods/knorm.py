@@ -1,0 +1,21 @@
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import CacheView, EvictionMethod
+from methods.registry import register_method
+
+
+@register_method("knorm")
+@dataclass
+class KeyNorm(EvictionMethod):
+    """Knorm: keep the keys with the lowest L2 norm, per layer and KV head.
+
+    score[l, h, t] = -|| K[l, h, t, :] ||_2, computed in float32 (a bf16 norm ties many keys).
+
+    Paper: Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression",
+    arXiv 2406.11430. Reference code: kvpress ``KnormPress`` (same kept indices on prefill).
+    """
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        return torch.stack([-torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32) for k in cache.keys])

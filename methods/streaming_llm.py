@@ -1,0 +1,34 @@
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import CacheView, EvictionMethod
+from methods.registry import register_method
+
+
+@register_method("streaming_llm")
+@dataclass
+class StreamingLLM(EvictionMethod):
+    """StreamingLLM: keep ``n_sink`` attention-sink tokens plus the most recent ones.
+
+    score_t = +inf for the ``n_sink`` lowest absolute positions, else the absolute position t
+    (newer = higher), so the kept set is exactly sinks + the most recent ``B - n_sink`` tokens.
+
+    Paper: Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
+    Reference code: mit-han-lab/streaming-llm; kvpress ``StreamingLLMPress`` (same kept set on prefill).
+    Deviation from the paper: keys keep their original RoPE positions (the paper re-rotates keys to
+    cache-relative positions); select ``positions: compact`` in the protocol for the paper's setting.
+    """
+
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        positions = cache.token_positions.to(torch.float32)
+        sinks = torch.argsort(positions)[: self.n_sink]
+        scores = positions.clone()
+        scores[sinks] = float("inf")
+        return scores

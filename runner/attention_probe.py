@@ -1,0 +1,125 @@
+"""Observation of queries and attention rows under any attention kernel.
+
+kvleague registers wrappers ``kvleague_sdpa``, ``kvleague_eager`` and ``kvleague_flash_attention_2``
+in transformers' attention (and mask) interfaces. Each calls the real kernel unchanged, and when a
+:class:`AttentionRecorder` is active it records what the running method asked for: post-RoPE
+queries, the new keys/values, and softmax attention rows of the newest ``window`` queries, computed
+here from q and the cached K (``w x T`` per head, never ``T x T``), so attention-based methods run
+under SDPA and FlashAttention too.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+_ACTIVE: contextvars.ContextVar["AttentionRecorder | None"] = contextvars.ContextVar("kvleague_recorder", default=None)
+
+
+def wrapper_name(inner: str) -> str:
+    return f"kvleague_{inner}"
+
+
+@dataclass
+class AttentionRecorder:
+    """Collects per-layer observations for one forward pass; fields stay ``None`` unless asked for."""
+
+    n_layers: int
+    queries: bool = False
+    new_keys_values: bool = False
+    attention: bool = False
+    window: int = 1
+    new_tokens: int = 0
+    q: list = field(default_factory=list)
+    k_new: list = field(default_factory=list)
+    v_new: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+
+    def start(self, new_tokens: int) -> None:
+        self.new_tokens = new_tokens
+        self.q = [None] * self.n_layers
+        self.k_new = [None] * self.n_layers
+        self.v_new = [None] * self.n_layers
+        self.rows = [None] * self.n_layers
+
+    def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
+        c = self.new_tokens
+        if self.queries:
+            self.q[layer] = query[0]
+        if self.new_keys_values:
+            self.k_new[layer] = key[0, :, -c:]
+            self.v_new[layer] = value[0, :, -c:]
+        if self.attention:
+            if weights is not None:  # eager kernel: its own exact weights for every query of the pass
+                self.rows[layer] = weights[0].float()
+            else:
+                self.rows[layer] = attention_rows(query[0, :, -self.window :], key[0], scaling)
+
+
+def attention_rows(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal softmax rows of the newest ``w`` queries ``[H_q, w, d]`` over keys ``[H_kv, T, d]``.
+
+    Query i of the window sits at storage slot ``T - w + i`` and sees slots ``<= T - w + i``.
+    Returns float32 ``[H_q, w, T]``.
+    """
+    n_rep = query.shape[0] // keys.shape[0]
+    k = repeat_kv(keys[None], n_rep)[0].float()
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scaling
+    w, t = scores.shape[-2], scores.shape[-1]
+    if w > 1:
+        slots = torch.arange(t, device=scores.device)
+        last_visible = torch.arange(t - w, t, device=scores.device)
+        scores = scores.masked_fill(slots[None, :] > last_visible[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+class recording:
+    """Context manager activating a recorder for the forward passes run inside it."""
+
+    def __init__(self, recorder: AttentionRecorder | None):
+        self.recorder = recorder
+
+    def __enter__(self):
+        self.token = _ACTIVE.set(self.recorder)
+        return self.recorder
+
+    def __exit__(self, *exc):
+        _ACTIVE.reset(self.token)
+
+
+def _make_wrapper(inner: str):
+    # The signature of transformers' sdpa kernel; callers (and kvpress's import-time patch, which
+    # passes dropout positionally) rely on it, so the kernel is called by keyword.
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        kernel = eager_attention_forward if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
+        if scaling is None:
+            scaling = module.scaling
+        out, weights = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        recorder = _ACTIVE.get()
+        if recorder is not None:
+            recorder.record(module.layer_idx, query, key, value, weights, scaling)
+        return out, weights
+
+    attention.__name__ = f"kvleague_{inner}_attention"
+    return attention
+
+
+def register_wrappers() -> None:
+    """Idempotently register the probing wrappers with transformers."""
+    for inner in INNER_IMPLEMENTATIONS:
+        name = wrapper_name(inner)
+        if name in ALL_ATTENTION_FUNCTIONS:
+            continue
+        AttentionInterface.register(name, _make_wrapper(inner))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+
+
+register_wrappers()

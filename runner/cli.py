@@ -1,0 +1,153 @@
+"""The ``kvleague`` command line. Bad input exits with code 2 and one line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import yaml
+
+from runner.errors import KvleagueError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage over several lines by default
+        raise KvleagueError(f"{self.prog}: {message}")
+
+
+def _parse_param(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise KvleagueError(f"--param: expected NAME=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    try:  # YAML scalars: 3 -> int, 0.5 -> float, true -> bool, [1, 2] -> list; else the string
+        parsed = yaml.safe_load(value) if value else value
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def cmd_make_tiny_model(args) -> int:
+    from runner.tiny_model import make_tiny_model
+
+    out = make_tiny_model(
+        args.arch, args.out, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed
+    )
+    print(out)
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from methods.registry import available_methods, describe
+
+    described = [describe(cls) for cls in available_methods().values()]
+    if args.json:
+        print(json.dumps(described, indent=2, default=str))
+        return 0
+    for d in described:
+        params = ", ".join(f"{p['name']}: {p['type']} = {p['default']!r}" for p in d["hyperparameters"]) or "-"
+        needs = ", ".join(k for k, v in d["needs"].items() if v and k != "attention_window") or "cache only"
+        print(f"{d['name']:<16} {d['summary']}\n{'':<16} params: {params}\n{'':<16} needs: {needs}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from methods.registry import build_method
+    from runner.engine import Engine
+    from runner.protocol import GenerationSettings, Protocol
+
+    method = build_method(args.method, dict(_parse_param(p) for p in args.param))
+    protocol = Protocol(
+        cadence=args.cadence,
+        positions=args.positions,
+        sink=args.sink,
+        recent=args.recent,
+        protect_prompt=args.protect_prompt,
+        prefill_chunk=args.prefill_chunk,
+    )
+    protocol.check_budget(args.budget)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, stop=tuple(args.stop)
+    )
+    engine = Engine.load(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device)
+    result = engine.generate(args.prompt, method, args.budget, protocol, settings, seed=args.seed)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(result.completion)
+    print("---", file=sys.stderr)
+    for key, value in result.to_dict().items():
+        if key not in ("completion", "token_ids", "kept_positions"):
+            print(f"{key}: {value}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvleague", description="Benchmark KV-cache eviction methods.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint with an offline tokenizer")
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("methods", help="list registered eviction methods")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("generate", help="generate one completion under a KV budget")
+    p.add_argument("--model", required=True, help="checkpoint directory or HF id")
+    p.add_argument("--method", required=True)
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method hyperparameter")
+    p.add_argument("--budget", type=int, required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cadence", default="every_step", help="every_step or buffer=N")
+    p.add_argument("--positions", default="absolute", choices=["absolute", "compact"])
+    p.add_argument("--sink", type=int, default=0)
+    p.add_argument("--recent", type=int, default=0)
+    p.add_argument("--protect-prompt", action="store_true")
+    p.add_argument("--prefill-chunk", type=int, default=None)
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    for module in _COMMAND_MODULES:
+        try:
+            register = __import__(module, fromlist=["register"]).register
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # a real import error inside the module must surface
+                raise
+            continue
+        register(sub)
+    return parser
+
+
+# Subcommands contributed by other packages: each module has ``register(subparsers)``.
+_COMMAND_MODULES = ("tasks.commands",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except KvleagueError as exc:
+        print(f"kvleague: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: a venv in .venv with torch first (the pinned CPU wheel
+# here; an unpinned torch would pull a multi-GB CUDA build), then kvleague and its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${KVLEAGUE_TORCH_VERSION:-2.13.0}"
+python -m pip install -q -e ".[test]"

@@ -1,0 +1,162 @@
+"""The command line: plugins through entry points, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runner.cli import main
+
+PLUGIN = textwrap.dedent(
+    '''
+    from dataclasses import dataclass
+
+    import torch
+
+    from methods import EvictionMethod
+
+
+    @dataclass
+    class NewestOnly(EvictionMethod):
+        """Keeps the newest tokens: score = absolute position."""
+
+        bonus: float = 0.0
+
+        def score(self, cache):
+            return cache.token_positions.float() + self.bonus
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory):
+    """A throwaway package, pip-installed into its own target dir, registering `newest_only`."""
+    src = tmp_path_factory.mktemp("plugin-src")
+    (src / "kvl_plugin_demo.py").write_text(PLUGIN)
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(
+            """
+            [build-system]
+            requires = ["setuptools"]
+            build-backend = "setuptools.build_meta"
+            [project]
+            name = "kvl-plugin-demo"
+            version = "0.0.1"
+            [project.entry-points."kvleague.methods"]
+            newest_only = "kvl_plugin_demo:NewestOnly"
+            [tool.setuptools]
+            py-modules = ["kvl_plugin_demo"]
+            """
+        )
+    )
+    target = tmp_path_factory.mktemp("plugin-site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(src)],
+        check=True,
+        timeout=300,
+    )
+    return target
+
+
+def run_cli(*args, pythonpath=None, timeout=180):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if pythonpath:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run(
+        [sys.executable, "-m", "runner.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def test_plugin_method_is_listed_and_runs(plugin_path, tiny_models):
+    listed = run_cli("methods", "--json", pythonpath=plugin_path)
+    assert listed.returncode == 0, listed.stderr
+    by_name = {m["name"]: m for m in json.loads(listed.stdout)}
+    assert {"full", "streaming_llm", "random", "knorm", "newest_only"} <= set(by_name)
+    assert by_name["newest_only"]["hyperparameters"] == [{"name": "bonus", "type": "float", "default": 0.0}]
+
+    out = run_cli(
+        "generate", "--model", str(tiny_models["llama"]), "--method", "newest_only", "--param", "bonus=1.5",
+        "--budget", "24", "--prompt", "a plugin evicts " * 4, "--max-new-tokens", "12", "--json",
+        pythonpath=plugin_path,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["method"] == "newest_only" and result["params"] == {"bonus": 1.5}
+    newest = result["prompt_tokens"] + 12 - 2
+    assert result["kept_positions"][0] == list(range(newest - 23, newest + 1))  # newest-first really ran
+
+
+def test_methods_lists_hyperparameters_and_needs(capsys):
+    assert main(["methods"]) == 0
+    text = capsys.readouterr().out
+    assert "streaming_llm" in text and "n_sink: int = 4" in text
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--method", "nope"], "method: unknown 'nope'; valid names: "),
+        (["--method", "streaming_llm", "--param", "window=3"], "unknown hyperparameter 'window'; valid: n_sink"),
+        (["--method", "streaming_llm", "--param", "n_sink=abc"], "hyperparameter n_sink='abc'"),
+        (["--method", "streaming_llm", "--param", "n_sink=-1"], "n_sink must be >= 0"),
+        (["--method", "knorm", "--sink", "8", "--recent", "8", "--budget", "16"], "budget: 16 leaves no evictable slot"),
+        (["--method", "knorm", "--cadence", "sometimes"], "cadence: unknown 'sometimes'; allowed: every_step, buffer=N"),
+        (["--method", "knorm", "--model", "/no/such/dir"], "model: no checkpoint directory at '/no/such/dir'"),
+        (["--method", "knorm", "--budget", "x"], "argument --budget: invalid int value"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, tiny_models, args, fragment):
+    # argparse keeps the last occurrence of an option, so each case overrides these defaults
+    argv = ["generate", "--model", str(tiny_models["qwen2"]), "--budget", "32", "--prompt", "hello", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_console_script_exit_code_without_traceback():
+    proc = run_cli("generate", "--model", "/no/such/dir", "--method", "full", "--budget", "8", "--prompt", "x")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "kvleague: error: model: no checkpoint directory at '/no/such/dir'"
+
+
+README_CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    from transformers import DynamicCache
+    from methods import build_method
+    from runner.engine import Engine
+    from runner.protocol import Protocol
+    import value_norm  # the README's example, registered on import
+
+    engine = Engine.load(sys.argv[1])
+    ids = list(range(40, 120))
+    with engine.session(build_method("value_norm", {"p": 1}), 30, Protocol()) as session:
+        session.feed(ids)
+        kept = session.cache.positions
+    full = DynamicCache(config=engine.model.config)
+    with torch.no_grad():
+        engine.model(torch.tensor([ids]), past_key_values=full, use_cache=True)
+    for layer, positions in zip(full.layers, kept):
+        top = layer.values[0].float().abs().sum(-1).topk(30, dim=-1).indices.sort(-1).values
+        assert torch.equal(top, positions), (top, positions)
+    print("ok")
+    """
+)
+
+
+def test_readme_method_example_runs(tmp_path, tiny_models):
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "value_norm.py").write_text(example)
+    (tmp_path / "check.py").write_text(README_CHECK)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "check.py"), str(tiny_models["qwen3"])], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
