@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -125,18 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     for module in _COMMAND_MODULES:
-        try:
-            register = __import__(module, fromlist=["register"]).register
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # a real import error inside the module must surface
-                raise
-            continue
-        register(sub)
+        importlib.import_module(module).register(sub)
     return parser
 
 
 # Subcommands contributed by other packages: each module has ``register(subparsers)``.
-_COMMAND_MODULES = ("tasks.commands",)
+_COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def main(argv: list[str] | None = None) -> int:
