@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a venv in .venv with torch first (the pinned CPU wheel
 # here; an unpinned torch would pull a multi-GB CUDA build), then kvleague and its test extras.
+# Re-runs are instant while pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -8,6 +9,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${KVLEAGUE_TORCH_VERSION:-2.13.0}"
-python -m pip install -q -e ".[test]"
+stamp=.venv/.kvleague-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  python -m pip install -q --upgrade pip >/dev/null
+  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${KVLEAGUE_TORCH_VERSION:-2.13.0}"
+  python -m pip install -q -e ".[test]" 2> >(grep -v -e '^\s*$' -e 'WheelFile' -e '!!' -e '\*\*\*' -e 'SetuptoolsDeprecationWarning' >&2 || true)
+  echo "$want" > "$stamp"
+fi

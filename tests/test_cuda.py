@@ -1,0 +1,52 @@
+"""GPU-only checks (skipped on CPU machines; run them on a GPU with `pytest -m cuda`)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from methods import build_method
+from runner.engine import Engine
+from runner.protocol import GenerationSettings, Protocol
+from tests.test_engine import Recorder
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+IMPLEMENTATIONS = ["sdpa", "eager"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+
+
+@pytest.mark.parametrize("attn", IMPLEMENTATIONS)
+def test_full_cache_greedy_equals_generate_on_cuda(tiny_models, prompt_ids, attn):
+    engine = Engine.load(str(tiny_models["qwen3"]), attn_implementation=attn, dtype="bfloat16", device="cuda")
+    result = engine.generate(prompt_ids, build_method("full"), 4096, settings=GenerationSettings(max_new_tokens=32))
+    ref = engine.model.generate(
+        torch.tensor([prompt_ids], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt_ids) :].tolist()
+    assert result.token_ids == ref
+    assert result.peak_memory_source == "cuda_max_allocated" and result.peak_memory_bytes > 0
+
+
+@pytest.mark.parametrize("attn", IMPLEMENTATIONS)
+def test_attention_rows_match_eager_under_every_kernel(tiny_models, prompt_ids, attn):
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine.load(str(tiny_models["llama"]), attn_implementation=attn, dtype="bfloat16", device="cuda")
+    method = Recorder()
+    with engine.session(method, 4096, Protocol()) as session:
+        session.feed(prompt_ids)
+    eager = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], attn_implementation="eager", dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        out = eager(torch.tensor([prompt_ids], device="cuda"), output_attentions=True)
+    n = len(prompt_ids)
+    for layer, rows in enumerate(method.observations[0].attention):
+        torch.testing.assert_close(rows, out.attentions[layer][0, :, n - 4 :, :].float(), rtol=2e-2, atol=2e-3)
+
+
+def test_eviction_frees_cuda_memory(tiny_models):
+    engine = Engine.load(str(tiny_models["llama"]), device="cuda", dtype="bfloat16")
+    prompt = list(range(10, 250)) * 8
+    full = engine.generate(prompt, build_method("full"), 1 << 20, settings=GenerationSettings(max_new_tokens=8))
+    small = engine.generate(prompt, build_method("knorm"), 64, Protocol(prefill_chunk=64), GenerationSettings(max_new_tokens=8))
+    assert small.peak_kv_bytes * 10 < full.peak_kv_bytes
