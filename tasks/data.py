@@ -1,0 +1,120 @@
+"""The one loader path for task data: the local copy under the data directory when it is there,
+otherwise the Hugging Face Hub through ``datasets`` (imported lazily, so offline runs never need it).
+
+Data directory: the ``data_dir`` argument (``--data-dir``), else ``$KVLEAGUE_DATA_DIR``, else none.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from runner.errors import KvleagueError
+from tasks.base import DataSource
+
+DATA_DIR_ENV = "KVLEAGUE_DATA_DIR"
+
+
+def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The explicit directory, else ``$KVLEAGUE_DATA_DIR``, else ``None`` (the Hub)."""
+    value = data_dir if data_dir not in (None, "") else os.environ.get(DATA_DIR_ENV) or None
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise KvleagueError(f"data_dir: {str(path)!r} is not a directory (set --data-dir or {DATA_DIR_ENV})")
+    return path
+
+
+def missing_dataset_error(source: DataSource, data_dir: Path | None, why: str) -> KvleagueError:
+    """The one-line error for data that is neither in the data dir nor loadable from the Hub."""
+    if data_dir is not None and source.local_path:
+        expected = str(data_dir / source.local_path)
+    else:
+        expected = f"<data-dir>/{source.local_path} (set --data-dir or {DATA_DIR_ENV})"
+    if source.hub_id is None:
+        return KvleagueError(f"dataset {source.dataset}: no local copy at {expected}; it is not on the Hugging Face Hub, "
+                             f"get it from {source.url}")
+    hub = f"{source.hub_id}@{source.revision}" if source.revision else source.hub_id
+    return KvleagueError(f"dataset {source.dataset}: no local copy at {expected} and Hub id {hub} failed ({why})")
+
+
+def iter_file(path: Path, member: str | None = None) -> Iterator[dict[str, Any]]:
+    """Records of a JSON Lines file (optionally ``.gz``, or ``member`` of a zip archive) or of a JSON
+    file holding a list."""
+    if member is not None:
+        import zipfile
+
+        with zipfile.ZipFile(path) as zf:
+            text = zf.read(member).decode("utf-8")
+    else:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as fh:
+            text = fh.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        yield from json.loads(stripped)
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise KvleagueError(f"data file {path}: line {lineno} is not JSON ({exc.msg})") from None
+
+
+def local_path(source: DataSource, data_dir: Path | None, relative: str | None = None) -> Path | None:
+    """The local file/folder for ``source`` (or ``relative`` inside the data dir) if it exists."""
+    rel = relative if relative is not None else source.local_path
+    if data_dir is None or rel is None:
+        return None
+    path = data_dir / rel
+    return path if path.exists() else None
+
+
+def load_records(source: DataSource, data_dir: Path | None, *, local: str | None = None) -> list[dict[str, Any]]:
+    """Rows of ``source``: the local file ``local`` (default ``source.local_path``) under
+    ``data_dir`` when present, else ``datasets.load_dataset(hub_id, hub_config, split, revision)``."""
+    rel = local if local is not None else source.local_path
+    path = local_path(source, data_dir, rel)
+    if path is not None:
+        if path.is_dir():
+            raise missing_dataset_error(source, data_dir, f"{path} is a directory, expected a file")
+        return list(iter_file(path))
+    if source.hub_id is None:
+        raise missing_dataset_error(source, data_dir, "no local copy")
+    return _load_from_hub(source, data_dir)
+
+
+def _load_from_hub(source: DataSource, data_dir: Path | None) -> list[dict[str, Any]]:
+    # Offline mode is not short-circuited: a copy already in the Hub cache still loads.
+    if source.hub_file is not None:
+        return _load_hub_file(source, data_dir)
+    try:
+        import datasets  # noqa: PLC0415 - optional, heavy
+    except ImportError:
+        raise missing_dataset_error(source, data_dir, "no local copy and the 'datasets' package is not installed") from None
+    try:
+        ds = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_split, revision=source.revision)
+    except Exception as exc:  # network errors, missing configs, offline mode...
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise missing_dataset_error(source, data_dir, f"Hub load failed: {type(exc).__name__}: {msg[:200]}") from None
+    return [dict(row) for row in ds]
+
+
+def _load_hub_file(source: DataSource, data_dir: Path | None) -> list[dict[str, Any]]:
+    assert source.hub_file is not None and source.hub_id is not None
+    filename, _, member = source.hub_file.partition("!")
+    try:
+        from huggingface_hub import hf_hub_download  # noqa: PLC0415 - optional
+
+        path = hf_hub_download(source.hub_id, filename, repo_type="dataset", revision=source.revision)
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise missing_dataset_error(source, data_dir, f"Hub download failed: {type(exc).__name__}: {msg[:200]}") from None
+    return list(iter_file(Path(path), member or None))

