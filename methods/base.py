@@ -22,9 +22,11 @@ prompt) are always kept, the rest of the budget goes to the highest-scoring evic
 cache tensors are physically gathered. Methods therefore never see or enforce the budget rules
 themselves; this keeps every method under identical rules within a run.
 
-Cache slots are not stable across evictions. A method that keeps per-token state should key it by
-**absolute position** (``CacheView.positions`` / ``Observation.cache_positions`` give the absolute
-position of every slot).
+Within each layer and KV head, slots are always in increasing absolute position (eviction keeps
+the order), so pooling over neighbouring slots or cutting the cache into position chunks is sound.
+Slot indices are not stable across evictions: a method that keeps per-token state keys it by
+**absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a
+``CacheView`` are valid during the ``score`` call only.
 """
 
 from __future__ import annotations

@@ -371,6 +371,7 @@ class Session:
     def kept_positions(self) -> list:
         out = []
         for pos in self.cache.positions:
+            pos = pos.sort(dim=-1).values  # slot order carries no meaning
             out.append(pos[0].tolist() if bool((pos == pos[:1]).all()) else pos.tolist())
         return out
 

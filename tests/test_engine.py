@@ -183,7 +183,7 @@ def test_protect_prompt_keeps_every_prompt_token(engines, prompt_ids):
     with engine.session(build_method("random"), 32, Protocol(protect_prompt=True)) as session:
         session.feed(prompt)
         session.decode(greedy(60))
-        kept = session.cache.positions[0][0].tolist()
+        kept = sorted(session.cache.positions[0][0].tolist())
         is_prompt = session.cache.is_prompt[0][0]
     assert set(range(20)) <= set(kept)
     assert int(is_prompt.sum()) == 20 and len(kept) == 32
@@ -229,7 +229,7 @@ def test_knorm_and_streaming_llm_match_kvpress_on_prefill(engines, prompt_ids, a
     ]:
         with engine.session(ours, budget, Protocol()) as session:
             session.feed(prompt_ids)
-            kept = [p.clone() for p in session.cache.positions]
+            kept = [p.sort(dim=-1).values for p in session.cache.positions]
         expected = _kvpress_kept(engine, prompt_ids, press, budget)
         for layer in range(engine.n_layers):
             assert torch.equal(kept[layer], expected[layer]), (type(press).__name__, layer)
