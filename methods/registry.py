@@ -15,7 +15,25 @@ from methods.base import EvictionMethod
 from runner.errors import KvleagueError
 
 ENTRY_POINT_GROUP = "kvleague.methods"
-_BUILTIN_MODULES = ("methods.full", "methods.streaming_llm", "methods.random_eviction", "methods.knorm")
+_BUILTIN_MODULES = (
+    "methods.full",
+    "methods.streaming_llm",
+    "methods.random_eviction",
+    "methods.knorm",
+    "methods.epikv",
+    "methods.epikv_bands",
+    "methods.epikv_seg",
+    "methods.lag_kv",
+    "methods.h2o",
+    "methods.tova",
+    "methods.snapkv",
+    "methods.rkv",
+    "methods.thinkv",
+    "methods.keydiff",
+    "methods.scissorhands",
+    "methods.raas",
+    "methods.lazy_eviction",
+)
 
 _REGISTRY: dict[str, type[EvictionMethod]] = {}
 _loaded = False

@@ -1,0 +1,261 @@
+"""EpiKV (EpiKV-Flat): evict the tokens where the residual stream "settles" between two depths.
+
+Also home of the machinery shared by the EpiKV family (``epikv_bands``, ``epikv_seg``): the
+per-token hidden-state change signal, the causal rolling z-score and the frozen per-position table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.registry import register_method
+from runner.errors import KvleagueError
+
+#: added to the score of a ``value_reserve`` token: far above any z-score difference (|z| < sqrt(W))
+RESERVE_OFFSET = 1e9
+
+
+def depth_to_layer(fraction: float, n_layers: int) -> int:
+    """Relative depth -> decoder layer index: Python ``round`` (half to even), clamped to the model."""
+    return min(n_layers - 1, max(0, round(fraction * n_layers)))
+
+
+def rolling_zscore(history: Sequence[float], new: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal rolling z-score of each value of ``new`` (float64 ``[C]``) given the ``history`` before it.
+
+    z_t = (x_t - mean(S_t)) / (std(S_t) + 1e-6) where S_t is the window of the last ``window`` values
+    of the series **ending at and including** x_t (fewer at the start of the series), and std is the
+    population standard deviation (ddof = 0), so a window of one value gives z = 0, never NaN.
+    Only ``history[-(window - 1):]`` matters.
+    """
+    c = new.shape[0]
+    past = torch.tensor(list(history)[-(window - 1) :] if window > 1 else [], dtype=torch.float64)
+    series = torch.cat([past, new.to(torch.float64)])
+    pad = window - 1 - past.shape[0]
+    valid = torch.ones(series.shape[0], dtype=torch.float64)
+    if pad > 0:
+        series = torch.cat([torch.zeros(pad, dtype=torch.float64), series])
+        valid = torch.cat([torch.zeros(pad, dtype=torch.float64), valid])
+    windows = series.unfold(0, window, 1)[-c:]  # [C, W], row i ends at new[i]
+    mask = valid.unfold(0, window, 1)[-c:]
+    n = mask.sum(dim=1)
+    mean = (windows * mask).sum(dim=1) / n
+    var = (((windows - mean[:, None]) * mask) ** 2).sum(dim=1) / n
+    return (new.to(torch.float64) - mean) / (var.sqrt() + 1e-6)
+
+
+class _RollingZ:
+    """Rolling z-score state for one series (the last ``window`` values)."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.values: deque[float] = deque(maxlen=window)
+
+    def push(self, new: torch.Tensor) -> torch.Tensor:
+        """z of every new value (float64 CPU ``[C]``), then append them to the series."""
+        if new.shape[0] == 1:  # decode hot path: plain Python over <= W floats, same formula
+            x = float(new[0])
+            self.values.append(x)
+            n = len(self.values)
+            mean = math.fsum(self.values) / n
+            var = math.fsum((v - mean) ** 2 for v in self.values) / n
+            z = torch.tensor([(x - mean) / (math.sqrt(var) + 1e-6)], dtype=torch.float64)
+            return z
+        z = rolling_zscore(self.values, new, self.window)
+        self.values.extend(float(v) for v in new[-self.window :])
+        return z
+
+
+class PositionTable:
+    """A float64 value per absolute position, growing by doubling (O(1) amortised appends)."""
+
+    def __init__(self, fill: float = 0.0):
+        self.fill = fill
+        self.data = torch.full((1024,), fill, dtype=torch.float64)
+
+    def _grow(self, positions: torch.Tensor) -> None:
+        top = int(positions.max()) + 1
+        if top > self.data.shape[0]:
+            grown = torch.full((max(top, 2 * self.data.shape[0]),), self.fill, dtype=torch.float64)
+            grown[: self.data.shape[0]] = self.data
+            self.data = grown
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self._grow(positions)
+        self.data[positions.cpu()] = values.to(torch.float64).cpu()
+
+    def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self._grow(positions)
+        self.data.index_add_(0, positions.cpu(), values.to(torch.float64).cpu())
+
+    def read(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.data[positions.cpu()]
+
+
+def value_range(cache: CacheView) -> torch.Tensor:
+    """``[T]``: max - min over head_dim of each value vector, averaged over KV heads and layers."""
+    total = None
+    for v in cache.values:
+        r = (v.amax(dim=-1) - v.amin(dim=-1)).float().mean(dim=0)
+        total = r if total is None else total + r
+    return total / len(cache.values)
+
+
+@dataclass
+class EpiKVFamily(EvictionMethod):
+    """Shared engine of the EpiKV family (not registered itself).
+
+    Two groups of decoder layers, A and B. For each new token t and layer l,
+    d_t^l = ||h_t^l - h_{t-1}^l||_2 (output of decoder layer l, the residual stream); the group signal
+    is the mean of d over the group's layers; each group signal is z-scored causally (see
+    :func:`rolling_zscore`); score_t = w_A * z_A(t) - w_B * z_B(t), computed once when token t is
+    produced and frozen (stored by absolute position). One global ``[T]`` score.
+    """
+
+    needs = Needs(hidden_states=True)
+
+    #: rolling z-score window W (values, including the current one)
+    window: int = 64
+    #: the N cached generated tokens with the largest value range are never evicted (0 = off)
+    value_reserve: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.value_reserve < 0:
+            raise ValueError(f"value_reserve must be >= 0, got {self.value_reserve}")
+
+    # -- to be defined by each member ------------------------------------------------------------
+
+    def groups(self, n_layers: int) -> tuple[list[int], list[int]]:
+        raise NotImplementedError
+
+    def weights(self) -> tuple[float, float]:
+        return 1.0, 1.0
+
+    # -- contract ----------------------------------------------------------------------------------
+
+    def hidden_layers(self, n_layers: int) -> Sequence[int]:
+        a, b = self.groups(n_layers)
+        return sorted(set(a) | set(b))
+
+    def reset(self, info: SequenceInfo) -> None:
+        super().reset(info)
+        a, b = self.groups(info.n_layers)
+        for layer in (*a, *b):
+            if not 0 <= layer < info.n_layers:
+                raise KvleagueError(f"method {self.name}: layer {layer} outside the model's 0..{info.n_layers - 1}")
+        self.group_a, self.group_b = a, b
+        self.previous: dict[int, torch.Tensor] = {}  # layer -> hidden state of the last token seen
+        self.z_a, self.z_b = _RollingZ(self.window), _RollingZ(self.window)
+        self.table = PositionTable()
+
+    def _change(self, layers: list[int], hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Mean over ``layers`` of d_t^l for the new tokens, float64 CPU ``[C]``."""
+        total = None
+        for layer in layers:
+            h = hidden[layer].float()
+            prev = self.previous.get(layer)
+            # the very first token has no predecessor: d := 0 for it (it still enters the series)
+            start = h[:1] if prev is None else prev[None]
+            d = torch.linalg.vector_norm(torch.diff(torch.cat([start, h]), dim=0), dim=-1)
+            total = d if total is None else total + d
+        return (total / len(layers)).double().cpu()
+
+    def observe(self, obs: Observation) -> None:
+        hidden = obs.hidden_states
+        d_a = self._change(self.group_a, hidden)
+        d_b = self._change(self.group_b, hidden)
+        for layer in set(self.group_a) | set(self.group_b):
+            self.previous[layer] = hidden[layer][-1].float()
+        w_a, w_b = self.weights()
+        score = w_a * self.z_a.push(d_a) - w_b * self.z_b.push(d_b)
+        self.table.write(obs.new_positions, score)
+
+    def token_scores(self, cache: CacheView) -> torch.Tensor:
+        """The frozen scores of the cached tokens, float64 ``[T]`` on the CPU."""
+        return self.table.read(cache.token_positions)
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        scores = self.token_scores(cache)
+        return self.apply_value_reserve(scores, cache)
+
+    def apply_value_reserve(self, scores: torch.Tensor, cache: CacheView) -> torch.Tensor:
+        if self.value_reserve == 0:
+            return scores
+        generated = ~cache.is_prompt[0][0].cpu()
+        n = min(self.value_reserve, int(generated.sum()))
+        if n == 0:
+            return scores
+        ranges = value_range(cache).double().cpu()
+        candidates = ranges.masked_fill(~generated, float("-inf"))
+        top = torch.topk(candidates, n).indices
+        scores = scores.clone()
+        scores[top] = RESERVE_OFFSET + ranges[top]
+        return scores
+
+
+@register_method("epikv")
+@dataclass
+class EpiKV(EpiKVFamily):
+    """EpiKV-Flat: score_t = z_A(t) - z_B(t) of the hidden-state change at two depths; frozen; global.
+
+    Signal: d_t^l = ||h_t^l - h_{t-1}^l||_2 with h^l the output of decoder layer l (HF
+    ``hidden_states[l + 1]``; for the last layer, the output *before* the model's final norm). Layer
+    A = ``layer_a`` if set, else ``round(depth_a * n_layers)`` (0.3125: layer 10 of 32), layer B =
+    ``layer_b`` or ``round(depth_b * n_layers)`` (0.656: layer 21 of 32); Python rounding (half to
+    even), clamped to the model. z(t) is the causal rolling z-score over the last ``window`` (64) values
+    of each series: (x_t - mean) / (std + 1e-6).
+
+    score_t = z_A(t) - z_B(t), computed once when token t passes through the model (prompt tokens at
+    prefill, generated tokens at the decode step that feeds them) and then frozen; one global ``[T]``
+    score (the same positions are kept in every layer and KV head). No attention weights are used.
+
+    Choices where the paper is silent (each tested in ``tests/test_method_formulas.py``):
+
+    * the z window **includes** x_t (the last W values ending at t; fewer at the start of the series);
+    * std is the **population** std (ddof = 0): one value gives z = 0, never NaN;
+    * the series runs in generation order over every token that passes through the model (prompt,
+      generated, and tokens fed in later turns), never reset within a sequence;
+    * the first token of a sequence has no predecessor: d := 0, and that 0 enters both series;
+    * the z-scores are float64; the stored score is float64.
+
+    ``value_reserve`` = N > 0: at each eviction the N cached *generated* tokens with the largest value
+    range (max - min over head_dim, averaged over KV heads and layers) get score 1e9 + range, so the
+    engine never evicts them (equivalently: the N largest-range generated tokens so far are kept).
+
+    Paper protocol (set in the sweep config, not here): ``protect_prompt: true``, ``recent:
+    min(128, B // 4)``, ``cadence: every_step``, ``positions: compact`` for the authors' harness.
+
+    Paper: Kolawole & Smith, arXiv 2606.26472 (EpiKV). Reference code:
+    stevenkolawole/epiphany-kv-cache ``src/eviction.py`` (not reachable from where this was written:
+    the rule follows the method zoo issue's description of it; the choices above are ours where that
+    description is silent, and should be checked against the reference code).
+    Deviation: the protocol above is applied by the engine rather than by the method.
+    """
+
+    depth_a: float = 0.3125
+    depth_b: float = 0.656
+    layer_a: int | None = None
+    layer_b: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("depth_a", "depth_b"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("layer_a", "layer_b"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or null, got {value}")
+
+    def groups(self, n_layers: int) -> tuple[list[int], list[int]]:
+        a = self.layer_a if self.layer_a is not None else depth_to_layer(self.depth_a, n_layers)
+        b = self.layer_b if self.layer_b is not None else depth_to_layer(self.depth_b, n_layers)
+        return [a], [b]

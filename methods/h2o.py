@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.registry import register_method
+
+
+def carry(values: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+    """Re-align per-slot state ``values`` ``[H, T_old]`` from ``old_positions`` to ``new_positions`` ``[H, T_new]``.
+
+    Slots whose absolute position was held before keep their value; new positions get 0. Positions
+    are ascending along each row (the engine appends newer tokens and gathers in slot order).
+    """
+    t_old = old_positions.shape[-1]
+    if t_old == 0:
+        return torch.zeros(new_positions.shape, dtype=values.dtype, device=values.device)
+    if new_positions.shape[-1] >= t_old and torch.equal(new_positions[..., :t_old], old_positions):
+        pad = torch.zeros(*values.shape[:-1], new_positions.shape[-1] - t_old, dtype=values.dtype, device=values.device)
+        return torch.cat([values, pad], dim=-1)  # nothing was evicted since: just append zeros
+    index = torch.searchsorted(old_positions.contiguous(), new_positions.contiguous()).clamp_max(t_old - 1)
+    found = old_positions.gather(-1, index) == new_positions
+    return torch.where(found, values.gather(-1, index), torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def per_kv_head(rows: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """``[H_q, T]`` -> ``[H_kv, T]``: mean over the query heads of each GQA group."""
+    h_q, t = rows.shape
+    return rows.view(n_kv_heads, h_q // n_kv_heads, t).mean(dim=1)
+
+
+@register_method("h2o")
+@dataclass
+class H2O(EvictionMethod):
+    """H2O: heavy hitters by true accumulated attention, plus a recent window, per KV head.
+
+    acc[l, h, t] = sum over every query q that has attended to the cache so far (all prefill queries
+    and every decode query) of the softmax attention weight A_l[q, t], averaged over the query heads of
+    KV head h's GQA group (sum first, then the group mean). A token evicted from a head loses its sum;
+    a token arriving starts at 0 and receives its own query's weight. score[l, h, t] = acc[l, h, t],
+    except the ``recent_ratio`` * B newest positions, which get +inf (H2O's recent window); the other
+    (1 - ``recent_ratio``) * B slots go to the heavy hitters. Shape ``[L, H_kv, T]``.
+
+    The prefill part needs every prefill query's attention row (column sums of the full prefill
+    attention), so the method runs **eager** attention: the rows come from the eager kernel's own
+    weights (memory O(H_q * C * T) per layer for a chunk of C queries; use ``prefill_chunk`` to bound
+    it). Decode steps add the one new row.
+
+    Paper: Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", arXiv
+    2306.14048. Reference code: FMInference/H2O (``h2o_hf``). Deviations: scores are kept per KV head
+    (the reference is per attention head on MHA models; with GQA the group mean is the natural
+    per-KV-head score); the recent window is part of the method, so the protocol's ``recent`` should be
+    0 to reproduce the paper; the reference accumulates from fp16 weights, ours in float32.
+    """
+
+    needs = Needs(attention=True, eager=True)
+
+    recent_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
+
+    def reset(self, info: SequenceInfo) -> None:
+        super().reset(info)
+        self.acc: list[torch.Tensor] | None = None
+        self.acc_positions: list[torch.Tensor] | None = None
+
+    def observe(self, obs: Observation) -> None:
+        n_kv = self.info.n_kv_heads
+        new_acc = []
+        for layer, (rows, positions) in enumerate(zip(obs.attention, obs.cache_positions)):
+            received = per_kv_head(rows.sum(dim=1), n_kv)  # [H_kv, T]
+            if self.acc is not None:
+                received = received + carry(self.acc[layer], self.acc_positions[layer], positions)
+            new_acc.append(received)
+        self.acc, self.acc_positions = new_acc, list(obs.cache_positions)
+
+    def accumulated(self, cache: CacheView) -> torch.Tensor:
+        """``[L, H_kv, T]`` accumulated attention of the cached slots."""
+        return torch.stack([carry(a, p, pos) for a, p, pos in zip(self.acc, self.acc_positions, cache.positions)])
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        scores = self.accumulated(cache)
+        n_recent = int(self.recent_ratio * cache.budget)
+        if n_recent > 0:
+            recent = torch.stack(cache.positions) > cache.current_position - n_recent
+            scores = scores.masked_fill(recent, float("inf"))
+        return scores

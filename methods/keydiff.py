@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from methods.base import CacheView, EvictionMethod
+from methods.registry import register_method
+
+
+@register_method("keydiff")
+@dataclass
+class KeyDiff(EvictionMethod):
+    """KeyDiff: keep the keys least similar to the mean normalised key, per layer and KV head.
+
+    anchor[l, h] = mean over the cached slots of K[l, h, t] / ||K[l, h, t]||;
+    score[l, h, t] = -cos(K[l, h, t], anchor[l, h]) (float32). Shape ``[L, H_kv, T]``. No attention,
+    stateless; recomputed at every eviction over the whole cache.
+
+    Paper: Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM
+    Inference in Resource-Constrained Environments", arXiv 2504.15364. Reference code: kvpress
+    ``KeyDiffPress`` (same kept indices on prefill). Deviation: the paper evicts block by block while
+    prefilling; here that is the protocol's ``prefill_chunk`` (compress after each chunk), so the rule
+    itself is unchanged.
+    """
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        out = []
+        for k in cache.keys:
+            k = k.float()
+            anchor = F.normalize(k, p=2, dim=-1).mean(dim=-2, keepdim=True)
+            out.append(-F.cosine_similarity(k, anchor, dim=-1))
+        return torch.stack(out)

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import CacheView, EvictionMethod
+from methods.registry import register_method
+
+
+def lag_std(x: torch.Tensor, lag: int, eps: float) -> torch.Tensor:
+    """``x`` ``[H, T, d]`` -> ``[H, T]``: std over d of each token, chunk i min/max-normalised by chunk i-1.
+
+    Chunks are consecutive runs of ``lag`` cache slots from the oldest (the last may be shorter).
+    For chunk i > 0: x' = (x - min_{i-1}) / (max_{i-1} - min_{i-1} + eps), min/max per head and
+    channel over the tokens of chunk i-1; chunk 0 uses raw x. Sample std (ddof = 1) over head_dim.
+    """
+    h, t, d = x.shape
+    full = (t // lag) * lag
+    std = torch.empty(h, t, dtype=torch.float32, device=x.device)
+    std[:, : min(lag, t)] = x[:, : min(lag, t)].std(dim=-1)
+    if t <= lag:
+        return std
+    chunks = x[:, :full].reshape(h, t // lag, lag, d)
+    lo, hi = chunks.amin(dim=2), chunks.amax(dim=2)  # [H, n_chunks, d]
+    n_full = t // lag
+    if n_full > 1:
+        ref_lo, ref_hi = lo[:, :-1, None], hi[:, :-1, None]
+        normed = (chunks[:, 1:] - ref_lo).div_(ref_hi - ref_lo + eps)
+        std[:, lag:full] = normed.std(dim=-1).reshape(h, -1)
+    if full < t:  # the trailing partial chunk, normalised by the last full chunk
+        tail = (x[:, full:] - lo[:, -1:]) / (hi[:, -1:] - lo[:, -1:] + eps)
+        std[:, full:] = tail.std(dim=-1)
+    return std
+
+
+@register_method("lag_kv")
+@dataclass
+class LagKV(EvictionMethod):
+    """LagKV (EpiKV paper's lag-normalised variant): K/V spread after normalising by the previous chunk.
+
+    K̄ = mean over layers of the cached keys ``[H, T, d]``, V̄ likewise (float32). Cut the cache slots,
+    oldest first, into chunks of ``lag`` (128); normalise chunk i per head and channel by the min/max
+    of chunk i - 1: (x - min) / (max - min + ``eps``); the first chunk uses the raw values.
+    score_t = mean over KV heads of std_d(K̄'_t) + mean over KV heads of std_d(V̄'_t), one global
+    ``[T]`` score. Stateless (recomputed from the cache at every eviction). No attention.
+
+    Choices where the paper is silent: std is the sample std (ddof = 1, as the LagKV code's
+    ``torch.std``); ``eps`` = 1e-6 guards constant channels; chunks follow the current cache slots
+    (after evictions a chunk spans more than ``lag`` original positions); a trailing partial chunk is
+    normalised by the last full chunk.
+
+    Paper: Kolawole & Smith, arXiv 2606.26472 (lag-normalised KV baseline), after LagKV (Liang et
+    al., arXiv 2504.04704). Reference code: stevenkolawole/epiphany-kv-cache ``src/eviction.py`` (not
+    consulted; written from the method zoo issue's description). kvpress ``LagKVPress`` is the
+    original LagKV (it normalises by the *next* chunk, per layer, with a softmax and sink/tail
+    handling) and is deliberately not what this method does.
+    """
+
+    lag: int = 128
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.lag < 2:
+            raise ValueError(f"lag must be >= 2, got {self.lag}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        keys, values = _layer_mean(cache.keys), _layer_mean(cache.values)
+        return lag_std(keys, self.lag, self.eps).mean(dim=0) + lag_std(values, self.lag, self.eps).mean(dim=0)
+
+
+def _layer_mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over layers in float32, accumulated in place (no [L, H, T, d] stack)."""
+    total = tensors[0].float().clone()
+    for t in tensors[1:]:
+        total.add_(t)
+    return total.div_(len(tensors))

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.epikv import PositionTable
+from methods.registry import register_method
+
+
+@register_method("lazy_eviction")
+@dataclass
+class LazyEviction(EvictionMethod):
+    """LazyEviction: keep tokens whose attention recurs; evict those overdue past their usual recurrence gap.
+
+    A token t is "attended" at step p when the query at position p gives it a weight (averaged over
+    layers and query heads) above ``alpha`` / n (n = cached keys). State per token: last_t (position
+    of the last such step; initially t itself) and mri_t, the maximum recurrence interval (largest gap
+    between consecutive attended steps so far; initially 0). score_t = mri_t - (p_now - last_t): a
+    token still within its largest observed gap scores >= 0, an overdue one < 0. One global ``[T]``.
+    Fires lagged: use ``cadence: buffer=W`` (W = 128 here), so tokens get W steps to show recurrence.
+
+    Paper: "LazyEviction: Lagged KV Eviction with Attention Pattern Observation for Efficient Long
+    Reasoning", 2025 (arXiv id not verified offline). Reference code: none consulted; written from
+    the paper's description (recurrence interval tracking, lagged eviction). Choices: the attention
+    threshold (alpha = 1: above uniform), layer/head averaging, and this exact score are ours.
+    """
+
+    needs = Needs(attention=True, attention_window=1)
+
+    alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+
+    def reset(self, info: SequenceInfo) -> None:
+        super().reset(info)
+        self.last = PositionTable()
+        self.mri = PositionTable()
+
+    def observe(self, obs: Observation) -> None:
+        self.last.write(obs.new_positions, obs.new_positions.double())
+        self.mri.write(obs.new_positions, torch.zeros(obs.new_positions.shape[0], dtype=torch.float64))
+        row = torch.stack([r[:, -1, :] for r in obs.attention]).mean(dim=(0, 1))
+        hit = obs.cache_positions[0][0][(row > self.alpha / row.shape[0]).cpu()]
+        if hit.numel():
+            now = float(obs.new_positions[-1])
+            gap = now - self.last.read(hit)
+            self.mri.write(hit, torch.maximum(self.mri.read(hit), gap))
+            self.last.write(hit, torch.full((hit.numel(),), now, dtype=torch.float64))
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        positions = cache.token_positions
+        return self.mri.read(positions) - (cache.current_position - self.last.read(positions))

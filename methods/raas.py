@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.epikv import PositionTable
+from methods.registry import register_method
+
+
+@register_method("raas")
+@dataclass
+class RaaS(EvictionMethod):
+    """RaaS: keep "milestone" tokens: each token's timestamp is the last step it received notable attention.
+
+    stamp_t starts at t's own position; whenever a query at position p gives t an attention weight
+    (averaged over layers and query heads) above ``alpha`` / n (n = cached keys it sees), stamp_t := p.
+    score_t = stamp_t: the token whose last notable attention is oldest goes first. One global ``[T]``
+    score. Every step. The paper keeps the prompt (``protect_prompt: true`` in the protocol).
+
+    Paper: Hu et al., "Efficient Long-Decoding Inference with Reasoning-Aware Attention Sparsity",
+    2025 (RaaS; arXiv id not verified offline). Reference code: none consulted; written from the
+    paper. Choices: the "notable attention" threshold alpha / n with alpha = 1 (above uniform); one
+    timestamp per token from the layer- and head-averaged row (the paper works per head on pages of
+    tokens, which we did not reproduce); prefill queries update stamps only through the last prompt
+    query.
+    """
+
+    needs = Needs(attention=True, attention_window=1)
+
+    alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+
+    def reset(self, info: SequenceInfo) -> None:
+        super().reset(info)
+        self.stamp = PositionTable()
+
+    def observe(self, obs: Observation) -> None:
+        self.stamp.write(obs.new_positions, obs.new_positions.double())
+        row = torch.stack([r[:, -1, :] for r in obs.attention]).mean(dim=(0, 1))  # [T]
+        positions = obs.cache_positions[0][0]
+        hit = positions[(row > self.alpha / row.shape[0]).cpu()]
+        if hit.numel():
+            self.stamp.write(hit, torch.full((hit.numel(),), float(obs.new_positions[-1]), dtype=torch.float64))
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        return self.stamp.read(cache.token_positions)

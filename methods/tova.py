@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.registry import register_method
+from runner.errors import KvleagueError
+
+
+@register_method("tova")
+@dataclass
+class TOVA(EvictionMethod):
+    """TOVA: keep the tokens the current query attends to most, averaged over heads, per layer.
+
+    score[l, t] = mean over the query heads of layer l of A_l[q, t], the softmax attention of the
+    newest query q (the last token of the forward pass) over the cache after it was appended. Shape
+    ``[L, T]``: each layer keeps its own set. With ``cadence: every_step`` it evicts the lowest-scoring
+    token at every decode step, as in the paper; at prefill it compresses with the last prompt query.
+
+    Paper: Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104. Reference code:
+    schwartz-lab-NLP/TOVA (``tova_cache.py``); kvpress ``TOVAPress`` (same kept indices on prefill once
+    the newest token is protected). Deviations: none in the rule. TOVA, like this method, may evict the
+    newest token itself when its self-attention is low; kvpress always keeps it (set the protocol's
+    ``recent: 1`` for kvpress's behaviour).
+    """
+
+    needs = Needs(attention=True, attention_window=1)
+
+    def reset(self, info: SequenceInfo) -> None:
+        super().reset(info)
+        self.last: torch.Tensor | None = None
+
+    def observe(self, obs: Observation) -> None:
+        self.last = torch.stack([rows[:, -1, :].mean(dim=0) for rows in obs.attention])
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        if self.last is None or self.last.shape[-1] != cache.length:
+            raise KvleagueError("method tova: the last observation does not match the cache being scored")
+        return self.last
