@@ -1,0 +1,71 @@
+"""``kvleague dashboard [--db URL] [--port P]``: serve the Streamlit leaderboard on 127.0.0.1.
+
+Added to the CLI through ``runner.cli._COMMAND_MODULES`` (``register(subparsers)``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from runner.errors import KvleagueError
+
+APP = Path(__file__).resolve().parent / "app.py"
+HOST = "127.0.0.1"
+DEFAULT_PORT = 8501
+
+
+def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | None = None) -> list[str]:
+    return [
+        python or sys.executable, "-m", "streamlit", "run", str(APP),
+        "--server.address", host, "--server.port", str(port), "--server.headless", "true",
+        "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--client.toolbarMode", "viewer",
+        "--", "--db", db_url,
+    ]
+
+
+def resolve_db(url: str | None) -> str:
+    """The URL the dashboard will open (relative SQLite paths made absolute), checked up front."""
+    from dashboard.queries import resolve_url
+    from db.session import parse_url
+
+    parsed = parse_url(resolve_url(url))
+    if parsed.get_backend_name() == "sqlite":
+        path = Path(parsed.database or "")
+        if not path.is_file():
+            raise KvleagueError(f"dashboard: no SQLite database at {str(path)!r}; run a sweep first (kvleague sweep --config ...)")
+    return parsed.render_as_string(hide_password=False)
+
+
+def cmd_dashboard(args) -> int:
+    if not 1 <= args.port <= 65535:
+        raise KvleagueError(f"--port: must be 1-65535, got {args.port}")
+    url = resolve_db(args.db)
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        raise KvleagueError("dashboard: streamlit is not installed (pip install -e .)") from None
+    from db.session import display_url
+
+    print(f"kvleague dashboard: {display_url(url)} (read-only) at http://{HOST}:{args.port}", flush=True)
+    env = {**os.environ, "KVLEAGUE_DB": url}
+    proc = subprocess.Popen(streamlit_command(url, args.port), env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return 130
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("dashboard", help="serve the leaderboard (Streamlit) on 127.0.0.1")
+    p.add_argument("--db", default=None,
+                   help="database URL (default: $KVLEAGUE_DB, else sqlite:///kvleague.db); opened read-only")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port on 127.0.0.1 (default {DEFAULT_PORT})")
+    p.set_defaults(func=cmd_dashboard)

@@ -1,0 +1,471 @@
+"""Read-only SQL for the dashboard: every aggregation runs in the database (GROUP BY), and what comes
+back is small - per-problem histograms, per-(method, budget) means, a few dimension rows.
+
+The statistical unit is a *problem*: one ``sample_id`` of one task, for one model, protocol and
+generation setting. The core building block is :func:`problem_hist`: per method spec, task and budget,
+how many problems had ``k`` of their ``m`` samples correct (and in how many samples eviction fired).
+Pairs of methods are compared on :func:`paired_hist`, the same histogram over the problems both have.
+
+Only ``status = 'ok'`` rows count towards accuracy; failed cells are counted separately
+(:func:`failed_counts`) and shown beside the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from sqlalchemy import Integer, and_, case, cast, create_engine, distinct, event, func, literal, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from db.models import (
+    STATUS_FAILED,
+    STATUS_OK,
+    Environment,
+    GenerationSpec,
+    MethodSpec,
+    Model,
+    ProtocolSpec,
+    SampleResult,
+    Sweep,
+    TaskSpec,
+)
+from db.session import default_url
+from runner.errors import KvleagueError
+
+R = SampleResult.__table__
+T = TaskSpec.__table__
+M = MethodSpec.__table__
+MO = Model.__table__
+P = ProtocolSpec.__table__
+G = GenerationSpec.__table__
+S = Sweep.__table__
+E = Environment.__table__
+
+
+FULL = "full"
+REFERENCE_FAMILY = ("epikv", "epikv_bands", "epikv_seg", "lag_kv")
+ATTENTION_BASELINES = ("h2o", "tova", "snapkv", "rkv", "thinkv")
+DECODINGS = ("greedy", "sampled")
+
+
+def resolve_url(cli: str | None = None) -> str:
+    """``--db``, else ``$KVLEAGUE_DB``, else ``sqlite:///kvleague.db`` (the runner's convention)."""
+    return cli or default_url()
+
+
+# ------------------------------------------------------------------------------------------------
+# Read-only engine
+# ------------------------------------------------------------------------------------------------
+
+
+def _sqlite_readonly(dbapi_connection, _record) -> None:
+    cur = dbapi_connection.cursor()
+    cur.execute("PRAGMA query_only=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def open_readonly(url: str) -> Engine:
+    """An engine that cannot write: SQLite opened with ``mode=ro`` (and ``query_only``), PostgreSQL
+    sessions with ``default_transaction_read_only``. A missing SQLite file is an error, not a new file."""
+    from db.session import display_url, parse_url
+
+    parsed = parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        db = parsed.database or ""
+        if db == ":memory:":
+            raise KvleagueError("database: an in-memory SQLite database has no results to show; give a file")
+        if db.startswith("file:"):
+            raise KvleagueError("database: give the SQLite file as sqlite:///PATH (the dashboard opens it read-only itself)")
+        path = Path(db)
+        if not path.is_file():
+            raise KvleagueError(f"database: no SQLite file at {str(path)!r}; run a sweep first (kvleague sweep --config ...)")
+        from urllib.parse import quote
+
+        engine = create_engine(f"sqlite:///file:{quote(str(path))}?mode=ro&uri=true", connect_args={"timeout": 30})
+        event.listen(engine, "connect", _sqlite_readonly)
+    else:
+        engine = create_engine(
+            parsed, pool_pre_ping=True,
+            connect_args={"connect_timeout": 10, "options": "-c default_transaction_read_only=on"},
+        )
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except SQLAlchemyError as exc:
+        first = str(getattr(exc, "orig", exc) or exc).strip().splitlines()
+        raise KvleagueError(f"database: cannot open {display_url(parsed)}: {first[0] if first else type(exc).__name__}") from None
+    return engine
+
+
+def has_schema(engine: Engine) -> bool:
+    from sqlalchemy import inspect
+
+    return R.name in inspect(engine).get_table_names()
+
+
+def fingerprint(engine: Engine) -> tuple[int, int]:
+    """``(max id, row count)`` of sample_results: changes whenever results are added, replaced or removed."""
+    with engine.connect() as conn:
+        top, n = conn.execute(select(func.max(R.c.id), func.count()).select_from(R)).one()
+    return (int(top or 0), int(n or 0))
+
+
+# ------------------------------------------------------------------------------------------------
+# Filters
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Filters:
+    """``None`` means no restriction; an empty tuple selects nothing."""
+
+    models: tuple[int, ...] | None = None
+    domains: tuple[str, ...] | None = None
+    tasks: tuple[int, ...] | None = None
+    budgets: tuple[int, ...] | None = None
+    protocols: tuple[int, ...] | None = None
+    decoding: tuple[str, ...] | None = None
+
+    def conditions(self, budgets: bool = True) -> list:
+        cond = []
+        if self.models is not None:
+            cond.append(R.c.model_id.in_(self.models))
+        if self.tasks is not None:
+            cond.append(R.c.task_id.in_(self.tasks))
+        if self.domains is not None:
+            cond.append(R.c.task_id.in_(select(T.c.id).where(T.c.domain.in_(self.domains)).scalar_subquery()))
+        if self.protocols is not None:
+            cond.append(R.c.protocol_id.in_(self.protocols))
+        if self.decoding is not None:
+            kinds = set(self.decoding)
+            if kinds == {"greedy"}:
+                cond.append(R.c.generation_id.in_(select(G.c.id).where(G.c.temperature == 0).scalar_subquery()))
+            elif kinds == {"sampled"}:
+                cond.append(R.c.generation_id.in_(select(G.c.id).where(G.c.temperature > 0).scalar_subquery()))
+            elif not kinds & set(DECODINGS):
+                cond.append(literal(False))
+        if budgets and self.budgets is not None:
+            cond.append(R.c.budget.in_(self.budgets))
+        return cond
+
+
+# ------------------------------------------------------------------------------------------------
+# Dimensions and filter options
+# ------------------------------------------------------------------------------------------------
+
+
+def protocol_label(row: dict[str, Any]) -> str:
+    parts = [str(row["cadence"]), str(row["positions"]), f"sink {row['sink']}", f"recent {row['recent']}"]
+    parts.append("prompt protected" if row["protect_prompt"] else "prompt compressed")
+    if row.get("prefill_chunk"):
+        parts.append(f"prefill chunk {row['prefill_chunk']}")
+    return f"#{row['id']}: " + ", ".join(parts)
+
+
+def method_labels(specs: Iterable[dict[str, Any]]) -> dict[int, str]:
+    """``method_spec_id -> label``: the name, plus the hyperparameters that differ between specs
+    sharing that name (``h2o(heavy_ratio=0.25)``)."""
+    import json
+
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for s in specs:
+        by_name.setdefault(s["name"], []).append(s)
+    out: dict[int, str] = {}
+    for name, group in by_name.items():
+        if len(group) == 1:
+            out[group[0]["id"]] = name
+            continue
+        params = [json.loads(g["params_json"]) if g.get("params_json") else dict(g.get("params") or {}) for g in group]
+        keys = sorted({k for p in params for k in p})
+        differing = [k for k in keys if len({json.dumps(p.get(k), sort_keys=True) for p in params}) > 1]
+        for g, p in zip(group, params):
+            shown = ", ".join(f"{k}={p.get(k)}" for k in differing)
+            out[g["id"]] = f"{name}({shown})" if shown else f"{name}#{g['id']}"
+    return out
+
+
+@dataclass
+class Options:
+    models: list[dict[str, Any]] = field(default_factory=list)  # id, name
+    tasks: list[dict[str, Any]] = field(default_factory=list)  # id, name, domain
+    domains: list[str] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
+    protocols: list[dict[str, Any]] = field(default_factory=list)  # id, label, fields
+    decodings: list[str] = field(default_factory=list)
+    methods: dict[int, dict[str, Any]] = field(default_factory=dict)  # id -> name, params_json, label
+
+
+def options(engine: Engine) -> Options:
+    """What the filters can choose from: only dimension rows that have results."""
+    out = Options()
+    with engine.connect() as conn:
+        used = lambda col: select(col).distinct().scalar_subquery()  # noqa: E731
+        out.models = [dict(r._mapping) for r in conn.execute(select(MO.c.id, MO.c.name).where(MO.c.id.in_(used(R.c.model_id))).order_by(MO.c.name, MO.c.id))]
+        out.tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain).where(T.c.id.in_(used(R.c.task_id))).order_by(T.c.domain, T.c.name, T.c.id))]
+        out.domains = sorted({t["domain"] for t in out.tasks})
+        out.budgets = [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().order_by(R.c.budget))]
+        protos = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))]
+        out.protocols = [{**p, "label": protocol_label(p)} for p in protos]
+        temps = [float(t) for (t,) in conn.execute(select(G.c.temperature).distinct().where(G.c.id.in_(used(R.c.generation_id))))]
+        out.decodings = [d for d in DECODINGS if any((t == 0) == (d == "greedy") for t in temps)]
+        specs = [dict(r._mapping) for r in conn.execute(select(M.c.id, M.c.name, M.c.params_json).where(M.c.id.in_(used(R.c.method_spec_id))).order_by(M.c.name, M.c.id))]
+    labels = method_labels(specs)
+    out.methods = {s["id"]: {**s, "label": labels[s["id"]]} for s in specs}
+    return out
+
+
+def dimensions(engine: Engine) -> dict[str, Any]:
+    """Every method spec (with its display label) and task (with its domain): small tables, read whole."""
+    with engine.connect() as conn:
+        specs = [dict(r._mapping) for r in conn.execute(select(M.c.id, M.c.name, M.c.params_json).order_by(M.c.name, M.c.id))]
+        tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain).order_by(T.c.id))]
+        models = [dict(r._mapping) for r in conn.execute(select(MO.c.id, MO.c.name).order_by(MO.c.id))]
+    labels = method_labels(specs)
+    return {
+        "methods": {s["id"]: {**s, "label": labels[s["id"]]} for s in specs},
+        "tasks": {t["id"]: t for t in tasks},
+        "models": {m["id"]: m for m in models},
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Histograms
+# ------------------------------------------------------------------------------------------------
+
+_PROBLEM_KEY = ("model_id", "task_id", "protocol_id", "generation_id", "sample_id")
+
+
+def _correct_int():
+    return case((R.c.correct.is_(True), 1), else_=0)
+
+
+def _int(expr):
+    """SUM over integers is NUMERIC (Decimal) on PostgreSQL: keep every count a plain integer."""
+    return cast(expr, Integer)
+
+
+def _per_problem(filters: Filters, budgets: Iterable[int] | None, methods: Iterable[int] | None = None, name: str = "p"):
+    """Subquery: one row per (problem, method, budget) with k correct of m samples and f samples where
+    eviction fired."""
+    cond = [R.c.status == STATUS_OK, *filters.conditions(budgets=budgets is None)]
+    if budgets is not None:
+        cond.append(R.c.budget.in_(list(budgets)))
+    if methods is not None:
+        cond.append(R.c.method_spec_id.in_(list(methods)))
+    cols = [getattr(R.c, k) for k in _PROBLEM_KEY]
+    return (
+        select(
+            *cols, R.c.method_spec_id, R.c.budget,
+            _int(func.sum(_correct_int())).label("k"),
+            func.count().label("m"),
+            _int(func.sum(case((R.c.evictions > 0, 1), else_=0))).label("f"),
+        )
+        .where(and_(*cond))
+        .group_by(*cols, R.c.method_spec_id, R.c.budget)
+        .subquery(name)
+    )
+
+
+def problem_hist(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """Rows ``method_spec_id, task_id, budget, k, m, problems, fired`` (fired: samples with evictions > 0).
+
+    ``budgets``: restrict to these budgets (default: the filters' budgets)."""
+    p = _per_problem(filters, budgets)
+    q = (
+        select(p.c.method_spec_id, p.c.task_id, p.c.budget, p.c.k, p.c.m, func.count().label("problems"), _int(func.sum(p.c.f)).label("fired"))
+        .group_by(p.c.method_spec_id, p.c.task_id, p.c.budget, p.c.k, p.c.m)
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def paired_hist(
+    engine: Engine,
+    filters: Filters,
+    a_methods: Iterable[int],
+    b_methods: Iterable[int],
+    budgets: Iterable[int] | None = None,
+    b_budget: int | None = None,
+) -> list[dict[str, Any]]:
+    """Rows ``a_method, b_method, task_id, budget, k_a, m_a, k_b, m_b, problems`` over the problems both
+    methods answered. The B side runs at the same budget, or at ``b_budget`` for every A budget (a
+    full cache stored at one budget only)."""
+    a_methods, b_methods = list(a_methods), list(b_methods)
+    if not a_methods or not b_methods:
+        return []
+    a = _per_problem(filters, budgets, a_methods, "a")
+    b = _per_problem(filters, [b_budget] if b_budget is not None else budgets, b_methods, "b")
+    on = [getattr(a.c, k) == getattr(b.c, k) for k in _PROBLEM_KEY]
+    if b_budget is None:
+        on.append(a.c.budget == b.c.budget)
+    on.append(a.c.method_spec_id != b.c.method_spec_id)
+    q = (
+        select(
+            a.c.method_spec_id.label("a_method"), b.c.method_spec_id.label("b_method"), a.c.task_id, a.c.budget,
+            a.c.k.label("k_a"), a.c.m.label("m_a"), b.c.k.label("k_b"), b.c.m.label("m_b"), func.count().label("problems"),
+        )
+        .select_from(a.join(b, and_(*on)))
+        .group_by(a.c.method_spec_id, b.c.method_spec_id, a.c.task_id, a.c.budget, a.c.k, a.c.m, b.c.k, b.c.m)
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def method_budgets(engine: Engine, filters: Filters, method_ids: Iterable[int]) -> dict[int, int]:
+    """``budget -> ok rows`` of the given method specs under the filters (budget filter ignored)."""
+    ids = list(method_ids)
+    if not ids:
+        return {}
+    q = (
+        select(R.c.budget, func.count())
+        .where(R.c.status == STATUS_OK, R.c.method_spec_id.in_(ids), *filters.conditions(budgets=False))
+        .group_by(R.c.budget)
+    )
+    with engine.connect() as conn:
+        return {int(b): int(n) for b, n in conn.execute(q)}
+
+
+def failed_counts(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """Rows ``method_spec_id, task_id, budget, failed``."""
+    cond = [R.c.status == STATUS_FAILED, *filters.conditions(budgets=budgets is None)]
+    if budgets is not None:
+        cond.append(R.c.budget.in_(list(budgets)))
+    q = select(R.c.method_spec_id, R.c.task_id, R.c.budget, func.count().label("failed")).where(*cond).group_by(
+        R.c.method_spec_id, R.c.task_id, R.c.budget
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost
+# ------------------------------------------------------------------------------------------------
+
+
+def cost_rows(engine: Engine, filters: Filters, by_domain: bool = False) -> list[dict[str, Any]]:
+    """Per (method spec, budget[, domain]): means of the timing and memory columns over ok rows."""
+    decode_total = R.c.decode_seconds_mean * R.c.generated_tokens
+    q = (
+        select(
+            R.c.method_spec_id, R.c.budget, *([T.c.domain] if by_domain else []),
+            func.count().label("samples"),
+            func.avg(R.c.tokens_per_second).label("tokens_per_second"),
+            func.avg(R.c.decode_seconds_mean).label("seconds_per_token"),
+            func.avg(R.c.decode_seconds_p95).label("seconds_per_token_p95"),
+            func.avg(R.c.prefill_seconds).label("prefill_seconds"),
+            func.avg(R.c.generated_tokens).label("generated_tokens"),
+            func.avg(R.c.peak_cache_entries).label("peak_cache_entries"),
+            func.avg(R.c.peak_kv_bytes).label("peak_kv_bytes"),
+            func.max(R.c.peak_kv_bytes).label("peak_kv_bytes_max"),
+            func.avg(R.c.peak_memory_bytes).label("peak_memory_bytes"),
+            func.max(R.c.peak_memory_bytes).label("peak_memory_bytes_max"),
+            func.avg(R.c.method_seconds).label("method_seconds"),
+            func.sum(R.c.method_seconds).label("method_seconds_sum"),
+            func.sum(func.coalesce(R.c.prefill_seconds, 0) + func.coalesce(decode_total, 0)).label("model_seconds_sum"),
+            func.avg(R.c.wall_seconds).label("wall_seconds"),
+            _int(func.sum(_correct_int())).label("correct"),
+        )
+        .select_from(R.join(T, T.c.id == R.c.task_id))
+        .where(R.c.status == STATUS_OK, *filters.conditions())
+        .group_by(R.c.method_spec_id, R.c.budget, *([T.c.domain] if by_domain else []))
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Samples
+# ------------------------------------------------------------------------------------------------
+
+
+def problem_ids(engine: Engine, filters: Filters, task_id: int, budget: int | None, disagree_only: bool = False, limit: int = 2000) -> list[str]:
+    """Sample ids of a task (at a budget); ``disagree_only``: where some method was right and another wrong."""
+    cond = [R.c.task_id == task_id, R.c.status == STATUS_OK, *filters.conditions(budgets=False)]
+    if budget is not None:
+        cond.append(R.c.budget == budget)
+    q = select(R.c.sample_id).where(*cond).group_by(R.c.sample_id)
+    if disagree_only:
+        q = q.having(func.min(_correct_int()) != func.max(_correct_int()))
+    q = q.order_by(R.c.sample_id).limit(limit)
+    with engine.connect() as conn:
+        return [str(s) for (s,) in conn.execute(q)]
+
+
+SAMPLE_COLUMNS = (
+    "id", "method_spec_id", "model_id", "protocol_id", "generation_id", "sweep_id", "budget", "sample_index", "seed",
+    "status", "error", "correct", "score", "extracted", "completion", "stop_reason", "prompt_tokens",
+    "generated_tokens", "evictions", "evicted_tokens", "peak_cache_entries", "tokens_per_second",
+)
+
+
+def sample_rows(engine: Engine, filters: Filters, task_id: int, sample_id: str, budget: int | None, limit: int = 500) -> list[dict[str, Any]]:
+    """Every stored generation of one problem (all methods) at a budget."""
+    cond = [R.c.task_id == task_id, R.c.sample_id == sample_id, *filters.conditions(budgets=False)]
+    if budget is not None:
+        cond.append(R.c.budget == budget)
+    q = select(*[getattr(R.c, c) for c in SAMPLE_COLUMNS]).where(*cond).order_by(R.c.method_spec_id, R.c.sample_index, R.c.seed, R.c.id).limit(limit)
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Provenance
+# ------------------------------------------------------------------------------------------------
+
+
+def provenance(engine: Engine, filters: Filters, method_ids: Iterable[int] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The sweeps, environments, seeds, protocols and generation settings behind the filtered rows."""
+    cond = [*filters.conditions()]
+    if method_ids is not None:
+        cond.append(R.c.method_spec_id.in_(list(method_ids)))
+    with engine.connect() as conn:
+        per_sweep = {
+            int(sid): (int(n), int(ok))
+            for sid, n, ok in conn.execute(
+                select(R.c.sweep_id, func.count(), _int(func.sum(case((R.c.status == STATUS_OK, 1), else_=0)))).where(*cond).group_by(R.c.sweep_id)
+            )
+        }
+        sweeps = []
+        if per_sweep:
+            q = (
+                select(S, E.c.hostname, E.c.platform, E.c.python_version, E.c.torch_version, E.c.transformers_version,
+                       E.c.cuda_version, E.c.gpu_name, E.c.gpu_count, E.c.kvleague_version, E.c.ray_version)
+                .select_from(S.outerjoin(E, E.c.id == S.c.environment_id))
+                .where(S.c.id.in_(list(per_sweep)))
+                .order_by(S.c.id)
+            )
+            for r in conn.execute(q):
+                row = dict(r._mapping)
+                row["rows"], row["ok_rows"] = per_sweep[row["id"]]
+                sweeps.append(row)
+        env_counts = {
+            (int(e) if e is not None else None): int(n)
+            for e, n in conn.execute(select(R.c.environment_id, func.count()).where(*cond).group_by(R.c.environment_id))
+        }
+        envs = []
+        ids = [e for e in env_counts if e is not None]
+        if ids:
+            for r in conn.execute(select(E).where(E.c.id.in_(ids)).order_by(E.c.id)):
+                row = dict(r._mapping)
+                row["rows"] = env_counts[row["id"]]
+                envs.append(row)
+        seeds = [
+            {"seed": int(s), "sample_indices": int(k), "rows": int(n)}
+            for s, k, n in conn.execute(select(R.c.seed, func.count(distinct(R.c.sample_index)), func.count()).where(*cond).group_by(R.c.seed).order_by(R.c.seed))
+        ]
+        proto_ids = [int(p) for (p,) in conn.execute(select(R.c.protocol_id).distinct().where(*cond))]
+        protocols = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(proto_ids)).order_by(P.c.id))] if proto_ids else []
+        gen_ids = [int(g) for (g,) in conn.execute(select(R.c.generation_id).distinct().where(*cond))]
+        generations = [dict(r._mapping) for r in conn.execute(select(G).where(G.c.id.in_(gen_ids)).order_by(G.c.id))] if gen_ids else []
+        model_ids = [int(m) for (m,) in conn.execute(select(R.c.model_id).distinct().where(*cond))]
+        models = [dict(r._mapping) for r in conn.execute(select(MO).where(MO.c.id.in_(model_ids)).order_by(MO.c.id))] if model_ids else []
+        task_ids = [int(t) for (t,) in conn.execute(select(R.c.task_id).distinct().where(*cond))]
+        tasks = [dict(r._mapping) for r in conn.execute(select(T).where(T.c.id.in_(task_ids)).order_by(T.c.id))] if task_ids else []
+    for p in protocols:
+        p["label"] = protocol_label(p)
+    return {"sweeps": sweeps, "environments": envs, "seeds": seeds, "protocols": protocols,
+            "generations": generations, "models": models, "tasks": tasks}

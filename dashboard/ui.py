@@ -1,0 +1,150 @@
+"""The Streamlit app: database connection, sidebar filters, caching, page dispatch.
+
+The database URL comes from ``--db`` (after ``--`` on the ``streamlit run`` line), else
+``$KVLEAGUE_DB``, else ``sqlite:///kvleague.db``; it is opened read-only.
+Page data is cached with ``st.cache_data`` keyed on the filters and on a fingerprint of the results
+table (largest id and row count, re-read at most every few seconds), so new results show up on the
+next rerun without recomputing anything when nothing changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import streamlit as st
+
+from dashboard import queries as q
+from dashboard import tables
+from runner.errors import KvleagueError
+
+PAGES = ("Leaderboard", "Budget curves", "Replication scorecard", "Cost", "Samples", "Provenance")
+SLUGS = {p: p.lower().replace(" ", "-") for p in PAGES}
+FINGERPRINT_TTL_S = 3
+
+
+def cli_db_url(argv: list[str] | None = None) -> str | None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--db", default=None)
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return args.db
+
+
+@st.cache_resource(show_spinner=False)
+def engine_for(url: str):
+    return q.open_readonly(url)
+
+
+@st.cache_data(show_spinner=False, ttl=FINGERPRINT_TTL_S)
+def fingerprint(url: str) -> tuple[int, int]:
+    return q.fingerprint(engine_for(url))
+
+
+@st.cache_data(show_spinner="Aggregating results...", max_entries=256)
+def cached(name: str, url: str, fp: tuple[int, int], *args: Any) -> Any:
+    """``tables.<name>(engine, *args)`` (or ``queries.<name>``), cached until the fingerprint changes."""
+    fn = getattr(tables, name, None) or getattr(q, name)
+    return fn(engine_for(url), *args)
+
+
+@dataclass
+class Context:
+    url: str
+    fp: tuple[int, int]
+    filters: q.Filters
+    opts: q.Options
+
+    def data(self, name: str, *args: Any) -> Any:
+        return cached(name, self.url, self.fp, *args)
+
+
+def _multiselect(label: str, options: list, fmt: Callable[[Any], str] = str, key: str | None = None, help: str | None = None) -> tuple | None:
+    """A filter defaulting to everything; None when everything is selected (a stable cache key)."""
+    chosen = st.sidebar.multiselect(label, options, default=options, format_func=fmt, key=key, help=help)
+    if len(chosen) == len(options):
+        return None
+    return tuple(chosen)
+
+
+def sidebar_filters(opts: q.Options) -> q.Filters:
+    st.sidebar.header("Filters")
+    models = {m["id"]: m["name"] for m in opts.models}
+    f_models = _multiselect("Model", list(models), lambda i: models.get(i, str(i)), key="f_model")
+    f_domains = _multiselect("Domain", opts.domains, key="f_domain")
+    task_opts = [t for t in opts.tasks if f_domains is None or t["domain"] in f_domains]
+    names = {t["id"]: f"{t['name']} ({t['domain']})" for t in task_opts}
+    # keyed on the domain choice: a new domain choice starts the task choice afresh (all of them)
+    task_key = "f_task" if f_domains is None else "f_task_" + "_".join(sorted(f_domains))
+    f_tasks = _multiselect("Task", list(names), lambda i: names.get(i, str(i)), key=task_key)
+    f_budgets = _multiselect("Budget (KV entries)", opts.budgets, key="f_budget")
+    protos = {p["id"]: p["label"] for p in opts.protocols}
+    f_protocols = _multiselect("Protocol", list(protos), lambda i: protos.get(i, str(i)), key="f_protocol",
+                               help="cadence, position handling, sink and recent windows, prompt protection")
+    f_decoding = _multiselect("Decoding", opts.decodings, key="f_decoding", help="greedy: temperature 0; sampled: temperature > 0")
+    if f_tasks is not None and f_domains is not None:
+        f_domains = None  # the task list already reflects the domains
+    elif f_domains is not None:
+        f_tasks = tuple(names)
+        f_domains = None
+    return q.Filters(models=f_models, domains=f_domains, tasks=f_tasks, budgets=f_budgets, protocols=f_protocols, decoding=f_decoding)
+
+
+def choose_page() -> str:
+    slug_to_page = {v: k for k, v in SLUGS.items()}
+    wanted = st.query_params.get("page")
+    if "page" not in st.session_state:
+        st.session_state["page"] = slug_to_page.get(str(wanted), PAGES[0])
+    page = st.sidebar.radio("Page", PAGES, key="page")
+    if st.query_params.get("page") != SLUGS[page]:
+        st.query_params["page"] = SLUGS[page]
+    return page
+
+
+def main() -> None:
+    st.set_page_config(page_title="kvleague leaderboard", page_icon=":bar_chart:", layout="wide")
+    url = q.resolve_url(cli_db_url())
+    st.sidebar.title("kvleague")
+    page = choose_page()
+    try:
+        engine = engine_for(url)
+        if not q.has_schema(engine):
+            st.title(page)
+            st.info(f"The database at `{_display(url)}` has no results tables yet. Run a sweep first: "
+                    "`kvleague sweep --config sweeps/demo.yaml`.")
+            return
+        fp = fingerprint(url)
+    except KvleagueError as exc:
+        st.title(page)
+        st.error(str(exc))
+        return
+    if fp[1] == 0:
+        st.title(page)
+        st.info(f"No results in `{_display(url)}` yet. Run a sweep: `kvleague sweep --config sweeps/demo.yaml`.")
+        return
+    opts = cached("options", url, fp)
+    filters = sidebar_filters(opts)
+    shown = _display(url)
+    short = shown.rsplit("/", 1)[-1] if shown.startswith("sqlite") else shown
+    st.sidebar.caption(f"{fp[1]:,} sample results in `{short}` (read-only)", help=shown)
+    ctx = Context(url=url, fp=fp, filters=filters, opts=opts)
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from dashboard.views import PAGE_RENDERERS
+
+    try:
+        PAGE_RENDERERS[page](ctx)
+    except (SQLAlchemyError, KvleagueError) as exc:  # a schema behind the code, a dropped connection
+        first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        st.error(f"Could not read the results: {first[0] if first else type(exc).__name__}. "
+                 "If the schema is old, run `kvleague db upgrade --db URL`.")
+
+
+def _display(url: str) -> str:
+    try:
+        from db.session import display_url
+
+        return display_url(url)
+    except Exception:  # noqa: BLE001 - only for display
+        return url

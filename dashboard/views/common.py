@@ -1,0 +1,67 @@
+"""Formatting shared by the pages."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+PCT = st.column_config.NumberColumn(format="%.1f")
+PP = st.column_config.NumberColumn(format="%+.1f")
+P_VALUE = st.column_config.NumberColumn(format="%.4f")
+INT = st.column_config.NumberColumn(format="%d")
+
+VERDICT_COLOURS = {
+    "replicates": "background-color: #d8f3dc; color: #1b4332",
+    "does not replicate": "background-color: #ffd6d6; color: #7f1d1d",
+    "inconclusive": "background-color: #fff3c4; color: #5c4400",
+}
+
+
+DASH = "—"
+
+
+def _num(fmt: str):
+    return lambda v: DASH if v is None or pd.isna(v) else fmt.format(v)
+
+
+def _p(v) -> str:
+    if v is None or pd.isna(v):
+        return DASH
+    return "<0.0001" if v < 1e-4 else f"{v:.4f}"
+
+
+def styled(df: pd.DataFrame, pct=(), pp=(), p=(), verdicts: bool = True):
+    """Display formats (missing values as a dash) on a Styler: the values underneath stay numbers, so
+    sorting by a column sorts numerically and the CSV export keeps full precision."""
+    sty = df.style
+    fmt = {}
+    for c in pct:
+        if c in df.columns:
+            fmt[c] = _num("{:.1f}")
+    for c in pp:
+        if c in df.columns:
+            fmt[c] = _num("{:+.1f}")
+    for c in p:
+        if c in df.columns:
+            fmt[c] = _p
+    if fmt:
+        sty = sty.format(fmt)
+    cols = [c for c in df.columns if c.startswith("verdict")] if verdicts else []
+    if cols:
+        sty = sty.map(lambda v: VERDICT_COLOURS.get(v, ""), subset=cols)
+    return sty
+
+
+def style_verdicts(df: pd.DataFrame):
+    return styled(df)
+
+
+def pick_budget(label: str, budgets: list[int], key: str) -> int | None:
+    if not budgets:
+        st.info("No budget is selected in the filters.")
+        return None
+    return st.selectbox(label, budgets, index=len(budgets) // 2, key=key, format_func=lambda b: f"{b:,} KV entries")
+
+
+def empty(message: str = "No results match the filters.") -> None:
+    st.info(message)

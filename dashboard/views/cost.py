@@ -1,0 +1,45 @@
+"""Cost: throughput, latency, memory and method overhead per method and budget; accuracy vs memory."""
+
+from __future__ import annotations
+
+import altair as alt
+import streamlit as st
+
+from dashboard.views.common import PCT, empty
+
+
+def render(ctx) -> None:
+    st.title("Cost")
+    df = ctx.data("cost", ctx.filters)
+    if df.empty:
+        empty()
+        return
+    st.caption("Means over ok samples per method and budget. ms/token: mean decode step; method overhead: time in the "
+               "eviction method as a share of prefill + decode time; peak KV: bytes of keys and values held at the peak.")
+    num = {c: st.column_config.NumberColumn(format="%.2f") for c in df.columns if df[c].dtype.kind == "f"}
+    num.update({"accuracy": PCT, "acc_lo": PCT, "acc_hi": PCT})
+    st.dataframe(df, hide_index=True, placeholder="—", column_config=num, key="cost_table")
+    st.download_button("Download CSV", df.to_csv(index=False).encode(), file_name="kvleague-cost.csv", mime="text/csv",
+                       key="cost_csv")
+    budgets = sorted(df["budget"].unique().tolist())
+    x = alt.X("budget:Q", scale=alt.Scale(type="log", base=2), axis=alt.Axis(values=budgets, format="~s"), title="budget")
+    c1, c2 = st.columns(2)
+    with c1:
+        st.altair_chart(alt.Chart(df).mark_line(point=True).encode(
+            x=x, y=alt.Y("tokens/s:Q"), color="method:N", tooltip=["method", "budget", "tokens/s", "ms/token"]
+        ).properties(title="decoding throughput", height=280), width="stretch")
+    with c2:
+        st.altair_chart(alt.Chart(df).mark_line(point=True).encode(
+            x=x, y=alt.Y("method overhead %:Q"), color="method:N", tooltip=["method", "budget", "method overhead %", "method ms/sample"]
+        ).properties(title="method overhead (% of model time)", height=280), width="stretch")
+    st.subheader("Accuracy vs peak KV memory")
+    points = alt.Chart(df).mark_point(filled=True, size=80).encode(
+        x=alt.X("peak KV MiB:Q", scale=alt.Scale(type="log"), title="mean peak KV cache (MiB, log)"),
+        y=alt.Y("accuracy:Q", title="accuracy %"),
+        color="method:N",
+        shape=alt.Shape("pareto:N", title="Pareto front"),
+        tooltip=["method", "budget", alt.Tooltip("accuracy:Q", format=".1f"), alt.Tooltip("peak KV MiB:Q", format=".1f"), "pareto"],
+    )
+    front = alt.Chart(df[df["pareto"]].sort_values("peak KV MiB")).mark_line(color="#333", strokeDash=[4, 3]).encode(
+        x="peak KV MiB:Q", y="accuracy:Q")
+    st.altair_chart((front + points).properties(height=380), width="stretch")

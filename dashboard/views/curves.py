@@ -1,0 +1,48 @@
+"""Budget curves: accuracy vs budget per domain, one line per method, interval bands, full cache as a
+reference line."""
+
+from __future__ import annotations
+
+import altair as alt
+import streamlit as st
+
+from dashboard.views.common import PCT, empty
+
+
+def chart(curves, full, domain: str) -> alt.LayerChart:
+    data = curves[curves["domain"] == domain]
+    budgets = sorted(data["budget"].unique().tolist())
+    x = alt.X("budget:Q", title="budget (KV entries)", scale=alt.Scale(type="log", base=2), axis=alt.Axis(values=budgets, format="~s"))
+    base = alt.Chart(data).encode(x=x, color=alt.Color("method:N", title="method"))
+    band = base.mark_area(opacity=0.12).encode(y="acc_lo:Q", y2="acc_hi:Q")
+    line = base.mark_line(point=True).encode(
+        y=alt.Y("accuracy:Q", title="accuracy %"),
+        tooltip=["method", "budget", alt.Tooltip("accuracy:Q", format=".1f"), alt.Tooltip("acc_lo:Q", format=".1f"),
+                 alt.Tooltip("acc_hi:Q", format=".1f"), "problems", "interval_method"],
+    )
+    layers = [band, line]
+    ref = full[full["domain"] == domain]
+    if not ref.empty:
+        layers.append(alt.Chart(ref).mark_rule(strokeDash=[6, 4], color="#444", size=2).encode(
+            y="accuracy:Q", tooltip=[alt.Tooltip("accuracy:Q", title="full cache %", format=".1f"), "problems"]))
+        layers.append(alt.Chart(ref).mark_text(align="left", dx=4, dy=-7, color="#444").encode(
+            y="accuracy:Q", x=alt.value(0), text=alt.value("full cache")))
+    return alt.layer(*layers).properties(title=domain, height=320)
+
+
+def render(ctx) -> None:
+    st.title("Budget curves")
+    curves, full = ctx.data("budget_curves", ctx.filters)
+    if curves.empty:
+        empty()
+        return
+    st.caption("Accuracy (%) against the KV budget (log scale), with 95% interval bands (Wilson or bootstrap over "
+               "problems); the dashed line is full cache.")
+    domains = sorted(curves["domain"].unique())
+    cols = st.columns(2)
+    for i, d in enumerate(domains):
+        with cols[i % 2]:
+            st.altair_chart(chart(curves, full, d), width="stretch")
+    with st.expander("Data"):
+        st.dataframe(curves, hide_index=True, placeholder="—", column_config={"accuracy": PCT, "acc_lo": PCT, "acc_hi": PCT})
+        st.dataframe(full.rename(columns={"accuracy": "full cache %"}), hide_index=True, placeholder="—")

@@ -1,0 +1,53 @@
+"""Samples: one problem across methods, side by side - to see how a method fails."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard.views.common import empty, pick_budget
+
+MARK = {True: "correct", False: "wrong", None: "-"}
+
+
+def render(ctx) -> None:
+    st.title("Samples")
+    tasks = [t for t in ctx.opts.tasks if ctx.filters.tasks is None or t["id"] in ctx.filters.tasks]
+    if not tasks:
+        empty()
+        return
+    names = {t["id"]: f"{t['name']} ({t['domain']})" for t in tasks}
+    c1, c2, c3 = st.columns([2, 2, 1])
+    with c1:
+        task_id = st.selectbox("Task", list(names), format_func=lambda i: names[i], key="sm_task")
+    with c2:
+        budget = pick_budget("Budget", list(ctx.filters.budgets or ctx.opts.budgets), key="sm_budget")
+    with c3:
+        disagree = st.checkbox("only problems where methods disagree", value=False, key="sm_disagree")
+    if budget is None:
+        return
+    ids = ctx.data("problem_ids", ctx.filters, task_id, budget, disagree)
+    if not ids:
+        empty("No problems match.")
+        return
+    sample_id = st.selectbox(f"Problem ({len(ids)})", ids, key="sm_problem")
+    df = ctx.data("samples", ctx.filters, task_id, sample_id, budget)
+    if df.empty:
+        empty()
+        return
+    st.caption("flag: failed (the cell raised), empty (no text), loop (most 4-grams repeat), truncated (hit the token limit).")
+    st.dataframe(df.drop(columns=["completion", "error"]), hide_index=True, placeholder="—", key="sm_table")
+    per_row = 3
+    records = df.to_dict("records")
+    for start in range(0, len(records), per_row):
+        cols = st.columns(per_row)
+        for col, r in zip(cols, records[start : start + per_row]):
+            with col:
+                tag = MARK.get(r["correct"] if r["correct"] in (True, False) else None, "-")
+                extra = f" · sample {r['sample_index']}, seed {r['seed']}" if df["sample_index"].nunique() > 1 or df["seed"].nunique() > 1 else ""
+                st.markdown(f"**{r['method']}** · {tag}{extra}" + (f" · :red[{r['flag']}]" if r["flag"] else ""))
+                st.caption(f"extracted: {r['extracted']!s} · {r['generated_tokens']} tokens · {r['evictions']} evictions "
+                           f"({r['evicted_tokens']} tokens evicted)")
+                if r["status"] != "ok":
+                    st.code(str(r["error"]), language=None, wrap_lines=True)
+                else:
+                    st.code(r["completion"] or "(empty)", language=None, wrap_lines=True, height=260)

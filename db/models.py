@@ -1,0 +1,216 @@
+"""The results schema (SQLAlchemy 2.0 declarative models).
+
+Dimension tables (``models``, ``method_specs``, ``tasks``, ``protocols``, ``generation_settings``,
+``environments``) hold one row per distinct specification, keyed by ``spec_hash`` (a SHA-256 of the
+canonical JSON of the specification), so every sweep that uses the same method with the same
+hyperparameters points at the same row. ``sample_results`` holds one row per cell, unique on
+``cell_key``; the leaderboard groups it by (model, task, protocol, method, budget).
+
+The schema is created and upgraded only through the Alembic migrations in ``db/migrations``
+(``kvleague db upgrade``); a test checks that the migrations and these models agree.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names, so migrations are identical on SQLite and PostgreSQL.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: sample_results.status values
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Environment(Base):
+    """Where code ran: the driver of a sweep, or a worker that produced results."""
+
+    __tablename__ = "environments"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    platform: Mapped[str] = mapped_column(String(255))
+    python_version: Mapped[str] = mapped_column(String(64))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    transformers_version: Mapped[str] = mapped_column(String(64))
+    cuda_version: Mapped[str] = mapped_column(String(64))  # "none" on CPU-only builds
+    gpu_name: Mapped[str] = mapped_column(String(255))  # "none" without a GPU
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    kvleague_version: Mapped[str] = mapped_column(String(64))
+    ray_version: Mapped[str] = mapped_column(String(64))
+    git_commit: Mapped[str] = mapped_column(String(64))  # 40 hex digits, or "unknown"
+    git_dirty: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Sweep(Base):
+    """One invocation of the sweep runner (a resumed sweep is a new row with the same config hash)."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), index=True)
+    config: Mapped[dict] = mapped_column(JSON)
+    config_hash: Mapped[str] = mapped_column(String(64), index=True)
+    config_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    git_commit: Mapped[str] = mapped_column(String(64))
+    git_dirty: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
+    ray_address: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    ray_job_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    status: Mapped[str] = mapped_column(String(32))  # running | finished | interrupted | crashed
+    n_cells: Mapped[int] = mapped_column(Integer, default=0)
+    n_skipped: Mapped[int] = mapped_column(Integer, default=0)  # already complete before this run
+    n_ok: Mapped[int] = mapped_column(Integer, default=0)
+    n_failed: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Model(Base):
+    __tablename__ = "models"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(255), index=True)  # display label
+    source: Mapped[str] = mapped_column(Text)  # HF id or local path, as written in the config
+    revision: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    dtype: Mapped[str] = mapped_column(String(32))
+    attn_implementation: Mapped[str] = mapped_column(String(64))
+
+
+class MethodSpec(Base):
+    __tablename__ = "method_specs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(255), index=True)
+    params: Mapped[dict] = mapped_column(JSON)  # canonical: every hyperparameter, defaults filled in
+    params_json: Mapped[str] = mapped_column(Text)  # the same, as sorted-key JSON (for display/grouping)
+
+
+class TaskSpec(Base):
+    __tablename__ = "tasks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(255), index=True)
+    domain: Mapped[str] = mapped_column(String(32), index=True)
+    options: Mapped[dict] = mapped_column(JSON)
+    dataset: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    source: Mapped[str | None] = mapped_column(Text, nullable=True)  # Hub id or URL
+    revision: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    scorer_version: Mapped[str] = mapped_column(String(64))
+    metric: Mapped[str] = mapped_column(String(64))
+
+
+class ProtocolSpec(Base):
+    __tablename__ = "protocols"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    cadence: Mapped[str] = mapped_column(String(64))
+    positions: Mapped[str] = mapped_column(String(32))
+    sink: Mapped[int] = mapped_column(Integer)
+    recent: Mapped[int] = mapped_column(Integer)
+    protect_prompt: Mapped[bool] = mapped_column(Boolean)
+    prefill_chunk: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class GenerationSpec(Base):
+    __tablename__ = "generation_settings"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    max_new_tokens: Mapped[int] = mapped_column(Integer)
+    temperature: Mapped[float] = mapped_column(Float)
+    top_p: Mapped[float] = mapped_column(Float)
+    stop: Mapped[list] = mapped_column(JSON)
+
+
+class SampleResult(Base):
+    """One cell: (model, method spec, budget, task, sample, sample index, protocol, generation, seed)."""
+
+    __tablename__ = "sample_results"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cell_key: Mapped[str] = mapped_column(String(64), unique=True)
+    sweep_id: Mapped[int] = mapped_column(ForeignKey("sweeps.id"), index=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
+    method_spec_id: Mapped[int] = mapped_column(ForeignKey("method_specs.id"))
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"))
+    protocol_id: Mapped[int] = mapped_column(ForeignKey("protocols.id"))
+    generation_id: Mapped[int] = mapped_column(ForeignKey("generation_settings.id"))
+    environment_id: Mapped[int | None] = mapped_column(ForeignKey("environments.id"), nullable=True)
+    budget: Mapped[int] = mapped_column(Integer)
+    sample_id: Mapped[str] = mapped_column(String(255))
+    sample_index: Mapped[int] = mapped_column(Integer)  # 0..n_samples-1 (pass@k)
+    seed: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))  # ok | failed
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    correct: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    score: Mapped[float | None] = mapped_column(Float, nullable=True)
+    extracted: Mapped[str | None] = mapped_column(Text, nullable=True)
+    completion: Mapped[str | None] = mapped_column(Text, nullable=True)
+    stop_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    generated_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    prefill_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    decode_seconds_mean: Mapped[float | None] = mapped_column(Float, nullable=True)
+    decode_seconds_p50: Mapped[float | None] = mapped_column(Float, nullable=True)
+    decode_seconds_p95: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tokens_per_second: Mapped[float | None] = mapped_column(Float, nullable=True)
+    method_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    wall_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    evictions: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    evicted_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    peak_cache_entries: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    peak_kv_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    peak_memory_source: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    attn_implementation: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    details: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # scorer details, episode summary
+    worker: Mapped[str | None] = mapped_column(String(255), nullable=True)  # hostname:pid
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (
+        # the leaderboard: one group per (model, task, protocol, method, budget), ok rows only
+        Index("ix_sample_results_leaderboard", "model_id", "task_id", "protocol_id", "method_spec_id", "budget", "status"),
+        Index("ix_sample_results_method_budget", "method_spec_id", "budget"),
+        Index("ix_sample_results_task_budget", "task_id", "budget"),
+        Index("ix_sample_results_status", "status"),
+    )
+
+
+TABLES = [t.name for t in Base.metadata.sorted_tables]

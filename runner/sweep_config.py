@@ -1,0 +1,526 @@
+"""Sweep configuration: a YAML file validated once, at the edge.
+
+Every model is strict (``extra="forbid"``); any problem becomes one :class:`KvleagueError` line that
+names the field (``methods[1].grid.window``) and, where there is a closed set, the allowed values.
+Structural checks are pydantic's; semantic ones (method and task names and hyperparameters, the
+database URL, budgets against the protocol) use the same registries and constructors the runner
+uses, so a config that validates can run.
+
+Strings may reference the environment: ``${VAR}`` or ``${VAR:-default}``.
+
+Layout (see ``sweeps/demo.yaml``)::
+
+    name: demo
+    database: sqlite:///kvleague.db        # or postgresql+psycopg://...
+    data_dir: null                          # default: $KVLEAGUE_DATA_DIR, else the Hub
+    models: [{source: artifacts/tiny-llama, dtype: auto, attn_implementation: sdpa}]
+    methods:                                # or "methods: all" (every registered method, defaults)
+      - full
+      - {name: streaming_llm, params: {...}, grid: {hyperparameter: [v1, v2]}}
+    budgets: [32, 64]
+    tasks: [{name: math500, limit: 2, options: {}, optional: false}]
+    protocol: {cadence: every_step, positions: absolute, sink: 0, recent: 0, protect_prompt: null, prefill_chunk: null}
+    protocol_by_domain: {longqa: {protect_prompt: false, prefill_chunk: 512}}
+    generation: {temperature: 0.0, top_p: 1.0, n_samples: 1, max_new_tokens: null, stop: null}
+    seeds: [0]
+    resources: {workers: null, cpus_per_worker: 1, gpus_per_worker: null, ...}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from runner.errors import KvleagueError
+
+DOMAINS = ("math", "code", "agentic", "longqa")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTN = ("sdpa", "eager", "flash_attention_2")
+PROJECT_DIR_ENV = "KVLEAGUE_PROJECT_DIR"
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelConfig(_Strict):
+    """A checkpoint: Hub id (``org/name``) or local directory (relative to the project directory)."""
+
+    source: str = Field(min_length=1)
+    name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"source": value} if isinstance(value, str) else value
+
+    @property
+    def label(self) -> str:
+        return self.name or self.source.rstrip("/").split("/")[-1]
+
+
+class MethodConfig(_Strict):
+    """A method with fixed ``params`` and a ``grid`` (hyperparameter -> list of values, crossed)."""
+
+    name: str = Field(min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _grid(self) -> "MethodConfig":
+        for key, values in self.grid.items():
+            if not values:
+                raise ValueError(f"grid.{key}: needs at least one value")
+            if key in self.params:
+                raise ValueError(f"grid.{key}: also set in params; set it in one place")
+        return self
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every hyperparameter assignment of this entry (params + one value per grid key)."""
+        keys = sorted(self.grid)
+        out = []
+        for combo in itertools.product(*(self.grid[k] for k in keys)):
+            out.append({**self.params, **dict(zip(keys, combo))})
+        return out
+
+
+class TaskConfig(_Strict):
+    name: str = Field(min_length=1)
+    limit: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+    #: seed of the deterministic sample subset (the same samples for every generation seed)
+    sample_seed: int = Field(default=0, ge=0)
+    #: skip (with a warning) instead of failing when no task of this name is registered
+    optional: bool = False
+    max_new_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+class ProtocolConfig(_Strict):
+    cadence: str = "every_step"
+    positions: Literal["absolute", "compact"] = "absolute"
+    sink: int = Field(default=0, ge=0)
+    recent: int = Field(default=0, ge=0)
+    #: ``null``: the task's own default (``Task.protect_prompt``)
+    protect_prompt: bool | None = None
+    prefill_chunk: int | None = Field(default=None, ge=1)
+
+
+class ProtocolOverride(_Strict):
+    cadence: str | None = None
+    positions: Literal["absolute", "compact"] | None = None
+    sink: int | None = Field(default=None, ge=0)
+    recent: int | None = Field(default=None, ge=0)
+    protect_prompt: bool | None = None
+    prefill_chunk: int | None = Field(default=None, ge=1)
+
+
+class GenerationConfig(_Strict):
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n_samples: int = Field(default=1, ge=1, le=1000)
+    #: ``null``: the task's default (``Task.max_new_tokens``); a task entry's own value wins
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    #: ``null``: the task's stop strings
+    stop: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _sampling(self) -> "GenerationConfig":
+        if self.n_samples > 1 and self.temperature == 0:
+            raise ValueError("n_samples: greedy decoding (temperature 0) gives identical samples; set temperature > 0 or n_samples: 1")
+        return self
+
+
+class ResourcesConfig(_Strict):
+    #: number of actors; default: one per GPU when the cluster has GPUs, else one per cpus_per_worker CPUs
+    workers: int | None = Field(default=None, ge=1, le=4096)
+    cpus_per_worker: float = Field(default=1, gt=0)
+    #: default (null): 1 when the cluster has GPUs, else 0
+    gpus_per_worker: float | None = Field(default=None, ge=0)
+    torch_threads: int | None = Field(default=None, ge=1)
+    max_restarts: int = Field(default=3, ge=0, le=100)
+    max_task_retries: int = Field(default=2, ge=0, le=100)
+    #: a cell whose worker dies this many times is stored as failed
+    max_cell_attempts: int = Field(default=3, ge=1, le=20)
+    #: results are written in batches of this many (or every flush_seconds)
+    batch_size: int = Field(default=32, ge=1, le=10000)
+    flush_seconds: float = Field(default=5.0, gt=0)
+    #: calls queued per actor (pipelining hides the driver round trip)
+    in_flight_per_worker: int = Field(default=2, ge=1, le=64)
+
+
+class SweepConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200)
+    description: str | None = None
+    database: str = Field(default_factory=lambda: os.environ.get("KVLEAGUE_DB") or "sqlite:///kvleague.db")
+    data_dir: str | None = None
+    models: list[ModelConfig] = Field(min_length=1)
+    methods: list[MethodConfig] = Field(min_length=1)
+    budgets: list[int] = Field(min_length=1)
+    tasks: list[TaskConfig] = Field(min_length=1)
+    protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
+    protocol_by_domain: dict[Literal["math", "code", "agentic", "longqa"], ProtocolOverride] = Field(default_factory=dict)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_methods(cls, value: Any) -> Any:
+        """``methods: all`` is every registered method at its defaults (the stored config lists them)."""
+        if isinstance(value, dict) and value.get("methods") == "all":
+            from methods.registry import available_methods
+
+            value = {**value, "methods": list(available_methods())}
+        return value
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, value: list[int]) -> list[int]:
+        for b in value:
+            if b < 1:
+                raise ValueError(f"must be positive integers, got {b}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate budget in {value}")
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, value: list[int]) -> list[int]:
+        for s in value:
+            if s < 0:
+                raise ValueError(f"must be >= 0, got {s}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate seed in {value}")
+        return value
+
+    def canonical(self) -> dict[str, Any]:
+        """The config as stored with a sweep (a database password is masked)."""
+        data = self.model_dump(mode="json")
+        try:
+            from sqlalchemy.engine import make_url
+
+            data["database"] = make_url(self.database).render_as_string(hide_password=True)
+        except Exception:  # noqa: BLE001 - an unparsable URL was rejected before anything is stored
+            pass
+        return data
+
+    def config_hash(self) -> str:
+        """What the sweep computes: everything but where results go."""
+        data = {k: v for k, v in self.canonical().items() if k != "database"}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def resolved_protocol(self, domain: str, task_protect_prompt: bool) -> dict[str, Any]:
+        """The protocol fields for a task of ``domain`` (base, then the domain's overrides)."""
+        fields = self.protocol.model_dump()
+        override = self.protocol_by_domain.get(domain)
+        if override is not None:
+            fields.update({k: v for k, v in override.model_dump().items() if v is not None})
+        if fields["protect_prompt"] is None:
+            fields["protect_prompt"] = bool(task_protect_prompt)
+        return fields
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+
+def expand_env(value: Any) -> Any:
+    """``${VAR}`` / ``${VAR:-default}`` in every string of a YAML tree."""
+    if isinstance(value, str):
+        def sub(m: re.Match) -> str:
+            name, default = m.group(1), m.group(2)
+            got = os.environ.get(name)
+            if got:
+                return got
+            if default is not None:
+                return default
+            raise KvleagueError(f"environment variable {name} is not set (used as ${{{name}}}; write ${{{name}:-default}} for a default)")
+
+        out = _ENV_RE.sub(sub, value)
+        return out if out != "" or value == "" else None
+    if isinstance(value, list):
+        return [expand_env(v) for v in value]
+    if isinstance(value, dict):
+        return {k: expand_env(v) for k, v in value.items()}
+    return value
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that holds the field at ``loc[:-1]`` (for listing allowed fields)."""
+    model: Any = SweepConfig
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        model = _inner_model(field.annotation)
+    return model
+
+
+def _inner_model(tp: Any) -> type[BaseModel] | None:
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in get_args(tp):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-union"))))
+    # pydantic puts the union branch name into loc for the str-or-dict shorthands
+    loc = tuple(p for p in loc if p not in ("str", "dict[str,any]", "ModelConfig", "MethodConfig", "TaskConfig"))
+    kind = err["type"]
+    where = _loc(loc)
+    if kind == "extra_forbidden":
+        holder = _model_at(loc)
+        allowed = ", ".join(holder.model_fields) if holder else "?"
+        return f"{where}: unknown field; allowed: {allowed}"
+    if kind == "missing":
+        return f"{where}: required field is missing"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if msg.startswith("Assertion failed, "):
+        msg = msg[len("Assertion failed, "):]
+    got = err.get("input")
+    shown = "" if kind.startswith("value_error") or isinstance(got, (dict, list)) else f" (got {got!r})"
+    if kind == "value_error" and re.match(r"^[A-Za-z_][\w.\[\]]*: ", msg):
+        # a model validator's message starts with the field it is about ("grid.window: ...")
+        return f"{where}.{msg}".replace("\n", " ") if loc else msg.replace("\n", " ")
+    return f"{where}: {msg}{shown}".replace("\n", " ")
+
+
+def parse_config(data: Any) -> SweepConfig:
+    if not isinstance(data, dict):
+        raise KvleagueError(f"top level: expected a mapping of fields, got {type(data).__name__}")
+    try:
+        return SweepConfig.model_validate(expand_env(data))
+    except ValidationError as exc:
+        raise KvleagueError(format_validation_error(exc)) from None
+
+
+def load_config(path: str | os.PathLike[str], *, check: bool = True, base_dir: Path | None = None) -> SweepConfig:
+    """Read, validate and (with ``check``) semantically check a sweep YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KvleagueError(f"config: no such file {str(p)!r}") from None
+    except OSError as exc:
+        raise KvleagueError(f"config: cannot read {str(p)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise KvleagueError(f"config {p}: invalid YAML{where}: {problem}") from None
+    try:
+        config = parse_config(data)
+        if check:
+            check_config(config, base_dir=base_dir)
+    except KvleagueError as exc:
+        raise KvleagueError(f"config {p}: {exc}") from None
+    return config
+
+
+# ------------------------------------------------------------------------------------------------
+# Semantic checks (registries, URLs, paths)
+# ------------------------------------------------------------------------------------------------
+
+
+def project_dir() -> Path:
+    """Where relative paths in a config (model directories, SQLite files, data_dir) resolve.
+
+    ``$KVLEAGUE_PROJECT_DIR`` if set; inside a Ray job whose working directory was uploaded
+    (``ray job submit --working-dir .``), the kvleague checkout the installed package points at
+    (an editable install), since the uploaded copy leaves ignored files such as ``artifacts/``
+    behind; else the current directory."""
+    env = os.environ.get(PROJECT_DIR_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    cwd = Path(os.getcwd())
+    if "runtime_resources" in cwd.parts or any(part.startswith("_ray_pkg_") for part in cwd.parts):
+        checkout = editable_checkout()
+        if checkout is not None:
+            return checkout
+    return cwd
+
+
+def editable_checkout() -> Path | None:
+    """The source directory of an editable ``pip install -e`` of kvleague, if that is how it is installed."""
+    from importlib import metadata
+
+    from urllib.parse import unquote, urlparse
+
+    # several may be found (a source tree's *.egg-info when it is on sys.path): the installed one
+    # is the one with direct_url.json
+    for dist in metadata.distributions(name="kvleague"):
+        text = dist.read_text("direct_url.json")
+        if not text:
+            continue
+        try:
+            info = json.loads(text)
+        except ValueError:
+            continue
+        url = info.get("url", "")
+        if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
+            path = Path(unquote(urlparse(url).path))
+            if path.is_dir():
+                return path
+    return None
+
+
+def looks_like_path(source: str) -> bool:
+    """A Hub id is ``name`` or ``org/name``; anything else is meant as a local path."""
+    return source.startswith((".", "/", "~")) or source.count("/") > 1
+
+
+def resolve_model_source(source: str, base_dir: Path | None = None) -> str:
+    """A local checkout as an absolute path; a Hub id unchanged."""
+    base = base_dir or project_dir()
+    candidate = Path(source).expanduser()
+    if not candidate.is_absolute():
+        candidate = base / candidate
+    if looks_like_path(source) or candidate.is_dir():
+        return str(candidate)
+    return source
+
+
+def resolve_data_dir(config: SweepConfig, base_dir: Path | None = None) -> str | None:
+    if not config.data_dir:
+        return None
+    path = Path(config.data_dir).expanduser()
+    if not path.is_absolute():
+        path = (base_dir or project_dir()) / path
+    return str(path)
+
+
+def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]:
+    """Semantic checks; returns warnings (skipped optional tasks). Raises KvleagueError."""
+    from db.session import parse_url
+    from methods.registry import available_methods, build_method
+    from runner.protocol import Protocol
+    from tasks.registry import build_task, task_class
+
+    base = base_dir or project_dir()
+    warnings: list[str] = []
+    parse_url(config.database, base)
+
+    for i, model in enumerate(config.models):
+        resolved = resolve_model_source(model.source, base)
+        if resolved != model.source or looks_like_path(model.source):
+            if not Path(resolved).is_dir():
+                raise KvleagueError(f"models[{i}].source: no checkpoint directory at {resolved!r} (a Hub id is 'org/name')")
+    labels = [m.label for m in config.models]
+    if len(set(labels)) != len(labels):
+        raise KvleagueError(f"models: duplicate model name in {labels}; give each a distinct name")
+
+    known = available_methods()
+    seen_methods: set[str] = set()
+    for i, method in enumerate(config.methods):
+        if method.name not in known:
+            raise KvleagueError(f"methods[{i}].name: unknown {method.name!r}; valid names: {', '.join(known)}")
+        for point in method.points():
+            try:
+                built = build_method(method.name, point)
+            except KvleagueError as exc:
+                raise KvleagueError(f"methods[{i}]: {exc}") from None
+            key = method_key(method.name, built.params())
+            if key in seen_methods:
+                raise KvleagueError(f"methods[{i}]: {method.name} with {json.dumps(built.params(), sort_keys=True)} is listed twice")
+            seen_methods.add(key)
+
+    seen_tasks: set[str] = set()
+    n_tasks = 0
+    for i, entry in enumerate(config.tasks):
+        try:
+            cls = task_class(entry.name)
+        except KvleagueError as exc:
+            if entry.optional:
+                warnings.append(f"tasks[{i}]: {entry.name!r} is not registered; skipped (optional)")
+                continue
+            raise KvleagueError(f"tasks[{i}].name: {str(exc).removeprefix('task: ')}") from None
+        try:
+            task = build_task(entry.name, entry.options)
+        except KvleagueError as exc:
+            raise KvleagueError(f"tasks[{i}].options: {exc}") from None
+        key = json.dumps([entry.name, task.option_values()], sort_keys=True, default=str)
+        if key in seen_tasks:
+            raise KvleagueError(f"tasks[{i}]: {entry.name} with the same options is listed twice")
+        seen_tasks.add(key)
+        n_tasks += 1
+        fields = config.resolved_protocol(cls.domain, cls.protect_prompt)
+        where = f"protocol_by_domain.{cls.domain}" if cls.domain in config.protocol_by_domain else "protocol"
+        try:
+            protocol = Protocol(**fields)
+        except KvleagueError as exc:
+            raise KvleagueError(f"{where}.{exc}") from None
+        for budget in config.budgets:
+            try:
+                protocol.check_budget(budget)
+            except KvleagueError as exc:
+                raise KvleagueError(f"budgets: {str(exc).removeprefix('budget: ')} (protocol for {cls.domain})") from None
+    if n_tasks == 0:
+        raise KvleagueError("tasks: none of the listed tasks is registered")
+    try:  # the base protocol must be valid even when every domain overrides it
+        base_protocol = Protocol(**{**config.protocol.model_dump(), "protect_prompt": bool(config.protocol.protect_prompt)})
+        for budget in config.budgets:
+            base_protocol.check_budget(budget)
+    except KvleagueError as exc:
+        msg = str(exc)
+        raise KvleagueError(msg if msg.startswith("budget") else f"protocol.{msg}") from None
+    if config.data_dir:
+        path = Path(resolve_data_dir(config, base) or "")
+        if not path.is_dir():
+            raise KvleagueError(f"data_dir: {str(path)!r} is not a directory")
+    return warnings
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def sha256(value: Any) -> str:
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def method_key(name: str, params: dict[str, Any]) -> str:
+    return sha256({"name": name, "params": params})

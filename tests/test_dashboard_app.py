@@ -1,0 +1,482 @@
+"""Every dashboard page under Streamlit's AppTest, on a database seeded through the db layer, with the
+expected numbers computed here from the seeded rows (statsmodels / scipy / plain arithmetic), not by
+dashboard.stats or dashboard.tables."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("streamlit")
+sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
+sm_tables = pytest.importorskip("statsmodels.stats.contingency_tables")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from dashboard.seed import Seeder  # noqa: E402
+from db.session import get_engine  # noqa: E402
+
+APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+TIMEOUT = 60
+
+TASKS = (("math500", "math", 40), ("gsm8k", "math", 30), ("humaneval", "code", 25))
+BUDGETS = (64, 128, 4096)
+METHODS = ("full", "epikv", "thinkv", "snapkv", "h2o")
+#: correct iff the problem's difficulty is below the threshold (or inside a bonus window)
+THRESHOLD = {
+    "full": {64: 0.7, 128: 0.7, 4096: 0.7},
+    "epikv": {64: 0.2, 128: 0.66, 4096: 0.7},
+    "thinkv": {64: 0.5, 128: 0.5, 4096: 0.7},
+    "snapkv": {64: 0.4, 128: 0.45, 4096: 0.7},
+    "h2o": {64: 0.3, 128: 0.35, 4096: 0.7},
+}
+BONUS = {("epikv", 128): (0.9, 0.96)}  # epikv also solves some problems full cache misses (b > 0 for McNemar)
+SAMPLED = {"task": "gsm8k", "budget": 128, "methods": ("full", "epikv", "thinkv"), "n": 3}
+GIT = "c0ffee" + "0" * 34
+
+
+def difficulty(i: int, n: int) -> float:
+    return ((i * 7) % n + 0.5) / n  # a fixed permutation of evenly spaced difficulties (n not divisible by 7)
+
+
+def is_correct(method: str, budget: int, d: float, shift: float = 0.0) -> bool:
+    lo, hi = BONUS.get((method, budget), (2.0, 2.0))
+    return d < THRESHOLD[method][budget] + shift or lo <= d < hi
+
+
+def seed_db(path: Path) -> list[dict]:
+    """Seed the database; return every row written, with task name, domain and method name added."""
+    engine = get_engine(f"sqlite:///{path}")
+    s = Seeder(engine)
+    model = s.model("tiny-test")
+    proto = s.protocol(sink=4, recent=8)
+    greedy = s.generation(0.0)
+    sampled = s.generation(0.7, 0.95)
+    sweep = s.sweep("dash-test", {"name": "dash-test", "seeds": [0, 1]}, git_commit=GIT)
+    meths = {m: s.method(m) for m in METHODS}
+    out: list[dict] = []
+    for t_i, (task, domain, n) in enumerate(TASKS):
+        task_id = s.task(task, domain)
+        for m_i, method in enumerate(METHODS):
+            for budget in BUDGETS:
+                for i in range(n):
+                    d = difficulty(i, n)
+                    variants = [(greedy, 0, 0.0, 0)]
+                    if task == SAMPLED["task"] and budget == SAMPLED["budget"] and method in SAMPLED["methods"]:
+                        variants += [(sampled, j, (j - 1) * 0.1, 1) for j in range(SAMPLED["n"])]
+                    for gen, j, shift, seed in variants:
+                        correct = is_correct(method, budget, d, shift)
+                        fired = method != "full" and budget < 4096 and i % 3 != 0
+                        row = {
+                            "sweep_id": sweep, "model_id": model, "method_spec_id": meths[method], "task_id": task_id,
+                            "protocol_id": proto, "generation_id": gen, "budget": budget, "sample_id": f"{task}-{i:03d}",
+                            "sample_index": j, "seed": seed,
+                        }
+                        meta = {"task": task, "domain": domain, "method": method, "sampled": gen == sampled}
+                        if method == "h2o" and budget == 128 and i == 0:
+                            row.update(status="failed", error="RuntimeError: synthetic failure")
+                            out.append({**row, **meta})
+                            continue
+                        completion = f"{method} reasoning for {task} {i}: the answer is {'A' if correct else 'B'}{i}"
+                        if method == "h2o" and i == 1:
+                            completion = ""
+                        if method == "snapkv" and i == 1:
+                            completion = "and then " * 40
+                        row.update(
+                            status="ok", correct=correct, score=float(correct), extracted=f"{'A' if correct else 'B'}{i}",
+                            completion=completion, stop_reason="eos", prompt_tokens=50 + i, generated_tokens=100 + i,
+                            prefill_seconds=0.01 * (m_i + 1), decode_seconds_mean=0.001 * (m_i + 1) + budget * 1e-6,
+                            decode_seconds_p50=0.001, decode_seconds_p95=0.002,
+                            tokens_per_second=1000 / (m_i + 1) - budget / 1000 + i % 2, method_seconds=0.001 * m_i,
+                            wall_seconds=0.5, evictions=(i % 5 + 1) if fired else 0, evicted_tokens=(i % 5 + 1) * 3 if fired else 0,
+                            peak_cache_entries=min(budget, 150 + i) if method != "full" else 150 + i,
+                            peak_kv_bytes=(min(budget, 150 + i) if method != "full" else 150 + i) * 1024,
+                            peak_memory_bytes=2**30 + m_i, peak_memory_source="cpu", attn_implementation="sdpa",
+                        )
+                        out.append({**row, **meta})
+    s.write([{k: v for k, v in r.items() if k not in ("task", "domain", "method", "sampled")} for r in out])
+    engine.dispose()
+    return out
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dash") / "results.db"
+    rows = seed_db(path)
+    return f"sqlite:///{path}", rows
+
+
+@pytest.fixture
+def app(seeded, monkeypatch):
+    url, _ = seeded
+    monkeypatch.setenv("KVLEAGUE_DB", url)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+# ------------------------------------------------------------------------------------------------
+# Expected numbers, computed from the seeded rows
+# ------------------------------------------------------------------------------------------------
+
+
+def per_problem(rows, budget, decoding=("greedy", "sampled"), domains=None):
+    """(method, domain) -> {problem key: [k, m]} over ok rows."""
+    out: dict[tuple[str, str], dict[tuple, list[int]]] = defaultdict(dict)
+    for r in rows:
+        if r["status"] != "ok" or r["budget"] != budget:
+            continue
+        if ("sampled" if r["sampled"] else "greedy") not in decoding:
+            continue
+        if domains is not None and r["domain"] not in domains:
+            continue
+        key = (r["task"], r["sample_id"], r["generation_id"])
+        km = out[(r["method"], r["domain"])].setdefault(key, [0, 0])
+        km[0] += int(r["correct"])
+        km[1] += 1
+    return out
+
+
+def expected_accuracy(problems: dict) -> float:
+    return 100 * sum(k / m for k, m in problems.values()) / len(problems)
+
+
+def expected_mcnemar(a: dict, ref: dict):
+    keys = sorted(set(a) & set(ref))
+    b = sum(1 for k in keys if a[k][0] and not ref[k][0])
+    c = sum(1 for k in keys if ref[k][0] and not a[k][0])
+    both = sum(1 for k in keys if a[k][0] and ref[k][0])
+    neither = len(keys) - b - c - both
+    p = sm_tables.mcnemar(np.array([[both, b], [c, neither]]), exact=True).pvalue
+    return 100 * (b - c) / len(keys), p
+
+
+def wilson_text(problems: dict) -> str:
+    k = sum(v[0] for v in problems.values())
+    lo, hi = sm_proportion.proportion_confint(k, len(problems), alpha=0.05, method="wilson")
+    return f"[{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def row_of(df, **match):
+    sel = df
+    for k, v in match.items():
+        sel = sel[sel[k] == v]
+    assert len(sel) == 1, (match, sel)
+    return sel.iloc[0]
+
+
+def _set_budget(at, budget):
+    at.selectbox(key="lb_budget").set_value(budget).run()
+    assert not at.exception, at.exception
+
+
+# ------------------------------------------------------------------------------------------------
+# Leaderboard
+# ------------------------------------------------------------------------------------------------
+
+
+def test_leaderboard_greedy_numbers(app, seeded):
+    _, rows = seeded
+    app.sidebar.multiselect(key="f_decoding").set_value(["greedy"]).run()
+    assert not app.exception, app.exception
+    assert app.selectbox(key="lb_budget").value == 128  # the middle of the budgets
+    wide, detail = app.dataframe[0].value, app.dataframe[1].value
+    exp = per_problem(rows, 128, ("greedy",))
+    for method in METHODS:
+        for domain in ("math", "code"):
+            problems = exp[(method, domain)]
+            acc = expected_accuracy(problems)
+            w = row_of(wide, method=method)
+            assert w[f"{domain} %"] == pytest.approx(acc, abs=1e-9)
+            assert w[f"{domain} 95% CI"] == wilson_text(problems)
+            d = row_of(detail, method=method, domain=domain)
+            assert d["accuracy %"] == pytest.approx(acc, abs=1e-9)
+            assert d["interval"] == "Wilson"
+            assert d["problems"] == len(problems)
+            if method == "full":
+                assert d["test"] == "reference" and math.isnan(d["p"])
+                continue
+            diff, p = expected_mcnemar(problems, exp[("full", domain)])
+            assert d["Δ vs full (pts)"] == pytest.approx(diff, abs=1e-9)
+            assert d["p"] == pytest.approx(p, rel=1e-9)
+            assert d["test"] == "McNemar (exact)"
+            fired = [r for r in rows if r["method"] == method and r["domain"] == domain and r["budget"] == 128
+                     and r["status"] == "ok" and not r["sampled"]]
+            share = 100 * sum(1 for r in fired if r["evictions"] > 0) / len(fired)
+            assert d["eviction fired %"] == pytest.approx(share, abs=1e-9)
+        means = [expected_accuracy(exp[(method, d)]) for d in ("code", "math")]
+        assert row_of(wide, method=method)["mean accuracy"] == pytest.approx(sum(means) / 2, abs=1e-9)
+    # failed cells are counted, not scored: h2o failed problem 0 of each task at budget 128
+    assert row_of(detail, method="h2o", domain="math")["failed"] == 2
+    assert row_of(detail, method="h2o", domain="code")["failed"] == 1
+    # rank follows the mean accuracy
+    order = wide.sort_values("mean accuracy", ascending=False)["method"].tolist()
+    assert wide.sort_values("rank")["method"].tolist() == order
+    assert wide["rank"].tolist() == sorted(wide["rank"].tolist())
+    # per task (expander)
+    by_task = app.dataframe[2].value
+    t = row_of(by_task, method="thinkv", task="humaneval")
+    assert t["accuracy %"] == pytest.approx(expected_accuracy(exp[("thinkv", "code")]), abs=1e-9)
+    # CSV export
+    assert any(b.label == "Download CSV" for b in app.get("download_button")) or len(app.get("download_button")) >= 1
+
+
+def test_leaderboard_other_budget_and_domain_filter(app, seeded):
+    _, rows = seeded
+    app.sidebar.multiselect(key="f_decoding").set_value(["greedy"]).run()
+    _set_budget(app, 64)
+    exp = per_problem(rows, 64, ("greedy",))
+    detail = app.dataframe[1].value
+    d = row_of(detail, method="epikv", domain="math")
+    diff, p = expected_mcnemar(exp[("epikv", "math")], exp[("full", "math")])
+    assert d["Δ vs full (pts)"] == pytest.approx(diff, abs=1e-9) and diff < -30
+    assert d["p"] == pytest.approx(p, rel=1e-9)
+    app.sidebar.multiselect(key="f_domain").set_value(["code"]).run()
+    assert not app.exception, app.exception
+    detail = app.dataframe[1].value
+    assert set(detail["domain"]) == {"code"}
+    assert set(detail["method"]) == set(METHODS)
+
+
+def test_leaderboard_sampled_uses_bootstrap(app, seeded):
+    _, rows = seeded
+    app.sidebar.multiselect(key="f_decoding").set_value(["sampled"]).run()
+    assert not app.exception, app.exception
+    detail = app.dataframe[1].value
+    exp = per_problem(rows, 128, ("sampled",))
+    assert set(detail["method"]) == set(SAMPLED["methods"])
+    for method in SAMPLED["methods"]:
+        problems = exp[(method, "math")]
+        d = row_of(detail, method=method, domain="math")
+        assert d["accuracy %"] == pytest.approx(expected_accuracy(problems), abs=1e-9)
+        assert d["interval"] == "bootstrap"
+        assert d["samples"] == SAMPLED["n"] * len(problems)
+        shares = np.array([k / m for k, m in problems.values()])
+        ref = scipy_stats.bootstrap((shares,), np.mean, n_resamples=9999, method="percentile", random_state=0).confidence_interval
+        lo, hi = (float(x) for x in d["95% CI"].strip("[]").split(","))
+        assert lo == pytest.approx(100 * ref.low, abs=2.5) and hi == pytest.approx(100 * ref.high, abs=2.5)
+        if method != "full":
+            full = exp[("full", "math")]
+            diffs = [problems[k][0] / problems[k][1] - full[k][0] / full[k][1] for k in problems]
+            assert d["test"] == "paired bootstrap"
+            assert d["Δ vs full (pts)"] == pytest.approx(100 * sum(diffs) / len(diffs), abs=1e-9)
+
+
+def test_leaderboard_all_decodings_pools_problems(app, seeded):
+    _, rows = seeded
+    detail = app.dataframe[1].value
+    exp = per_problem(rows, 128)
+    d = row_of(detail, method="epikv", domain="math")
+    assert d["accuracy %"] == pytest.approx(expected_accuracy(exp[("epikv", "math")]), abs=1e-9)
+    assert d["problems"] == 40 + 30 + 30  # greedy math500 + greedy gsm8k + sampled gsm8k
+
+
+# ------------------------------------------------------------------------------------------------
+# Other pages
+# ------------------------------------------------------------------------------------------------
+
+
+def _goto(at, page):
+    at.sidebar.radio(key="page").set_value(page).run()
+    assert not at.exception, at.exception
+    assert at.title[0].value == page
+
+
+def test_budget_curves(app, seeded):
+    _, rows = seeded
+    app.sidebar.multiselect(key="f_decoding").set_value(["greedy"]).run()
+    _goto(app, "Budget curves")
+    curves, full = app.dataframe[0].value, app.dataframe[1].value
+    assert len(app.get("vega_lite_chart")) == 2  # one chart per domain
+    assert "full" not in set(curves["method"])
+    for budget in BUDGETS:
+        exp = per_problem(rows, budget, ("greedy",))
+        for method in ("epikv", "h2o"):
+            for domain in ("math", "code"):
+                c = row_of(curves, method=method, domain=domain, budget=budget)
+                assert c["accuracy"] == pytest.approx(expected_accuracy(exp[(method, domain)]), abs=1e-9)
+    exp = per_problem(rows, 64, ("greedy",))  # full cache: same answers at every budget
+    assert row_of(full, domain="code")["full cache %"] == pytest.approx(expected_accuracy(exp[("full", "code")]), abs=1e-9)
+
+
+def test_scorecard(app, seeded):
+    _, rows = seeded
+    app.sidebar.multiselect(key="f_decoding").set_value(["greedy"]).run()
+    _goto(app, "Replication scorecard")
+    claims, card = app.dataframe[0].value, app.dataframe[1].value
+    # paper claims: math500 at 4096 is measured, aime24 is not in this database
+    math500_4096 = per_problem([r for r in rows if r["task"] == "math500"], 4096, ("greedy",))
+    epikv_claim = row_of(claims, claim="EpiKV on math500 at budget 4096")
+    assert epikv_claim["paper"] == "72%"
+    assert epikv_claim["kvleague"].startswith(f"{expected_accuracy(math500_4096[('epikv', 'math')]):.1f}% ")
+    aime = claims[claims["claim"].str.contains("aime24")]
+    assert len(aime) == 3 and set(aime["kvleague"]) == {"not measured yet"}
+    # speed: best ratio of mean tokens/s (EpiKV family / full cache) over budgets and domains
+    def mean_of(col, method, budget, domain):
+        return np.mean([r[col] for r in rows if r["method"] == method and r["budget"] == budget and r["domain"] == domain
+                        and r["status"] == "ok" and not r["sampled"]])
+
+    settings = [(b, d) for b in BUDGETS for d in ("math", "code")]
+    speed = max(mean_of("tokens_per_second", "epikv", b, d) / mean_of("tokens_per_second", "full", b, d) for b, d in settings)
+    assert row_of(claims, claim="decoding speed vs full cache (tokens/s), best setting")["kvleague"].startswith(f"{speed:.2f}x (epikv")
+    ctx = max(mean_of("peak_cache_entries", "full", b, d) / mean_of("peak_cache_entries", "epikv", b, d) for b, d in settings)
+    ctx_row = row_of(claims, claim="feasible context in the same KV memory (full / method peak cache entries)")
+    assert ctx_row["kvleague"].startswith(f"{ctx:.1f}x (epikv") and ctx > 2
+    # scorecard rows: epikv vs best baseline (thinkv) and vs full
+    verdict_full = [c for c in card.columns if c.startswith("verdict vs full")][0]
+    for budget in (64, 128):
+        exp = per_problem(rows, budget, ("greedy",))
+        for domain in ("math", "code"):
+            r = row_of(card, domain=domain, budget=budget, method="epikv")
+            assert r["best baseline"] == "thinkv"
+            diff_b, p_b = expected_mcnemar(exp[("epikv", domain)], exp[("thinkv", domain)])
+            assert r["Δ baseline"] == pytest.approx(diff_b, abs=1e-9)
+            assert r["p baseline"] == pytest.approx(p_b, rel=1e-9)
+            diff_f, p_f = expected_mcnemar(exp[("epikv", domain)], exp[("full", domain)])
+            assert r["Δ full"] == pytest.approx(diff_f, abs=1e-9)
+            assert r["p full"] == pytest.approx(p_f, rel=1e-9)
+            if budget == 64:  # epikv collapses at 64: worse than thinkv and far below full
+                assert r["verdict vs baseline"] == "does not replicate"
+                assert r[verdict_full] == "does not replicate"
+    r = row_of(card, domain="math", budget=128, method="epikv")
+    assert r["verdict vs baseline"] == "replicates"  # 0.66 (+ bonus) vs 0.5 on 70 problems
+    assert r[verdict_full] in ("replicates", "inconclusive")
+
+
+def test_cost(app, seeded):
+    _, rows = seeded
+    app.sidebar.multiselect(key="f_decoding").set_value(["greedy"]).run()
+    _goto(app, "Cost")
+    df = app.dataframe[0].value
+    for method in ("full", "snapkv"):
+        for budget in BUDGETS:
+            sel = [r for r in rows if r["method"] == method and r["budget"] == budget and r["status"] == "ok" and not r["sampled"]]
+            got = row_of(df, method=method, budget=budget)
+            assert got["samples"] == len(sel)
+            assert got["tokens/s"] == pytest.approx(np.mean([r["tokens_per_second"] for r in sel]), rel=1e-9)
+            assert got["ms/token"] == pytest.approx(1000 * np.mean([r["decode_seconds_mean"] for r in sel]), rel=1e-9)
+            assert got["peak KV MiB"] == pytest.approx(np.mean([r["peak_kv_bytes"] for r in sel]) / 2**20, rel=1e-9)
+            assert got["accuracy"] == pytest.approx(100 * np.mean([r["correct"] for r in sel]), abs=1e-9)
+    # Pareto front, brute force: no other point with less or equal memory and more or equal accuracy
+    pts = list(zip(df["peak KV MiB"], df["accuracy"]))
+    for (c, a), flag in zip(pts, df["pareto"]):
+        dominated = any(c2 <= c and a2 >= a and (c2 < c or a2 > a) for c2, a2 in pts)
+        assert bool(flag) == (not dominated)
+    assert len(app.get("vega_lite_chart")) == 3
+
+
+def test_samples(app, seeded):
+    _, rows = seeded
+    _goto(app, "Samples")
+    task_ids = app.selectbox(key="sm_task").options
+    assert len(task_ids) == len(TASKS)
+    # pick humaneval, budget 128, problem 1 (h2o empty, snapkv loops)
+    sb = app.selectbox(key="sm_task")
+    sb.select_index(next(i for i, o in enumerate(sb.options) if o.startswith("humaneval"))).run()
+    app.selectbox(key="sm_problem").set_value("humaneval-001").run()
+    assert not app.exception, app.exception
+    df = app.dataframe[0].value
+    assert set(df["method"]) == set(METHODS)
+    for method in METHODS:
+        raw = next(r for r in rows if r["method"] == method and r["task"] == "humaneval" and r["sample_id"] == "humaneval-001"
+                   and r["budget"] == 128)
+        got = row_of(df, method=method)
+        assert bool(got["correct"]) == raw["correct"]
+        assert got["extracted"] == raw["extracted"]
+        assert got["evictions"] == raw["evictions"]
+        assert got["generated_tokens"] == raw["generated_tokens"]
+    assert row_of(df, method="h2o")["flag"] == "empty"
+    assert row_of(df, method="snapkv")["flag"] == "loop"
+    assert any("epikv" in m.value for m in app.markdown)
+    # only problems where methods disagree
+    app.checkbox(key="sm_disagree").check().run()
+    assert not app.exception, app.exception
+    problems = app.selectbox(key="sm_problem").options
+    exp = per_problem([r for r in rows if r["task"] == "humaneval"], 128)
+    by_problem = defaultdict(set)
+    for (method, _), probs in exp.items():
+        for key, (k, m) in probs.items():
+            by_problem[key[1]].add(k == m)
+    assert sorted(problems) == sorted(p for p, outcomes in by_problem.items() if len(outcomes) > 1)
+
+
+def test_provenance(app, seeded):
+    _, rows = seeded
+    _goto(app, "Provenance")
+    sweeps, envs = app.dataframe[0].value, app.dataframe[1].value
+    s = row_of(sweeps, name="dash-test")
+    assert s["git_commit"] == GIT
+    assert s["rows"] == len(rows)
+    assert s["ok_rows"] == sum(1 for r in rows if r["status"] == "ok")
+    assert s["status"] == "finished"
+    assert set(envs["hostname"]) == {"seed-host"}
+    assert {"torch_version", "transformers_version", "gpu_name", "cuda_version"} <= set(envs.columns)
+    seeds = app.dataframe[2].value
+    assert sorted(seeds["seed"]) == [0, 1]
+    protocols = app.dataframe[4].value
+    assert protocols["sink"].tolist() == [4] and protocols["recent"].tolist() == [8]
+
+
+def test_query_param_selects_page(seeded, monkeypatch):
+    url, _ = seeded
+    monkeypatch.setenv("KVLEAGUE_DB", url)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.query_params["page"] = "cost"
+    at.run()
+    assert not at.exception
+    assert at.title[0].value == "Cost"
+
+
+# ------------------------------------------------------------------------------------------------
+# Database states
+# ------------------------------------------------------------------------------------------------
+
+
+def test_missing_database_is_a_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLEAGUE_DB", f"sqlite:///{tmp_path}/nothing.db")
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert not at.exception
+    assert "no SQLite file" in at.error[0].value
+    assert not (tmp_path / "nothing.db").exists()  # read-only: never creates the file
+
+
+def test_empty_database_is_a_message(tmp_path, monkeypatch):
+    from db.session import upgrade
+
+    url = f"sqlite:///{tmp_path}/empty.db"
+    engine = get_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    monkeypatch.setenv("KVLEAGUE_DB", url)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert not at.exception
+    assert "No results" in at.info[0].value
+
+
+def test_new_results_invalidate_the_cache(tmp_path, monkeypatch):
+    from dashboard import ui
+
+    url = f"sqlite:///{tmp_path}/grow.db"
+    engine = get_engine(url)
+    s = Seeder(engine)
+    ids = dict(model_id=s.model("m"), task_id=s.task("math500", "math"), protocol_id=s.protocol(), generation_id=s.generation(),
+               sweep_id=s.sweep("grow"), budget=64, sample_index=0, seed=0)
+    full, h2o = s.method("full"), s.method("h2o")
+    s.write([{**ids, "method_spec_id": m, "sample_id": f"p{i}", "status": "ok", "correct": i < 2, "evictions": 0}
+             for m in (full, h2o) for i in range(4)])
+    monkeypatch.setenv("KVLEAGUE_DB", url)
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert row_of(at.dataframe[1].value, method="h2o")["accuracy %"] == pytest.approx(50.0)
+    s.write([{**ids, "method_spec_id": h2o, "sample_id": f"p{i}", "status": "ok", "correct": True, "evictions": 1}
+             for i in range(4, 8)])
+    ui.fingerprint.clear()  # what the fingerprint's few-second TTL does on its own
+    at.run()
+    assert not at.exception
+    assert row_of(at.dataframe[1].value, method="h2o")["accuracy %"] == pytest.approx(75.0)
+    engine.dispose()

@@ -1,0 +1,141 @@
+"""``kvleague dashboard`` and the dashboard's read-only database access."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from dashboard import commands
+from dashboard import queries as q
+from dashboard.seed import Seeder
+from db.session import get_engine
+from runner.errors import KvleagueError
+
+
+@pytest.fixture
+def small_db(tmp_path) -> str:
+    url = f"sqlite:///{tmp_path}/small.db"
+    engine = get_engine(url)
+    s = Seeder(engine)
+    ids = dict(model_id=s.model("m"), task_id=s.task("math500", "math"), protocol_id=s.protocol(), generation_id=s.generation(),
+               sweep_id=s.sweep("small"), sample_index=0, seed=0)
+    a, b = s.method("h2o", {"window": 8}), s.method("h2o", {"window": 16})
+    full = s.method("full")
+    rows = []
+    for budget in (64, 128):
+        for i in range(6):
+            rows.append({**ids, "budget": budget, "method_spec_id": full, "sample_id": f"p{i}", "correct": i < 4, "evictions": 0})
+            rows.append({**ids, "budget": budget, "method_spec_id": a, "sample_id": f"p{i}", "correct": i < 2, "evictions": i})
+            rows.append({**ids, "budget": budget, "method_spec_id": b, "sample_id": f"p{i}", "correct": i in (0, 4), "evictions": 1})
+    s.write(rows)
+    engine.dispose()
+    return url
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvleague")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands.register(sub)
+    return parser
+
+
+def test_register_and_parse():
+    args = _parser().parse_args(["dashboard", "--db", "sqlite:///x.db", "--port", "9123"])
+    assert (args.db, args.port, args.func) == ("sqlite:///x.db", 9123, commands.cmd_dashboard)
+    assert _parser().parse_args(["dashboard"]).port == commands.DEFAULT_PORT
+
+
+def test_streamlit_command_binds_localhost():
+    cmd = commands.streamlit_command("sqlite:////data/r.db", 8600, python="py")
+    assert cmd[:4] == ["py", "-m", "streamlit", "run"]
+    assert cmd[4] == str(commands.APP) and Path(cmd[4]).is_file()
+    assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--server.port") + 1] == "8600"
+    assert cmd[cmd.index("--server.headless") + 1] == "true"
+    assert cmd[-3:] == ["--", "--db", "sqlite:////data/r.db"]
+
+
+def test_cmd_dashboard_runs_streamlit(small_db, monkeypatch):
+    seen = {}
+
+    class FakeProc:
+        def __init__(self, cmd, env):
+            seen.update(cmd=cmd, env=env)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(commands.subprocess, "Popen", FakeProc)
+    args = _parser().parse_args(["dashboard", "--db", small_db, "--port", "8777"])
+    assert commands.cmd_dashboard(args) == 0
+    assert seen["env"]["KVLEAGUE_DB"] == seen["cmd"][-1]
+    assert seen["cmd"][seen["cmd"].index("--server.port") + 1] == "8777"
+
+
+def test_cmd_dashboard_errors(tmp_path, monkeypatch):
+    with pytest.raises(KvleagueError, match="--port"):
+        commands.cmd_dashboard(_parser().parse_args(["dashboard", "--port", "70000"]))
+    with pytest.raises(KvleagueError, match="no SQLite database"):
+        commands.cmd_dashboard(_parser().parse_args(["dashboard", "--db", f"sqlite:///{tmp_path}/missing.db"]))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVLEAGUE_DB", raising=False)
+    with pytest.raises(KvleagueError, match="kvleague.db"):  # the default, resolved against the working directory
+        commands.resolve_db(None)
+
+
+def test_url_resolution_order(monkeypatch):
+    monkeypatch.delenv("KVLEAGUE_DB", raising=False)
+    assert q.resolve_url(None) == "sqlite:///kvleague.db"
+    monkeypatch.setenv("KVLEAGUE_DB", "sqlite:///b.db")
+    assert q.resolve_url(None) == "sqlite:///b.db"
+    assert q.resolve_url("sqlite:///c.db") == "sqlite:///c.db"
+
+
+def test_cli_entry_when_registered(tmp_path, capsys):
+    from runner import cli
+
+    if "dashboard.commands" not in cli._COMMAND_MODULES:
+        pytest.skip("runner.cli._COMMAND_MODULES does not list dashboard.commands yet")
+    assert cli.main(["dashboard", "--db", f"sqlite:///{tmp_path}/missing.db"]) == 2
+    assert "no SQLite database" in capsys.readouterr().err
+
+
+def test_readonly_engine_cannot_write(small_db, tmp_path):
+    engine = q.open_readonly(small_db)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM sample_results")).scalar() == 36
+        with pytest.raises(OperationalError, match="readonly|read-only|query_only"):
+            conn.execute(text("DELETE FROM sample_results"))
+    assert q.fingerprint(engine) == (36, 36)
+    with pytest.raises(KvleagueError, match="no SQLite file"):
+        q.open_readonly(f"sqlite:///{tmp_path}/absent.db")
+    assert not (tmp_path / "absent.db").exists()
+    with pytest.raises(KvleagueError, match="in-memory"):
+        q.open_readonly("sqlite:///:memory:")
+
+
+def test_histograms_match_brute_force(small_db):
+    engine = q.open_readonly(small_db)
+    dims = q.dimensions(engine)
+    labels = {m["label"] for m in dims["methods"].values()}
+    assert labels == {"full", "h2o(window=8)", "h2o(window=16)"}  # only the differing hyperparameter
+    by_label = {m["label"]: i for i, m in dims["methods"].items()}
+    hist = q.problem_hist(engine, q.Filters(), [64])
+    got = {(h["method_spec_id"], h["k"]): (h["problems"], h["fired"]) for h in hist}
+    assert got[(by_label["full"], 1)] == (4, 0)
+    assert got[(by_label["h2o(window=8)"], 1)] == (2, 1)  # p0, p1 right; evictions > 0 only for p1 among them
+    assert got[(by_label["h2o(window=8)"], 0)] == (4, 4)
+    pairs = q.paired_hist(engine, q.Filters(), [by_label["h2o(window=16)"]], [by_label["full"]], [64])
+    table = {(p["k_a"], p["k_b"]): p["problems"] for p in pairs}
+    # h2o(16) right on p0, p4; full right on p0-p3: both p0; h2o only p4; full only p1-p3; neither p5
+    assert table == {(1, 1): 1, (1, 0): 1, (0, 1): 3, (0, 0): 1}
+    # filters: budget, decoding, domain, nothing selected
+    assert {h["budget"] for h in q.problem_hist(engine, q.Filters(budgets=(128,)))} == {128}
+    assert q.problem_hist(engine, q.Filters(decoding=("sampled",)), [64]) == []
+    assert q.problem_hist(engine, q.Filters(domains=("code",)), [64]) == []
+    assert q.problem_hist(engine, q.Filters(models=()), [64]) == []
+    assert q.method_budgets(engine, q.Filters(), [by_label["full"]]) == {64: 6, 128: 6}
