@@ -14,7 +14,8 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip >/dev/null
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${KVLEAGUE_TORCH_VERSION:-2.13.0}"
-  python -m pip install -q -e ".[test]" 2> >(grep -v -e '^\s*$' -e 'WheelFile' -e '!!' -e '\*\*\*' -e 'SetuptoolsDeprecationWarning' >&2 || true)
+  # build-backend chatter goes to a log that is shown only if the install fails
+  python -m pip install -q -e ".[test]" >.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
   # BFCL's simulators and checker need only mpmath; the package itself pins numpy 1.26 and many API
   # SDKs that kvleague never imports, so it is installed without its declared dependencies.
   python -m pip install -q --no-deps "bfcl-eval==2026.3.23"
