@@ -213,4 +213,31 @@ class SampleResult(Base):
     )
 
 
+class BenchmarkResult(Base):
+    """One figure of a systems benchmark run (``kvleague bench --store``): a number, its unit, and
+    what it describes (method, budget, what a ratio is relative to). ``run_id`` groups the figures
+    of one invocation; ``row_key`` (a hash of run, benchmark, method, budget, metric, reference and
+    details) makes storing the same report twice a no-op."""
+
+    __tablename__ = "benchmark_results"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    row_key: Mapped[str] = mapped_column(String(64), unique=True)
+    run_id: Mapped[str] = mapped_column(String(64), index=True)
+    benchmark: Mapped[str] = mapped_column(String(64))  # feasible_context | decode_speed | vs_kvpress | engine_vs_generate
+    environment_id: Mapped[int | None] = mapped_column(ForeignKey("environments.id"), nullable=True)
+    model: Mapped[str] = mapped_column(Text)  # display label of the model measured
+    method: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    budget: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    metric: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    unit: Mapped[str] = mapped_column(String(32))
+    reference: Mapped[str | None] = mapped_column(String(255), nullable=True)  # e.g. "full", "h2o", "generate"
+    details: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    config: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # the run's settings (same for a run)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("ix_benchmark_results_benchmark_metric", "benchmark", "metric"),)
+
+
 TABLES = [t.name for t in Base.metadata.sorted_tables]

@@ -24,6 +24,10 @@ themselves; this keeps every method under identical rules within a run.
 
 Within each layer and KV head, slots are always in increasing absolute position (eviction keeps
 the order), so pooling over neighbouring slots or cutting the cache into position chunks is sound.
+A method that never relies on slot order (its scores are a function of each slot's own content and
+position, however the slots are arranged) may say so with ``Needs(ordered_slots=False)``: the
+engine then evicts by moving kept slots into the holes, O(evicted) instead of O(cache) per step,
+and its slots are in no particular order (results still report kept positions sorted).
 Slot indices are not stable across evictions: a method that keeps per-token state keys it by
 **absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a
 ``CacheView`` are valid during the ``score`` call only.
@@ -58,6 +62,9 @@ class Needs:
     #: exact eager attention (the model runs with ``attn_implementation="eager"``); with ``attention``
     #: the rows then come from the eager kernel's own weights, for every query of the pass
     eager: bool = False
+    #: the method relies on slots being in increasing position order (the default contract); set
+    #: False for an order-free method to get the faster eviction path (see the module docstring)
+    ordered_slots: bool = True
 
 
 @dataclass

@@ -118,7 +118,7 @@ class EpiKVFamily(EvictionMethod):
     produced and frozen (stored by absolute position). One global ``[T]`` score.
     """
 
-    needs = Needs(hidden_states=True)
+    needs = Needs(hidden_states=True, ordered_slots=False)  # scores are keyed by position
 
     #: rolling z-score window W (values, including the current one)
     window: int = 64

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from methods.base import CacheView, EvictionMethod
+from methods.base import CacheView, EvictionMethod, Needs
 from methods.registry import register_method
 
 
@@ -24,6 +24,8 @@ class KeyDiff(EvictionMethod):
     prefilling; here that is the protocol's ``prefill_chunk`` (compress after each chunk), so the rule
     itself is unchanged.
     """
+
+    needs = Needs(ordered_slots=False)
 
     def score(self, cache: CacheView) -> torch.Tensor:
         out = []

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod
+from methods.base import CacheView, EvictionMethod, Needs
 from methods.registry import register_method
 
 
@@ -16,6 +16,8 @@ class KeyNorm(EvictionMethod):
     Paper: Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression",
     arXiv 2406.11430. Reference code: kvpress ``KnormPress`` (same kept indices on prefill).
     """
+
+    needs = Needs(ordered_slots=False)
 
     def score(self, cache: CacheView) -> torch.Tensor:
         return torch.stack([-torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32) for k in cache.keys])

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod, SequenceInfo
+from methods.base import CacheView, EvictionMethod, Needs, SequenceInfo
 from methods.registry import register_method
 
 
@@ -14,6 +14,8 @@ class RandomEviction(EvictionMethod):
     score_t ~ U(0, 1), drawn fresh at each eviction from a generator seeded with
     ``seed`` + the sequence seed, so a run is reproducible.
     """
+
+    needs = Needs(ordered_slots=False)
 
     seed: int = 0
 

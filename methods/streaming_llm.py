@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod
+from methods.base import CacheView, EvictionMethod, Needs
 from methods.registry import register_method
 
 
@@ -19,6 +19,8 @@ class StreamingLLM(EvictionMethod):
     Deviation from the paper: keys keep their original RoPE positions (the paper re-rotates keys to
     cache-relative positions); select ``positions: compact`` in the protocol for the paper's setting.
     """
+
+    needs = Needs(ordered_slots=False)
 
     n_sink: int = 4
 

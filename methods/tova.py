@@ -26,7 +26,7 @@ class TOVA(EvictionMethod):
     ``recent: 1`` for kvpress's behaviour).
     """
 
-    needs = Needs(attention=True, attention_window=1)
+    needs = Needs(attention=True, attention_window=1, ordered_slots=False)
 
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -68,16 +67,19 @@ def attention_rows(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> t
     """Causal softmax rows of the newest ``w`` queries ``[H_q, w, d]`` over keys ``[H_kv, T, d]``.
 
     Query i of the window sits at storage slot ``T - w + i`` and sees slots ``<= T - w + i``.
-    Returns float32 ``[H_q, w, T]``.
+    Returns float32 ``[H_q, w, T]``. The query heads of each GQA group share one matmul against
+    their KV head (``[H_kv, group * w, d] @ [H_kv, d, T]``), so K is never repeated per query head.
     """
-    n_rep = query.shape[0] // keys.shape[0]
-    k = repeat_kv(keys[None], n_rep)[0].float()
-    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scaling
-    w, t = scores.shape[-2], scores.shape[-1]
+    h_q, w, d = query.shape
+    h_kv, t = keys.shape[0], keys.shape[1]
+    q = query.float().reshape(h_kv, (h_q // h_kv) * w, d)  # query head j belongs to KV head j // group
+    k = keys if keys.dtype == torch.float32 else keys.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).view(h_q, w, t)
+    scores.mul_(scaling)
     if w > 1:
         slots = torch.arange(t, device=scores.device)
         last_visible = torch.arange(t - w, t, device=scores.device)
-        scores = scores.masked_fill(slots[None, :] > last_visible[:, None], float("-inf"))
+        scores.masked_fill_(slots[None, :] > last_visible[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 

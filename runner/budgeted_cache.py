@@ -1,46 +1,218 @@
-"""A transformers ``DynamicCache`` plus the bookkeeping eviction needs.
+"""A transformers ``DynamicCache`` with slab-backed layers, plus the bookkeeping eviction needs.
 
 For every layer it tracks, slot by slot, the absolute position of the token held there and whether
 that token was fed (prompt) or generated. Eviction selects per layer and KV head and **physically
-gathers** the key/value tensors, so memory really shrinks.
+removes** the dropped slots, so memory really shrinks.
+
+Speed (see ``benchmarks/decode_speed.py``): each layer keeps its keys and values in a preallocated
+slab (:class:`SlabLayer`) whose capacity covers the budget plus what one forward pass can add, so a
+decode step writes the new entry in place instead of concatenating a new copy of the whole cache,
+and an eviction moves only what it must:
+
+* **order-free** (methods with ``Needs.ordered_slots=False``): each dropped slot below the new
+  length is refilled with a kept slot from above it, O(evicted) per step;
+* **ordered** (the default contract: slots stay in increasing position order): the kept slots after
+  the first hole move left in place (a memmove per KV head on the CPU when few slots go, else a
+  gather into a reused scratch buffer and back), O(cache after the first hole), with no allocation.
+
+A slab shrinks back to its reserve once a long prompt has been compressed, so memory does shrink.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from methods.base import CacheView, Phase
 from runner.errors import KvleagueError
 from runner.protocol import Protocol
 
+#: growth factor of a slab that must grow past its reserve (amortised O(1) appends without a budget)
+_GROWTH = 1.5
+_MIN_GROWTH = 256
+
+
+class SlabLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose K/V live in a preallocated ``[B, H, capacity, d]`` buffer.
+
+    ``keys`` / ``values`` are views of the first ``length`` slots, so every reader of a
+    ``DynamicLayer`` sees what it expects; assigning a tensor to them (as kvpress, beam search or
+    offloading do) adopts that tensor as the new buffer. ``update`` appends in place and grows the
+    buffer only past its capacity (to ``reserve`` first, then geometrically).
+    """
+
+    def __init__(self, reserve: int | None = None):
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._nk = self._nv = 0
+        self._kview: torch.Tensor | None = None
+        self._vview: torch.Tensor | None = None
+        self.reserve = reserve
+        super().__init__()
+
+    # -- DynamicLayer's attributes, as views of the slab ----------------------------------------
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._kview
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._k, self._nk = tensor, (0 if tensor is None or tensor.dim() < 2 else tensor.shape[-2])
+        self._kview = tensor
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._vview
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._v, self._nv = tensor, (0 if tensor is None or tensor.dim() < 2 else tensor.shape[-2])
+        self._vview = tensor
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None or self._k.dim() < 2 else self._k.shape[-2]
+
+    def _refresh(self) -> None:
+        self._kview = self._k.narrow(-2, 0, self._nk)
+        self._vview = self._v.narrow(-2, 0, self._nv)
+
+    # -- the cache-layer interface --------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._k = key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:-2], 0, value_states.shape[-1]))
+        self._nk = self._nv = 0
+        self._refresh()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
+        if not self.is_initialized or self._k.dim() < 2:
+            self.lazy_initialization(key_states, value_states)
+        n, c = self._nk, key_states.shape[-2]
+        if self._nv != n:
+            raise KvleagueError(f"cache: keys hold {n} slots but values {self._nv}")
+        if n + c > self.capacity:
+            self.resize(self._grown(n + c))
+        self._k.narrow(-2, n, c).copy_(key_states)
+        self._v.narrow(-2, n, c).copy_(value_states)
+        self._nk = self._nv = n + c
+        self._refresh()
+        return self._kview, self._vview
+
+    def get_seq_length(self) -> int:
+        return self._nk if self.is_initialized else 0
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.get_seq_length() - abs(max_length)
+        if self.get_seq_length() > max_length:
+            self.truncate(max_length)
+
+    # -- what eviction uses ---------------------------------------------------------------------
+
+    def _grown(self, needed: int) -> int:
+        geometric = max(int(self.capacity * _GROWTH), self.capacity + _MIN_GROWTH)
+        if self.reserve is not None:
+            geometric = min(geometric, self.reserve)
+        return max(needed, geometric)
+
+    def resize(self, capacity: int) -> None:
+        """Reallocate the slab to ``capacity`` slots (>= length), keeping the held ones."""
+        n = self._nk
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:-2], capacity, old.shape[-1]))
+            new.narrow(-2, 0, n).copy_(old.narrow(-2, 0, n))
+            setattr(self, name, new)
+        self._refresh()
+
+    def truncate(self, length: int) -> None:
+        self._nk = self._nv = length
+        self._refresh()
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k, self._v
+
+
+def slab_cache(config, reserve: int | None) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`SlabLayer`\\ s."""
+    cache = DynamicCache(config=config)
+    cache.layers = [SlabLayer(reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
 
 class BudgetedCache:
-    def __init__(self, config, n_layers: int, n_kv_heads: int, device: torch.device):
-        self.cache = DynamicCache(config=config)
+    def __init__(self, config, n_layers: int, n_kv_heads: int, device: torch.device, reserve: int | None = None):
+        #: slots a slab is sized for before it grows geometrically (budget + one pass's new tokens)
+        self.reserve = reserve
+        self.cache = slab_cache(config, reserve)
         self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
         self.device = device
-        empty_long = torch.empty(n_kv_heads, 0, dtype=torch.long, device=device)
-        empty_bool = torch.empty(n_kv_heads, 0, dtype=torch.bool, device=device)
-        self.positions = [empty_long] * n_layers
-        self.is_prompt = [empty_bool] * n_layers
-        self.uniform = True  # every layer and head holds the same tokens
+        # [L, H, T] absolute positions and prompt flags; while ``uniform`` they are one [H, T] row
+        # block expanded over the layers, so appends and token-level evictions touch it once
+        self._pos = torch.empty(n_kv_heads, 0, dtype=torch.long, device=device)
+        self._prompt = torch.empty(n_kv_heads, 0, dtype=torch.bool, device=device)
+        self.uniform = True  # every layer and head holds the same tokens (in the same slots)
+        self._heads_agree = True  # within each layer, every head does
+        self._views: tuple[list, list] | None = None
+        self._scratch: torch.Tensor | None = None
+        self.bytes_per_slot = 0
+
+    # -- bookkeeping --------------------------------------------------------------------------
 
     @property
     def length(self) -> int:
-        return self.positions[0].shape[1]
+        return self._pos.shape[-1]
+
+    def _lists(self) -> tuple[list, list]:
+        if self._views is None:
+            if self.uniform:
+                self._views = ([self._pos] * self.n_layers, [self._prompt] * self.n_layers)
+            else:
+                self._views = (list(self._pos.unbind(0)), list(self._prompt.unbind(0)))
+        return self._views
+
+    @property
+    def positions(self) -> list[torch.Tensor]:
+        """Per layer ``[H, T]`` absolute positions (fresh tensors after every change: never mutated)."""
+        return self._lists()[0]
+
+    @property
+    def is_prompt(self) -> list[torch.Tensor]:
+        return self._lists()[1]
+
+    def _set(self, pos: torch.Tensor, prompt: torch.Tensor, uniform: bool) -> None:
+        self._pos, self._prompt, self.uniform, self._views = pos, prompt, uniform, None
+
+    def _per_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[L, H, T]`` positions and flags (a broadcast view while uniform)."""
+        if self.uniform:
+            shape = (self.n_layers, *self._pos.shape)
+            return self._pos.expand(shape), self._prompt.expand(shape)
+        return self._pos, self._prompt
 
     def kv_bytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers if layer.is_initialized)
+        """Bytes of the K/V entries held (slots x layers x heads x head dim x 2 x element size)."""
+        if not self.bytes_per_slot:
+            self.bytes_per_slot = sum(
+                layer.keys.nbytes // max(1, layer.keys.shape[-2]) + layer.values.nbytes // max(1, layer.values.shape[-2])
+                for layer in self.cache.layers
+                if layer.is_initialized and layer.keys is not None and layer.keys.dim() >= 2 and layer.keys.shape[-2]
+            )
+        return self.bytes_per_slot * self.length
 
     def track(self, new_positions: torch.Tensor, prompt: bool) -> None:
         """Record the slots the last forward pass appended (call right after it)."""
         c = new_positions.shape[0]
-        pos = new_positions.to(self.device)[None].expand(self.n_kv_heads, c)
-        flag = torch.full((self.n_kv_heads, c), prompt, dtype=torch.bool, device=self.device)
-        self.positions = [torch.cat([p, pos], dim=1) for p in self.positions]
-        self.is_prompt = [torch.cat([f, flag], dim=1) for f in self.is_prompt]
+        pos = new_positions.to(self.device).expand(*self._pos.shape[:-1], c)
+        flag = torch.full((*self._prompt.shape[:-1], c), prompt, dtype=torch.bool, device=self.device)
+        self._set(torch.cat([self._pos, pos], dim=-1), torch.cat([self._prompt, flag], dim=-1), self.uniform)
 
     def view(self, budget: int, phase: Phase, current_position: int) -> CacheView:
         return CacheView(
@@ -53,48 +225,137 @@ class BudgetedCache:
             current_position=current_position,
         )
 
+    def _protected(self, pos: torch.Tensor, prompt: torch.Tensor, protocol: Protocol, current_position: int) -> torch.Tensor:
+        mask = (pos < protocol.sink) | (pos > current_position - protocol.recent)
+        if protocol.protect_prompt:
+            mask |= prompt
+        return mask
+
     def protected(self, protocol: Protocol, current_position: int) -> list[torch.Tensor]:
         """Per layer ``[H, T]``: slots the protocol forbids evicting."""
-        masks = []
-        for pos, prompt in zip(self.positions, self.is_prompt):
-            mask = (pos < protocol.sink) | (pos > current_position - protocol.recent)
-            if protocol.protect_prompt:
-                mask |= prompt
-            masks.append(mask)
-        return masks
+        return [self._protected(p, f, protocol, current_position) for p, f in zip(self.positions, self.is_prompt)]
 
-    def evict(self, scores: torch.Tensor, budget: int, protocol: Protocol, current_position: int) -> int:
-        """Keep the ``budget`` best slots (protected ones first); return how many slots were dropped."""
+    # -- eviction -------------------------------------------------------------------------------
+
+    def evict(
+        self, scores: torch.Tensor, budget: int, protocol: Protocol, current_position: int, ordered: bool = True
+    ) -> int:
+        """Keep the ``budget`` best slots (protected ones first); return how many slots were dropped.
+
+        ``ordered=False`` lets the kept slots change order (see the module docstring)."""
         length = self.length
         scores = self._normalise(scores, length)
-        protected = self.protected(protocol, current_position)
-        n_protected = max(int(m.sum(dim=1).max()) for m in protected)
+        if scores.dim() == 1 and not self.uniform:
+            raise KvleagueError("score: per-token scores [T] need every layer and head to hold the same tokens")
+        if scores.dim() == 1:
+            pos, prompt = self._pos[0], self._prompt[0]  # [T]: every layer and head agrees
+        elif scores.dim() == 2 and self.heads_agree:
+            pos, prompt = self._per_layer()
+            pos, prompt = pos[:, 0], prompt[:, 0]  # [L, T]: the heads of each layer agree
+        else:
+            if scores.dim() == 2:
+                scores = scores[:, None, :].expand(self.n_layers, self.n_kv_heads, length)
+            pos, prompt = self._per_layer()  # [L, H, T]
+        protected = self._protected(pos, prompt, protocol, current_position)
+        n_protected = int(protected.sum(dim=-1).max())
         if n_protected > budget:
             raise KvleagueError(
                 f"budget: {n_protected} protected tokens (sink + recent + prompt) exceed the budget {budget}; "
                 "raise the budget or turn off protect_prompt"
             )
-        if scores.dim() == 1 and self.uniform:
-            keep = _top_slots(scores.masked_fill(protected[0][0], float("inf")), budget)
-            for i, layer in enumerate(self.cache.layers):
-                layer.keys = layer.keys.index_select(2, keep)
-                layer.values = layer.values.index_select(2, keep)
-                self.positions[i] = self.positions[i].index_select(1, keep)
-                self.is_prompt[i] = self.is_prompt[i].index_select(1, keep)
+        # protected slots rank strictly above any score a method gives (its own +inf included)
+        ceiling = torch.finfo(scores.dtype).max
+        keep = _keep_mask(torch.where(protected, float("inf"), scores.clamp(max=ceiling)), budget)  # shape of scores
+        if keep.dim() == 1:  # one plan for every layer
+            plan = _Plan(keep, budget, ordered)
+            for layer in self.cache.layers:
+                self._evict_layer(layer, plan)
+            order = plan.order()  # old slot of every new slot
+            self._set(self._pos[:, order], self._prompt[:, order], True)
         else:
-            if scores.dim() == 1:
-                raise KvleagueError("score: per-token scores [T] need every layer and head to hold the same tokens")
-            if scores.dim() == 2:
-                scores = scores[:, None, :].expand(self.n_layers, self.n_kv_heads, length)
             for i, layer in enumerate(self.cache.layers):
-                keep = _top_slots(scores[i].masked_fill(protected[i], float("inf")), budget)  # [H, B]
-                index = keep[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
-                layer.keys = layer.keys.gather(2, index)
-                layer.values = layer.values.gather(2, index)
-                self.positions[i] = self.positions[i].gather(1, keep)
-                self.is_prompt[i] = self.is_prompt[i].gather(1, keep)
-            self.uniform = self.uniform and _all_equal(self.positions)
+                self._evict_layer(layer, _Plan(keep[i], budget, ordered))
+            order = _new_order(keep, budget, ordered)
+            pos, prompt = self._per_layer()
+            index = order[:, None, :].expand(self.n_layers, self.n_kv_heads, budget) if order.dim() == 2 else order
+            self._finish(pos.gather(2, index), prompt.gather(2, index), keep)
+        self._shrink(budget)
         return length - budget
+
+    @property
+    def heads_agree(self) -> bool:
+        """Within each layer, every KV head holds the same tokens in the same slots."""
+        return self.uniform or self._heads_agree
+
+    def _finish(self, pos: torch.Tensor, prompt: torch.Tensor, keep: torch.Tensor) -> None:
+        """Store per-layer ``[L, H, B]`` bookkeeping after an eviction with keep mask ``keep``.
+
+        Layers (heads) that held the same slots still do when their keep masks are equal; otherwise
+        they are taken to differ from now on (comparing the masks is cheaper than the positions)."""
+        if keep.dim() == 2:  # [L, T]: the heads of a layer moved alike
+            heads_agree = self.heads_agree
+            uniform = self.uniform and bool((keep == keep[:1]).all())
+        else:  # [L, H, T]
+            flat = keep.view(keep.shape[0], keep.shape[1], -1)
+            heads_agree = self.heads_agree and bool((flat == flat[:, :1]).all())
+            uniform = self.uniform and heads_agree and bool((flat[:, 0] == flat[:1, 0]).all())
+        if uniform:
+            self._set(pos[0].clone(), prompt[0].clone(), True)
+        else:
+            self._set(pos, prompt, False)
+        self._heads_agree = heads_agree
+
+    def _evict_layer(self, layer, plan: "_Plan") -> None:
+        """Physically drop the slots ``plan`` drops from one layer's K/V."""
+        budget = plan.budget
+        if not isinstance(layer, SlabLayer):  # a layer kind we do not manage: rebuild its tensors
+            order = plan.order()
+            if order.dim() == 1:
+                layer.keys, layer.values = layer.keys.index_select(2, order), layer.values.index_select(2, order)
+            else:
+                index = order[None, :, :, None]
+                layer.keys = layer.keys.gather(2, index.expand(*index.shape[:3], layer.keys.shape[-1]))
+                layer.values = layer.values.gather(2, index.expand(*index.shape[:3], layer.values.shape[-1]))
+            return
+        if not plan.ordered:
+            _fill_holes(layer.buffers, plan)
+        elif layer.device.type == "cpu" and plan.length - budget <= _MEMMOVE_MAX:
+            _shift_left(layer.buffers, plan)
+        else:
+            self._compact(layer.buffers, plan)
+        layer.truncate(budget)
+
+    def _compact(self, buffers, plan: "_Plan") -> None:
+        """Ordered removal via a scratch buffer: the kept slots after the first hole, gathered, written back."""
+        first, tail = plan.tail()
+        if tail is None:
+            return
+        m = tail.shape[-1]
+        for buf in buffers:
+            live = buf.narrow(-2, 0, plan.length)
+            tmp = self._scratch_view(buf, (*buf.shape[:-2], m, buf.shape[-1]))
+            if tail.dim() == 1:
+                torch.index_select(live, -2, tail, out=tmp)
+            else:
+                for h in range(tail.shape[0]):
+                    torch.index_select(live[:, h], -2, tail[h], out=tmp[:, h])
+            buf.narrow(-2, first, m).copy_(tmp)
+
+    def _scratch_view(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        s = self._scratch
+        if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
+            self._scratch = s = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+        return s[:numel].view(shape)
+
+    def _shrink(self, budget: int) -> None:
+        """Give memory back after a long prompt was compressed: slabs far above the reserve shrink."""
+        target = max(self.reserve or budget, budget)
+        for layer in self.cache.layers:
+            if isinstance(layer, SlabLayer) and layer.capacity > 2 * target:
+                layer.resize(target)
 
     def _normalise(self, scores: torch.Tensor, length: int) -> torch.Tensor:
         if not isinstance(scores, torch.Tensor):
@@ -109,11 +370,126 @@ class BudgetedCache:
         return scores.to(self.device, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
-def _top_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` highest scores along the last dim, in slot order."""
-    return torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+def _keep_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the ``k`` highest scores along the last dim (exactly ``k`` per row).
+
+    Selects whichever side is smaller: with one slot to drop per decode step, that is a bottom-1
+    search rather than a top-(T-1) one."""
+    t = scores.shape[-1]
+    if k >= t:
+        return torch.ones_like(scores, dtype=torch.bool)
+    if 2 * k >= t:
+        drop = torch.topk(scores, t - k, dim=-1, largest=False, sorted=False).indices
+        return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, drop, False)
+    keep = torch.topk(scores, k, dim=-1, sorted=False).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keep, True)
 
 
-def _all_equal(tensors: list[torch.Tensor]) -> bool:
-    first = tensors[0]
-    return bool((first == first[:1]).all()) and all(torch.equal(t, first) for t in tensors[1:])
+#: ordered removal of at most this many slots per head moves the tail in place (CPU memmove)
+_MEMMOVE_MAX = 16
+
+
+class _Plan:
+    """How one layer's slots become the kept ones, for a keep mask ``[T]`` (all heads) or ``[H, T]``.
+
+    Each piece is computed once on demand and shared by the K and V buffers (and, for token-level
+    scores, by every layer)."""
+
+    def __init__(self, keep: torch.Tensor, budget: int, ordered: bool):
+        self.keep, self.budget, self.ordered = keep, budget, ordered
+        self.length = keep.shape[-1]
+        self._cache: dict[str, object] = {}
+
+    def order(self) -> torch.Tensor:
+        """``[B]`` or ``[H, B]``: the old slot of every new slot."""
+        if "order" not in self._cache:
+            if self.ordered or self.keep.dim() > 1:
+                self._cache["order"] = _new_order(self.keep, self.budget, self.ordered)
+            else:
+                holes, donors = self.holes_donors()
+                order = torch.arange(self.budget, device=self.keep.device)
+                order[holes] = donors
+                self._cache["order"] = order
+        return self._cache["order"]
+
+    def holes_donors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Order-free: dropped slots below B and the kept slots from B on that refill them.
+
+        ``[k]`` slot indices for a ``[T]`` mask; ``[k, 2]`` (head, slot) pairs for ``[H, T]``."""
+        if "holes" not in self._cache:
+            b = self.budget
+            holes, donors = (~self.keep[..., :b]).nonzero(), self.keep[..., b:].nonzero()
+            if self.keep.dim() == 1:
+                holes, donors = holes[:, 0], donors[:, 0] + b
+            else:
+                donors = torch.stack([donors[:, 0], donors[:, 1] + b], dim=1)
+            self._cache["holes"] = (holes, donors)
+        return self._cache["holes"]
+
+    def drops(self) -> list[list[int]]:
+        """Per head (one list when all heads agree): the dropped slots, ascending."""
+        if "drops" not in self._cache:
+            rows = self.keep.reshape(-1, self.length)
+            out: list[list[int]] = [[] for _ in range(rows.shape[0])]
+            for r, slot in (~rows).nonzero().tolist():
+                out[r].append(slot)
+            self._cache["drops"] = out
+        return self._cache["drops"]
+
+    def tail(self) -> tuple[int, torch.Tensor | None]:
+        """Ordered: the earliest hole over the heads, and the kept slots from it on (``[m]`` / ``[H, m]``)."""
+        if "tail" not in self._cache:
+            rows = self.keep.reshape(-1, self.length)
+            first = int((~rows).int().argmax(dim=1).min())
+            m = self.budget - first
+            tail = None
+            if m > 0:
+                tail = self.keep[..., first:].nonzero()[:, -1].view(*self.keep.shape[:-1], m) + first
+            self._cache["tail"] = (first, tail)
+        return self._cache["tail"]
+
+
+def _new_order(keep: torch.Tensor, budget: int, ordered: bool) -> torch.Tensor:
+    """``[..., B]``: the old slot of each new slot, for a ``[..., T]`` keep mask with B kept per row.
+
+    Ordered: the kept slots in slot order. Order-free: slots below B stay, and each dropped one is
+    refilled by a kept slot from B on (in increasing order on both sides)."""
+    lead = keep.shape[:-1]
+    if ordered:
+        return keep.nonzero()[:, -1].view(*lead, budget)
+    order = torch.arange(budget, device=keep.device).expand(*lead, budget).clone()
+    holes = (~keep[..., :budget]).nonzero()
+    donors = keep[..., budget:].nonzero()
+    order[tuple(holes.unbind(1))] = donors[:, -1] + budget
+    return order
+
+
+def _fill_holes(buffers, plan: _Plan) -> None:
+    """Order-free removal: move each kept slot at or above the budget into a dropped slot below it."""
+    holes, donors = plan.holes_donors()
+    if not holes.numel():
+        return
+    for buf in buffers:
+        if holes.dim() == 1:
+            buf.index_copy_(-2, holes, buf.index_select(-2, donors))
+        else:
+            b0 = buf[0]  # [H, cap, d]
+            b0[holes[:, 0], holes[:, 1]] = b0[donors[:, 0], donors[:, 1]]
+
+
+def _shift_left(buffers, plan: _Plan) -> None:
+    """Ordered removal of a few slots on the CPU: each run of kept slots moves left in place.
+
+    Each KV head's ``[capacity, d]`` block is contiguous, so a run is one overlapping move within
+    it; numpy performs overlapping assignments of one-dimensional contiguous arrays as a memmove."""
+    drops, length = plan.drops(), plan.length
+    for buf in buffers:
+        raw = buf.view(torch.uint8).numpy()[0]  # [H, cap, row bytes], sharing the slab's memory
+        width = raw.shape[-1]
+        for h in range(raw.shape[0]):
+            flat = raw[h].reshape(-1)
+            dropped = drops[0] if len(drops) == 1 else drops[h]
+            for s, j in enumerate(dropped):
+                end = dropped[s + 1] if s + 1 < len(dropped) else length
+                if end > j + 1:
+                    flat[(j - s) * width : (end - 1 - s) * width] = flat[(j + 1) * width : end * width]

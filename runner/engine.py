@@ -8,7 +8,7 @@ Each forward pass: the new tokens go in with explicit ``position_ids`` (true pos
 cache-length positions under ``positions: compact``) and ``cache_position`` in storage coordinates
 (so the causal mask is right for a shrunken cache); the method observes what it declared in
 ``Needs``; then, when the cadence says so, the method scores the cache and the engine keeps the best
-slots among the evictable ones and gathers the tensors.
+slots among the evictable ones, moving the cache entries in place (``runner/budgeted_cache.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class GenerationResult:
     peak_kv_bytes: int
     peak_memory_bytes: int
     peak_memory_source: str
+    #: the engine's share of ``method_seconds``: protection, top-k and moving the cache entries
+    #: (``method_seconds`` = the method's observe + score, plus this)
+    selection_seconds: float
     #: per layer: ``[T]`` absolute positions when all heads agree, else ``[H][T]``
     kept_positions: list = field(repr=False)
 
@@ -149,7 +152,12 @@ class Session:
         self.engine, self.method, self.budget, self.protocol, self.seed = engine, method, budget, protocol, seed
         needs = method.needs
         self.attn_implementation = "eager" if needs.eager else engine.attn_implementation
-        self.cache = BudgetedCache(engine.model.config, engine.n_layers, engine.n_kv_heads, engine.device)
+        # slabs sized for the budget plus the most one forward pass appends before an eviction
+        per_pass = max(protocol.buffer + 1, protocol.prefill_chunk or 1)
+        self.cache = BudgetedCache(
+            engine.model.config, engine.n_layers, engine.n_kv_heads, engine.device, reserve=budget + per_pass
+        )
+        self.ordered_slots = needs.ordered_slots
         self.generator = torch.Generator(device=engine.device).manual_seed(seed)
         self.hidden_layers = sorted(set(method.hidden_layers(engine.n_layers))) if needs.hidden_states else []
         wants_probe = needs.queries or needs.new_keys_values or needs.attention
@@ -174,6 +182,7 @@ class Session:
         self.prefill_seconds = 0.0
         self.step_seconds: list[float] = []
         self.method_seconds = 0.0
+        self.selection_seconds = 0.0
         self.evictions = 0
         self.evicted_tokens = 0
         self.peak_entries = 0
@@ -334,9 +343,12 @@ class Session:
         start = time.perf_counter()
         current = self.next_position - 1
         scores = self.method.score(self.cache.view(self.budget, phase, current))
-        self.evicted_tokens += self.cache.evict(scores, self.budget, self.protocol, current)
+        selection = time.perf_counter()
+        self.evicted_tokens += self.cache.evict(scores, self.budget, self.protocol, current, ordered=self.ordered_slots)
         self.evictions += 1
-        self.method_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self.method_seconds += end - start
+        self.selection_seconds += end - selection
 
     # -- results -------------------------------------------------------------------------------
 
@@ -359,6 +371,7 @@ class Session:
             decode_seconds_p95=_quantile(steps, 0.95),
             tokens_per_second=len(steps) / decode_total if decode_total else 0.0,
             method_seconds=self.method_seconds,
+            selection_seconds=self.selection_seconds,
             evictions=self.evictions,
             evicted_tokens=self.evicted_tokens,
             peak_cache_entries=self.peak_entries,

@@ -184,7 +184,7 @@ def test_epikv_kept_set_on_tiny_model_equals_naive_reimplementation(
     with engine.session(build_method(name, params), budget, protocol) as session:
         session.feed(prompt)
         out = session.decode(GenerationSettings(max_new_tokens=n_fed + 1))
-        kept = session.cache.positions[0][0].tolist()
+        kept = sorted(session.cache.positions[0][0].tolist())  # epikv is order-free: slot order is arbitrary
         assert session.evictions == 1 and all(torch.equal(p[0], session.cache.positions[0][0]) for p in session.cache.positions)
     ids = prompt + out.token_ids[:n_fed]
     n = len(ids)

@@ -59,7 +59,7 @@ def test_prefill_kept_indices_equal_kvpress(engines, prompt_ids, arch, name):
     }[name]
     with engine.session(build_method(name), BUDGET, protocol) as session:
         session.feed(prompt_ids)
-        kept = [p.clone() for p in session.cache.positions]
+        kept = [p.sort(dim=-1).values for p in session.cache.positions]  # order-free methods: slot order is arbitrary
     expected = _kvpress_kept(engine, prompt_ids, press, BUDGET)
     for layer in range(engine.n_layers):
         assert torch.equal(kept[layer], expected[layer]), (name, layer)

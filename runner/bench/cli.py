@@ -1,0 +1,40 @@
+"""Options every benchmark shares, and what happens to a finished report (print, JSON, database)."""
+
+from __future__ import annotations
+
+import argparse
+
+from runner.errors import KvleagueError
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory or HF id (default: a 41M-parameter random-weight llama built offline)")
+    p.add_argument("--quick", action="store_true", help="a smaller run (a few minutes on 2 CPU cores)")
+    p.add_argument("--json", metavar="OUT", help="write the report (figures + environment) here")
+    p.add_argument("--store", action="store_true", help="write the figures into the results database")
+    p.add_argument("--db", metavar="URL", help="database URL for --store (default: $KVLEAGUE_DB or sqlite:///kvleague.db)")
+
+
+def common_parser(doc: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
+    add_common(parser)
+    return parser
+
+
+def finish(report: dict, args) -> dict:
+    from runner.bench.harness import write_report
+
+    if getattr(args, "json", None):
+        path = write_report(report, args.json)
+        print(f"\nwrote {path}")
+    if getattr(args, "store", False):
+        from runner.bench.storage import store_report
+
+        try:
+            n = store_report(report, args.db)
+        except KvleagueError:
+            raise
+        from db.session import default_url, display_url
+
+        print(f"stored {n} figures (run {report['run_id'][:12]}) in {display_url(args.db or default_url())}")
+    return report

@@ -1,0 +1,160 @@
+"""Engine vs ``model.generate``: decode speed with no eviction, on the same model and prompt.
+
+Both decode the same number of greedy tokens (EOS ignored) from the same prompt. Decode time is
+taken from the first generated token to the last (``model.generate`` is timed through a streamer,
+the engine around its ``decode`` after the prompt is fed), so both count the same forward passes;
+end-to-end time (prefill included) is reported too. Runs alternate and medians are compared; the
+target is engine / generate >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+TARGET = 0.9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 1024 (quick 256)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 512 (quick 128)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; quick 3)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    p.add_argument("--threads", type=int, help="torch threads (default: 1 with the cpu clock)")
+
+
+class StepClock:
+    """A ``model.generate`` streamer that timestamps every batch of tokens it is handed."""
+
+    def __init__(self, clock):
+        self.clock, self.stamps = clock, []
+
+    def put(self, value) -> None:
+        self.stamps.append(self.clock.now())
+
+    def end(self) -> None:
+        pass
+
+    def decode_seconds(self) -> float:
+        """From the first generated token (the prompt is the first ``put``) to the last."""
+        return self.stamps[-1] - self.stamps[1]
+
+
+class plain_attention:
+    """Run the engine's model under its plain attention kernel (not kvleague's probing wrapper)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        model = self.engine.model
+        self.saved = model.config._attn_implementation
+        model.set_attn_implementation(self.engine.attn_implementation)
+        return model
+
+    def __exit__(self, *exc):
+        self.engine.model.set_attn_implementation(self.saved)
+
+
+def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None, **kwargs) -> dict:
+    """``model.generate`` (inside ``press(model)`` when given) timed by a streamer."""
+    import contextlib
+
+    import torch
+
+    streamer = StepClock(clock)
+    start = clock.now()
+    with plain_attention(engine) as model, (press(model) if press is not None else contextlib.nullcontext()), torch.inference_mode():
+        ids = torch.tensor([prompt], device=engine.device)
+        # an explicit mask: generate would otherwise take prompt tokens equal to the pad id for padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer, **kwargs)
+    total = clock.now() - start
+    decode = streamer.decode_seconds()
+    return {"decode_tps": (new_tokens - 1) / decode, "total_seconds": total, "tokens": out[0, len(prompt):].tolist()}
+
+
+def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str = "full", budget: int = 1 << 40, protocol=None) -> dict:
+    from methods import build_method
+    from runner.protocol import GenerationSettings
+
+    start = clock.now()
+    with engine.session(build_method(method), budget, protocol) as session:
+        session.feed(prompt)
+        first = clock.now()
+        out = session.decode(GenerationSettings(max_new_tokens=new_tokens))
+        end = clock.now()
+    # the first token comes from the prefill logits: new_tokens - 1 forward passes were timed
+    return {"decode_tps": (new_tokens - 1) / (end - first), "total_seconds": end - start, "tokens": out.token_ids}
+
+
+def run(args) -> dict:
+    from runner.bench import harness as h
+    from runner.engine import Engine
+
+    started = time.perf_counter()
+    clock = h.Clock(args.clock)
+    threads = h.set_threads(clock, args.threads)
+    prompt_tokens = args.prompt_tokens or (256 if args.quick else 1024)
+    new_tokens = args.new_tokens or (128 if args.quick else 512)
+    rounds = args.rounds or (3 if args.quick else 5)
+    source = str(args.model or h.default_model())
+    engine = Engine.load(source)
+    engine.eos_ids = set()
+    label = h.model_label(engine, args.model)
+    prompt = h.random_prompt(prompt_tokens, seed=1)
+    env = h.environment()
+    print(f"engine vs model.generate: {label}; prompt {prompt_tokens}, {new_tokens} new tokens, {rounds} alternating rounds; "
+          f"clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
+    results = h.alternate(
+        {"generate": lambda: time_generate(engine, prompt, new_tokens, clock),
+         "engine": lambda: time_engine(engine, prompt, new_tokens, clock)},
+        rounds,
+    )
+    rows = []
+    for name, runs in results.items():
+        rows.append({"method": name, "decode_tokens_per_second": h.median(r["decode_tps"] for r in runs),
+                     "total_seconds": h.median(r["total_seconds"] for r in runs), "rounds": len(runs),
+                     "per_round_tps": [r["decode_tps"] for r in runs]})
+    gen, eng = rows[0], rows[1]
+    value = h.ratio(eng["decode_tokens_per_second"], gen["decode_tokens_per_second"])
+    same = results["engine"][0]["tokens"] == results["generate"][0]["tokens"]
+    common = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
+    figures = [
+        h.figure("decode_tokens_per_second", gen["decode_tokens_per_second"], "tokens/s", method="generate", **common),
+        h.figure("decode_tokens_per_second", eng["decode_tokens_per_second"], "tokens/s", method="engine", **common),
+        h.figure("speed_ratio", value, "x", method="engine", reference="generate", target=TARGET, same_tokens=same, **common),
+        h.figure("end_to_end_ratio", h.ratio(gen["total_seconds"], eng["total_seconds"]), "x", method="engine",
+                 reference="generate", **common),
+    ]
+    config = {"model": source, "model_label": label, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": rounds,
+              "clock": args.clock, "threads": threads, "quick": args.quick}
+    summary = {"ratio_engine_over_generate": value, "target": TARGET, "same_tokens": same}
+    report = h.make_report("engine_vs_generate", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
+    print_report(report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    from runner.bench import harness as h
+
+    print("\nengine vs model.generate (no eviction), decode only")
+    print(h.table(report["rows"], [("method", "runner", ""), ("decode_tokens_per_second", "tok/s", ".2f"),
+                                   ("total_seconds", "end-to-end s", ".2f")]))
+    s = report["summary"]
+    print(f"ratio engine / generate: {s['ratio_engine_over_generate']:.3f} (target >= {s['target']}); "
+          f"same tokens: {s['same_tokens']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from runner.bench.cli import common_parser, finish
+
+    parser = common_parser(__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return finish(run(args), args)
+
+
+if __name__ == "__main__":
+    main()

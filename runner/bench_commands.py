@@ -1,0 +1,58 @@
+"""``kvleague bench {context,speed,kvpress,generate,all}``: the systems benchmarks (``runner/bench``).
+
+Each prints a table; ``--json OUT`` writes the report (for ``all``: a directory, one file per
+benchmark); ``--store`` writes the figures into the results database (``--db URL``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runner.bench import decode_speed, engine_vs_generate, feasible_context, vs_kvpress
+from runner.bench.cli import add_common, finish
+
+BENCHES = {
+    "context": (feasible_context, "longest prompt per method under a memory cap"),
+    "speed": (decode_speed, "decode tokens/s per method at budgets 256/1024/4096 beside full cache"),
+    "kvpress": (vs_kvpress, "engine vs kvpress DecodingPress at equal method and budget"),
+    "generate": (engine_vs_generate, "engine vs model.generate with no eviction"),
+}
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="systems benchmarks: feasible context, decode speed, vs kvpress, vs generate")
+    sub = bench.add_subparsers(dest="bench", required=True, parser_class=type(bench))
+    for name, (module, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or "").strip().splitlines()[0])
+        add_common(p)
+        module.add_arguments(p)
+        p.set_defaults(func=_runner(module))
+    p = sub.add_parser("all", help="all four with their defaults (--quick: a few minutes each)")
+    add_common(p)
+    p.set_defaults(func=cmd_all)
+
+
+def _runner(module):
+    def run(args) -> int:
+        finish(module.run(args), args)
+        return 0
+
+    return run
+
+
+def cmd_all(args) -> int:
+    out_dir = Path(args.json) if args.json else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    for name, (module, _) in BENCHES.items():
+        parser = argparse.ArgumentParser()
+        add_common(parser)
+        module.add_arguments(parser)
+        sub_args = parser.parse_args([])
+        for key in ("model", "quick", "store", "db"):
+            setattr(sub_args, key, getattr(args, key))
+        sub_args.json = str(out_dir / f"{module.__name__.rsplit('.', 1)[-1]}.json") if out_dir else None
+        print(f"\n=== kvleague bench {name} ===", flush=True)
+        finish(module.run(sub_args), sub_args)
+    return 0

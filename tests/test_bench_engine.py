@@ -1,0 +1,182 @@
+"""The engine's fast paths (slab cache layers, in-place eviction, grouped attention probe) against
+plain reference computations. Timing is never asserted here; ``benchmarks/`` measures it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.integrations.sdpa_attention import repeat_kv
+
+import runner.budgeted_cache as bc
+from methods import build_method
+from methods.base import Needs
+from runner.attention_probe import attention_rows
+from runner.budgeted_cache import BudgetedCache, SlabLayer
+from runner.protocol import GenerationSettings, Protocol
+
+L, H, D = 3, 2, 4
+
+
+def _cache(length: int, reserve: int | None = None, seed: int = 0) -> tuple[BudgetedCache, list, list]:
+    """A cache holding ``length`` random entries at positions 0..length-1, plus the entries by position."""
+    config = LlamaConfig(num_hidden_layers=L, num_attention_heads=2 * H, num_key_value_heads=H, hidden_size=8 * H * D // 2)
+    cache = BudgetedCache(config, L, H, torch.device("cpu"), reserve=reserve)
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = [], []
+    for layer in range(L):
+        k, v = torch.randn(1, H, length, D, generator=gen), torch.randn(1, H, length, D, generator=gen)
+        cache.cache.update(k, v, layer)
+        keys.append(k[0].clone())
+        values.append(v[0].clone())
+    cache.track(torch.arange(length), prompt=False)
+    return cache, keys, values
+
+
+def _append(cache: BudgetedCache, keys: list, values: list, position: int, gen) -> None:
+    for layer in range(L):
+        k, v = torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen)
+        cache.cache.update(k, v, layer)
+        keys[layer] = torch.cat([keys[layer], k[0]], dim=1)
+        values[layer] = torch.cat([values[layer], v[0]], dim=1)
+    cache.track(torch.tensor([position]), prompt=False)
+
+
+def _check_consistent(cache: BudgetedCache, keys: list, values: list, ordered: bool) -> None:
+    """Every slot holds the K/V of the position the bookkeeping says it holds."""
+    for layer, cached in enumerate(cache.cache.layers):
+        pos = cache.positions[layer]
+        assert cached.keys.shape[-2] == pos.shape[-1] == cache.length
+        for h in range(H):
+            torch.testing.assert_close(cached.keys[0, h], keys[layer][h, pos[h]], rtol=0, atol=0)
+            torch.testing.assert_close(cached.values[0, h], values[layer][h, pos[h]], rtol=0, atol=0)
+            if ordered:
+                assert bool((pos[h][1:] > pos[h][:-1]).all()), "slots out of position order"
+
+
+def _expected_kept(scores: torch.Tensor, positions: list, budget: int, protected_below: int) -> list[set]:
+    """Per (layer, head): the kept positions a plain sort would choose (sinks first, then best scores)."""
+    out = []
+    for layer in range(L):
+        for h in range(H):
+            s = scores if scores.dim() == 1 else scores[layer] if scores.dim() == 2 else scores[layer, h]
+            pos = positions[layer][h]
+            ranked = sorted(range(pos.shape[0]), key=lambda i: (int(pos[i]) >= protected_below, -float(s[i])))
+            out.append({int(pos[i]) for i in ranked[:budget]})
+    return out
+
+
+@pytest.mark.parametrize("granularity", ["token", "layer", "head"])
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("path", ["memmove", "scratch"])
+def test_eviction_paths_keep_the_best_slots_with_their_entries(monkeypatch, granularity, ordered, path):
+    if path == "scratch":  # the device-agnostic ordered path (what CUDA uses), forced on the CPU
+        monkeypatch.setattr(bc, "_MEMMOVE_MAX", -1)
+    budget, length, sink = 12, 20, 2
+    cache, keys, values = _cache(length, reserve=budget + 1)
+    gen = torch.Generator().manual_seed(1)
+    position = length
+    shape = {"token": (), "layer": (L,), "head": (L, H)}[granularity]
+    for step in range(12):  # one large eviction (prefill-like), then one slot per step
+        positions = [p.clone() for p in cache.positions]
+        scores = torch.randn(*shape, cache.length, generator=gen)
+        expected = _expected_kept(scores, positions, budget, sink)
+        dropped = cache.evict(scores, budget, Protocol(sink=sink), position - 1, ordered=ordered)
+        assert dropped == len(positions[0][0]) - budget
+        kept = [set(cache.positions[layer][h].tolist()) for layer in range(L) for h in range(H)]
+        assert kept == expected
+        _check_consistent(cache, keys, values, ordered)
+        _append(cache, keys, values, position, gen)
+        position += 1
+
+
+def test_uniform_bookkeeping_survives_token_and_layer_evictions():
+    cache, keys, values = _cache(10, reserve=9)
+    cache.evict(torch.arange(10.0), 8, Protocol(), 9)
+    assert cache.uniform and cache.positions[0] is cache.positions[1]
+    cache.evict(torch.stack([torch.arange(8.0), -torch.arange(8.0), torch.arange(8.0)]), 6, Protocol(), 9)
+    assert not cache.uniform and cache.heads_agree  # layers differ, heads within a layer agree
+    with pytest.raises(Exception, match="per-token scores"):
+        cache.evict(torch.arange(6.0), 5, Protocol(), 9)
+    _check_consistent(cache, keys, values, ordered=True)
+
+
+def test_protected_slots_win_over_a_methods_own_infinities():
+    cache, _, _ = _cache(10, reserve=9)
+    scores = torch.full((10,), float("inf"))
+    scores[:3] = 0.0  # the protected sinks score lowest, every other slot is +inf
+    cache.evict(scores, 5, Protocol(sink=3), 9)
+    assert {0, 1, 2} <= set(cache.positions[0][0].tolist())
+
+
+def test_slab_layer_appends_in_place_grows_and_adopts_assigned_tensors():
+    layer = SlabLayer(reserve=6)
+    k = torch.randn(1, H, 4, D)
+    keys, _ = layer.update(k, k.clone())
+    assert layer.capacity == 6 and keys.shape[-2] == 4  # grew straight to the reserve
+    buffer = layer.buffers[0]
+    layer.update(torch.ones(1, H, 2, D), torch.ones(1, H, 2, D))
+    assert layer.buffers[0] is buffer  # fitted in place: no new allocation
+    layer.update(torch.zeros(1, H, 1, D), torch.zeros(1, H, 1, D))
+    assert layer.capacity >= 7 and layer.get_seq_length() == 7  # past the reserve: geometric growth
+    torch.testing.assert_close(layer.keys[..., :4, :], k)
+    layer.crop(3)
+    assert layer.keys.shape[-2] == 3 and layer.get_seq_length() == 3
+    layer.keys, layer.values = torch.zeros(1, H, 2, D), torch.zeros(1, H, 2, D)  # kvpress-style assignment
+    assert layer.get_seq_length() == 2
+    layer.update(torch.ones(1, H, 1, D), torch.ones(1, H, 1, D))
+    assert layer.keys.shape[-2] == 3 and float(layer.keys[0, 0, 2, 0]) == 1.0
+
+
+def test_compressing_a_long_prompt_gives_the_memory_back():
+    cache, _, _ = _cache(200, reserve=9)
+    assert cache.cache.layers[0].capacity == 200
+    cache.evict(torch.arange(200.0), 8, Protocol(), 199)
+    assert cache.cache.layers[0].capacity == 9
+    assert cache.kv_bytes() == 8 * L * H * D * 2 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 3])
+def test_grouped_attention_rows_equal_the_repeat_kv_reference(dtype, window):
+    gen = torch.Generator().manual_seed(0)
+    h_q, h_kv, t, d = 6, 2, 9, 8
+    query = torch.randn(h_q, window, d, generator=gen).to(dtype)
+    keys = torch.randn(h_kv, t, d, generator=gen).to(dtype)
+    k = repeat_kv(keys[None], h_q // h_kv)[0].float()
+    logits = query.float() @ k.transpose(-1, -2) * 0.3
+    causal = torch.arange(t)[None, :] > torch.arange(t - window, t)[:, None]
+    expected = torch.softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
+    torch.testing.assert_close(attention_rows(query, keys, 0.3), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "epikv", "tova", "keydiff"])
+def test_order_free_methods_keep_the_same_tokens_as_under_ordered_eviction(engines, monkeypatch, name):
+    """The opt-out of slot order changes where entries sit, never which ones are kept or what is generated.
+
+    (Only where scores never tie: a tie is broken by slot, so the kept set may then legitimately
+    differ. knorm ties on every repeated token, whose keys differ by a rotation only; the cache tests
+    above cover its per-head path with tie-free scores.)"""
+    engine = engines["llama"]
+    prompt_ids = torch.randperm(250, generator=torch.Generator().manual_seed(0))[:120].tolist()  # no repeated token
+    monkeypatch.setattr(engine, "eos_ids", set())
+    method = build_method(name)
+    assert method.needs.ordered_slots is False
+    ordered = build_method(name)
+    monkeypatch.setattr(type(ordered), "needs", dataclasses.replace(method.needs, ordered_slots=True), raising=True)
+    protocol = Protocol(sink=2, prefill_chunk=16)
+    settings = GenerationSettings(max_new_tokens=30)
+    with_order = engine.generate(prompt_ids, ordered, 24, protocol, settings)
+    monkeypatch.undo()
+    monkeypatch.setattr(engine, "eos_ids", set())
+    free = engine.generate(prompt_ids, build_method(name), 24, protocol, settings)
+    assert free.token_ids == with_order.token_ids
+    assert free.kept_positions == with_order.kept_positions
+    assert free.selection_seconds > 0 and free.method_seconds >= free.selection_seconds
+
+
+def test_needs_default_keeps_slots_in_order():
+    assert Needs().ordered_slots is True
+    assert build_method("h2o").needs.ordered_slots and build_method("snapkv").needs.ordered_slots
