@@ -1,0 +1,521 @@
+"""The *organism*: a small Llama trained here, on CPU, on the synthetic tasks of :mod:`tasks.synthetic`.
+
+``kvleague train-organism`` (see :mod:`runner.organism_commands`) calls :func:`train`. The shipped
+checkpoint ``models/organism`` is its output for the default :class:`OrganismConfig` and seed 0.
+
+Design (everything here is chosen so a 2-core CPU learns the tasks in well under 30 minutes):
+
+* **model**: ``LlamaForCausalLM``, 4 layers, hidden 192, 6 query heads and 2 KV heads (GQA), SwiGLU
+  512, RoPE; the byte-level tokenizer of :mod:`runner.tiny_model` (261 tokens), so the embedding is
+  tiny and no tokenizer has to be trained;
+* **data**: an endless, seeded stream of the four synthetic tasks in equal parts (batch ``b`` of
+  step ``s`` is a pure function of ``(seed, s)``, so the data order is deterministic and independent
+  of timing). Every training sequence is the task's prompt, rendered with the tokenizer's ChatML
+  template exactly as :meth:`tasks.base.Task.build_prompt` renders it, followed by the answer and
+  ``<|im_end|>``; then ``extra_questions`` more user turns asking about other facts of the same
+  context, each answered. The extra turns multiply the supervised retrievals per token of context
+  (the scored first question is always the one the evaluation asks);
+* **loss**: cross-entropy on the answer tokens (and their closing ``<|im_end|>``) only; the prompt
+  is context (``prompt_loss_weight`` = 0 by default, a knob);
+* **curriculum**: prompt lengths are drawn uniformly from ``[min_length, cap]`` where ``cap`` rises
+  linearly from ``min_length + 100`` to ``max_length`` over the first ``curriculum`` fraction of the
+  steps: short sequences are cheap and teach the retrieval quickly; long ones teach distance;
+* **optimiser**: AdamW (betas 0.9/0.95, weight decay 0.01 on matrices), linear warm-up, cosine decay
+  to ``min_lr_ratio`` of the peak, gradient clipping at 1.0;
+* **reproducibility**: ``torch.manual_seed(seed)`` before the model is built, a fixed thread count,
+  the deterministic data stream above; two runs with the same seed and thread count give identical
+  losses and weights on the same machine.
+
+Held-out evaluation (:func:`held_out_accuracy`) uses the real :class:`runner.engine.Engine` with greedy
+decoding on the tasks' own samples (``load_records`` seeds, which the training stream never uses).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from runner.errors import KvleagueError
+
+SYNTH_TASKS = ("synth_math", "synth_code", "synth_agentic", "synth_longqa")
+#: the long-dependency variant reported on the card and checked by the tests
+LONG_OPTIONS = {"length": 520, "min_distance": 320}
+
+
+@dataclass
+class OrganismConfig:
+    seed: int = 0
+    steps: int = 1500
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 50
+    weight_decay: float = 0.01
+    # model
+    hidden: int = 192
+    layers: int = 4
+    heads: int = 6
+    kv_heads: int = 2
+    intermediate: int = 512
+    rope_theta: float = 10000.0
+    # data
+    min_length: int = 80
+    max_length: int = 600
+    curriculum: float = 0.3
+    #: keys asked after the scored question, over at most ``extra_turns`` more user turns
+    extra_questions: int = 12
+    extra_turns: int = 2
+    long_fraction: float = 0.4
+    prompt_loss_weight: float = 0.0
+    #: share of each batch that is the copy (induction) warm-up task: ``copy_start`` at step 0,
+    #: moving linearly to ``copy_end`` over the curriculum
+    copy_start: float = 0.5
+    copy_end: float = 0.125
+    # compute
+    threads: int = 2
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1:
+            raise KvleagueError("train-organism: steps and batch size must be >= 1")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise KvleagueError(f"train-organism: hidden ({self.hidden}) must divide by heads ({self.heads}) and heads by kv-heads ({self.kv_heads})")
+        if not 40 <= self.min_length <= self.max_length:
+            raise KvleagueError(f"train-organism: need 40 <= min_length ({self.min_length}) <= max_length ({self.max_length})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokens
+# ------------------------------------------------------------------------------------------------
+
+
+class ByteCodec:
+    """Fast text -> ids for the byte-level tokenizer (ASCII text; special tokens by name)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.table = {}
+        for b in range(128):
+            ids = tokenizer(chr(b), add_special_tokens=False)["input_ids"]
+            if len(ids) == 1:
+                self.table[chr(b)] = ids[0]
+        self.im_start, self.im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+        self.pad = tokenizer.pad_token_id
+        self.eos = tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.table[c] for c in text]
+        except KeyError:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def message(self, role: str, content: str) -> list[int]:
+        return [self.im_start, *self.encode(f"{role}\n{content}"), self.im_end, *self.encode("\n")]
+
+    def generation_prompt(self) -> list[int]:
+        return [self.im_start, *self.encode("assistant\n")]
+
+
+def render_example(codec: ByteCodec, ex: Any, extra: list[list[str]]) -> tuple[list[int], list[int]]:
+    """Token ids and 0/1 answer mask of ``ex`` asked its first question, then each of ``extra``."""
+    from tasks.synthetic import example_messages
+
+    ids: list[int] = []
+    mask: list[int] = []
+
+    def add(tokens: list[int], answer: bool) -> None:
+        ids.extend(tokens)
+        mask.extend([int(answer)] * len(tokens))
+
+    for msg in example_messages(ex):
+        add(codec.message(msg["role"], msg["content"]), False)
+    for i, keys in enumerate([ex.targets, *extra]):
+        if i:
+            add(codec.message("user", ex.question(keys).lstrip("\n")), False)
+        add(codec.generation_prompt(), False)
+        add(codec.encode(ex.answer(keys)) + [codec.im_end], True)
+        add(codec.encode("\n"), False)
+    return ids, mask
+
+
+_COPY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789=- "
+
+
+def copy_row(codec: ByteCodec, rng: random.Random) -> tuple[list[int], list[int]]:
+    """An induction warm-up row: the user gives a random string (or a random ``key=value`` list) and
+    the assistant repeats it. Every answer token is predictable only by looking back at the same
+    place in the prompt, which is the mechanism every synthetic task's answer relies on."""
+    if rng.random() < 0.5:
+        text = "".join(rng.choice(_COPY_ALPHABET) for _ in range(rng.randint(12, 80))).strip() or "x"
+    else:
+        pairs = []
+        for _ in range(rng.randint(2, 8)):
+            key = "".join(rng.choice(_COPY_ALPHABET[:26]) for _ in range(rng.randint(2, 3)))
+            pairs.append(f"{key}={rng.randint(0, 9999)}")
+        text = " ".join(pairs)
+    ids = codec.message("user", "Repeat exactly:\n" + text) + codec.generation_prompt()
+    answer = codec.encode(text) + [codec.im_end]
+    return ids + answer, [0] * len(ids) + [1] * len(answer)
+
+
+def training_batch(config: OrganismConfig, step: int, codec: ByteCodec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch ``step`` of the training stream: ``input_ids [B, T]`` and two 0/1 masks ``[B, T]``:
+    answer tokens, and the other real (non-padding) tokens."""
+    from tasks.synthetic import make_example
+
+    rng = random.Random(f"organism-train/{config.seed}/{step}")
+    ramp = max(1, int(config.curriculum * config.steps))
+    lo = config.min_length
+    cap = min(config.max_length, lo + 100 + (config.max_length - lo - 100) * step // ramp)
+    target = rng.randint(lo, max(lo, cap))
+    rows: list[tuple[list[int], list[int]]] = []
+    copy_share = config.copy_start + (config.copy_end - config.copy_start) * min(1.0, step / ramp)
+    n_copy = int(round(copy_share * config.batch_size))
+    for j in range(config.batch_size):
+        if j < n_copy:
+            rows.append(copy_row(codec, rng))
+            continue
+        task = SYNTH_TASKS[(step * config.batch_size + j) % len(SYNTH_TASKS)]
+        length = max(40, int(target * rng.uniform(0.9, 1.1)))
+        n_first = 1 if rng.random() < 0.7 else rng.randint(2, 3)
+        min_distance = int(length * rng.uniform(0.5, 0.8)) if rng.random() < config.long_fraction else 0
+        try:
+            ex = make_example(task, rng, length, min_distance, n_keys=n_first)
+        except ValueError:
+            ex = make_example(task, rng, length, 0, n_keys=n_first)
+        others = [k for k in ex.facts if k not in ex.targets]
+        rng.shuffle(others)
+        others = others[: config.extra_questions]
+        extra: list[list[str]] = []
+        while others and len(extra) < config.extra_turns:
+            k = rng.randint(1, max(1, len(others) if len(extra) == config.extra_turns - 1 else len(others) // 2 + 1))
+            extra.append(others[:k])
+            others = others[k:]
+        rows.append(render_example(codec, ex, extra))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), codec.pad, dtype=torch.long)
+    answer = torch.zeros((len(rows), width), dtype=torch.float32)
+    other = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        m = torch.tensor(mask, dtype=torch.float32)
+        answer[i, : len(ids)] = m
+        other[i, : len(ids)] = 1.0 - m
+    return input_ids, answer, other
+
+
+# ------------------------------------------------------------------------------------------------
+# Model and training
+# ------------------------------------------------------------------------------------------------
+
+
+def build_model(config: OrganismConfig, tokenizer: Any):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden,
+        intermediate_size=config.intermediate,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, im_end],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(config.seed)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, im_end]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
+def lr_at(config: OrganismConfig, step: int) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _optimizer(model, config: OrganismConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+
+def masked_losses(logits: torch.Tensor, input_ids: torch.Tensor, answer: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean next-token cross-entropy over the answer tokens and over the other tokens (a token's
+    mask is the mask of the *predicted* token)."""
+    logits = logits[:, :-1].float()
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
+    a, o = answer[:, 1:].reshape(-1), other[:, 1:].reshape(-1)
+    return (ce * a).sum() / a.sum().clamp_min(1.0), (ce * o).sum() / o.sum().clamp_min(1.0)
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    seconds: float
+    losses: list[float]
+    parameters: int
+    completed: bool
+    tokens: int
+    evaluation: dict[str, Any] = field(default_factory=dict)
+
+
+def train(
+    config: OrganismConfig,
+    out: str | Path,
+    *,
+    minutes: float | None = 30.0,
+    loss_png: str | Path | None = None,
+    eval_samples: int = 50,
+    progress: bool = True,
+    on_step: Callable[[int, float, Any], None] | None = None,
+) -> TrainResult:
+    """Train the organism and write it to ``out`` (safetensors + tokenizer + ``training.json``, a
+    loss curve PNG and the model card ``README.md``). ``minutes`` is a wall-clock guard: a run that
+    reaches it stops early (``completed: false`` in ``training.json``); a completed run is a pure
+    function of ``config``."""
+    from runner.tiny_model import byte_level_tokenizer
+
+    out = Path(out)
+    torch.set_num_threads(config.threads)
+    tokenizer = byte_level_tokenizer()
+    codec = ByteCodec(tokenizer)
+    model = build_model(config, tokenizer)
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = _optimizer(model, config)
+    losses: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    completed = True
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, desc="train-organism", unit="step", dynamic_ncols=True)
+    for step in range(config.steps):
+        if minutes is not None and time.perf_counter() - start > minutes * 60:
+            completed = False
+            break
+        input_ids, answer, other = training_batch(config, step, codec)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(config, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+            logits = model(input_ids=input_ids).logits
+        answer_loss, other_loss = masked_losses(logits, input_ids, answer, other)
+        loss = answer_loss + config.prompt_loss_weight * other_loss if config.prompt_loss_weight else answer_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = float(answer_loss.detach())
+        losses.append(value)
+        tokens += int(input_ids.numel())
+        if on_step is not None:
+            on_step(step, value, model)
+        if bar is not None:
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{value:.3f}", lr=f"{lr_at(config, step):.1e}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - start
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    result = TrainResult(out, len(losses), seconds, losses, n_params, completed, tokens)
+    if loss_png is not None:
+        save_loss_plot(losses, loss_png, title=f"organism (seed {config.seed}): answer-token loss")
+    if eval_samples:
+        result.evaluation = held_out_accuracy(str(out), eval_samples)
+    (out / "training.json").write_text(json.dumps({
+        "config": asdict(config),
+        "parameters": n_params,
+        "steps_done": len(losses),
+        "completed": completed,
+        "seconds": round(seconds, 1),
+        "tokens": tokens,
+        "final_loss_mean_last_50": sum(losses[-50:]) / max(1, len(losses[-50:])),
+        "losses": [round(x, 5) for x in losses],
+        "held_out": result.evaluation,
+        "torch": torch.__version__,
+    }, indent=1) + "\n")
+    write_card(out, config, result, eval_samples)
+    return result
+
+
+def smooth(values: list[float], window: int = 25) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def save_loss_plot(losses: list[float], path: str | Path, title: str = "training loss") -> Path:
+    """The loss curve (raw and a 25-step moving average, log scale) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    steps = list(range(1, len(losses) + 1))
+    ax.plot(steps, losses, color="#9ecae1", linewidth=0.8, label="per step")
+    ax.plot(steps, smooth(losses), color="#08519c", linewidth=1.6, label="moving average (25)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy on answer tokens (nats)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation with the real engine
+# ------------------------------------------------------------------------------------------------
+
+
+def task_accuracy(engine: Any, task: Any, samples: list, method_name: str = "full", budget: int | None = None,
+                  protocol: Any = None, params: dict | None = None) -> float:
+    """Greedy accuracy of ``engine`` on ``samples`` of ``task`` under ``method_name`` at ``budget``
+    (``None``: the full cache, any method)."""
+    from methods.registry import build_method
+    from runner.protocol import GenerationSettings
+
+    settings = GenerationSettings(max_new_tokens=task.max_new_tokens, temperature=0.0, stop=task.stop)
+    right = 0
+    for sample in samples:
+        prompt = task.build_prompt(sample, engine.tokenizer)
+        method = build_method(method_name, params or {})
+        b = budget if budget is not None else len(prompt) + task.max_new_tokens + 8
+        result = engine.generate(prompt, method, b, protocol, settings)
+        right += bool(task.score(sample, result.completion).correct)
+    return right / len(samples) if samples else 0.0
+
+
+#: what the card and ``training.json`` report: (label, task options, method, budget)
+HELD_OUT_CELLS = (
+    ("full, default", {}, "full", None),
+    ("full, long", LONG_OPTIONS, "full", None),
+    ("streaming_llm B=128, long", LONG_OPTIONS, "streaming_llm", 128),
+    ("streaming_llm B=64, long", LONG_OPTIONS, "streaming_llm", 64),
+    ("snapkv B=64, long", LONG_OPTIONS, "snapkv", 64),
+)
+#: the protocol of the budgeted cells (and of benchmarks/organism_budget_table.py by default)
+EVAL_PROTOCOL = {"sink": 4, "recent": 16}
+
+
+def held_out_accuracy(model_dir: str, n: int = 50, seed: int = 0) -> dict[str, dict[str, float]]:
+    """``{task: {cell label: accuracy}}`` on ``n`` held-out samples per task (see :data:`HELD_OUT_CELLS`)."""
+    from runner.engine import Engine
+    from runner.protocol import Protocol
+    from tasks.registry import build_task
+
+    engine = Engine.load(model_dir)
+    protocol = Protocol(**EVAL_PROTOCOL)
+    out: dict[str, dict[str, float]] = {}
+    for name in SYNTH_TASKS:
+        out[name] = {}
+        for label, options, method, budget in HELD_OUT_CELLS:
+            task = build_task(name, options)
+            samples = task.load(limit=n, seed=seed)
+            out[name][label] = task_accuracy(engine, task, samples, method, budget, protocol)
+    return out
+
+
+def write_card(out: Path, config: OrganismConfig, result: TrainResult, n_eval: int) -> Path:
+    """The model card ``README.md``: data, size, training, seed and held-out accuracies."""
+    weights = out / "model.safetensors"
+    size_mb = weights.stat().st_size / 2**20 if weights.exists() else 0.0
+    tail = result.losses[-50:]
+    lines = [
+        "# kvleague organism",
+        "",
+        "A small Llama trained by `kvleague train-organism` on kvleague's synthetic long-dependency tasks",
+        "(`synth_math`, `synth_code`, `synth_agentic`, `synth_longqa`; see `tasks/synthetic.py`). It exists so",
+        "that the demo and CI measure eviction on a model whose full-cache accuracy is near 100% and whose",
+        "answers need a fact stated hundreds of tokens earlier. Not a language model for anything else.",
+        "",
+        "## Model",
+        "",
+        f"- architecture: `LlamaForCausalLM`, {config.layers} layers, hidden {config.hidden}, {config.heads} query heads /"
+        f" {config.kv_heads} KV heads (GQA), SwiGLU {config.intermediate}, RoPE (theta {config.rope_theta:g}), untied embeddings",
+        f"- parameters: {result.parameters:,} ({size_mb:.1f} MB float32 safetensors)",
+        "- tokenizer: the byte-level tokenizer of `runner/tiny_model.py` (256 bytes + 5 special tokens, ChatML template);",
+        "  generation stops at `<|im_end|>` (in `generation_config.eos_token_id`)",
+        "- load: `Engine.load(\"models/organism\")` (or `AutoModelForCausalLM.from_pretrained`)",
+        "",
+        "## Data",
+        "",
+        "An endless seeded stream (batch `s` is a pure function of `(seed, s)`): the four synthetic tasks in equal",
+        f"parts, prompt lengths drawn from [{config.min_length}, cap] characters where cap rises to {config.max_length}",
+        f"over the first {config.curriculum:.0%} of the steps; {config.long_fraction:.0%} of the rows force the scored fact",
+        f"to be 50-80% of the prompt away. After the scored answer each row asks up to {config.extra_questions} more keys of",
+        f"the same context in up to {config.extra_turns} more turns. A share of every batch ({config.copy_start:.0%} at the",
+        f"start, {config.copy_end:.0%} after the curriculum) is a copy task (repeat a random string), which teaches the",
+        "look-back mechanism the answers need. Held-out samples come from the tasks' own seeds, which the stream",
+        "never uses.",
+        "",
+        "Loss: cross-entropy on the answer tokens (key=value and the closing `<|im_end|>`), plus"
+        f" {config.prompt_loss_weight:g} x the mean cross-entropy on the other tokens.",
+        "",
+        "## Training",
+        "",
+        f"- seed {config.seed}, {result.steps} steps{'' if result.completed else ' (STOPPED EARLY at the time limit)'},"
+        f" batch {config.batch_size}, {result.tokens:,} tokens (padding included)",
+        f"- AdamW (betas 0.9/0.95, weight decay {config.weight_decay}), peak lr {config.lr:g}, {config.warmup} warm-up steps,"
+        f" cosine to {config.min_lr_ratio:g} x peak, gradient clipping 1.0",
+        f"- {config.threads} torch thread(s), CPU; wall time {result.seconds / 60:.1f} min; final loss {sum(tail) / max(1, len(tail)):.4f}"
+        " (mean of the last 50 steps); loss curve: `docs/organism_loss.png`",
+        f"- reproduce: `kvleague train-organism --seed {config.seed} --steps {config.steps} --threads {config.threads}`"
+        " (same seed and thread count: same losses and weights, on the same torch build)",
+        "",
+        f"## Held-out accuracy ({n_eval} samples per task, greedy, real engine)",
+        "",
+        f"`long` = `{LONG_OPTIONS}` (the needed fact >= {LONG_OPTIONS['min_distance']} tokens before the end of the prompt).",
+        f"Budgeted cells use sink={EVAL_PROTOCOL['sink']}, recent={EVAL_PROTOCOL['recent']}, prompt compression, eviction every step.",
+        "",
+    ]
+    if result.evaluation:
+        labels = [c[0] for c in HELD_OUT_CELLS]
+        lines.append("| task | " + " | ".join(labels) + " |")
+        lines.append("|---|" + "---:|" * len(labels))
+        for name, cells in result.evaluation.items():
+            lines.append(f"| {name} | " + " | ".join(f"{100 * cells[l]:.0f}%" for l in labels) + " |")
+    else:
+        lines.append("(not evaluated: run with `--eval-samples 50`)")
+    lines.append("")
+    path = out / "README.md"
+    path.write_text("\n".join(lines))
+    return path
