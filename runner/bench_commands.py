@@ -1,7 +1,8 @@
-"""``kvleague bench {context,speed,kvpress,generate,all}``: the systems benchmarks (``runner/bench``).
+"""``kvleague bench {context,speed,kvpress,generate,all,store}``: the systems benchmarks (``runner/bench``).
 
 Each prints a table; ``--json OUT`` writes the report (for ``all``: a directory, one file per
-benchmark); ``--store`` writes the figures into the results database (``--db URL``).
+benchmark); ``--store`` writes the figures into the results database (``--db URL``), and
+``kvleague bench store REPORT.json ...`` stores reports written earlier.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def register(subparsers) -> None:
     p = sub.add_parser("all", help="all four with their defaults (--quick: a few minutes each)")
     add_common(p)
     p.set_defaults(func=cmd_all)
+    p = sub.add_parser("store", help="store reports written earlier with --json into the database")
+    p.add_argument("reports", nargs="+", metavar="REPORT.json")
+    p.add_argument("--db", metavar="URL", help="database URL (default: $KVLEAGUE_DB or sqlite:///kvleague.db)")
+    p.set_defaults(func=cmd_store)
 
 
 def _runner(module):
@@ -55,4 +60,21 @@ def cmd_all(args) -> int:
         sub_args.json = str(out_dir / f"{module.__name__.rsplit('.', 1)[-1]}.json") if out_dir else None
         print(f"\n=== kvleague bench {name} ===", flush=True)
         finish(module.run(sub_args), sub_args)
+    return 0
+
+
+def cmd_store(args) -> int:
+    from db.session import default_url, display_url
+    from runner.bench.harness import read_report
+    from runner.bench.storage import store_report
+    from runner.errors import KvleagueError
+
+    for path in args.reports:
+        try:
+            report = read_report(path)
+        except (OSError, ValueError) as exc:
+            raise KvleagueError(f"{path}: not a benchmark report: {exc}") from None
+        n = store_report(report, args.db)
+        print(f"{path}: stored {n} new figures of {report['benchmark']} run {report['run_id'][:12]} "
+              f"in {display_url(args.db or default_url())}")
     return 0

@@ -219,6 +219,20 @@ def test_bench_context_searches_each_method_in_subprocesses(tiny_models, tmp_pat
                                        "undetermined": True}]
 
 
+def test_bench_store_puts_saved_reports_into_the_database(tmp_path, capsys):
+    report = _report()
+    report["environment"] = h.environment()
+    path = h.write_report(report, tmp_path / "r.json")
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    _cli(["bench", "store", str(path), str(path), "--db", url])
+    out = capsys.readouterr().out
+    assert "stored 3 new figures" in out and "stored 0 new figures" in out
+    assert len(storage.read_figures(url)) == 3
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(KvleagueError, match="not a benchmark report"):
+        _cli(["bench", "store", str(tmp_path / "bad.json"), "--db", url])
+
+
 def test_bench_reports_bad_input_as_a_clean_error():
     with pytest.raises(KvleagueError, match="invalid choice"):
         _cli(["bench", "nope"])
