@@ -23,6 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from db.models import (
     STATUS_FAILED,
     STATUS_OK,
+    BenchmarkResult,
     Environment,
     GenerationSpec,
     MethodSpec,
@@ -43,6 +44,7 @@ P = ProtocolSpec.__table__
 G = GenerationSpec.__table__
 S = Sweep.__table__
 E = Environment.__table__
+B = BenchmarkResult.__table__
 
 
 FULL = "full"
@@ -101,16 +103,25 @@ def open_readonly(url: str) -> Engine:
     return engine
 
 
-def has_schema(engine: Engine) -> bool:
+def has_schema(engine: Engine, table: str = R.name) -> bool:
     from sqlalchemy import inspect
 
-    return R.name in inspect(engine).get_table_names()
+    return table in inspect(engine).get_table_names()
 
 
 def fingerprint(engine: Engine) -> tuple[int, int]:
     """``(max id, row count)`` of sample_results: changes whenever results are added, replaced or removed."""
     with engine.connect() as conn:
         top, n = conn.execute(select(func.max(R.c.id), func.count()).select_from(R)).one()
+    return (int(top or 0), int(n or 0))
+
+
+def benchmark_fingerprint(engine: Engine) -> tuple[int, int]:
+    """``(max id, row count)`` of benchmark_results (``(0, 0)`` on a schema from before that table)."""
+    if not has_schema(engine, B.name):
+        return (0, 0)
+    with engine.connect() as conn:
+        top, n = conn.execute(select(func.max(B.c.id), func.count()).select_from(B)).one()
     return (int(top or 0), int(n or 0))
 
 
@@ -372,6 +383,23 @@ def cost_rows(engine: Engine, filters: Filters, by_domain: bool = False) -> list
         .select_from(R.join(T, T.c.id == R.c.task_id))
         .where(R.c.status == STATUS_OK, *filters.conditions())
         .group_by(R.c.method_spec_id, R.c.budget, *([T.c.domain] if by_domain else []))
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def benchmark_rows(engine: Engine) -> list[dict[str, Any]]:
+    """Every stored systems-benchmark figure (``kvleague bench ... --store``) with the machine that
+    measured it; newest run first, a run's figures in the order its report lists them. ``[]`` on a
+    schema from before the benchmark_results table."""
+    if not has_schema(engine, B.name):
+        return []
+    q = (
+        select(B.c.id, B.c.run_id, B.c.benchmark, B.c.model, B.c.method, B.c.budget, B.c.metric, B.c.value, B.c.unit,
+               B.c.reference, B.c.details, B.c.created_at, E.c.hostname, E.c.platform, E.c.gpu_name, E.c.gpu_count,
+               E.c.cuda_version)
+        .select_from(B.outerjoin(E, E.c.id == B.c.environment_id))
+        .order_by(B.c.created_at.desc(), B.c.run_id, B.c.id)
     )
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q)]

@@ -391,7 +391,74 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
     rows.append({"claim": "feasible context in the same KV memory (full / method peak cache entries)",
                  "paper": f"{PAPER_CONTEXT:g}x", "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
                  "paper value inside 95% CI": "-", "problems": 0})
+    rows += _systems_claims(latest_benchmark_runs(q.benchmark_rows(engine)))
     return pd.DataFrame(rows)
+
+
+def _ratio_text(fig: dict[str, Any]) -> str:
+    details = fig["details"] or {}
+    if details.get("undetermined"):  # both methods fit the search cap: the ratio says nothing
+        return f"undetermined: both reached the search cap (budget {fig['budget']})"
+    return f"{'>= ' if details.get('at_least') else ''}{fig['value']:.2f}x at budget {fig['budget']}"
+
+
+def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The claims row for each systems-benchmark ratio (epikv over a reference), from the latest run:
+    the largest ratio over the budgets measured."""
+    claims = (("decoding speed epikv / full", "speed_ratio", "full", f"up to {PAPER_SPEEDUP:g}x"),
+              ("decoding speed epikv / h2o", "speed_ratio", "h2o", "-"),
+              ("feasible context epikv / h2o", "feasible_context_ratio", "h2o", f"{PAPER_CONTEXT:g}x"))
+    rows = []
+    for label, metric, reference, paper in claims:
+        found = [f for f in figures if (f["metric"], f["method"], f["reference"]) == (metric, "epikv", reference)
+                 and f["value"] is not None]
+        best = max(found, key=lambda f: f["value"], default=None)
+        rows.append({"claim": f"{label} (systems benchmark)", "paper": paper,
+                     "kvleague": _ratio_text(best) if best else NOT_MEASURED, "paper value inside 95% CI": "-", "problems": 0})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Systems benchmarks
+# ------------------------------------------------------------------------------------------------
+
+SYSTEMS_COLUMNS = ["benchmark", "method", "budget", "metric", "value", "unit", "reference", "note", "model", "hardware",
+                   "measured at"]
+
+
+def latest_benchmark_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The figures of the newest run of each benchmark (``rows`` come newest run first): an older run
+    measured other settings or code, so its figures are not mixed in."""
+    newest: dict[str, str] = {}
+    for r in rows:
+        newest.setdefault(r["benchmark"], r["run_id"])
+    return [r for r in rows if newest[r["benchmark"]] == r["run_id"]]
+
+
+def _hardware(r: dict[str, Any]) -> str:
+    if r["hostname"] is None:
+        return "-"
+    gpu = f"{r['gpu_count']}x {r['gpu_name']}, CUDA {r['cuda_version']}" if r["gpu_count"] else "no GPU"
+    return f"{r['hostname']} ({r['platform']}; {gpu})"
+
+
+def _note(details: dict[str, Any] | None) -> str:
+    details = details or {}
+    if details.get("undetermined"):
+        return "undetermined: both reached the search cap"
+    if details.get("at_least"):
+        return "at least: reached the search cap"
+    return ""
+
+
+def systems_benchmarks(engine) -> pd.DataFrame:
+    """One row per figure of the latest run of each systems benchmark, with the machine it ran on."""
+    rows = [{"benchmark": r["benchmark"], "method": r["method"], "budget": r["budget"], "metric": r["metric"],
+             "value": r["value"], "unit": r["unit"], "reference": r["reference"], "note": _note(r["details"]),
+             "model": r["model"], "hardware": _hardware(r), "measured at": r["created_at"]}
+            for r in latest_benchmark_runs(q.benchmark_rows(engine))]
+    df = pd.DataFrame(rows, columns=SYSTEMS_COLUMNS)
+    return df.astype({"budget": "Int64", "value": "float64"})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 The database URL comes from ``--db`` (after ``--`` on the ``streamlit run`` line), else
 ``$KVLEAGUE_DB``, else ``sqlite:///kvleague.db``; it is opened read-only.
 Page data is cached with ``st.cache_data`` keyed on the filters and on a fingerprint of the results
-table (largest id and row count, re-read at most every few seconds), so new results show up on the
-next rerun without recomputing anything when nothing changed.
+tables (largest id and row count of sample_results and of benchmark_results, re-read at most every
+few seconds), so new results show up on the next rerun without recomputing anything when nothing changed.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ def engine_for(url: str):
 
 
 @st.cache_data(show_spinner=False, ttl=FINGERPRINT_TTL_S)
-def fingerprint(url: str) -> tuple[int, int]:
-    return q.fingerprint(engine_for(url))
+def fingerprint(url: str) -> tuple[int, ...]:
+    """sample_results' ``(max id, count)``, then benchmark_results': ``kvleague bench --store`` adds no
+    sample results, yet its figures must show up too."""
+    engine = engine_for(url)
+    return q.fingerprint(engine) + q.benchmark_fingerprint(engine)
 
 
 @st.cache_data(show_spinner="Aggregating results...", max_entries=256)
-def cached(name: str, url: str, fp: tuple[int, int], *args: Any) -> Any:
+def cached(name: str, url: str, fp: tuple[int, ...], *args: Any) -> Any:
     """``tables.<name>(engine, *args)`` (or ``queries.<name>``), cached until the fingerprint changes."""
     fn = getattr(tables, name, None) or getattr(q, name)
     return fn(engine_for(url), *args)
@@ -52,7 +55,7 @@ def cached(name: str, url: str, fp: tuple[int, int], *args: Any) -> Any:
 @dataclass
 class Context:
     url: str
-    fp: tuple[int, int]
+    fp: tuple[int, ...]
     filters: q.Filters
     opts: q.Options
 

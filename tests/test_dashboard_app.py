@@ -328,6 +328,8 @@ def test_scorecard(app, seeded):
     ctx = max(mean_of("peak_cache_entries", "full", b, d) / mean_of("peak_cache_entries", "epikv", b, d) for b, d in settings)
     ctx_row = row_of(claims, claim="feasible context in the same KV memory (full / method peak cache entries)")
     assert ctx_row["kvleague"].startswith(f"{ctx:.1f}x (epikv") and ctx > 2
+    systems = claims[claims["claim"].str.endswith("(systems benchmark)")]
+    assert len(systems) == 3 and set(systems["kvleague"]) == {"not measured yet"}  # none stored in this database
     # scorecard rows: epikv vs best baseline (thinkv) and vs full
     verdict_full = [c for c in card.columns if c.startswith("verdict vs full")][0]
     for budget in (64, 128):
@@ -369,6 +371,7 @@ def test_cost(app, seeded):
         dominated = any(c2 <= c and a2 >= a and (c2 < c or a2 > a) for c2, a2 in pts)
         assert bool(flag) == (not dominated)
     assert len(app.get("vega_lite_chart")) == 3
+    assert len(app.dataframe) == 1 and "No systems benchmarks stored yet" in app.info[0].value
 
 
 def test_samples(app, seeded):
@@ -431,6 +434,114 @@ def test_query_param_selects_page(seeded, monkeypatch):
     at.run()
     assert not at.exception
     assert at.title[0].value == "Cost"
+
+
+# ------------------------------------------------------------------------------------------------
+# Systems benchmarks (kvleague bench --store)
+# ------------------------------------------------------------------------------------------------
+
+BENCH_ENV = {
+    "hostname": "bench-host", "platform": "Linux-bench", "gpu_name": "NVIDIA H200", "gpu_count": 1, "cuda_version": "12.8",
+    "python_version": "3.11.9", "torch_version": "2.13.0", "transformers_version": "5.2.0", "kvleague_version": "0.1.0",
+    "ray_version": "not installed", "git_commit": GIT, "git_dirty": False, "spec_hash": "b" * 64, "cpu_model": "bench CPU",
+    "cpu_count": 16, "cpu_affinity": 16, "torch_threads": 1, "kvpress_version": "not installed", "load_average": [0.5],
+}
+
+
+def bench_report(benchmark, figures, created_at):
+    """A report as ``kvleague bench`` writes it (validated by make_report), with figures named the way
+    runner/bench/decode_speed.py and feasible_context.py name theirs."""
+    from runner.bench import harness as h
+
+    report = h.make_report(benchmark, config={"model": "tiny", "model_label": "tiny-bench"}, rows=[],
+                           figures=[h.figure(*f[:3], **f[3]) for f in figures], summary={}, env=dict(BENCH_ENV))
+    report["created_at"] = created_at
+    return report
+
+
+def speed_report(epikv_over_full, epikv_over_h2o, created_at):
+    figures = [("tokens_per_second", 123.5, "tokens/s", {"method": "full", "budget": 256, "clock": "cpu"})]
+    for budget, ratio in epikv_over_full.items():
+        figures.append(("speed_ratio", ratio, "x", {"method": "epikv", "budget": budget, "reference": "full", "paper_claim": 2.8}))
+    for budget, ratio in epikv_over_h2o.items():
+        figures.append(("speed_ratio", ratio, "x", {"method": "epikv", "budget": budget, "reference": "h2o", "clock": "cpu"}))
+    return bench_report("decode_speed", figures, created_at)
+
+
+def context_report(ratio, at_least, created_at):
+    return bench_report("feasible_context", [
+        ("max_tokens", 16384, "tokens", {"method": "epikv", "budget": 1024, "at_least": at_least, "bound": "token_cap"}),
+        ("max_tokens", 2048, "tokens", {"method": "h2o", "budget": 1024, "at_least": False, "bound": "memory"}),
+        ("feasible_context_ratio", ratio, "x", {"method": "epikv", "budget": 1024, "reference": "h2o", "at_least": at_least,
+                                                "undetermined": False, "paper_claim": 16.0}),
+    ], created_at)
+
+
+def seeded_copy(seeded, tmp_path, monkeypatch) -> Path:
+    """A copy of the seeded database (no benchmark rows) that the app will open."""
+    import shutil
+
+    path = tmp_path / "bench.db"
+    shutil.copy(seeded[0].removeprefix("sqlite:///"), path)
+    monkeypatch.setenv("KVLEAGUE_DB", f"sqlite:///{path}")
+    return path
+
+
+def cost_page() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.query_params["page"] = "cost"
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def test_cost_and_scorecard_show_stored_systems_benchmarks(seeded, tmp_path, monkeypatch):
+    from dashboard import ui
+    from runner.bench.storage import store_report
+
+    url = f"sqlite:///{seeded_copy(seeded, tmp_path, monkeypatch)}"
+    at = cost_page()
+    assert "No systems benchmarks stored yet" in at.info[0].value
+    old = speed_report({256: 9.5}, {256: 9.0}, "2025-01-01T00:00:00+00:00")  # superseded by the newer run
+    new = speed_report({256: 1.25, 1024: 2.5, 4096: 1.75}, {256: 1.5, 1024: 1.125}, "2025-02-01T00:00:00+00:00")
+    ctx = context_report(8.0, True, "2025-01-15T00:00:00+00:00")
+    assert [store_report(r, url) for r in (old, new, ctx)] == [3, 6, 3]
+    ui.fingerprint.clear()  # what the fingerprint's few-second TTL does on its own
+    at.run()
+    assert not at.exception, at.exception
+    df = at.dataframe[1].value  # after the sweep cost table
+    assert len(df) == 9 and set(df["benchmark"]) == {"decode_speed", "feasible_context"}
+    assert 9.5 not in set(df["value"]) and 9.0 not in set(df["value"])  # only the latest decode_speed run
+    speed = df[(df["metric"] == "speed_ratio") & (df["reference"] == "full")].sort_values("budget")
+    assert speed["budget"].tolist() == [256, 1024, 4096] and speed["value"].tolist() == [1.25, 2.5, 1.75]
+    ratio = row_of(df, metric="feasible_context_ratio")
+    assert (ratio["method"], ratio["reference"], ratio["value"], ratio["unit"]) == ("epikv", "h2o", 8.0, "x")
+    assert ratio["note"].startswith("at least") and row_of(df, metric="max_tokens", method="h2o")["note"] == ""
+    assert set(df["model"]) == {"tiny-bench"}
+    assert set(df["hardware"]) == {"bench-host (Linux-bench; 1x NVIDIA H200, CUDA 12.8)"}
+    assert str(row_of(df, metric="tokens_per_second")["measured at"]).startswith("2025-02-01")
+    assert any(b.key == "systems_csv" for b in at.get("download_button"))
+
+    _goto(at, "Replication scorecard")
+    claims = at.dataframe[0].value
+    assert row_of(claims, claim="decoding speed epikv / full (systems benchmark)")[["paper", "kvleague"]].tolist() == [
+        "up to 2.8x", "2.50x at budget 1024"]
+    assert row_of(claims, claim="decoding speed epikv / h2o (systems benchmark)")["kvleague"] == "1.50x at budget 256"
+    assert row_of(claims, claim="feasible context epikv / h2o (systems benchmark)")[["paper", "kvleague"]].tolist() == [
+        "16x", ">= 8.00x at budget 1024"]
+
+
+def test_cost_renders_on_a_schema_without_the_benchmark_table(seeded, tmp_path, monkeypatch):
+    import sqlite3
+
+    conn = sqlite3.connect(seeded_copy(seeded, tmp_path, monkeypatch))
+    conn.execute("DROP TABLE benchmark_results")  # a database from before migration 0002
+    conn.close()
+    at = cost_page()
+    assert len(at.dataframe) == 1 and "No systems benchmarks stored yet" in at.info[0].value
+    _goto(at, "Replication scorecard")
+    systems = at.dataframe[0].value
+    assert set(systems[systems["claim"].str.endswith("(systems benchmark)")]["kvleague"]) == {"not measured yet"}
 
 
 # ------------------------------------------------------------------------------------------------

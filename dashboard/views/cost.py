@@ -1,4 +1,5 @@
-"""Cost: throughput, latency, memory and method overhead per method and budget; accuracy vs memory."""
+"""Cost: throughput, latency, memory and method overhead per method and budget; accuracy vs memory;
+the stored systems benchmarks (``kvleague bench ... --store``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from dashboard.views.common import PCT, empty
 
 def render(ctx) -> None:
     st.title("Cost")
+    sweep_costs(ctx)
+    systems_benchmarks(ctx)
+
+
+def sweep_costs(ctx) -> None:
     df = ctx.data("cost", ctx.filters)
     if df.empty:
         empty()
@@ -43,3 +49,18 @@ def render(ctx) -> None:
     front = alt.Chart(df[df["pareto"]].sort_values("peak KV MiB")).mark_line(color="#333", strokeDash=[4, 3]).encode(
         x="peak KV MiB:Q", y="accuracy:Q")
     st.altair_chart((front + points).properties(height=380), width="stretch")
+
+
+def systems_benchmarks(ctx) -> None:
+    st.subheader("Systems benchmarks")
+    df = ctx.data("systems_benchmarks")
+    if df.empty:
+        empty("No systems benchmarks stored yet: run `kvleague bench context|speed|kvpress|generate --store --db URL`, "
+              "or store a report saved with `--json`: `kvleague bench store REPORT.json --db URL`.")
+        return
+    st.caption("The latest run of each benchmark (not affected by the filters; times in UTC). Ratios compare methods "
+               "measured side by side in one run, on the machine shown; `kvleague bench context|speed|kvpress|generate --store` "
+               "fills this table.")
+    st.dataframe(df, hide_index=True, placeholder="—", key="systems_table")
+    st.download_button("Download CSV", df.to_csv(index=False).encode(), file_name="kvleague-systems-benchmarks.csv",
+                       mime="text/csv", key="systems_csv")
