@@ -1,13 +1,18 @@
 """The *organism*: a small Llama trained here, on CPU, on the synthetic tasks of :mod:`tasks.synthetic`.
 
-``kvleague train-organism`` (see :mod:`runner.organism_commands`) calls :func:`train`. The shipped
-checkpoint ``models/organism`` is its output for the default :class:`OrganismConfig` and seed 0.
+``kvleague train-organism`` (see :mod:`runner.organism_commands`) calls :func:`train`.
+
+Status: the default run (2,200 steps, 22 minutes on one CPU thread) does not yet reach the target
+(>= 90% held-out accuracy with a full cache): its final answer loss is ~1.8 and it names the asked
+key but not its value, so no checkpoint is shipped and ``models/organism`` is not in the repository.
 
 Design (everything here is chosen so a 2-core CPU learns the tasks in well under 30 minutes):
 
-* **model**: ``LlamaForCausalLM``, 4 layers, hidden 192, 6 query heads and 2 KV heads (GQA), SwiGLU
-  512, RoPE; the byte-level tokenizer of :mod:`runner.tiny_model` (261 tokens), so the embedding is
-  tiny and no tokenizer has to be trained;
+* **model**: ``LlamaForCausalLM``, 2 layers, hidden 192, 6 query heads and 2 KV heads (GQA), SwiGLU
+  512, RoPE, tied embeddings; the tokenizer of :mod:`runner.organism_tokenizer` (built offline,
+  5.7k pieces), which makes every fact ``k=42`` of the tasks one token, so an answer is a one-step
+  lookup (a fact split over two tokens needs an induction circuit that did not form within 30 CPU
+  minutes, see that module);
 * **data**: an endless, seeded stream of the four synthetic tasks in equal parts (batch ``b`` of
   step ``s`` is a pure function of ``(seed, s)``, so the data order is deterministic and independent
   of timing). Every training sequence is the task's prompt, rendered with the tokenizer's ChatML
@@ -17,6 +22,10 @@ Design (everything here is chosen so a 2-core CPU learns the tasks in well under
   (the scored first question is always the one the evaluation asks);
 * **loss**: cross-entropy on the answer tokens (and their closing ``<|im_end|>``) only; the prompt
   is context (``prompt_loss_weight`` = 0 by default, a knob);
+* **warm-up**: the first ``lookup_steps`` steps are only *lookup rows* (2 to 16 facts, then
+  questions about all of them; the number of facts grows over the warm-up: with two or three places
+  to look, attention finds the right one by chance often enough for the gradient to build the
+  lookup); afterwards they are ``lookup_share`` of every batch;
 * **curriculum**: prompt lengths are drawn uniformly from ``[min_length, cap]`` where ``cap`` rises
   linearly from ``min_length + 100`` to ``max_length`` over the first ``curriculum`` fraction of the
   steps: short sequences are cheap and teach the retrieval quickly; long ones teach distance;
@@ -35,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import string
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,7 +62,7 @@ LONG_OPTIONS = {"length": 520, "min_distance": 320}
 @dataclass
 class OrganismConfig:
     seed: int = 0
-    steps: int = 1500
+    steps: int = 2200
     batch_size: int = 16
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
@@ -60,11 +70,12 @@ class OrganismConfig:
     weight_decay: float = 0.01
     # model
     hidden: int = 192
-    layers: int = 4
+    layers: int = 2
     heads: int = 6
     kv_heads: int = 2
     intermediate: int = 512
     rope_theta: float = 10000.0
+    tie_embeddings: bool = True
     # data
     min_length: int = 80
     max_length: int = 600
@@ -74,12 +85,12 @@ class OrganismConfig:
     extra_turns: int = 2
     long_fraction: float = 0.4
     prompt_loss_weight: float = 0.0
-    #: share of each batch that is the copy (induction) warm-up task: ``copy_start`` at step 0,
-    #: moving linearly to ``copy_end`` over the curriculum
-    copy_start: float = 0.5
-    copy_end: float = 0.125
+    #: the first ``lookup_steps`` steps are only lookup rows (see :func:`lookup_row`); afterwards
+    #: they are ``lookup_share`` of every batch
+    lookup_steps: int = 600
+    lookup_share: float = 0.25
     # compute
-    threads: int = 2
+    threads: int = 1
     bf16: bool = False
 
     def __post_init__(self) -> None:
@@ -96,34 +107,27 @@ class OrganismConfig:
 # ------------------------------------------------------------------------------------------------
 
 
-class ByteCodec:
-    """Fast text -> ids for the byte-level tokenizer (ASCII text; special tokens by name)."""
+class TokenCodec:
+    """Text -> ids for the training stream, rendering chat messages exactly as the tokenizer's ChatML
+    template does (special tokens by name)."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.table = {}
-        for b in range(128):
-            ids = tokenizer(chr(b), add_special_tokens=False)["input_ids"]
-            if len(ids) == 1:
-                self.table[chr(b)] = ids[0]
         self.im_start, self.im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
         self.pad = tokenizer.pad_token_id
         self.eos = tokenizer.eos_token_id
 
     def encode(self, text: str) -> list[int]:
-        try:
-            return [self.table[c] for c in text]
-        except KeyError:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def message(self, role: str, content: str) -> list[int]:
-        return [self.im_start, *self.encode(f"{role}\n{content}"), self.im_end, *self.encode("\n")]
+        return self.encode(f"<|im_start|>{role}\n{content}<|im_end|>\n")
 
     def generation_prompt(self) -> list[int]:
-        return [self.im_start, *self.encode("assistant\n")]
+        return self.encode("<|im_start|>assistant\n")
 
 
-def render_example(codec: ByteCodec, ex: Any, extra: list[list[str]]) -> tuple[list[int], list[int]]:
+def render_example(codec: TokenCodec, ex: Any, extra: list[list[str]]) -> tuple[list[int], list[int]]:
     """Token ids and 0/1 answer mask of ``ex`` asked its first question, then each of ``extra``."""
     from tasks.synthetic import example_messages
 
@@ -145,27 +149,42 @@ def render_example(codec: ByteCodec, ex: Any, extra: list[list[str]]) -> tuple[l
     return ids, mask
 
 
-_COPY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789=- "
+def _facts(rng: random.Random, n: int) -> dict[str, str]:
+    """``n`` facts ``key -> value``: distinct one-letter keys (one case per row), values 0-99."""
+    alphabet = string.ascii_lowercase if rng.random() < 0.5 else string.ascii_uppercase
+    return {k: str(rng.randint(0, 99)) for k in rng.sample(alphabet, n)}
 
 
-def copy_row(codec: ByteCodec, rng: random.Random) -> tuple[list[int], list[int]]:
-    """An induction warm-up row: the user gives a random string (or a random ``key=value`` list) and
-    the assistant repeats it. Every answer token is predictable only by looking back at the same
-    place in the prompt, which is the mechanism every synthetic task's answer relies on."""
-    if rng.random() < 0.5:
-        text = "".join(rng.choice(_COPY_ALPHABET) for _ in range(rng.randint(12, 80))).strip() or "x"
-    else:
-        pairs = []
-        for _ in range(rng.randint(2, 8)):
-            key = "".join(rng.choice(_COPY_ALPHABET[:26]) for _ in range(rng.randint(2, 3)))
-            pairs.append(f"{key}={rng.randint(0, 9999)}")
-        text = " ".join(pairs)
-    ids = codec.message("user", "Repeat exactly:\n" + text) + codec.generation_prompt()
-    answer = codec.encode(text) + [codec.im_end]
-    return ids + answer, [0] * len(ids) + [1] * len(answer)
+def lookup_row(codec: TokenCodec, rng: random.Random, max_facts: int = 16) -> tuple[list[int], list[int]]:
+    """A retrieval warm-up row: a handful of ``key=value`` facts, then questions about them, each
+    answered ``key=value``. The task's answers in miniature: short, so attention has few places to
+    look and the gradient towards the right one is strong."""
+    values = _facts(rng, rng.randint(2, max_facts))
+    keys = list(values)
+    sep = rng.choice((" ", "\n", ". "))
+    order = keys[:]
+    rng.shuffle(order)
+    groups: list[list[str]] = []
+    while order:
+        k = rng.randint(1, 3)
+        groups.append(order[:k])
+        order = order[k:]
+    ids = codec.message("user", sep.join(f"{k}={values[k]}" for k in keys) + "\nQ: " + " ".join(groups[0]))
+    mask = [0] * len(ids)
+    for t, group in enumerate(groups):
+        if t:
+            q = codec.message("user", "Q: " + " ".join(group))
+            ids += q
+            mask += [0] * len(q)
+        gp = codec.generation_prompt()
+        ans = codec.encode(" ".join(f"{k}={values[k]}" for k in group)) + [codec.im_end]
+        nl = codec.encode("\n")
+        ids += gp + ans + nl
+        mask += [0] * len(gp) + [1] * len(ans) + [0] * len(nl)
+    return ids, mask
 
 
-def training_batch(config: OrganismConfig, step: int, codec: ByteCodec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def training_batch(config: OrganismConfig, step: int, codec: TokenCodec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batch ``step`` of the training stream: ``input_ids [B, T]`` and two 0/1 masks ``[B, T]``:
     answer tokens, and the other real (non-padding) tokens."""
     from tasks.synthetic import make_example
@@ -173,14 +192,17 @@ def training_batch(config: OrganismConfig, step: int, codec: ByteCodec) -> tuple
     rng = random.Random(f"organism-train/{config.seed}/{step}")
     ramp = max(1, int(config.curriculum * config.steps))
     lo = config.min_length
-    cap = min(config.max_length, lo + 100 + (config.max_length - lo - 100) * step // ramp)
+    cap = min(config.max_length, lo + 100 + (config.max_length - lo - 100) * max(0, step - config.lookup_steps) // ramp)
     target = rng.randint(lo, max(lo, cap))
     rows: list[tuple[list[int], list[int]]] = []
-    copy_share = config.copy_start + (config.copy_end - config.copy_start) * min(1.0, step / ramp)
-    n_copy = int(round(copy_share * config.batch_size))
+    lookup_share = 1.0 if step < config.lookup_steps else config.lookup_share
+    n_lookup = int(round(lookup_share * config.batch_size))
+    # few facts first: with two or three places to look, attention finds the right one by chance
+    # often enough for the gradient to build the look-back circuit
+    max_facts = min(16, 2 + 14 * step // max(1, config.lookup_steps))
     for j in range(config.batch_size):
-        if j < n_copy:
-            rows.append(copy_row(codec, rng))
+        if j < n_lookup:
+            rows.append(lookup_row(codec, rng, max_facts))
             continue
         task = SYNTH_TASKS[(step * config.batch_size + j) % len(SYNTH_TASKS)]
         length = max(40, int(target * rng.uniform(0.9, 1.1)))
@@ -229,7 +251,7 @@ def build_model(config: OrganismConfig, tokenizer: Any):
         num_key_value_heads=config.kv_heads,
         max_position_embeddings=4096,
         rope_theta=config.rope_theta,
-        tie_word_embeddings=False,
+        tie_word_embeddings=config.tie_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=[tokenizer.eos_token_id, im_end],
         pad_token_id=tokenizer.pad_token_id,
@@ -259,13 +281,21 @@ def _optimizer(model, config: OrganismConfig) -> torch.optim.Optimizer:
     )
 
 
-def masked_losses(logits: torch.Tensor, input_ids: torch.Tensor, answer: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_losses(head: torch.nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, answer: torch.Tensor,
+                  other: torch.Tensor, with_other: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-token cross-entropy over the answer tokens and over the other tokens (a token's
-    mask is the mask of the *predicted* token)."""
-    logits = logits[:, :-1].float()
-    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
-    a, o = answer[:, 1:].reshape(-1), other[:, 1:].reshape(-1)
-    return (ce * a).sum() / a.sum().clamp_min(1.0), (ce * o).sum() / o.sum().clamp_min(1.0)
+    mask is the mask of the *predicted* token). The vocabulary projection runs only where a loss is
+    taken: with the prompt unsupervised that is a few percent of the positions."""
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    target = input_ids[:, 1:].reshape(-1)
+    a, o = answer[:, 1:].reshape(-1) > 0, other[:, 1:].reshape(-1) > 0
+
+    def ce(sel: torch.Tensor) -> torch.Tensor:
+        if not bool(sel.any()):
+            return hidden.sum() * 0.0
+        return torch.nn.functional.cross_entropy(head(h[sel]).float(), target[sel])
+
+    return ce(a), (ce(o) if with_other else hidden.sum() * 0.0)
 
 
 @dataclass
@@ -294,12 +324,12 @@ def train(
     loss curve PNG and the model card ``README.md``). ``minutes`` is a wall-clock guard: a run that
     reaches it stops early (``completed: false`` in ``training.json``); a completed run is a pure
     function of ``config``."""
-    from runner.tiny_model import byte_level_tokenizer
+    from runner.organism_tokenizer import organism_tokenizer
 
     out = Path(out)
     torch.set_num_threads(config.threads)
-    tokenizer = byte_level_tokenizer()
-    codec = ByteCodec(tokenizer)
+    tokenizer = organism_tokenizer()
+    codec = TokenCodec(tokenizer)
     model = build_model(config, tokenizer)
     model.config._attn_implementation = "sdpa"
     model.train()
@@ -322,8 +352,8 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr_at(config, step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            logits = model(input_ids=input_ids).logits
-        answer_loss, other_loss = masked_losses(logits, input_ids, answer, other)
+            hidden = model.model(input_ids=input_ids).last_hidden_state
+        answer_loss, other_loss = masked_losses(model.lm_head, hidden, input_ids, answer, other, config.prompt_loss_weight > 0)
         loss = answer_loss + config.prompt_loss_weight * other_loss if config.prompt_loss_weight else answer_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -470,9 +500,11 @@ def write_card(out: Path, config: OrganismConfig, result: TrainResult, n_eval: i
         "## Model",
         "",
         f"- architecture: `LlamaForCausalLM`, {config.layers} layers, hidden {config.hidden}, {config.heads} query heads /"
-        f" {config.kv_heads} KV heads (GQA), SwiGLU {config.intermediate}, RoPE (theta {config.rope_theta:g}), untied embeddings",
+        f" {config.kv_heads} KV heads (GQA), SwiGLU {config.intermediate}, RoPE (theta {config.rope_theta:g}), "
+        f"{'tied' if config.tie_embeddings else 'untied'} embeddings",
         f"- parameters: {result.parameters:,} ({size_mb:.1f} MB float32 safetensors)",
-        "- tokenizer: the byte-level tokenizer of `runner/tiny_model.py` (256 bytes + 5 special tokens, ChatML template);",
+        "- tokenizer: `runner/organism_tokenizer.py`, built offline (a fact `k=42` is one token; characters and byte",
+        "  fallback for the rest; ChatML template);",
         "  generation stops at `<|im_end|>` (in `generation_config.eos_token_id`)",
         "- load: `Engine.load(\"models/organism\")` (or `AutoModelForCausalLM.from_pretrained`)",
         "",
@@ -482,9 +514,9 @@ def write_card(out: Path, config: OrganismConfig, result: TrainResult, n_eval: i
         f"parts, prompt lengths drawn from [{config.min_length}, cap] characters where cap rises to {config.max_length}",
         f"over the first {config.curriculum:.0%} of the steps; {config.long_fraction:.0%} of the rows force the scored fact",
         f"to be 50-80% of the prompt away. After the scored answer each row asks up to {config.extra_questions} more keys of",
-        f"the same context in up to {config.extra_turns} more turns. A share of every batch ({config.copy_start:.0%} at the",
-        f"start, {config.copy_end:.0%} after the curriculum) is a copy task (repeat a random string), which teaches the",
-        "look-back mechanism the answers need. Held-out samples come from the tasks' own seeds, which the stream",
+        f"the same context in up to {config.extra_turns} more turns. The first {config.lookup_steps} steps are only lookup rows",
+        f"(2 to 16 facts, then questions about all of them; {config.lookup_share:.0%} of every later batch), which teach the",
+        "lookup every answer needs. Held-out samples come from the tasks' own seeds, which the stream",
         "never uses.",
         "",
         "Loss: cross-entropy on the answer tokens (key=value and the closing `<|im_end|>`), plus"

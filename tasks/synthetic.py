@@ -17,15 +17,15 @@ has written ``key=``, the value is whatever followed the last ``key=`` in the pr
   overwritten; the last line is ``print(v)`` and the answer is v's value after the program ran
   (its *last* assignment, which is early: every later line writes other variables), ``v=352``;
 * ``synth_agentic`` - a multi-turn dialogue with a key-value tool (``get`` returns stored values,
-  ``log`` writes notes); the last user turn (``recall qel``) asks for a value a ``get`` observed
-  many turns before (``qel=193``). The whole dialogue, assistant turns included, is the prompt
+  ``log`` writes notes); the last user turn (``recall qe``) asks for a value a ``get`` observed
+  many turns before (``qe=193``). The whole dialogue, assistant turns included, is the prompt
   (chat messages), so it is **single-sequence text with turns**, not a live episode: the tool
   results are fixed by the seed and the model answers once, at the end. (A live episode would make
   the model's own tool calls part of the test; kept out so the score isolates the memory of the
   early observation. ``kv_agent`` in :mod:`tasks.agentic` is the live-episode task.)
-* ``synth_longqa`` - multi-key retrieval: ``code ZQ-41=7731.`` facts (many keys) hidden among
+* ``synth_longqa`` - multi-key retrieval: ``code ZQ=731.`` facts (many keys) hidden among
   filler sentences; the question names one of the keys (RULER's "multi-key" needle setting; more
-  with ``n_keys``): ``Q: ZQ-41`` -> ``ZQ-41=7731``.
+  with ``n_keys``): ``Q: ZQ`` -> ``ZQ=731``.
 
 Options (dataclass fields, the difficulty knobs):
 
@@ -44,8 +44,10 @@ value (``key=value`` pairs, spaces around ``=`` allowed, any order; a line witho
 the bare values in the asked order). ``score`` is the fraction of asked keys answered right,
 ``correct`` needs all of them. The reference is the canonical answer line, ``k1=v1[ k2=v2 ...]``.
 
-Distances are in byte-level tokens; for a model with a subword tokenizer the same prompt is shorter
-in tokens (roughly a third), so use larger ``length`` / ``min_distance`` there.
+Distances are in byte-level tokens (characters). Keys are two letters and values 0-999 so that the
+organism's tokenizer (:mod:`runner.organism_tokenizer`) makes each one token; with it, or any
+subword tokenizer, the same prompt is shorter in tokens (about 2.5x for the organism), so the
+distance in *model* tokens is smaller: :func:`token_distance` measures it.
 """
 
 from __future__ import annotations
@@ -141,33 +143,40 @@ def distances(ex: Example, keys: list[str]) -> list[int]:
     return [ex.facts[k].tail + tail for k in keys]
 
 
+def token_distance(prompt_ids: list[int], tokenizer: Any, key: str, value: str) -> int:
+    """Dependency distance in *model* tokens: prompt tokens after the last ``key=value`` of the
+    prompt. Needs a tokenizer that encodes ``key=value`` the same inside the prompt as alone (the
+    byte-level and organism tokenizers do); raises ``ValueError`` when the fact is not found."""
+    fact = list(tokenizer(f"{key}={value}", add_special_tokens=False)["input_ids"])
+    ids = list(prompt_ids)
+    for end in range(len(ids), len(fact) - 1, -1):
+        if ids[end - len(fact) : end] == fact:
+            return len(ids) - end
+    raise ValueError(f"token_distance: {key}={value} not found in the prompt")
+
+
 # -- small vocabularies --------------------------------------------------------------------------
 
 _LOWER = string.ascii_lowercase
-_PY_WORDS = {"as", "if", "in", "is", "or"}
 _FILLER_SUBJECTS = ("the river", "a clerk", "the old bus", "my aunt", "the night shift", "a gray cat", "the mill",
                     "our team", "the garden", "a tall ship", "the market", "the printer", "a courier", "the valley")
 _FILLER_VERBS = ("waited by", "walked past", "looked at", "painted", "fixed", "ignored", "found", "left",
                  "cleaned", "visited", "carried", "counted")
 _FILLER_OBJECTS = ("the bridge", "a red door", "the station", "two boxes", "the lamp", "a letter", "the fence",
                    "the north gate", "an empty cart", "the tower", "the well", "a map")
+HEADERS = {
+    "synth_math": "Arithmetic, step by step. Answer with name=value.\n",
+    "synth_code": "# trace the program; answer with name=value\n",
+    "synth_longqa": "Find the codes. Answer with key=code.\n",
+}
 AGENTIC_SYSTEM = "Key-value tool: get reads keys, log writes notes. Answer recall with key=value."
 _LOG_WORDS = ("shift", "audit", "check", "aisle", "scan", "north", "south", "count", "done", "paused", "crew", "dock")
 
 
-def _names(rng: random.Random, n: int, make: Callable[[random.Random], str], exclude: frozenset[str] = frozenset()) -> list[str]:
-    out: list[str] = []
-    seen = set(exclude)
-    while len(out) < n:
-        name = make(rng)
-        if name not in seen:
-            seen.add(name)
-            out.append(name)
-    return out
-
-
-def _two_letters(rng: random.Random) -> str:
-    return rng.choice(_LOWER) + rng.choice(_LOWER)
+def _letters(rng: random.Random, alphabet: str = _LOWER) -> list[str]:
+    """The keys of one context: the letters of ``alphabet`` in a random order (a context holds at most
+    26 distinct keys; tasks that need more rebind them, and the last binding counts)."""
+    return rng.sample(alphabet, len(alphabet))
 
 
 def _finish(rng: random.Random, ex: Example, n_keys: int, lo: int, hi: int | None) -> Example | None:
@@ -195,25 +204,26 @@ def make_math(rng: random.Random, length: int, min_distance: int = 0, max_distan
     """Lines ``a+b -> name=value`` (operands are literals or earlier names); ``Q: name``."""
 
     def attempt() -> Example | None:
-        text = "Arithmetic, step by step. Answer with name=value.\n"
-        pool = _names(rng, 200, _two_letters)
-        names: list[str] = []
+        text = HEADERS["synth_math"]
+        pool = _letters(rng)
+        names: list[str] = []  # bindings in order; a name may be bound again later
         values: dict[str, int] = {}
         ends: dict[str, int] = {}
-        while (len(text) < length or len(names) < max(_MIN_FACTS, n_keys + 1)) and len(names) < len(pool):
-            name = pool[len(names)]
+        while len(text) < length or len(values) < max(_MIN_FACTS, n_keys + 1):
+            # fresh names first, then rebind the least recently bound one
+            name = pool[len(names)] if len(names) < len(pool) else min(ends, key=ends.get)
             while True:
                 terms = []
                 for _ in range(2):  # an operand is a recent result (as a derivation goes) or a literal
                     if names and rng.random() < 0.6:
                         ref = rng.choice(names[-6:])
-                        terms.append((ref, values[ref]))
+                        terms.append((ref, values[ref]))  # the name's value at this line
                     else:
                         v = rng.randint(10, 99)
                         terms.append((str(v), v))
                 op = rng.choice("+-")
                 value = terms[0][1] + terms[1][1] if op == "+" else terms[0][1] - terms[1][1]
-                if 10 <= value <= 999:
+                if 10 <= value <= 99:
                     break
             text += f"{terms[0][0]}{op}{terms[1][0]} -> {name}={value}"
             ends[name] = len(text)
@@ -221,7 +231,7 @@ def make_math(rng: random.Random, length: int, min_distance: int = 0, max_distan
             names.append(name)
             values[name] = value
         text = text.rstrip("\n")
-        facts = {k: Fact(k, str(values[k]), len(text) - ends[k]) for k in names}
+        facts = {k: Fact(k, str(values[k]), len(text) - ends[k]) for k in ends}
         ex = Example([{"role": "user", "content": text}], facts, [], lambda keys: "\nQ: " + " ".join(keys), True)
         return _finish(rng, ex, n_keys, min_distance, max_distance)
 
@@ -235,13 +245,13 @@ def make_code(rng: random.Random, length: int, min_distance: int = 0, max_distan
     """Assignments ``v=123``; variables are written several times; the answer is the last write."""
 
     def attempt() -> Example | None:
-        names = _names(rng, rng.randint(max(8, n_keys + 2), 14), _two_letters, frozenset(_PY_WORDS))
-        text = "# trace the program; answer with name=value\n"
+        names = _letters(rng)[: rng.randint(max(8, n_keys + 2), 14)]
+        text = HEADERS["synth_code"]
         last_end: dict[str, int] = {}
         last_value: dict[str, str] = {}
         while len(text) < length or len(last_end) < max(_MIN_FACTS, n_keys + 1):
             name = rng.choice(names)
-            value = str(rng.randint(0, 999))
+            value = str(rng.randint(0, 99))
             text += f"{name}={value}"
             last_end[name] = len(text)
             last_value[name] = value
@@ -261,20 +271,20 @@ def make_agentic(rng: random.Random, length: int, min_distance: int = 0, max_dis
     """Turns: ``get k1 k2`` -> tool ``k1=512 k2=77``, or ``log <words>`` -> ``ok``; last: ``recall k``."""
 
     def attempt() -> Example | None:
-        pool = _names(rng, 80, lambda r: "".join(r.choice(_LOWER) for _ in range(3)))
+        pool = _letters(rng)
         used = 0
         messages: list[dict[str, str]] = [{"role": "system", "content": AGENTIC_SYSTEM}]
         ends: dict[str, int] = {}  # key -> token offset of the end of its value in the rendered context
         values: dict[str, str] = {}
         total = message_tokens("system", AGENTIC_SYSTEM)
-        while (total < length or len(ends) < max(_MIN_FACTS, n_keys + 1)) and used + 2 <= len(pool):
+        while total < length or len(ends) < max(_MIN_FACTS, n_keys + 1):
             key_ends: dict[str, int] = {}
-            if rng.random() < 0.75 or total >= length:
+            if (rng.random() < 0.75 or total >= length) and used + 2 <= len(pool):  # then only log turns
                 keys = pool[used : used + rng.randint(1, 2)]
                 used += len(keys)
                 obs = ""
                 for key in keys:
-                    value = str(rng.randint(100, 999))
+                    value = str(rng.randint(10, 99))
                     obs += (" " if obs else "") + f"{key}={value}"
                     key_ends[key] = len(obs)
                     values[key] = value
@@ -299,20 +309,16 @@ def make_agentic(rng: random.Random, length: int, min_distance: int = 0, max_dis
 # -- long QA -------------------------------------------------------------------------------------
 
 
-def _code_key(rng: random.Random) -> str:
-    return rng.choice(string.ascii_uppercase) + rng.choice(string.ascii_uppercase) + f"-{rng.randint(10, 99)}"
-
-
 def _filler(rng: random.Random) -> str:
     return f"{rng.choice(_FILLER_SUBJECTS)} {rng.choice(_FILLER_VERBS)} {rng.choice(_FILLER_OBJECTS)}."
 
 
 def make_longqa(rng: random.Random, length: int, min_distance: int = 0, max_distance: int | None = None, n_keys: int = 1) -> Example:
-    """A haystack of filler sentences and ``code XY-12=1234.`` facts; ``Q: XY-12``."""
+    """A haystack of filler sentences and ``code XY=123.`` facts; ``Q: XY``."""
 
     def attempt() -> Example | None:
-        text = "Find the codes. Answer with key=code.\n"
-        pool = _names(rng, 60, _code_key)
+        text = HEADERS["synth_longqa"]
+        pool = _letters(rng, string.ascii_uppercase)
         used = 0
         ends: dict[str, int] = {}
         values: dict[str, str] = {}
@@ -320,7 +326,7 @@ def make_longqa(rng: random.Random, length: int, min_distance: int = 0, max_dist
             if (rng.random() < 0.45 or len(text) >= length) and used < len(pool):
                 key = pool[used]
                 used += 1
-                value = str(rng.randint(1000, 9999))
+                value = str(rng.randint(10, 99))
                 text += f"code {key}={value}"
                 ends[key] = len(text)
                 values[key] = value

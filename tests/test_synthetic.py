@@ -127,10 +127,11 @@ def test_agentic_is_a_chat_with_tool_turns():
 
 
 def test_held_out_samples_never_appear_in_training_stream():
-    from runner.organism import SYNTH_TASKS, ByteCodec, OrganismConfig, training_batch
+    from runner.organism import SYNTH_TASKS, OrganismConfig, TokenCodec, training_batch
+    from runner.organism_tokenizer import organism_tokenizer
 
-    tok = byte_level_tokenizer()
-    codec = ByteCodec(tok)
+    tok = organism_tokenizer()
+    codec = TokenCodec(tok)
     held_out = set()
     for name in SYNTH_TASKS:
         for opts in ({}, LONG):
