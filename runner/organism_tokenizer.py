@@ -29,7 +29,7 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from runner.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from runner.tiny_model import chat_tokenizer
 
 _SPLIT = r"(?<![A-Za-z])[A-Za-z]=[0-9]{1,2}(?![0-9])|[A-Za-z]+|[0-9]+|[^A-Za-z0-9]"
 FACT_RE = re.compile(r"(?<![A-Za-z])[A-Za-z]=[0-9]{1,2}(?![0-9])")
@@ -63,13 +63,4 @@ def organism_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.Unigram(organism_pieces(), unk_id=0, byte_fallback=True))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated")
     backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|end_of_text|>",
-        pad_token="<|pad|>",
-        unk_token="<unk>",
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-    )
+    return chat_tokenizer(backend, unk_token="<unk>", clean_up_tokenization_spaces=False)

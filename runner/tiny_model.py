@@ -38,6 +38,12 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
+    return chat_tokenizer(backend)
+
+
+def chat_tokenizer(backend: Tokenizer, **options) -> PreTrainedTokenizerFast:
+    """``backend`` with the special tokens and ChatML template every offline tokenizer here shares;
+    ``options`` go to ``PreTrainedTokenizerFast`` (e.g. ``unk_token``)."""
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -45,6 +51,7 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<|end_of_text|>",
         pad_token="<|pad|>",
         chat_template=CHAT_TEMPLATE,
+        **options,
     )
 
 
