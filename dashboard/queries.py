@@ -4,10 +4,9 @@ back is small - per-problem histograms, per-(method, budget) means, a few dimens
 The statistical unit is a *problem*: one ``sample_id`` of one task, for one model, protocol and
 generation setting. The core building block is :func:`problem_hist`: per method spec, task and budget,
 how many problems had ``k`` of their ``m`` samples correct (and in how many samples eviction fired).
-Pairs of methods are compared on :func:`paired_hist`, the same histogram over the problems both have.
-
-Only ``status = 'ok'`` rows count towards accuracy; failed cells are counted separately
-(:func:`failed_counts`) and shown beside the numbers.
+The leaderboard, curves and scorecard read :func:`question_cells` instead: one row per problem cell,
+failed samples included (and counted as wrong), so that pairing, clustering by question and the
+common problem set are decided once, in :mod:`dashboard.tables`.
 """
 
 from __future__ import annotations
@@ -279,6 +278,35 @@ def _per_problem(filters: Filters, budgets: Iterable[int] | None, methods: Itera
         .group_by(*cols, R.c.method_spec_id, R.c.budget)
         .subquery(name)
     )
+
+
+def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None,
+                   methods: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """One row per (method spec, budget, problem cell) with ``k`` correct of ``m`` samples *including
+    failed ones* (a failed sample counts as wrong), ``failed`` samples and ``fired`` (samples with
+    evictions > 0), in a fixed order, so the statistics never depend on the database's row order.
+
+    ``budgets``: restrict to these budgets (default: the filters' budgets)."""
+    cond = [R.c.status.in_([STATUS_OK, STATUS_FAILED]), *filters.conditions(budgets=budgets is None)]
+    if budgets is not None:
+        cond.append(R.c.budget.in_(list(budgets)))
+    if methods is not None:
+        cond.append(R.c.method_spec_id.in_(list(methods)))
+    key = [R.c.method_spec_id, R.c.budget, *(getattr(R.c, k) for k in _PROBLEM_KEY)]
+    q = (
+        select(
+            *key,
+            _int(func.sum(case((and_(R.c.status == STATUS_OK, R.c.correct.is_(True)), 1), else_=0))).label("k"),
+            func.count().label("m"),
+            _int(func.sum(case((R.c.status == STATUS_FAILED, 1), else_=0))).label("failed"),
+            _int(func.sum(case((and_(R.c.status == STATUS_OK, R.c.evictions > 0), 1), else_=0))).label("fired"),
+        )
+        .where(and_(*cond))
+        .group_by(*key)
+        .order_by(*key)
+    )
+    with engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(q)]
 
 
 def problem_hist(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[dict[str, Any]]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Callable
 
 import pandas as pd
+from scipy.stats import norm
 
+from dashboard import common_set as cs
 from dashboard import queries as q
-from dashboard import stats
+from dashboard import multiplicity, score_tests, stats
 
 #: the published claims the scorecard sets measurements against (accuracy in %)
 PAPER_ACCURACY_CLAIMS = (
@@ -25,12 +27,12 @@ PAPER_ACCURACY_CLAIMS = (
     ("math500", 4096, ("h2o",), 67.0, "H2O"),
     ("math500", 4096, (q.FULL,), 75.0, "full cache"),
     ("aime24", 8192, ("lag_kv",), 37.0, "lag-normalised KV"),
-    ("aime24", 8192, q.ATTENTION_BASELINES, 33.0, "best attention baseline"),
+    ("aime24", 8192, ("thinkv",), 33.0, "best attention baseline (ThinKV, fixed in advance)"),
     ("aime24", 8192, (q.FULL,), 43.0, "full cache"),
 )
 PAPER_SPEEDUP = 2.8
 PAPER_CONTEXT = 16.0
-NOT_MEASURED = "not measured yet"
+NOT_MEASURED = stats.NOT_MEASURED
 
 
 def pct(x: float) -> float:
@@ -41,14 +43,6 @@ def fmt_interval(lo: float, hi: float) -> str:
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
         return "-"
     return f"[{lo:.1f}, {hi:.1f}]"
-
-
-def _acc(hist: Iterable[tuple[int, int, int]]) -> stats.Accuracy:
-    return stats.accuracy_interval(list(hist))
-
-
-def _cmp(pairs: Iterable[tuple[int, int, int, int, int]]) -> stats.Comparison:
-    return stats.compare_paired(list(pairs))
 
 
 def _full_ids(dims: dict[str, Any]) -> list[int]:
@@ -72,8 +66,9 @@ def full_reference_budget(engine, filters: q.Filters, budget: int, full_ids: lis
 # ------------------------------------------------------------------------------------------------
 
 LEADERBOARD_COLUMNS = [
-    "rank", "method", "domain", "task", "accuracy", "acc_lo", "acc_hi", "interval", "interval_method",
-    "delta_full", "delta_lo", "delta_hi", "p_value", "test", "evicted_share", "problems", "samples", "failed",
+    "rank", "rank_interval", "tied_best", "method", "domain", "task", "accuracy", "acc_lo", "acc_hi", "interval",
+    "interval_method", "delta_full", "delta_lo", "delta_hi", "p_value", "test", "evicted_share", "problems", "samples",
+    "failed", "note",
 ]
 
 
@@ -85,131 +80,120 @@ class Leaderboard:
     by_task: pd.DataFrame  # one row per (method, task)
     wide: pd.DataFrame  # methods x domains
     domains: list[str] = field(default_factory=list)
+    weighting: str = "problem"
 
 
-def _rank(df: pd.DataFrame, group: str | None) -> pd.Series:
-    if df.empty:
-        return pd.Series(dtype="Int64")
-    if group is None:
-        return df["accuracy"].rank(ascending=False, method="min").astype("Int64")
+def budget_results(engine, filters: q.Filters, budget: int, dims: dict[str, Any]) -> tuple[cs.Results, int | None, int | None]:
+    """Every method's cells at ``budget`` (failed samples included), with full cache taken from its
+    reference budget (:func:`full_reference_budget`) under one id. Returns ``(results, full id, full budget)``."""
+    full_ids = _full_ids(dims)
+    rows = q.question_cells(engine, filters, [budget])
+    full_budget = full_reference_budget(engine, filters, budget, full_ids) if full_ids else None
+    rows = [r for r in rows if r["method_spec_id"] not in full_ids]
+    full_rows = q.question_cells(engine, filters, [full_budget], full_ids) if full_budget is not None else []
+    full_id = None
+    if full_rows:  # several full-cache specs (full has no hyperparameters, so should not happen): keep the biggest
+        size: dict[int, int] = defaultdict(int)
+        for r in full_rows:
+            size[r["method_spec_id"]] += 1
+        full_id = min(size, key=lambda i: (-size[i], i))
+        rows += [r for r in full_rows if r["method_spec_id"] == full_id]
+    return cs.results_from_rows(rows), full_id, full_budget
+
+
+def _label(methods: dict[int, Any], method_id: int) -> str:
+    return methods[method_id]["label"] if method_id in methods else f"#{method_id}"
+
+
+def _group_rows(group: cs.CommonSet, methods: dict[int, Any], full_id: int | None, domain: str, task: str) -> list[dict]:
+    ranks = group.rank_intervals()
+    out = []
+    for m_id in group.methods:
+        a = group.accuracy(m_id)
+        c = group.compare(m_id, full_id) if full_id is not None and m_id != full_id else None
+        samples = group.total(m_id, "m")
+        out.append({
+            "method": _label(methods, m_id), "method_id": m_id, "domain": domain, "task": task,
+            "accuracy": pct(a.mean), "acc_lo": pct(a.lo), "acc_hi": pct(a.hi),
+            "interval": fmt_interval(pct(a.lo), pct(a.hi)), "interval_method": a.method,
+            "delta_full": pct(c.diff) if c else math.nan, "delta_lo": pct(c.lo) if c else math.nan,
+            "delta_hi": pct(c.hi) if c else math.nan, "p_value": c.pvalue if c else math.nan,
+            "test": c.test if c else ("reference" if m_id == full_id else "no full cache"),
+            "evicted_share": 100.0 * group.total(m_id, "fired") / ok if (ok := samples - group.total(m_id, "failed")) else math.nan,
+            "problems": a.problems, "samples": samples, "failed": group.total(m_id, "failed"),
+            "rank_interval": str(ranks[m_id]) if m_id in ranks else "-",
+            "tied_best": ranks[m_id].tied_with_best if m_id in ranks else False,
+            "note": stats.TOO_FEW if a.problems < stats.MIN_PROBLEMS else "",
+        })
+    return out
+
+
+def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None,
+                weighting: str = "problem") -> Leaderboard:
+    """Methods x domains (and x tasks) at ``budget``, each table on the cells every method in it has
+    (failed samples counted as wrong): accuracy with a 95% interval, difference from full cache with
+    Tango's interval and score test, share of samples where eviction fired, rank and rank interval."""
+    dims = dims or q.dimensions(engine)
+    methods, tasks = dims["methods"], dims["tasks"]
+    results, full_id, full_budget = budget_results(engine, filters, budget, dims)
+    task_of = lambda t: tasks.get(t, {"name": f"#{t}", "domain": "?"})  # noqa: E731
+    present: dict[int, set[int]] = defaultdict(set)  # task -> methods with cells there
+    for m_id, cells in results.items():
+        for c in cells:
+            present[c[0]].add(m_id)
+    task_rows, domain_rows = [], []
+    for t_id in sorted(present, key=lambda t: (task_of(t)["domain"], task_of(t)["name"], t)):
+        group = cs.common_set(results, present[t_id], keep=lambda c, t_id=t_id: c[0] == t_id)
+        task_rows += _group_rows(group, methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"])
+    domains = sorted({task_of(t)["domain"] for t in present})
+    for d in domains:
+        in_domain = {m for t in present if task_of(t)["domain"] == d for m in present[t]}
+        group = cs.common_set(results, in_domain, keep=lambda c, d=d: task_of(c[0])["domain"] == d, weighting=weighting)
+        domain_rows += _group_rows(group, methods, full_id, d, "(all)")
+    by_task, by_domain = pd.DataFrame(task_rows), pd.DataFrame(domain_rows)
+    for df, group_col in ((by_task, "task"), (by_domain, "domain")):
+        if not df.empty:
+            df.insert(0, "rank", _rank(df, group_col))
+    in_every_domain = [m for m in results if all(any(task_of(c[0])["domain"] == d for c in results[m]) for d in domains)]
+    overall = cs.common_set(results, in_every_domain, weighting=weighting, stratum=lambda qn: task_of(qn[0])["domain"])
+    return Leaderboard(budget, full_budget, by_domain, by_task, _wide(by_domain, domains, overall, methods), domains, weighting)
+
+
+def _rank(df: pd.DataFrame, group: str) -> pd.Series:
     return df.groupby(group)["accuracy"].rank(ascending=False, method="min").astype("Int64")
 
 
-def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None) -> Leaderboard:
-    """Methods x domains (and x tasks) at ``budget``: accuracy with a 95% interval, difference from full
-    cache with a paired test, share of samples where eviction fired, rank."""
-    dims = dims or q.dimensions(engine)
-    methods, tasks = dims["methods"], dims["tasks"]
-    hist = q.problem_hist(engine, filters, [budget])
-    full_ids = _full_ids(dims)
-    present = sorted({h["method_spec_id"] for h in hist})
-    present_full = [i for i in full_ids if i in present] or full_ids
-    full_budget = full_reference_budget(engine, filters, budget, full_ids) if full_ids else None
-    pairs: list[dict[str, Any]] = []
-    if full_budget is not None:
-        others = [i for i in present if i not in full_ids]
-        pairs = q.paired_hist(engine, filters, others, present_full if full_budget == budget else full_ids, [budget],
-                              None if full_budget == budget else full_budget)
-        # several full-cache specs (should not happen: full has no hyperparameters): keep the biggest
-        if len({p["b_method"] for p in pairs}) > 1:
-            size: dict[int, int] = defaultdict(int)
-            for p in pairs:
-                size[p["b_method"]] += p["problems"]
-            keep = max(size, key=size.get)
-            pairs = [p for p in pairs if p["b_method"] == keep]
-    failed = q.failed_counts(engine, filters, [budget])
-
-    acc_task: dict[tuple[int, int], list] = defaultdict(list)
-    fired_task: dict[tuple[int, int], int] = defaultdict(int)
-    for h in hist:
-        key = (h["method_spec_id"], h["task_id"])
-        acc_task[key].append((h["k"], h["m"], h["problems"]))
-        fired_task[key] += int(h["fired"] or 0)
-    pair_task: dict[tuple[int, int], list] = defaultdict(list)
-    for p in pairs:
-        pair_task[(p["a_method"], p["task_id"])].append((p["k_a"], p["m_a"], p["k_b"], p["m_b"], p["problems"]))
-    fail_task: dict[tuple[int, int], int] = defaultdict(int)
-    for f in failed:
-        fail_task[(f["method_spec_id"], f["task_id"])] += int(f["failed"])
-
-    def row(method_id: int, domain: str, task: str, hist_rows: list, fired: int, pair_rows: list, n_failed: int) -> dict:
-        a = _acc(hist_rows)
-        c = _cmp(pair_rows) if pair_rows else None
-        return {
-            "method": methods[method_id]["label"] if method_id in methods else f"#{method_id}",
-            "method_id": method_id,
-            "domain": domain,
-            "task": task,
-            "accuracy": pct(a.mean),
-            "acc_lo": pct(a.lo),
-            "acc_hi": pct(a.hi),
-            "interval": fmt_interval(pct(a.lo), pct(a.hi)),
-            "interval_method": a.method,
-            "delta_full": pct(c.diff) if c else math.nan,
-            "delta_lo": pct(c.lo) if c else math.nan,
-            "delta_hi": pct(c.hi) if c else math.nan,
-            "p_value": c.pvalue if c else math.nan,
-            "test": c.test if c else ("reference" if method_id in full_ids else "no full cache"),
-            "paired_problems": c.n if c else 0,
-            "evicted_share": 100.0 * fired / a.samples if a.samples else math.nan,
-            "problems": a.problems,
-            "samples": a.samples,
-            "failed": n_failed,
-        }
-
-    task_rows, domain_rows = [], []
-    by_domain_keys: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
-    for (m_id, t_id) in sorted(acc_task, key=lambda k: (methods.get(k[0], {}).get("label", ""), k[1])):
-        t = tasks.get(t_id, {"name": f"#{t_id}", "domain": "?"})
-        task_rows.append(row(m_id, t["domain"], t["name"], acc_task[(m_id, t_id)], fired_task[(m_id, t_id)],
-                             pair_task.get((m_id, t_id), []), fail_task.get((m_id, t_id), 0)))
-        by_domain_keys[(m_id, t["domain"])].append((m_id, t_id))
-    for (m_id, domain), keys in sorted(by_domain_keys.items(), key=lambda kv: (methods.get(kv[0][0], {}).get("label", ""), kv[0][1])):
-        domain_rows.append(row(
-            m_id, domain, "(all)",
-            [x for k in keys for x in acc_task[k]], sum(fired_task[k] for k in keys),
-            [x for k in keys for x in pair_task.get(k, [])], sum(fail_task.get(k, 0) for k in keys),
-        ))
-    by_task = pd.DataFrame(task_rows)
-    by_domain = pd.DataFrame(domain_rows)
-    for df, group in ((by_task, "task"), (by_domain, "domain")):
-        if not df.empty:
-            df.insert(0, "rank", _rank(df, group))
-    domains = sorted(by_domain["domain"].unique()) if not by_domain.empty else []
-    return Leaderboard(budget, full_budget, by_domain, by_task, _wide(by_domain, domains), domains)
-
-
-def _wide(by_domain: pd.DataFrame, domains: list[str]) -> pd.DataFrame:
-    """One row per method: mean accuracy over domains (each domain weighs the same), rank by it, then
-    per domain the accuracy, its interval and the difference from full cache."""
+def _wide(by_domain: pd.DataFrame, domains: list[str], overall: cs.CommonSet, methods: dict[int, Any]) -> pd.DataFrame:
+    """One row per method: the mean accuracy over domains (each domain weighs the same) on the cells
+    every method has in every domain, its rank and rank interval; then per domain the accuracy, its
+    interval and the difference from full cache (from the domain's table)."""
     if by_domain.empty:
-        return pd.DataFrame(columns=["rank", "method", "mean accuracy", "evicted %"])
+        return pd.DataFrame(columns=["rank", "rank interval", "tied with best", "method", "mean accuracy", "evicted %"])
+    ranks = overall.rank_intervals()
+    means = {m: pct(overall.accuracy(m).mean) for m in overall.methods} if overall.cells else {}
     rows = []
-    for method, g in by_domain.groupby("method", sort=False):
-        r: dict[str, Any] = {"method": method}
-        accs = []
+    for m_id, g in by_domain.groupby("method_id", sort=False):
+        r: dict[str, Any] = {"method": _label(methods, m_id)}
         fired = samples = 0.0
         for d in domains:
             sub = g[g["domain"] == d]
             if sub.empty:
-                r[f"{d} %"] = math.nan
-                r[f"{d} 95% CI"] = "-"
-                r[f"{d} Δ full"] = math.nan
+                r[f"{d} %"], r[f"{d} 95% CI"], r[f"{d} Δ full"] = math.nan, "-", math.nan
                 continue
             s = sub.iloc[0]
-            accs.append(s["accuracy"])
-            r[f"{d} %"] = s["accuracy"]
-            r[f"{d} 95% CI"] = s["interval"]
-            r[f"{d} Δ full"] = s["delta_full"]
+            r[f"{d} %"], r[f"{d} 95% CI"], r[f"{d} Δ full"] = s["accuracy"], s["interval"], s["delta_full"]
             fired += (s["evicted_share"] if not math.isnan(s["evicted_share"]) else 0) * s["samples"] / 100
             samples += s["samples"]
-        r["mean accuracy"] = sum(accs) / len(accs) if len(accs) == len(domains) else math.nan
+        r["mean accuracy"] = means.get(m_id, math.nan)
+        r["rank interval"] = str(ranks[m_id]) if m_id in ranks else "-"
+        r["tied with best"] = ranks[m_id].tied_with_best if m_id in ranks else False
         r["evicted %"] = 100 * fired / samples if samples else math.nan
         rows.append(r)
     wide = pd.DataFrame(rows)
     wide.insert(0, "rank", wide["mean accuracy"].rank(ascending=False, method="min").astype("Int64"))
     wide = wide.sort_values(["rank", "method"], na_position="last").reset_index(drop=True)
-    cols = ["rank", "method", "mean accuracy"] + [c for d in domains for c in (f"{d} %", f"{d} 95% CI", f"{d} Δ full")] + ["evicted %"]
+    cols = ["rank", "rank interval", "tied with best", "method", "mean accuracy"] + [
+        c for d in domains for c in (f"{d} %", f"{d} 95% CI", f"{d} Δ full")] + ["evicted %"]
     return wide[cols]
 
 
@@ -218,30 +202,44 @@ def _wide(by_domain: pd.DataFrame, domains: list[str]) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------------
 
 
-def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _by_budget(rows: list[dict[str, Any]]) -> dict[int, cs.Results]:
+    grouped: dict[int, list] = defaultdict(list)
+    for r in rows:
+        grouped[int(r["budget"])].append(r)
+    return {b: cs.results_from_rows(rs) for b, rs in grouped.items()}
+
+
+def _domain_of_cell(tasks: dict[int, Any]) -> Callable[[tuple], str]:
+    return lambda c: tasks.get(c[0], {}).get("domain", "?")
+
+
+def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None,
+                  weighting: str = "problem") -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(curves, full)``: accuracy with interval per (method, domain, budget) for the non-full methods,
-    and full cache per domain (pooled over the budget where full has the most rows)."""
+    each (domain, budget) on the cells all of them have there; and full cache per domain on its own
+    cells at the budget where it has the most samples (full cache does not depend on the budget)."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
-    hist = q.problem_hist(engine, filters)
     full_ids = set(_full_ids(dims))
-    acc: dict[tuple[int, str, int], list] = defaultdict(list)
-    for h in hist:
-        d = tasks.get(h["task_id"], {}).get("domain", "?")
-        acc[(h["method_spec_id"], d, h["budget"])].append((h["k"], h["m"], h["problems"]))
+    domain_of = _domain_of_cell(tasks)
     curves, full_rows = [], []
-    full_by_domain: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-    for (m_id, d, b), rows in acc.items():
-        if m_id in full_ids:
-            full_by_domain[d][b].extend(rows)
-            continue
-        a = _acc(rows)
-        curves.append({"method": methods.get(m_id, {}).get("label", f"#{m_id}"), "domain": d, "budget": int(b),
-                       "accuracy": pct(a.mean), "acc_lo": pct(a.lo), "acc_hi": pct(a.hi), "problems": a.problems,
-                       "samples": a.samples, "interval_method": a.method})
-    for d, per_budget in full_by_domain.items():
-        b = max(per_budget, key=lambda x: (sum(r[2] * r[1] for r in per_budget[x]), -x))
-        a = _acc(per_budget[b])
+    full_best: dict[str, tuple] = {}
+    for b, results in sorted(_by_budget(q.question_cells(engine, filters)).items()):
+        for d in sorted({domain_of(c) for cells in results.values() for c in cells}):
+            here = [m for m in results if any(domain_of(c) == d for c in results[m])]
+            group = cs.common_set(results, [m for m in here if m not in full_ids], keep=lambda c, d=d: domain_of(c) == d,
+                                  weighting=weighting)
+            for m_id in group.methods:
+                a = group.accuracy(m_id)
+                curves.append({"method": _label(methods, m_id), "domain": d, "budget": int(b), "accuracy": pct(a.mean),
+                               "acc_lo": pct(a.lo), "acc_hi": pct(a.hi), "problems": a.problems, "samples": a.samples,
+                               "interval_method": a.method})
+            for f in sorted(m for m in here if m in full_ids):
+                own = cs.common_set(results, [f], keep=lambda c, d=d: domain_of(c) == d, weighting=weighting)
+                size = (own.total(f, "m"), -b, -f)
+                if d not in full_best or size > full_best[d][0]:
+                    full_best[d] = (size, b, own.accuracy(f))
+    for d, (_, b, a) in sorted(full_best.items()):
         full_rows.append({"domain": d, "accuracy": pct(a.mean), "acc_lo": pct(a.lo), "acc_hi": pct(a.hi), "budget": int(b),
                           "problems": a.problems})
     curves_df = pd.DataFrame(curves, columns=["method", "domain", "budget", "accuracy", "acc_lo", "acc_hi", "problems", "samples", "interval_method"])
@@ -254,111 +252,101 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
 # Replication scorecard
 # ------------------------------------------------------------------------------------------------
 
+#: the baselines the paper compares EpiKV with, fixed in advance (never the best one on the same data)
+PAPER_BASELINES = ("h2o", "thinkv")
+SCORECARD_COLUMNS = ["domain", "budget", "method", "claim", "reference", "accuracy", "reference %", "Δ", "Δ 95% CI",
+                     "problems", "test", "p", "p (Holm)", "verdict"]
 
-def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Per domain, budget and EpiKV-family method: against the best attention-based baseline (claim:
-    better; verdict from the paired test) and against full cache (claim: within ``margin`` points;
-    verdict from the difference's interval)."""
+
+def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, Any] | None = None,
+              weighting: str = "problem") -> pd.DataFrame:
+    """Per domain, budget and EpiKV-family method, one row per claim: better than each paper baseline
+    (H2O, ThinKV; score test of difference = 0) and within ``margin`` points of full cache (score test of
+    difference = -margin). All on the cells every method in the (domain, budget) has; the p-values of
+    the whole table are one family, Holm-adjusted, and the verdicts use the adjusted p."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
-    hist = q.problem_hist(engine, filters)
-    present = {h["method_spec_id"] for h in hist}
-    family = sorted(i for i in present if methods.get(i, {}).get("name") in q.REFERENCE_FAMILY)
-    baselines = sorted(i for i in present if methods.get(i, {}).get("name") in q.ATTENTION_BASELINES)
-    full_ids = _full_ids(dims)
-    if not family:
-        return pd.DataFrame()
-    domain_of = {t: v["domain"] for t, v in tasks.items()}
-    acc: dict[tuple[int, str, int], list] = defaultdict(list)
-    for h in hist:
-        acc[(h["method_spec_id"], domain_of.get(h["task_id"], "?"), h["budget"])].append((h["k"], h["m"], h["problems"]))
-    budgets = sorted({h["budget"] for h in hist if h["method_spec_id"] in family})
-    domains = sorted({domain_of.get(h["task_id"], "?") for h in hist})
-    # the best attention baseline per (domain, budget), by accuracy; only those are paired with the family
-    best_of: dict[tuple[str, int], int | None] = {}
-    base_accs: dict[tuple[str, int], dict[int, stats.Accuracy]] = {}
-    for d in domains:
-        for b in budgets:
-            base_accs[(d, b)] = {i: _acc(acc[(i, d, b)]) for i in baselines if acc.get((i, d, b))}
-            ba = base_accs[(d, b)]
-            best_of[(d, b)] = max(ba, key=lambda i: (ba[i].mean, -i)) if ba else None
-    partners = sorted({i for i in best_of.values() if i is not None} | {i for i in full_ids if i in present})
-    pairs = q.paired_hist(engine, filters, family, partners, budgets)
-    # full cache missing at some budget: pair with the budget where it has the most rows
-    full_pairs_budgets = {(p["budget"]) for p in pairs if p["b_method"] in full_ids}
-    missing = [b for b in budgets if b not in full_pairs_budgets]
-    if missing and full_ids:
-        fb = full_reference_budget(engine, filters, -1, full_ids)
-        if fb is not None:
-            pairs += q.paired_hist(engine, filters, family, full_ids, missing, fb)
-    pair_map: dict[tuple[int, int, str, int], list] = defaultdict(list)
-    for p in pairs:
-        pair_map[(p["a_method"], p["b_method"], domain_of.get(p["task_id"], "?"), p["budget"])].append(
-            (p["k_a"], p["m_a"], p["k_b"], p["m_b"], p["problems"]))
-    rows = []
-    for d in domains:
-        for b in budgets:
-            base_acc, best = base_accs[(d, b)], best_of[(d, b)]
+    name = lambda i: methods.get(i, {}).get("name")  # noqa: E731
+    domain_of = _domain_of_cell(tasks)
+    family_budgets = sorted({int(b) for b, n in q.method_budgets(
+        engine, filters, [i for i in methods if name(i) in q.REFERENCE_FAMILY]).items() if n})
+    if filters.budgets is not None:
+        family_budgets = [b for b in family_budgets if b in filters.budgets]
+    rows: list[dict[str, Any]] = []
+    comparisons: list[tuple[stats.Comparison, float]] = []
+    for b in family_budgets:
+        results, full_id, _ = budget_results(engine, filters, b, dims)
+        for d in sorted({domain_of(c) for cells in results.values() for c in cells}):
+            here = sorted(m for m in results if any(domain_of(c) == d for c in results[m]))
+            family = [m for m in here if name(m) in q.REFERENCE_FAMILY]
+            if not family:
+                continue
+            refs = [m for m in here if name(m) in PAPER_BASELINES] + ([full_id] if full_id in here else [])
+            group = cs.common_set(results, family + refs, keep=lambda c, d=d: domain_of(c) == d, weighting=weighting)
+            claims = [(f"better than {name(r)}", r, 0.0) for r in refs if r != full_id]
+            claims.append((f"within {margin:g} pts of full cache", full_id if full_id in refs else None, -margin / 100))
             for f in family:
-                if not acc.get((f, d, b)):
-                    continue
-                a = _acc(acc[(f, d, b)])
-                r: dict[str, Any] = {"domain": d, "budget": int(b), "method": methods[f]["label"], "accuracy": pct(a.mean),
-                                     "interval": fmt_interval(pct(a.lo), pct(a.hi)), "problems": a.problems}
-                if best is not None:
-                    c = _cmp(pair_map.get((f, best, d, b), []))
-                    r.update({"best baseline": methods[best]["label"], "baseline %": pct(base_acc[best].mean),
-                              "Δ baseline": pct(c.diff), "Δ baseline CI": fmt_interval(pct(c.lo), pct(c.hi)),
-                              "p baseline": c.pvalue, "verdict vs baseline": stats.verdict_superior(c)})
-                else:
-                    r.update({"best baseline": "-", "baseline %": math.nan, "Δ baseline": math.nan, "Δ baseline CI": "-",
-                              "p baseline": math.nan, "verdict vs baseline": NOT_MEASURED})
-                full_key = next(((f, i, d, b) for i in full_ids if pair_map.get((f, i, d, b))), None)
-                if full_key is not None:
-                    c = _cmp(pair_map[full_key])
-                    full_acc = _acc([(x[2], x[3], x[4]) for x in pair_map[full_key]])
-                    r.update({"full %": pct(full_acc.mean),
-                              "Δ full": pct(c.diff), "Δ full CI": fmt_interval(pct(c.lo), pct(c.hi)), "p full": c.pvalue,
-                              f"verdict vs full (within {margin:g} pts)": stats.verdict_noninferior(c, margin / 100)})
-                else:
-                    r.update({"full %": math.nan, "Δ full": math.nan, "Δ full CI": "-", "p full": math.nan,
-                              f"verdict vs full (within {margin:g} pts)": NOT_MEASURED})
-                rows.append(r)
-    return pd.DataFrame(rows)
+                a = group.accuracy(f)
+                for claim, ref, threshold in claims:
+                    c = group.compare(f, ref) if ref is not None else stats.NONE
+                    p = stats.shifted_pvalue(c, threshold) if c.n else math.nan
+                    comparisons.append((c, threshold))
+                    rows.append({
+                        "domain": d, "budget": int(b), "method": _label(methods, f), "claim": claim,
+                        "reference": _label(methods, ref) if ref is not None else "-", "accuracy": pct(a.mean),
+                        "reference %": pct(group.accuracy(ref).mean) if ref is not None and c.n else math.nan,
+                        "Δ": pct(c.diff), "Δ 95% CI": fmt_interval(pct(c.lo), pct(c.hi)), "problems": c.n,
+                        "test": c.test if c.n else "-", "p": p,
+                    })
+    if not rows:
+        return pd.DataFrame(columns=SCORECARD_COLUMNS)
+    # the family: every verdict the table gives (a comparison on too few problems gives none)
+    adjusted = multiplicity.holm([r["p"] if c.n >= stats.MIN_PROBLEMS else math.nan for r, (c, _) in zip(rows, comparisons)])
+    for r, (c, threshold), p_adj in zip(rows, comparisons, adjusted):
+        r["p (Holm)"] = p_adj
+        r["verdict"] = stats.verdict(c, p_adj if c.n >= stats.MIN_PROBLEMS else r["p"], threshold)
+    return pd.DataFrame(rows, columns=SCORECARD_COLUMNS)
 
 
 def _fmt_measured(a: stats.Accuracy, who: str) -> str:
     return f"{pct(a.mean):.1f}% {fmt_interval(pct(a.lo), pct(a.hi))} ({who}, n={a.problems})"
 
 
+def _own_accuracy(engine, filters: q.Filters, spec_ids: list[int], budget: int, weighting: str = "problem") -> tuple[int, stats.Accuracy] | None:
+    """The accuracy of the spec (of ``spec_ids``) with the most samples at ``budget``, on its own cells."""
+    results = cs.results_from_rows(q.question_cells(engine, filters, [budget], spec_ids))
+    if not results:
+        return None
+    spec = min(results, key=lambda i: (-sum(r.m for r in results[i].values()), i))
+    return spec, cs.common_set(results, [spec], weighting=weighting).accuracy(spec)
+
+
 def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.DataFrame:
     """The paper's published numbers beside kvleague's measurement on the same task and budget (under the
-    model / protocol / decoding filters; the task, domain and budget filters do not apply here)."""
+    model / protocol / decoding filters; the task, domain and budget filters do not apply here), with
+    the score test of kvleague's accuracy against the paper's value (the test dual to the Wilson
+    interval shown), Holm-adjusted over the accuracy claims."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
     base = replace(filters, domains=None, tasks=None, budgets=None)
     rows = []
-    hist_cache: dict[tuple[str, int], list] = {}
     for task_name, budget, who, value, label in PAPER_ACCURACY_CLAIMS:
         task_ids = tuple(t for t, v in tasks.items() if v["name"] == task_name)
-        measured, inside, n = NOT_MEASURED, "-", 0
-        if task_ids:
-            key = (task_name, budget)
-            if key not in hist_cache:
-                hist_cache[key] = q.problem_hist(engine, replace(base, tasks=task_ids), [budget])
-            by_method: dict[int, list] = defaultdict(list)
-            for h in hist_cache[key]:
-                if methods.get(h["method_spec_id"], {}).get("name") in who:
-                    by_method[h["method_spec_id"]].append((h["k"], h["m"], h["problems"]))
-            if by_method:
-                accs = {i: _acc(v) for i, v in by_method.items()}
-                best = max(accs, key=lambda i: (accs[i].mean, -i))
-                a = accs[best]
-                measured = _fmt_measured(a, methods[best]["label"])
-                inside = "yes" if a.lo * 100 <= value <= a.hi * 100 else "no"
-                n = a.problems
-        rows.append({"claim": f"{label} on {task_name} at budget {budget}", "paper": f"{value:g}%", "kvleague": measured,
-                     "paper value inside 95% CI": inside, "problems": n})
+        specs = [i for i, m in methods.items() if m["name"] in who]
+        found = _own_accuracy(engine, replace(base, tasks=task_ids), specs, budget) if task_ids and specs else None
+        row = {"claim": f"{label} on {task_name} at budget {budget}", "paper": f"{value:g}%", "kvleague": NOT_MEASURED,
+               "p vs paper": math.nan, "problems": 0, "_n": 0}
+        if found is not None:
+            spec, a = found
+            row.update({"kvleague": _fmt_measured(a, methods[spec]["label"]), "problems": a.problems, "_n": a.problems,
+                        "p vs paper": 2 * float(norm.sf(abs(score_tests.wilson_z(a.mean, a.n_effective, value / 100))))})
+        rows.append(row)
+    adjusted = multiplicity.holm([r["p vs paper"] for r in rows])
+    for r, p_adj in zip(rows, adjusted):
+        n = r.pop("_n")
+        r["p vs paper (Holm)"] = p_adj
+        r["verdict"] = (NOT_MEASURED if not n else stats.TOO_FEW if n < stats.MIN_PROBLEMS
+                        else "differs from the paper" if p_adj < stats.ALPHA else "consistent with the paper")
 
     cost = q.cost_rows(engine, replace(base), by_domain=True)
     full_ids = set(_full_ids(dims))
@@ -385,14 +373,14 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
             x = float(ref["peak_cache_entries"]) / float(c["peak_cache_entries"])
             if best_ctx is None or x > best_ctx[0]:
                 best_ctx = (x, where)
+    no_test = {"p vs paper": math.nan, "p vs paper (Holm)": math.nan, "verdict": "-", "problems": 0}
     rows.append({"claim": "decoding speed vs full cache (tokens/s), best setting", "paper": f"up to {PAPER_SPEEDUP:g}x",
-                 "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]})" if best_speed else NOT_MEASURED,
-                 "paper value inside 95% CI": "-", "problems": 0})
+                 "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]})" if best_speed else NOT_MEASURED, **no_test})
     rows.append({"claim": "feasible context in the same KV memory (full / method peak cache entries)",
                  "paper": f"{PAPER_CONTEXT:g}x", "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
-                 "paper value inside 95% CI": "-", "problems": 0})
-    rows += _systems_claims(latest_benchmark_runs(q.benchmark_rows(engine)))
-    return pd.DataFrame(rows)
+                 **no_test})
+    rows += [{**r, **no_test} for r in _systems_claims(latest_benchmark_runs(q.benchmark_rows(engine)))]
+    return pd.DataFrame(rows, columns=["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"])
 
 
 def _ratio_text(fig: dict[str, Any]) -> str:
@@ -414,7 +402,7 @@ def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
                  and f["value"] is not None]
         best = max(found, key=lambda f: f["value"], default=None)
         rows.append({"claim": f"{label} (systems benchmark)", "paper": paper,
-                     "kvleague": _ratio_text(best) if best else NOT_MEASURED, "paper value inside 95% CI": "-", "problems": 0})
+                     "kvleague": _ratio_text(best) if best else NOT_MEASURED})
     return rows
 
 
@@ -467,18 +455,17 @@ def systems_benchmarks(engine) -> pd.DataFrame:
 
 
 def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Per (method, budget): throughput, latency, memory, method overhead, accuracy with interval and
-    whether the point is on the accuracy-vs-peak-KV-memory Pareto front."""
+    """Per (method, budget): throughput, latency, memory, method overhead, accuracy with interval (on
+    the method's own problems, failed samples counted as wrong, questions as the unit) and whether the point is on the accuracy-vs-peak-KV-memory Pareto front."""
     dims = dims or q.dimensions(engine)
     methods = dims["methods"]
     rows = q.cost_rows(engine, filters)
-    hist = q.problem_hist(engine, filters)
-    acc: dict[tuple[int, int], list] = defaultdict(list)
-    for h in hist:
-        acc[(h["method_spec_id"], h["budget"])].append((h["k"], h["m"], h["problems"]))
+    per_budget = _by_budget(q.question_cells(engine, filters))
     out = []
     for r in rows:
-        a = _acc(acc.get((r["method_spec_id"], r["budget"]), []))
+        results = per_budget.get(int(r["budget"]), {})
+        m_id = r["method_spec_id"]
+        a = cs.common_set(results, [m_id]).accuracy(m_id) if m_id in results else stats.accuracy(stats.Scores((), (), 1))
         model_s = float(r["model_seconds_sum"] or 0)
         out.append({
             "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),

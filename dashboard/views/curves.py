@@ -6,7 +6,7 @@ from __future__ import annotations
 import altair as alt
 import streamlit as st
 
-from dashboard.views.common import PCT, empty
+from dashboard.views.common import PCT, empty, pick_weighting
 
 
 def chart(curves, full, domain: str) -> alt.LayerChart:
@@ -32,12 +32,15 @@ def chart(curves, full, domain: str) -> alt.LayerChart:
 
 def render(ctx) -> None:
     st.title("Budget curves")
-    curves, full = ctx.data("budget_curves", ctx.filters)
+    weighting = pick_weighting("bc_weighting")
+    curves, full = ctx.data("budget_curves", ctx.filters, None, weighting)
     if curves.empty:
         empty()
         return
-    st.caption("Accuracy (%) against the KV budget (log scale), with 95% interval bands (Wilson or bootstrap over "
-               "problems); the dashed line is full cache.")
+    st.caption("Accuracy (%) against the KV budget (log scale), with 95% Wilson score bands (design effect when a question "
+               "has several samples or cells); failed samples count as wrong. At each budget the methods of a domain share "
+               f"the problem cells all of them have; tasks are pooled per {weighting}. The dashed line is full cache on its "
+               "own problems at the budget where it has the most samples.")
     domains = sorted(curves["domain"].unique())
     cols = st.columns(2)
     for i, d in enumerate(domains):

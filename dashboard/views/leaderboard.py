@@ -6,12 +6,14 @@ import math
 
 import streamlit as st
 
-from dashboard.views.common import INT, empty, pick_budget, styled
+from dashboard import stats
+from dashboard.views.common import INT, empty, pick_budget, pick_weighting, styled
 
 DETAIL_COLUMNS = {
-    "rank": "rank", "method": "method", "domain": "domain", "accuracy": "accuracy %", "interval": "95% CI",
+    "rank": "rank", "rank_interval": "rank interval", "tied_best": "tied with best", "method": "method", "domain": "domain", "accuracy": "accuracy %", "interval": "95% CI",
     "interval_method": "interval", "delta_full": "Δ vs full (pts)", "delta_ci": "Δ 95% CI", "p_value": "p",
     "test": "test", "evicted_share": "eviction fired %", "problems": "problems", "samples": "samples", "failed": "failed",
+    "note": "note",
 }
 
 
@@ -37,7 +39,8 @@ def render(ctx) -> None:
     budget = pick_budget("Budget", budgets, key="lb_budget")
     if budget is None:
         return
-    lb = ctx.data("leaderboard", ctx.filters, budget)
+    weighting = pick_weighting("lb_weighting")
+    lb = ctx.data("leaderboard", ctx.filters, budget, None, weighting)
     if lb.by_domain.empty:
         empty()
         return
@@ -47,10 +50,18 @@ def render(ctx) -> None:
     elif lb.full_budget != budget:
         note = f" Full cache has no results at this budget; the reference is its run at budget {lb.full_budget:,}."
     st.caption(
-        f"Accuracy (%) at a budget of {budget:,} KV entries, with 95% intervals: Wilson for one greedy sample per problem, "
-        "else a bootstrap over problems. Δ vs full: method minus full cache on the problems both answered, in points, "
-        "with a paired bootstrap interval and p from McNemar's exact test (one sample per problem) or the paired bootstrap "
-        "(several). Rank: by mean accuracy over the domains shown (each domain weighs the same)." + note
+        f"Budget {budget:,} KV entries. **Problems**: each table uses only the problem cells (problem x model x protocol x "
+        "generation setting) that *every* method in it has, so accuracy, Δ and rank rest on the same problems; **problems** "
+        "is how many questions that is, **failed** how many of those samples raised: a failed sample counts as wrong. "
+        "The unit is the question: its cells (models, seeds, settings) are averaged, never counted as separate problems. "
+        f"Tasks are pooled per {weighting}. **Accuracy** (%): mean share correct, 95% Wilson score interval (with a design "
+        "effect when a question has several samples or cells). **Δ vs full**: method minus full cache in points, 95% Tango "
+        "score interval; **p**: the same score test (McNemar's statistic without continuity correction for one sample per "
+        "question), so p < 0.05 exactly when the interval excludes 0; not adjusted for multiple comparisons. "
+        "**Rank**: by the point estimate; **rank interval**: from all pairwise score tests between the methods, Holm-adjusted "
+        "(a method's best rank is 1 + the methods significantly better); **tied with best**: none is significantly better. "
+        f"Fewer than {stats.MIN_PROBLEMS} questions: the numbers are shown but the calibration (docs/statistics.md) does not "
+        "hold. The wide table's mean weighs each domain the same." + note
     )
     wide = lb.wide
     st.subheader(f"Methods x domains at budget {budget:,}")

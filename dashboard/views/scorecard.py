@@ -1,36 +1,47 @@
-"""Replication scorecard: the EpiKV family against the best attention-based baseline and full cache, and
-the paper's published claims beside kvleague's measurements."""
+"""Replication scorecard: the EpiKV family against the paper's baselines (H2O, ThinKV) and full cache,
+and the paper's published claims beside kvleague's measurements."""
 
 from __future__ import annotations
 
 import streamlit as st
 
 from dashboard import queries as q
-from dashboard.views.common import empty, styled
+from dashboard import stats, tables
+from dashboard.views.common import empty, pick_weighting, styled
 
 
 def render(ctx) -> None:
     st.title("Replication scorecard")
     st.caption(
-        f"Reference family: {', '.join(q.REFERENCE_FAMILY)}. Attention-based baselines: {', '.join(q.ATTENTION_BASELINES)} "
-        "(the best one per domain and budget, by accuracy). Against the baseline the claim is *better*: replicates when the "
-        "paired test finds the EpiKV method significantly better (p < 0.05), does not replicate when significantly worse. "
-        "Against full cache the claim is *close*: replicates when the whole 95% interval of the difference lies above "
-        "minus the margin, does not replicate when it lies entirely below."
+        f"Reference family: {', '.join(q.REFERENCE_FAMILY)}. Baselines: {', '.join(tables.PAPER_BASELINES)}, the ones the "
+        "paper compares with, fixed in advance (never the best one on the same data). One row per claim: *better than* a "
+        "baseline (score test of Δ = 0) and *within the margin of full cache* (score test of Δ = -margin). Each (domain, "
+        "budget) uses the problem cells every method in it has, failed samples counted as wrong, questions as the unit. "
+        "Δ: method minus reference in points with its 95% Tango score interval; p: the raw p of the claim's score test; "
+        "p (Holm): adjusted over every claim in the table (one family). Verdict: replicates when p (Holm) < 0.05 with the "
+        "estimate on the claimed side, does not replicate when p (Holm) < 0.05 on the other side, else inconclusive; "
+        f"fewer than {stats.MIN_PROBLEMS} questions: too few problems, no verdict."
     )
-    margin = st.number_input("Margin for 'close to full cache' (points)", min_value=0.0, max_value=50.0, value=5.0, step=0.5,
-                             key="sc_margin")
+    c1, c2 = st.columns(2)
+    with c1:
+        margin = st.number_input("Margin for 'close to full cache' (points)", min_value=0.0, max_value=50.0, value=5.0,
+                                 step=0.5, key="sc_margin")
+    with c2:
+        weighting = pick_weighting("sc_weighting")
     st.subheader("The paper's claims and kvleague's measurements")
     claims = ctx.data("paper_claims", ctx.filters)
-    st.dataframe(claims, hide_index=True, placeholder="—", key="sc_claims")
-    st.caption("Measured on the same task and budget, under the model, protocol and decoding filters; "
-               "a claim with no matching results reads 'not measured yet'.")
+    st.dataframe(styled(claims, p=("p vs paper", "p vs paper (Holm)")), hide_index=True, placeholder="—", key="sc_claims")
+    st.caption("Measured on the same task and budget, under the model, protocol and decoding filters, for the method "
+               "named (the spec with the most samples), failed samples counted as wrong. p vs paper: two-sided score "
+               "test of kvleague's accuracy = the paper's value (the test dual to the Wilson interval shown, design effect "
+               "for several samples per question), Holm-adjusted over the accuracy claims. 'consistent with the paper' "
+               "means the data do not reject the paper's value, not that they confirm it.")
     st.subheader("Per domain and budget")
-    card = ctx.data("scorecard", ctx.filters, float(margin))
+    card = ctx.data("scorecard", ctx.filters, float(margin), None, weighting)
     if card.empty:
         empty("No EpiKV-family results match the filters.")
         return
-    st.dataframe(styled(card, pct=("accuracy", "baseline %", "full %"), pp=("Δ baseline", "Δ full"), p=("p baseline", "p full")),
+    st.dataframe(styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (Holm)")),
                  hide_index=True, placeholder="—", key="sc_card")
     st.download_button("Download CSV", card.to_csv(index=False).encode(), file_name="kvleague-scorecard.csv",
                        mime="text/csv", key="sc_csv")

@@ -1,0 +1,162 @@
+"""Score tests and the intervals that invert them, for means of per-question values.
+
+Two families, each a test of ``H0: mean = delta`` whose acceptance region over ``delta`` *is* the
+interval, so a p-value below alpha and an interval excluding the tested value always go together:
+
+* accuracy (values in [0, 1]): Wilson's score test and interval;
+* paired difference (values in [-1, 1], method minus reference): Tango's score test and interval for
+  matched pairs (Tango 1998, Stat. Med. 17:891). At ``delta = 0`` Tango's statistic is McNemar's
+  ``(b - c) / sqrt(b + c)`` without continuity correction.
+
+Both are derived for one Bernoulli outcome per question. A question scored over several samples or
+several cells (models, seeds, generation settings) has a *smaller* variance than a Bernoulli value
+of the same mean, so the data are first summarised as :class:`Effective` counts: the observed variance
+of the (weighted) mean divided by the Bernoulli-equivalent one is the design effect, clipped to
+``[1 / max samples per question, 1]`` (never more optimistic than independent samples, never zero
+width), and the effective number of questions is ``n_kish / deff``. With one sample per question the
+design effect is 1 and both reduce exactly to the textbook Wilson and Tango procedures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Sequence
+
+import numpy as np
+from scipy.stats import norm
+
+BISECTION_STEPS = 64  # halves a width-2 bracket to below 1e-18
+
+
+@dataclass(frozen=True)
+class Effective:
+    """A weighted mean over questions as Bernoulli-equivalent counts: ``n`` effective questions,
+    ``mean`` and ``abs_mean`` (mean of |value|: the discordant share for a paired difference)."""
+
+    mean: Fraction
+    abs_mean: Fraction
+    n: float
+    questions: int
+    design_effect: float
+
+
+def effective(values: Sequence[Fraction], weights: Sequence[Fraction], max_samples: int) -> Effective:
+    """Exact weighted mean and mean |value| of per-question values, with the design effect computed
+    from exact sums (so equal data give bitwise equal results in any order)."""
+    denominator = math.lcm(*{v.denominator for v in values}) if values else 1
+    numerators = np.array([v.numerator * (denominator // v.denominator) for v in values], dtype=_int_dtype(denominator))
+    distinct = sorted(set(weights))
+    index = {w: i for i, w in enumerate(distinct)}
+    return effective_ints(numerators, denominator, np.array([index[w] for w in weights], dtype=np.int64), distinct, max_samples)
+
+
+def _int_dtype(denominator: int):
+    return np.int64 if denominator <= 2**20 else object  # sums of squares stay below 2^63 up to ~10^22 / denominator^2 questions
+
+
+def effective_ints(
+    numerators: np.ndarray, denominator: int, group: np.ndarray, group_weights: Sequence[Fraction], max_samples: int
+) -> Effective:
+    """:func:`effective` on values ``numerators / denominator`` whose weight is ``group_weights[group]``:
+    integer power sums per weight group, combined as fractions."""
+    n = len(numerators)
+    if n == 0:
+        return Effective(Fraction(0), Fraction(0), 0.0, 0, math.nan)
+    total = s_wv = s_wa = s_w2 = s_w2v = s_w2v2 = Fraction(0)
+    for g, w in enumerate(group_weights):
+        x = numerators[group == g]
+        if not len(x):
+            continue
+        count, s1, sa, s2 = len(x), int(x.sum()), int(np.abs(x).sum()), int((x * x).sum())
+        total += w * count
+        s_wv += w * Fraction(s1, denominator)
+        s_wa += w * Fraction(sa, denominator)
+        s_w2 += w * w * count
+        s_w2v += w * w * Fraction(s1, denominator)
+        s_w2v2 += w * w * Fraction(s2, denominator * denominator)
+    mean, abs_mean = s_wv / total, s_wa / total
+    n_kish = total * total / s_w2
+    bernoulli = (abs_mean - mean * mean) / n_kish  # variance of the mean if each value were one draw in {-1, 0, 1}
+    deff = Fraction(1)
+    if n > 1 and bernoulli > 0:
+        spread = s_w2v2 - 2 * mean * s_w2v + mean * mean * s_w2  # sum of w^2 (v - mean)^2
+        observed = Fraction(n, n - 1) * spread / total**2
+        deff = min(Fraction(1), max(Fraction(1, max(1, max_samples)), observed / bernoulli))
+    return Effective(mean, abs_mean, float(n_kish / deff), n, float(deff))
+
+
+def critical_z(level: float) -> float:
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    return float(norm.ppf(0.5 + level / 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# Wilson (accuracy)
+# ------------------------------------------------------------------------------------------------
+
+
+def wilson_z(p_hat: float, n: float, p0: float) -> float:
+    """Wilson's score statistic for ``H0: proportion = p0``."""
+    if p0 <= 0 or p0 >= 1:
+        return 0.0 if p_hat == p0 else math.copysign(math.inf, p_hat - p0)
+    return (p_hat - p0) / math.sqrt(p0 * (1 - p0) / n)
+
+
+def wilson_bounds(p_hat: float, n: float, level: float) -> tuple[float, float]:
+    """The Wilson interval for a proportion ``p_hat`` on ``n`` (possibly effective, non-integer) trials."""
+    z = critical_z(level)
+    z2 = z * z
+    denom = 1 + z2 / n
+    centre = (p_hat + z2 / (2 * n)) / denom
+    half = z * math.sqrt(max(0.0, p_hat * (1 - p_hat)) / n + z2 / (4 * n * n)) / denom
+    lo = 0.0 if p_hat <= 0 else max(0.0, centre - half)  # exact ends: no rounding residue at the boundaries
+    hi = 1.0 if p_hat >= 1 else min(1.0, centre + half)
+    return lo, hi
+
+
+# ------------------------------------------------------------------------------------------------
+# Tango (paired difference)
+# ------------------------------------------------------------------------------------------------
+
+
+def tango_z(mean, abs_mean, n, delta):
+    """Tango's score statistic for ``H0: difference = delta`` (vectorised). ``mean`` = (b - c) / n and
+    ``abs_mean`` = (b + c) / n; the variance uses the restricted maximum-likelihood discordance."""
+    mean, abs_mean, n, delta = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (mean, abs_mean, n, delta)))
+    # restricted MLE of the reverse-discordant share p21 under p12 - p21 = delta: the positive root of
+    # 2 p^2 + B p + C = 0 (Tango's quadratic divided by n)
+    b = -abs_mean + (2 - mean) * delta
+    c = -(abs_mean - mean) / 2 * delta * (1 - delta)
+    p21 = (-b + np.sqrt(np.maximum(b * b - 8 * c, 0.0))) / 4
+    var = np.maximum(2 * p21 + delta * (1 - delta), 0.0)
+    num = np.sqrt(n) * (mean - delta)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(var > 0, num / np.sqrt(var), np.where(num == 0, 0.0, np.sign(num) * np.inf))
+    return z
+
+
+def tango_pvalue(mean, abs_mean, n, delta=0.0):
+    """Two-sided p of Tango's score test (vectorised)."""
+    return 2 * norm.sf(np.abs(tango_z(mean, abs_mean, n, delta)))
+
+
+def tango_bounds(mean, abs_mean, n, level: float):
+    """Tango's interval ``{delta: |z(delta)| <= z_crit}`` (vectorised): z decreases in delta, so each end
+    is found by bisection between -1 (or 1) and the estimate."""
+    zc = critical_z(level)
+    mean, abs_mean, n = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (mean, abs_mean, n)))
+    lo_out, lo_in = -np.ones_like(mean), mean.copy()  # lo_out rejected (or -1), lo_in accepted
+    hi_in, hi_out = mean.copy(), np.ones_like(mean)
+    for _ in range(BISECTION_STEPS):
+        mid = (lo_out + lo_in) / 2
+        ok = tango_z(mean, abs_mean, n, mid) <= zc
+        lo_in, lo_out = np.where(ok, mid, lo_in), np.where(ok, lo_out, mid)
+        mid = (hi_in + hi_out) / 2
+        ok = tango_z(mean, abs_mean, n, mid) >= -zc
+        hi_in, hi_out = np.where(ok, mid, hi_in), np.where(ok, hi_out, mid)
+    lo = np.where(tango_z(mean, abs_mean, n, -1.0) <= zc, -1.0, lo_in)
+    hi = np.where(tango_z(mean, abs_mean, n, 1.0) >= -zc, 1.0, hi_in)
+    return lo, hi
