@@ -46,7 +46,7 @@ def rank_intervals(
     group = np.array([index[w] for w in weights], dtype=np.int64)
     pairs = list(combinations(methods, 2))
     effs = [score_tests.effective_ints(ints[i] - ints[j], denominator, group, distinct, max_samples) for i, j in pairs]
-    raw = [1.0 if e.mean == 0 else float(score_tests.tango_pvalue(float(e.mean), float(e.abs_mean), e.n)) for e in effs]
+    raw = [1.0 if e.mean == 0 else score_tests.tango_pvalue(float(e.mean), float(e.abs_mean), e.n) for e in effs]
     adjusted = multiplicity.holm(raw)
     better = {m: 0 for m in methods}  # how many methods are significantly better than m
     worse = {m: 0 for m in methods}

@@ -22,12 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
+from scipy.optimize import brentq
 from scipy.stats import norm
 
-BISECTION_STEPS = 64  # halves a width-2 bracket to below 1e-18
+ROOT_TOLERANCE = 1e-12
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ def effective_ints(
     return Effective(mean, abs_mean, float(n_kish / deff), n, float(deff))
 
 
+@lru_cache(maxsize=8)
 def critical_z(level: float) -> float:
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
@@ -122,41 +125,37 @@ def wilson_bounds(p_hat: float, n: float, level: float) -> tuple[float, float]:
 # ------------------------------------------------------------------------------------------------
 
 
-def tango_z(mean, abs_mean, n, delta):
-    """Tango's score statistic for ``H0: difference = delta`` (vectorised). ``mean`` = (b - c) / n and
-    ``abs_mean`` = (b + c) / n; the variance uses the restricted maximum-likelihood discordance."""
-    mean, abs_mean, n, delta = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (mean, abs_mean, n, delta)))
+def tango_z(mean: float, abs_mean: float, n: float, delta: float) -> float:
+    """Tango's score statistic for ``H0: difference = delta``. ``mean`` = (b - c) / n and ``abs_mean`` =
+    (b + c) / n; the variance uses the restricted maximum-likelihood discordance."""
     # restricted MLE of the reverse-discordant share p21 under p12 - p21 = delta: the positive root of
     # 2 p^2 + B p + C = 0 (Tango's quadratic divided by n)
     b = -abs_mean + (2 - mean) * delta
     c = -(abs_mean - mean) / 2 * delta * (1 - delta)
-    p21 = (-b + np.sqrt(np.maximum(b * b - 8 * c, 0.0))) / 4
-    var = np.maximum(2 * p21 + delta * (1 - delta), 0.0)
-    num = np.sqrt(n) * (mean - delta)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where(var > 0, num / np.sqrt(var), np.where(num == 0, 0.0, np.sign(num) * np.inf))
-    return z
+    p21 = (-b + math.sqrt(max(b * b - 8 * c, 0.0))) / 4
+    var = max(2 * p21 + delta * (1 - delta), 0.0)
+    num = math.sqrt(n) * (mean - delta)
+    if var > 0:
+        return num / math.sqrt(var)
+    return 0.0 if num == 0 else math.copysign(math.inf, num)
 
 
-def tango_pvalue(mean, abs_mean, n, delta=0.0):
-    """Two-sided p of Tango's score test (vectorised)."""
-    return 2 * norm.sf(np.abs(tango_z(mean, abs_mean, n, delta)))
+def tango_pvalue(mean: float, abs_mean: float, n: float, delta: float = 0.0) -> float:
+    """Two-sided p of Tango's score test."""
+    return two_sided_p(tango_z(mean, abs_mean, n, delta))
 
 
-def tango_bounds(mean, abs_mean, n, level: float):
-    """Tango's interval ``{delta: |z(delta)| <= z_crit}`` (vectorised): z decreases in delta, so each end
-    is found by bisection between -1 (or 1) and the estimate."""
+def two_sided_p(z: float) -> float:
+    """``2 * P[N(0, 1) > |z|]``."""
+    return math.erfc(abs(z) / math.sqrt(2))
+
+
+def tango_bounds(mean: float, abs_mean: float, n: float, level: float) -> tuple[float, float]:
+    """Tango's interval ``{delta: |z(delta)| <= z_crit}``: z decreases in delta, so each end is the root of
+    ``z = +-z_crit`` between -1 (or 1) and the estimate, or -1 (1) itself when z never gets there."""
     zc = critical_z(level)
-    mean, abs_mean, n = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (mean, abs_mean, n)))
-    lo_out, lo_in = -np.ones_like(mean), mean.copy()  # lo_out rejected (or -1), lo_in accepted
-    hi_in, hi_out = mean.copy(), np.ones_like(mean)
-    for _ in range(BISECTION_STEPS):
-        mid = (lo_out + lo_in) / 2
-        ok = tango_z(mean, abs_mean, n, mid) <= zc
-        lo_in, lo_out = np.where(ok, mid, lo_in), np.where(ok, lo_out, mid)
-        mid = (hi_in + hi_out) / 2
-        ok = tango_z(mean, abs_mean, n, mid) >= -zc
-        hi_in, hi_out = np.where(ok, mid, hi_in), np.where(ok, hi_out, mid)
-    lo = np.where(tango_z(mean, abs_mean, n, -1.0) <= zc, -1.0, lo_in)
-    hi = np.where(tango_z(mean, abs_mean, n, 1.0) >= -zc, 1.0, hi_in)
+    lo = -1.0 if tango_z(mean, abs_mean, n, -1.0) <= zc else brentq(
+        lambda d: tango_z(mean, abs_mean, n, d) - zc, -1.0, mean, xtol=ROOT_TOLERANCE)
+    hi = 1.0 if tango_z(mean, abs_mean, n, 1.0) >= -zc else brentq(
+        lambda d: tango_z(mean, abs_mean, n, d) + zc, mean, 1.0, xtol=ROOT_TOLERANCE)
     return lo, hi

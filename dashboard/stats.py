@@ -121,11 +121,14 @@ class Accuracy:
 def accuracy(scores: Scores, samples: int = 0, level: float = LEVEL) -> Accuracy:
     if scores.n == 0:
         return Accuracy(math.nan, math.nan, math.nan, "none", 0, 0, math.nan, math.nan)
-    eff = st.effective(scores.values, scores.weights, scores.max_samples)
+    return accuracy_from(st.effective(scores.values, scores.weights, scores.max_samples), samples, level)
+
+
+def accuracy_from(eff: st.Effective, samples: int = 0, level: float = LEVEL) -> Accuracy:
     mean = float(eff.mean)
     lo, hi = st.wilson_bounds(mean, eff.n, level)
     method = "Wilson" if eff.design_effect == 1 else "Wilson, design effect"
-    return Accuracy(mean, lo, hi, method, scores.n, samples, eff.design_effect, eff.n)
+    return Accuracy(mean, lo, hi, method, eff.questions, samples, eff.design_effect, eff.n)
 
 
 def accuracy_interval(hist: Iterable[tuple[int, int, int]], level: float = LEVEL) -> Accuracy:
@@ -168,12 +171,15 @@ TEST_NAME = "Tango score"
 def compare(diffs: Scores, level: float = LEVEL) -> Comparison:
     if diffs.n == 0:
         return NONE
-    eff = st.effective(diffs.values, diffs.weights, diffs.max_samples)
+    return comparison_from(st.effective(diffs.values, diffs.weights, diffs.max_samples), level)
+
+
+def comparison_from(eff: st.Effective, level: float = LEVEL) -> Comparison:
     mean, abs_mean = float(eff.mean), float(eff.abs_mean)
     lo, hi = st.tango_bounds(mean, abs_mean, eff.n, level)
-    p = 1.0 if eff.mean == 0 else float(st.tango_pvalue(mean, abs_mean, eff.n))  # an exact tie is no evidence
+    p = 1.0 if eff.mean == 0 else st.tango_pvalue(mean, abs_mean, eff.n)  # an exact tie is no evidence
     test = TEST_NAME if eff.design_effect == 1 else f"{TEST_NAME}, design effect"
-    return Comparison(mean, float(lo), float(hi), p, test, diffs.n, abs_mean, eff.n, eff.design_effect)
+    return Comparison(mean, lo, hi, p, test, eff.questions, abs_mean, eff.n, eff.design_effect)
 
 
 def compare_paired(pairs: Iterable[tuple[int, int, int, int, int]], level: float = LEVEL) -> Comparison:
@@ -193,7 +199,7 @@ def shifted_pvalue(c: Comparison, delta: float) -> float:
     """Two-sided p of the same score test for ``H0: difference = delta`` (e.g. minus a margin)."""
     if c.n == 0:
         return math.nan
-    return float(st.tango_pvalue(c.diff, c.abs_mean, c.n_effective, delta))
+    return st.tango_pvalue(c.diff, c.abs_mean, c.n_effective, delta)
 
 
 # ------------------------------------------------------------------------------------------------

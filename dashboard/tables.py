@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import pandas as pd
-from scipy.stats import norm
 
 from dashboard import common_set as cs
 from dashboard import queries as q
@@ -339,7 +338,7 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
         if found is not None:
             spec, a = found
             row.update({"kvleague": _fmt_measured(a, methods[spec]["label"]), "problems": a.problems, "_n": a.problems,
-                        "p vs paper": 2 * float(norm.sf(abs(score_tests.wilson_z(a.mean, a.n_effective, value / 100))))})
+                        "p vs paper": score_tests.two_sided_p(score_tests.wilson_z(a.mean, a.n_effective, value / 100))})
         rows.append(row)
     adjusted = multiplicity.holm([r["p vs paper"] for r in rows])
     for r, p_adj in zip(rows, adjusted):

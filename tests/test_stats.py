@@ -1,18 +1,42 @@
-"""dashboard.stats against scipy / statsmodels and hand-computed values on fixed inputs."""
+"""dashboard.stats, score_tests, multiplicity and ranking against statsmodels / scipy, numeric
+maximum likelihood and brute-force enumeration."""
 
 from __future__ import annotations
 
-import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from dashboard import stats
+from dashboard import multiplicity, ranking, score_tests, stats
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 sm_tables = pytest.importorskip("statsmodels.stats.contingency_tables")
+sm_multitest = pytest.importorskip("statsmodels.stats.multitest")
 scipy_stats = pytest.importorskip("scipy.stats")
+scipy_optimize = pytest.importorskip("scipy.optimize")
+
+Z = scipy_stats.norm.ppf(0.975)
+
+
+def greedy_pairs(b: int, c: int, n: int) -> list[tuple[int, int, int, int, int]]:
+    """(k_a, m_a, k_b, m_b, count): b method-right/reference-wrong, c the reverse, the rest concordant."""
+    return [(1, 1, 0, 1, b), (0, 1, 1, 1, c), (1, 1, 1, 1, n - b - c)]
+
+
+def tango_z_numeric(b: float, c: float, n: float, delta: float) -> float:
+    """Tango's statistic from its definition: restricted MLE of p21 (p12 = p21 + delta) by numeric
+    maximisation of the multinomial likelihood, z = (b - c - n delta) / sqrt(n (p12 + p21 - delta^2))."""
+    lo, hi = max(0.0, -delta) + 1e-13, (1 - delta) / 2 - 1e-13
+
+    def nll(p21):
+        p12 = p21 + delta
+        terms = [(b, p12), (c, p21), (n - b - c, 1 - p12 - p21)]
+        return -sum(k * math.log(p) for k, p in terms if k)
+
+    p21 = scipy_optimize.minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-14}).x
+    return (b - c - n * delta) / math.sqrt(n * (2 * p21 + delta - delta**2))
 
 
 # ---------------------------------------------------------------------------------------------- Wilson
@@ -26,188 +50,160 @@ def test_wilson_matches_statsmodels(k, n):
     assert hi == pytest.approx(ref_hi, abs=1e-12)
 
 
-def test_wilson_hand_computed():
-    z2 = 1.959963984540054**2
-    # k = 0: the interval is [0, z^2 / (n + z^2)]
-    lo, hi = stats.wilson_interval(0, 10)
-    assert lo == 0.0
-    assert hi == pytest.approx(z2 / (10 + z2), abs=1e-12)  # 0.27753...
-    assert hi == pytest.approx(0.2775, abs=1e-4)
-    # k = n / 2: symmetric about 1/2
-    lo, hi = stats.wilson_interval(15, 30)
-    assert lo + hi == pytest.approx(1.0, abs=1e-12)
-    # an AIME-sized run: 10 of 30 right is 33% with roughly +/-17 points
-    lo, hi = stats.wilson_interval(10, 30)
-    assert (lo, hi) == pytest.approx((0.1923, 0.5122), abs=1e-4)
-
-
 def test_wilson_edges():
     assert all(math.isnan(x) for x in stats.wilson_interval(0, 0))
     with pytest.raises(ValueError):
         stats.wilson_interval(3, 2)
     assert stats.z_value(0.95) == pytest.approx(1.959963984540054, abs=1e-12)
+    assert stats.wilson_interval(10, 30) == pytest.approx((0.1923, 0.5122), abs=1e-4)
 
 
-# ---------------------------------------------------------------------------------------------- McNemar
+def test_wilson_test_is_dual_to_the_interval():
+    """p0 inside the interval exactly when the score test does not reject (every k of n = 30, fine p0 grid)."""
+    n = 30
+    for k in range(n + 1):
+        lo, hi = stats.wilson_interval(k, n)
+        for p0 in np.linspace(0.005, 0.995, 199):
+            p = 2 * scipy_stats.norm.sf(abs(score_tests.wilson_z(k / n, n, p0)))
+            if min(abs(p0 - lo), abs(p0 - hi)) > 1e-9:
+                assert (lo <= p0 <= hi) == (p >= 0.05), (k, p0)
 
 
-@pytest.mark.parametrize("b,c", [(0, 0), (0, 5), (5, 0), (3, 3), (1, 9), (12, 4), (40, 25), (200, 160), (0, 1)])
-def test_mcnemar_exact_matches_statsmodels_and_scipy(b, c):
-    got = stats.mcnemar(b, c, exact=True)
-    ref = sm_tables.mcnemar(np.array([[7, b], [c, 11]]), exact=True)
-    assert got.pvalue == pytest.approx(ref.pvalue, rel=1e-9, abs=1e-15)
-    if b + c:
-        assert got.pvalue == pytest.approx(scipy_stats.binomtest(min(b, c), b + c, 0.5).pvalue, rel=1e-9)
+# ---------------------------------------------------------------------------------------------- Tango
 
 
-@pytest.mark.parametrize("b,c", [(0, 5), (5, 0), (1, 9), (12, 4), (40, 25), (200, 160), (2, 3)])
-def test_mcnemar_chi2_continuity_matches_statsmodels(b, c):
-    got = stats.mcnemar(b, c, exact=False)
-    ref = sm_tables.mcnemar(np.array([[7, b], [c, 11]]), exact=False, correction=True)
-    assert got.statistic == pytest.approx(ref.statistic, rel=1e-12)
+@pytest.mark.parametrize("b,c,n", [(0, 5, 100), (5, 0, 100), (3, 3, 20), (9, 2, 31), (12, 4, 50), (40, 25, 300), (1, 0, 1)])
+def test_tango_at_zero_is_mcnemar_without_correction(b, c, n):
+    got = stats.compare_paired(greedy_pairs(b, c, n))
+    ref = sm_tables.mcnemar(np.array([[n - b - c, b], [c, 0]]), exact=False, correction=False)
     assert got.pvalue == pytest.approx(ref.pvalue, rel=1e-9)
+    assert got.diff == pytest.approx((b - c) / n, abs=1e-15)
+    assert got.test == "Tango score"
 
 
-def test_mcnemar_hand_computed():
-    # b = 0, c = 5: P = 2 * (1/2)^5 = 0.0625 (exact); chi-square (5 - 1)^2 / 5 = 3.2
-    assert stats.mcnemar(0, 5).pvalue == pytest.approx(0.0625, abs=1e-15)
-    chi = stats.mcnemar(0, 5, exact=False)
-    assert chi.statistic == pytest.approx(3.2)
-    assert chi.pvalue == pytest.approx(math.erfc(math.sqrt(1.6)))
-    assert stats.mcnemar(0, 0).pvalue == 1.0
-    # b == c: no evidence either way; the corrected statistic is 0, not statsmodels' 1 / (b + c)
-    tie = stats.mcnemar(3, 3, exact=False)
-    assert (tie.statistic, tie.pvalue) == (0.0, 1.0)
-    # large counts stay finite and exact (log-space binomial)
-    assert 0 < stats.mcnemar(2000, 2200).pvalue < 0.05
+@pytest.mark.parametrize("b,c,n", [(0, 0, 30), (0, 5, 100), (9, 2, 31), (7, 1, 12), (40, 25, 300), (3, 0, 3)])
+def test_tango_interval_ends_solve_the_score_equation(b, c, n):
+    got = stats.compare_paired(greedy_pairs(b, c, n))
+    for end, target in ((got.lo, Z), (got.hi, -Z)):
+        if abs(end) < 1 - 1e-9:
+            assert tango_z_numeric(b, c, n, end) == pytest.approx(target, abs=1e-4)
+    # and the closed-form statistic agrees with the numeric restricted MLE inside the interval
+    for delta in np.linspace(got.lo, got.hi, 7)[1:-1]:
+        assert score_tests.tango_z((b - c) / n, (b + c) / n, n, delta) == pytest.approx(
+            tango_z_numeric(b, c, n, delta), abs=1e-5)
 
 
-# ---------------------------------------------------------------------------------------------- bootstrap
+def test_tango_p_and_interval_agree_for_every_table_up_to_30():
+    """Brute force over every (b, c) with n = 12 and n = 30: p < 0.05 exactly when 0 is outside the interval."""
+    for n in (12, 30):
+        for b in range(n + 1):
+            for c in range(n + 1 - b):
+                got = stats.compare_paired(greedy_pairs(b, c, n))
+                assert (got.pvalue < 0.05) == (got.lo > 0 or got.hi < 0), (b, c, n, got)
+                assert got.hi - got.lo > 0.05, (b, c, n)  # never zero width
 
 
-def _exact_bootstrap_cdf(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The exact bootstrap distribution of the mean: enumerate the multinomial over the distinct values."""
-    n = int(counts.sum())
-    probs = counts / n
-    means, weights = [], []
-    k = len(values)
-    for combo in itertools.product(range(n + 1), repeat=k - 1):
-        if sum(combo) > n:
-            continue
-        draw = (*combo, n - sum(combo))
-        w = math.factorial(n)
-        for x, p in zip(draw, probs):
-            w = w / math.factorial(x) * p**x
-        means.append(float(np.dot(draw, values)) / n)
-        weights.append(w)
-    order = np.argsort(means)
-    return np.array(means)[order], np.cumsum(np.array(weights)[order])
+# ---------------------------------------------------------------------------------------------- design effect
 
 
-def test_bootstrap_interval_hand_computed_binomial():
-    # problems [0, 0, 1, 1, 1]: the bootstrap mean is Binomial(5, 0.6) / 5. P[X <= 0] = 0.01024 < 0.025
-    # < P[X <= 1] = 0.08704, and P[X <= 4] = 0.92224 < 0.975: the percentile interval is [0.2, 1.0].
-    lo, hi = stats.bootstrap_interval([0, 0, 1, 1, 1], n_boot=20000, seed=1)
-    assert (lo, hi) == (0.2, 1.0)
+def test_design_effect_is_one_for_one_sample_and_matches_numpy_otherwise():
+    assert score_tests.effective([Fraction(1), Fraction(0)] * 10, [Fraction(1)] * 20, 1).design_effect == 1.0
+    rng = np.random.default_rng(3)
+    k = rng.integers(0, 4, size=40)
+    values = [Fraction(int(x), 3) for x in k]
+    eff = score_tests.effective(values, [Fraction(1)] * 40, 3)
+    shares = k / 3
+    p = shares.mean()
+    expected = min(1.0, max(1 / 3, shares.var(ddof=1) / (p * (1 - p))))
+    assert eff.design_effect == pytest.approx(expected, rel=1e-12)
+    assert eff.n == pytest.approx(40 / expected, rel=1e-12)
+    acc = stats.accuracy_interval([(int(x), 3, 1) for x in k])
+    n_eff = 40 / expected
+    assert (acc.lo, acc.hi) == pytest.approx(sm_proportion.proportion_confint(p * n_eff, n_eff, method="wilson"), abs=1e-12)
 
 
-def test_bootstrap_interval_matches_scipy():
-    rng = np.random.default_rng(7)
-    per_problem = rng.integers(0, 5, size=60) / 4  # 4 samples per problem: shares 0, .25, ..., 1
-    lo, hi = stats.bootstrap_interval(per_problem, n_boot=20000, seed=3)
-    ref = scipy_stats.bootstrap((per_problem,), np.mean, n_resamples=20000, method="percentile", random_state=5)
-    assert lo == pytest.approx(ref.confidence_interval.low, abs=0.01)
-    assert hi == pytest.approx(ref.confidence_interval.high, abs=0.01)
+def test_weighted_effective_matches_the_sandwich_variance():
+    """Task weighting: weights 1/n_task; the observed variance of the weighted mean is
+    n/(n-1) * sum(w^2 (v - mean)^2) / (sum w)^2 and n_kish = (sum w)^2 / sum w^2."""
+    v = np.array([1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0.5, 0.5])
+    w = np.array([1 / 10] * 10 + [1 / 3] * 3)
+    eff = score_tests.effective([Fraction(x).limit_denominator() for x in v], [Fraction(1, 10)] * 10 + [Fraction(1, 3)] * 3, 2)
+    mean = (w * v).sum() / w.sum()
+    n_kish = w.sum() ** 2 / (w**2).sum()
+    observed = len(v) / (len(v) - 1) * (w**2 * (v - mean) ** 2).sum() / w.sum() ** 2
+    bernoulli = (mean - mean**2) / n_kish
+    deff = min(1.0, max(0.5, observed / bernoulli))
+    assert float(eff.mean) == pytest.approx(mean, abs=1e-15)
+    assert eff.n == pytest.approx(n_kish / deff, rel=1e-12)
 
 
-def test_bootstrap_multinomial_equals_index_resampling_exactly_in_distribution():
-    values = np.array([0.0, 0.5, 1.0])
-    counts = np.array([2, 3, 3])
-    means, cdf = _exact_bootstrap_cdf(values, counts)
-    draws = stats.bootstrap_means(values, counts, n_boot=40000, seed=11)
-    for q in (0.025, 0.25, 0.5, 0.75, 0.975):
-        exact = means[np.searchsorted(cdf, q - 1e-12)]
-        got = np.quantile(draws, q, method="inverted_cdf")
-        assert abs(got - exact) <= 1 / 16 + 1e-12  # within one step of the lattice of means (1/(2n))
+def test_clustering_a_question_over_models_counts_it_once():
+    """The same 40 greedy outcomes under 3 models: one question each, not 120 problems."""
+    cells = [((t, i), a, 1, b, 1) for i, (a, b) in enumerate([(1, 0)] * 9 + [(0, 1)] * 2 + [(1, 1)] * 29) for t in range(3)]
+    per_q = stats.question_differences(cells)
+    clustered = stats.compare(stats.scores_of({(0, q[1]): v for q, v in per_q.items() if q[0] == 0}))
+    pooled = stats.compare(stats.scores_of(stats.question_differences(((i,) + c[0], *c[1:]) for i, c in enumerate(cells))))
+    single = stats.compare_paired(greedy_pairs(9, 2, 40))
+    assert clustered.pvalue == single.pvalue and clustered.n == 40
+    assert pooled.pvalue < single.pvalue / 10  # what treating the cells as problems would claim
 
 
-def test_bootstrap_degenerate():
-    assert stats.bootstrap_interval([1, 1, 1, 1]) == (1.0, 1.0)
-    assert all(math.isnan(x) for x in stats.bootstrap_interval([]))
-    # the histogram form and the list form agree draw for draw
-    assert stats.bootstrap_interval([0.0, 1.0], counts=[3, 7], seed=2) == stats.bootstrap_interval([0, 0, 0] + [1] * 7, seed=2)
+# ---------------------------------------------------------------------------------------------- multiplicity
 
 
-def test_paired_bootstrap_pvalue_matches_exact_enumeration():
-    diffs = np.array([-1.0, 0.0, 1.0])
-    counts = np.array([2, 12, 7])
-    means, cdf = _exact_bootstrap_cdf(diffs, counts)
-    p_le0 = float(cdf[np.searchsorted(means, 0.0, side="right") - 1])
-    p_ge0 = 1.0 - float(cdf[np.searchsorted(means, 0.0, side="left") - 1])
-    exact_p = min(1.0, 2 * min(p_le0, p_ge0))
-    got = stats.paired_bootstrap(diffs, counts, n_boot=40000, seed=4)
-    assert got.mean == pytest.approx(5 / 21)
-    assert got.n == 21
-    assert got.pvalue == pytest.approx(exact_p, abs=0.006)
-    expanded = np.repeat(diffs, counts)
-    ref = scipy_stats.bootstrap((expanded,), np.mean, n_resamples=40000, method="percentile", random_state=9)
-    assert got.lo == pytest.approx(ref.confidence_interval.low, abs=1 / 21 + 1e-9)
-    assert got.hi == pytest.approx(ref.confidence_interval.high, abs=1 / 21 + 1e-9)
+def test_holm_and_bh_match_statsmodels_and_skip_nan():
+    rng = np.random.default_rng(5)
+    p = list(rng.uniform(0, 0.2, size=12)) + [math.nan, 0.001, 0.001]
+    kept = [x for x in p if not math.isnan(x)]
+    for ours, method in ((multiplicity.holm, "holm"), (multiplicity.benjamini_hochberg, "fdr_bh")):
+        got = ours(p)
+        ref = iter(sm_multitest.multipletests(kept, method=method)[1])
+        for x, g in zip(p, got):
+            assert math.isnan(g) if math.isnan(x) else g == pytest.approx(next(ref), rel=1e-12)
 
 
-def test_paired_bootstrap_no_difference():
-    got = stats.paired_bootstrap([0.0] * 30)
-    assert (got.mean, got.lo, got.hi, got.pvalue) == (0.0, 0.0, 0.0, 1.0)
+# ---------------------------------------------------------------------------------------------- ranks
 
 
-# ---------------------------------------------------------------------------------------------- choices
+def test_rank_intervals_against_pairwise_mcnemar_with_holm():
+    rng = np.random.default_rng(11)
+    n = 200
+    truth = {"a": 0.8, "b": 0.6, "c": 0.58, "d": 0.2}
+    base = rng.uniform(size=n)
+    scores = {m: [Fraction(int(u < p)) for u in (base + rng.normal(0, 0.1, n)) % 1] for m, p in truth.items()}
+    got = ranking.rank_intervals(scores, [Fraction(1)] * n, 1)
+    names = sorted(truth)
+    pairs = [(i, j) for k, i in enumerate(names) for j in names[k + 1:]]
+    raw = []
+    for i, j in pairs:
+        b = sum(1 for x, y in zip(scores[i], scores[j]) if x > y)
+        c = sum(1 for x, y in zip(scores[i], scores[j]) if x < y)
+        raw.append(sm_tables.mcnemar(np.array([[0, b], [c, 0]]), exact=False, correction=False).pvalue if b + c else 1.0)
+    reject = sm_multitest.multipletests(raw, method="holm")[0]
+    better = {m: 0 for m in names}
+    worse = {m: 0 for m in names}
+    for (i, j), r in zip(pairs, reject):
+        if r:
+            win, lose = (i, j) if sum(scores[i]) > sum(scores[j]) else (j, i)
+            better[lose] += 1
+            worse[win] += 1
+    for m in names:
+        assert (got[m].best, got[m].worst) == (1 + better[m], 4 - worse[m])
+    assert str(got["a"]) == "1" and got["a"].tied_with_best
+    assert str(got["b"]) == str(got["c"]) == "2-3"
 
 
-def test_accuracy_interval_wilson_for_single_samples_bootstrap_otherwise():
-    single = stats.accuracy_interval([(1, 1, 12), (0, 1, 18)])
-    assert single.method == "Wilson"
-    assert single.mean == pytest.approx(0.4)
-    assert (single.lo, single.hi) == pytest.approx(sm_proportion.proportion_confint(12, 30, method="wilson"), abs=1e-12)
-    multi = stats.accuracy_interval([(3, 4, 10), (1, 4, 10), (4, 4, 5)])
-    assert multi.method == "bootstrap"
-    assert multi.problems == 25 and multi.samples == 100
-    assert multi.mean == pytest.approx((0.75 * 10 + 0.25 * 10 + 5) / 25)
-    per_problem = np.repeat([0.75, 0.25, 1.0], [10, 10, 5])
-    ref = scipy_stats.bootstrap((per_problem,), np.mean, n_resamples=20000, method="percentile", random_state=0)
-    assert multi.lo == pytest.approx(ref.confidence_interval.low, abs=0.02)
-    assert multi.hi == pytest.approx(ref.confidence_interval.high, abs=0.02)
-
-
-def test_compare_paired_uses_mcnemar_for_greedy():
-    # (k_a, m_a, k_b, m_b, problems): 9 method-right/reference-wrong, 2 the reverse, 30 agree
-    pairs = [(1, 1, 0, 1, 9), (0, 1, 1, 1, 2), (1, 1, 1, 1, 20), (0, 1, 0, 1, 10)]
-    c = stats.compare_paired(pairs)
-    assert c.test == "McNemar (exact)"
-    assert (c.b, c.c, c.n) == (9, 2, 41)
-    assert c.diff == pytest.approx(7 / 41)
-    assert c.pvalue == pytest.approx(sm_tables.mcnemar(np.array([[20, 9], [2, 10]]), exact=True).pvalue)
-    assert c.lo <= c.diff <= c.hi
-
-
-def test_compare_paired_uses_bootstrap_for_several_samples():
-    pairs = [(2, 4, 1, 4, 6), (4, 4, 4, 4, 10), (0, 4, 1, 4, 3)]
-    c = stats.compare_paired(pairs, n_boot=4000)
-    assert c.test == "paired bootstrap"
-    assert c.diff == pytest.approx((6 * 0.25 + 3 * -0.25) / 19)
-    assert 0 < c.pvalue <= 1
+# ---------------------------------------------------------------------------------------------- verdicts, pareto
 
 
 def test_verdicts():
-    better = stats.Comparison(0.1, 0.04, 0.16, 0.001, "t", 100)
-    worse = stats.Comparison(-0.1, -0.16, -0.04, 0.001, "t", 100)
-    unclear = stats.Comparison(0.02, -0.03, 0.07, 0.4, "t", 100)
-    assert stats.verdict_superior(better) == "replicates"
-    assert stats.verdict_superior(worse) == "does not replicate"
-    assert stats.verdict_superior(unclear) == "inconclusive"
-    assert stats.verdict_superior(stats.Comparison(math.nan, math.nan, math.nan, math.nan, "none", 0)) == "not measured yet"
-    assert stats.verdict_noninferior(unclear, 0.05) == "replicates"
-    assert stats.verdict_noninferior(worse, 0.05) == "inconclusive"
-    assert stats.verdict_noninferior(stats.Comparison(-0.2, -0.26, -0.14, 0.0, "t", 100), 0.05) == "does not replicate"
+    many = stats.Comparison(0.1, 0.04, 0.16, 0.001, "t", 100)
+    assert stats.verdict(many, 0.001) == "replicates"
+    assert stats.verdict(many, 0.2) == "inconclusive"
+    assert stats.verdict(stats.Comparison(-0.1, -0.16, -0.04, 0.001, "t", 100), 0.001) == "does not replicate"
+    assert stats.verdict(stats.Comparison(-0.02, -0.04, 0.0, 0.01, "t", 100), 0.01, threshold=-0.05) == "replicates"
+    assert stats.verdict(stats.NONE, math.nan) == "not measured yet"
+    assert stats.verdict(stats.Comparison(0.5, 0.2, 0.8, 0.001, "t", 9), 0.001) == stats.TOO_FEW
 
 
 def test_pareto_front():

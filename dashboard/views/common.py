@@ -26,11 +26,11 @@ def _num(fmt: str):
 
 
 def fmt_p(v) -> str:
-    """Two significant digits (three decimals at most): the score tests' normal approximation does not
-    resolve more, and "<0.001" is all a reader needs below that."""
+    """Two significant digits: the score tests' normal approximation does not resolve more, and
+    "<0.001" is all a reader needs below that."""
     if v is None or pd.isna(v):
         return DASH
-    return "<0.001" if v < 1e-3 else f"{v:.2g}" if v < 0.01 else f"{v:.2f}" if v < 0.995 else "1"
+    return "<0.001" if v < 1e-3 else f"{v:.2g}" if v < 0.1 else f"{v:.2f}" if v < 0.995 else "1"
 
 
 def styled(df: pd.DataFrame, pct=(), pp=(), p=(), verdicts: bool = True):
