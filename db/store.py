@@ -8,6 +8,7 @@ did finish) can never become two rows.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from typing import Any, Iterable, Sequence
 
@@ -148,25 +149,28 @@ def count_results(engine: Engine, keys: Iterable[str] | None = None, status: str
 
 
 def summary(engine: Engine, keys: Iterable[str]) -> list[dict[str, Any]]:
-    """Per (model, task, method spec, budget): cells, ok, failed, mean score over ok rows."""
+    """Per (model, task spec, method spec, budget): cells, ok, failed, mean score over ok rows. Task
+    specs of one name (niah at two lengths) stay apart; ``task_options`` tells them apart."""
     r, m, t, ms = SampleResult.__table__, Model.__table__, TaskSpec.__table__, MethodSpec.__table__
     keys = list(keys)
     acc: dict[tuple, dict[str, Any]] = {}
     with engine.connect() as conn:
+        tasks = {i: (name, options or {}) for i, name, options in conn.execute(select(t.c.id, t.c.name, t.c.options))}
         for i in range(0, len(keys), _CHUNK):
             q = (
-                select(m.c.name, t.c.name, ms.c.name, ms.c.params_json, r.c.budget, r.c.status, func.count(), func.sum(r.c.score))
+                select(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.status, func.count(), func.sum(r.c.score))
                 .join(m, m.c.id == r.c.model_id)
                 .join(t, t.c.id == r.c.task_id)
                 .join(ms, ms.c.id == r.c.method_spec_id)
                 .where(r.c.cell_key.in_(keys[i : i + _CHUNK]))
-                .group_by(m.c.name, t.c.name, ms.c.name, ms.c.params_json, r.c.budget, r.c.status)
+                .group_by(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.status)
             )
-            for model, task, method, params, budget, status, n, score_sum in conn.execute(q):
+            for model, task_id, method, params, budget, status, n, score_sum in conn.execute(q):
+                task, options = tasks[task_id]
                 row = acc.setdefault(
-                    (model, task, method, params, budget),
-                    {"model": model, "task": task, "method": method, "params": params, "budget": budget,
-                     "cells": 0, "ok": 0, "failed": 0, "score_sum": 0.0},
+                    (model, task, json.dumps(options, sort_keys=True, default=str), method, params, budget),
+                    {"model": model, "task": task, "task_options": options, "method": method, "params": params,
+                     "budget": budget, "cells": 0, "ok": 0, "failed": 0, "score_sum": 0.0},
                 )
                 row["cells"] += n
                 if status == STATUS_OK:
@@ -175,7 +179,7 @@ def summary(engine: Engine, keys: Iterable[str]) -> list[dict[str, Any]]:
                 else:
                     row["failed"] += n
     out = []
-    for key in sorted(acc, key=lambda k: (str(k[0]), str(k[1]), str(k[2]), str(k[3]), int(k[4]))):
+    for key in sorted(acc, key=lambda k: (str(k[0]), str(k[1]), k[2], str(k[3]), str(k[4]), int(k[5]))):
         row = acc[key]
         row["mean_score"] = row["score_sum"] / row["ok"] if row["ok"] else None
         del row["score_sum"]

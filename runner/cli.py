@@ -72,7 +72,15 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, stop=tuple(args.stop)
     )
     engine = Engine.load(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device)
-    result = engine.generate(args.prompt, method, args.budget, protocol, settings, seed=args.seed)
+    prompt: str | list[int] = args.prompt
+    tok = engine.tokenizer
+    if args.chat == "on" and not getattr(tok, "chat_template", None):
+        raise KvleagueError("--chat: on, but the model's tokenizer has no chat template; allowed here: auto, off")
+    if args.chat != "off" and getattr(tok, "chat_template", None):
+        # instruct models answer a bare prompt with an empty completion: send it as a user turn
+        out = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+        prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
+    result = engine.generate(prompt, method, args.budget, protocol, settings, seed=args.seed)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
@@ -103,11 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser("generate", help="generate one completion under a KV budget")
-    p.add_argument("--model", required=True, help="checkpoint directory or HF id")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known name (default smollm2-135m), .gguf file, checkpoint directory or HF id")
     p.add_argument("--method", required=True)
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method hyperparameter")
     p.add_argument("--budget", type=int, required=True)
     p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
+                   help="wrap the prompt as one user turn in the tokenizer's chat template (auto: when it has one)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -131,8 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands contributed by other packages: each module has ``register(subparsers)``.
-_COMMAND_MODULES: tuple[str, ...] = ("tasks.commands", "runner.sweep_commands", "dashboard.commands", "runner.bench_commands",
-                                       "runner.organism_commands")
+_COMMAND_MODULES: tuple[str, ...] = ("tasks.commands", "runner.sweep_commands", "dashboard.commands", "runner.bench_commands")
 
 
 def main(argv: list[str] | None = None) -> int:

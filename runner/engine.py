@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import transformers
@@ -26,6 +25,7 @@ from methods.base import EvictionMethod, Observation, SequenceInfo
 from runner.attention_probe import INNER_IMPLEMENTATIONS, AttentionRecorder, recording, wrapper_name
 from runner.budgeted_cache import BudgetedCache
 from runner.errors import KvleagueError
+from runner.model_source import resolve_model
 from runner.protocol import GenerationSettings, Protocol
 from runner.resources import PeakMemory
 
@@ -101,7 +101,8 @@ class Engine:
         dtype: str = "auto",
         device: str = "auto",
     ) -> "Engine":
-        """Load a checkpoint by local path or HF id (the same path for tiny test models and real ones)."""
+        """Load a model spec (a known name, a ``.gguf`` file, a checkpoint directory or a Hub id; see
+        ``runner.model_source``) through the same path for tiny test models and real ones."""
         if attn_implementation not in INNER_IMPLEMENTATIONS:
             raise KvleagueError(f"attn_implementation: unknown {attn_implementation!r}; allowed: {', '.join(INNER_IMPLEMENTATIONS)}")
         if device == "auto":
@@ -112,13 +113,12 @@ class Engine:
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         if dtype not in DTYPES:
             raise KvleagueError(f"dtype: unknown {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
-        if _looks_like_path(model) and not Path(model).is_dir():
-            raise KvleagueError(f"model: no checkpoint directory at {model!r}")
+        source = resolve_model(model)
         transformers.utils.logging.disable_progress_bar()
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model)
+            tokenizer = AutoTokenizer.from_pretrained(source)
             hf_model = AutoModelForCausalLM.from_pretrained(
-                model, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+                source, dtype=DTYPES[dtype], attn_implementation=attn_implementation
             ).to(device)
         except OSError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -209,8 +209,9 @@ class Session:
         if self.attn_implementation != self.engine.attn_implementation:
             model.set_attn_implementation(wrapper_name(self.attn_implementation))
             self._stack.callback(model.set_attn_implementation, wrapper_name(self.engine.attn_implementation))
-        for layer in self.hidden_layers:
-            handle = self.engine.layers[layer].register_forward_hook(self._hidden_hook(layer))
+        for layer in self.hidden_layers:  # index n_layers: the final norm's output (HF hidden_states[-1])
+            module = self.engine.layers[layer] if layer < self.engine.n_layers else model.get_decoder().norm
+            handle = module.register_forward_hook(self._hidden_hook(layer))
             self._stack.callback(handle.remove)
         self._stack.enter_context(recording(self.recorder))
         self._stack.enter_context(torch.inference_mode())
@@ -399,11 +400,6 @@ def _as_list(value) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple, set)) else [value]
-
-
-def _looks_like_path(model: str) -> bool:
-    """A Hub id is ``name`` or ``org/name``; anything else is meant as a local path."""
-    return model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model).exists()
 
 
 def _require_flash_attention(device: str) -> None:

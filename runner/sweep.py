@@ -36,6 +36,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import argparse
 import collections
+import json
 import os
 import socket
 import sys
@@ -127,18 +128,22 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
     methods = []  # (name, canonical params, spec hash)
     for entry in config.methods:
         for point in entry.points():
-            params = build_method(entry.name, point).params()
+            built = build_method(entry.name, point)
+            params = built.params()
             h = sha256({"name": entry.name, "params": params})
             dims["method"][h] = {"spec_hash": h, "name": entry.name, "params": params, "params_json": canonical_json(params)}
             methods.append((entry.name, params, h))
+        non_eager = sorted({m.attn_implementation for m in config.models} - {"eager"})
+        if built.needs.eager and non_eager and not any(f"method {entry.name}:" in w for w in warnings):
+            warnings.append(f"method {entry.name}: needs eager attention (full attention columns), so its cells run "
+                            f"eager instead of {'/'.join(non_eager)}: slower, and attn_implementation says so per result")
 
-    tasks = []  # (entry, task, samples, protocol, generation, task hash, protocol hash, generation hash)
-    for entry in config.tasks:
-        try:
-            cls = task_class(entry.name)
-        except KvleagueError:
-            continue  # optional and unregistered (check_config warned)
+    def plan_task(entry, tokenizer, model_source: str | None):
+        """(entry, task, samples, protocol, generation, task hash, protocol hash, generation hash)"""
+        cls = task_class(entry.name)
         task = build_task(entry.name, entry.options)
+        if tokenizer is not None:
+            task.bind_tokenizer(tokenizer)
         try:
             samples = task.load(limit=entry.limit, seed=entry.sample_seed, data_dir=data_dir)
         except KvleagueError as exc:
@@ -152,6 +157,8 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
             "source": source.hub_id or source.url, "revision": source.revision,
             "scorer_version": str(cls.scorer_version), "metric": cls.metric,
         }
+        if model_source is not None:  # lengths in this model's tokens: a different task per model
+            t_spec["options"] = {**options, "length_unit": f"tokens of {model_source}"}
         t_hash = sha256(t_spec)
         dims["task"][t_hash] = {"spec_hash": t_hash, **t_spec}
         protocol = config.resolved_protocol(cls.domain, cls.protect_prompt)
@@ -165,7 +172,15 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         }
         g_hash = sha256(gen)
         dims["generation"][g_hash] = {"spec_hash": g_hash, **gen}
-        tasks.append((entry, task, samples, protocol, gen, t_hash, p_hash, g_hash))
+        return (entry, task, samples, protocol, gen, t_hash, p_hash, g_hash)
+
+    entries = []
+    for entry in config.tasks:
+        try:
+            entries.append((entry, task_class(entry.name).tokenizer_dependent))
+        except KvleagueError:
+            continue  # optional and unregistered (check_config warned)
+    shared = {i: plan_task(entry, None, None) for i, (entry, per_model) in enumerate(entries) if not per_model}
 
     cells: list[Cell] = []
     for model_cfg in config.models:
@@ -179,6 +194,11 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         m_spec = {k: model[k] for k in ("source", "dtype", "attn_implementation")}
         m_hash = sha256(m_spec)
         dims["model"][m_hash] = {"spec_hash": m_hash, "name": model["name"], "revision": None, **m_spec}
+        tokenizer = None
+        if any(per_model for _, per_model in entries):
+            tokenizer = load_tokenizer(model["resolved"])
+        tasks = [shared[i] if i in shared else plan_task(entry, tokenizer, model_cfg.source)
+                 for i, (entry, _) in enumerate(entries)]
         for entry, task, samples, protocol, gen, t_hash, p_hash, g_hash in tasks:
             for sample in samples:
                 for index in range(config.generation.n_samples):
@@ -205,6 +225,18 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
     if len(set(keys)) != len(keys):  # a task returning the same sample id twice
         raise KvleagueError("tasks: two cells share a key (a task returned duplicate sample ids)")
     return Grid(cells=cells, dims=dict(dims), warnings=warnings)
+
+
+def load_tokenizer(model_spec: str):
+    """The tokenizer of a model spec (converting a GGUF model on first use; no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    from runner.model_source import resolve_model
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(model_spec))
+    except OSError as exc:
+        raise KvleagueError(f"models: cannot load the tokenizer of {model_spec!r}: {str(exc).strip().splitlines()[0]}") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,15 +406,17 @@ def _free_accelerator_memory() -> None:
 
 
 class Progress:
-    """A rich progress bar on a terminal; a log line every ``every`` seconds otherwise."""
+    """A rich progress bar on a terminal; otherwise (a log, ``--no-progress``) a heartbeat line every
+    ``every`` seconds (60 s with ``bar=False``), so a long sweep in a log is never silent."""
 
-    def __init__(self, total: int, label: str, enabled: bool = True, every: float = 10.0):
-        self.total, self.label, self.every = total, label, every
+    def __init__(self, total: int, label: str, bar: bool = True, every: float = 10.0):
+        self.total, self.label = total, label
+        self.every = every if bar else max(every, 60.0)
         self.done = self.failed = 0
         self.start = time.monotonic()
-        self.last_line = 0.0
+        self.last_line = self.start
         self.bar = None
-        if enabled and sys.stdout.isatty() and total:
+        if bar and sys.stdout.isatty() and total:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
 
             self.bar = RichProgress(
@@ -391,7 +425,6 @@ class Progress:
             )
             self.bar.start()
             self.task_id = self.bar.add_task(label, total=total, failed=0)
-        self.enabled = enabled
 
     def eta(self) -> float | None:
         elapsed = time.monotonic() - self.start
@@ -406,17 +439,18 @@ class Progress:
         return f"[{self.label}] {self.done}/{self.total} cells done, {self.failed} failed, {rate:.2f} cells/s, ETA {eta_text}"
 
     def update(self, done: int, failed: int) -> None:
+        """Called about once a second by the dispatch loop, whether or not a cell finished."""
         self.done, self.failed = done, failed
         if self.bar is not None:
             self.bar.update(self.task_id, completed=done, failed=failed)
-        elif self.enabled and time.monotonic() - self.last_line >= self.every:
+        elif time.monotonic() - self.last_line >= self.every:
             self.last_line = time.monotonic()
             print(self.line(), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-        elif self.enabled:
+        else:
             print(self.line(), flush=True)
 
 
@@ -668,7 +702,7 @@ class SweepRunner:
         buffer: list[dict[str, Any]] = []
         last_flush = time.monotonic()
         done = ok = failed = 0
-        progress = Progress(len(pending), self.config.name, enabled=self.show_progress)
+        progress = Progress(len(pending), self.config.name, bar=self.show_progress)
         max_replacements = 2 * n_workers + 2
 
         revisions_known: set[int] = set()
@@ -802,15 +836,27 @@ def print_summary(summary: SweepSummary, file=None) -> None:
     )
     if not summary.rows:
         return
-    header = f"{'model':<18} {'task':<16} {'method':<16} {'budget':>7} {'cells':>6} {'ok':>5} {'failed':>6} {'score':>7}"
+    header = f"{'model':<18} {'task':<28} {'method':<16} {'budget':>7} {'cells':>6} {'ok':>5} {'failed':>6} {'score':>7}"
     print(header, file=out)
     variants: dict[str, set] = collections.defaultdict(set)
+    task_options: dict[str, list[dict]] = collections.defaultdict(list)
     for r in summary.rows:
         variants[r["method"]].add(r["params"])
+        if r["task_options"] not in task_options[r["task"]]:
+            task_options[r["task"]].append(r["task_options"])
     for r in summary.rows:
         score = "-" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
         method = r["method"] if len(variants[r["method"]]) == 1 else f"{r['method']}{r['params']}"
-        print(f"{r['model'][:18]:<18} {r['task'][:16]:<16} {method[:16]:<16} {r['budget']:>7} {r['cells']:>6} {r['ok']:>5} {r['failed']:>6} {score:>7}", file=out)
+        task = r["task"] + _distinguishing(r["task_options"], task_options[r["task"]])
+        print(f"{r['model'][:18]:<18} {task[:28]:<28} {method[:16]:<16} {r['budget']:>7} {r['cells']:>6} {r['ok']:>5} {r['failed']:>6} {score:>7}", file=out)
+
+
+def _distinguishing(options: dict, siblings: list[dict]) -> str:
+    """``[k=v,...]`` for the options in which a task spec differs from same-named ones ("" if alone)."""
+    if len(siblings) < 2:
+        return ""
+    keys = sorted({k for o in siblings for k in o if len({json.dumps(x.get(k), sort_keys=True) for x in siblings}) > 1})
+    return "[" + ",".join(f"{k}={options.get(k)}" for k in keys) + "]"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -826,7 +872,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="cap every task's sample limit (quick runs)")
     p.add_argument("--retry-failed", action="store_true", help="run cells stored as failed again")
     p.add_argument("--dry-run", action="store_true", help="validate and count cells; run nothing, write nothing")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar; a heartbeat line every 60 s instead")
     p.add_argument("--inject-failure", action="append", default=[], metavar="JSON", help=argparse.SUPPRESS)
 
 

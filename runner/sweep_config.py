@@ -408,20 +408,12 @@ def editable_checkout() -> Path | None:
     return None
 
 
-def looks_like_path(source: str) -> bool:
-    """A Hub id is ``name`` or ``org/name``; anything else is meant as a local path."""
-    return source.startswith((".", "/", "~")) or source.count("/") > 1
-
-
 def resolve_model_source(source: str, base_dir: Path | None = None) -> str:
-    """A local checkout as an absolute path; a Hub id unchanged."""
-    base = base_dir or project_dir()
-    candidate = Path(source).expanduser()
-    if not candidate.is_absolute():
-        candidate = base / candidate
-    if looks_like_path(source) or candidate.is_dir():
-        return str(candidate)
-    return source
+    """Local paths made absolute (from the project directory); known names and Hub ids unchanged:
+    each worker resolves those on its own machine (``runner.model_source``)."""
+    from runner.model_source import absolute_spec
+
+    return absolute_spec(source, base_dir or project_dir())
 
 
 def resolve_data_dir(config: SweepConfig, base_dir: Path | None = None) -> str | None:
@@ -437,6 +429,7 @@ def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]
     """Semantic checks; returns warnings (skipped optional tasks). Raises KvleagueError."""
     from db.session import parse_url
     from methods.registry import available_methods, build_method
+    from runner.model_source import check_spec
     from runner.protocol import Protocol
     from tasks.registry import build_task, task_class
 
@@ -445,10 +438,10 @@ def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]
     parse_url(config.database, base)
 
     for i, model in enumerate(config.models):
-        resolved = resolve_model_source(model.source, base)
-        if resolved != model.source or looks_like_path(model.source):
-            if not Path(resolved).is_dir():
-                raise KvleagueError(f"models[{i}].source: no checkpoint directory at {resolved!r} (a Hub id is 'org/name')")
+        try:
+            check_spec(resolve_model_source(model.source, base))
+        except KvleagueError as exc:
+            raise KvleagueError(f"models[{i}].source: {str(exc).removeprefix('model: ')}") from None
     labels = [m.label for m in config.models]
     if len(set(labels)) != len(labels):
         raise KvleagueError(f"models: duplicate model name in {labels}; give each a distinct name")

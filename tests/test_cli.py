@@ -104,7 +104,7 @@ def test_methods_lists_hyperparameters_and_needs(capsys):
         (["--method", "streaming_llm", "--param", "n_sink=-1"], "n_sink must be >= 0"),
         (["--method", "knorm", "--sink", "8", "--recent", "8", "--budget", "16"], "budget: 16 leaves no evictable slot"),
         (["--method", "knorm", "--cadence", "sometimes"], "cadence: unknown 'sometimes'; allowed: every_step, buffer=N"),
-        (["--method", "knorm", "--model", "/no/such/dir"], "model: no checkpoint directory at '/no/such/dir'"),
+        (["--method", "knorm", "--model", "/no/such/dir"], "model: no checkpoint directory or .gguf file at '/no/such/dir'"),
         (["--method", "knorm", "--budget", "x"], "argument --budget: invalid int value"),
     ],
 )
@@ -120,7 +120,7 @@ def test_bad_input_is_one_line_exit_2(capsys, tiny_models, args, fragment):
 def test_console_script_exit_code_without_traceback():
     proc = run_cli("generate", "--model", "/no/such/dir", "--method", "full", "--budget", "8", "--prompt", "x")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "kvleague: error: model: no checkpoint directory at '/no/such/dir'"
+    assert proc.stderr.strip() == "kvleague: error: model: no checkpoint directory or .gguf file at '/no/such/dir' (known names: smollm2-135m)"
 
 
 README_CHECK = textwrap.dedent(

@@ -77,7 +77,7 @@ INVALID = [
     ("method-twice", "methods.0", "streaming_llm", "is listed twice"),
     ("bad-dtype", "models.0.dtype", "float8", "models[0].dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
     ("bad-attn", "models.0.attn_implementation", "magic", "models[0].attn_implementation: Input should be 'sdpa', 'eager' or 'flash_attention_2'"),
-    ("model-dir-missing", "models.0.source", "./no/such/checkpoint", "models[0].source: no checkpoint directory at"),
+    ("model-dir-missing", "models.0.source", "./no/such/checkpoint", "models[0].source: no checkpoint directory or .gguf file at"),
     ("bad-cadence", "protocol.cadence", "sometimes", "protocol.cadence: unknown 'sometimes'; allowed: every_step, buffer=N"),
     ("budget-below-sink-recent", "budgets", [6, 64], "budgets: 6 leaves no evictable slot after sink (2) + recent (4)"),
     ("negative-sink", "protocol.sink", -1, "protocol.sink: Input should be greater than or equal to 0"),
