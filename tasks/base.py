@@ -228,7 +228,10 @@ class Task:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
             tp = hints.get(f.name)
-            opts.append({"name": f.name, "type": getattr(tp, "__name__", str(tp)), "default": default})
+            opt = {"name": f.name, "type": getattr(tp, "__name__", str(tp)), "default": default}
+            if "unit" in f.metadata:  # e.g. niah's context_length: tokens of the bound tokenizer
+                opt["unit"] = f.metadata["unit"]
+            opts.append(opt)
         doc = (cls.__doc__ or "").strip().splitlines()
         return {
             "name": cls.name,

@@ -24,7 +24,7 @@ import random
 import re
 import string
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
@@ -478,7 +478,8 @@ class Niah(Task):
     scorer_version: ClassVar[str] = "contains/1"
     size: ClassVar[int] = 55  # with the default options
 
-    context_length: int = 4096
+    context_length: int = field(default=4096, metadata={"unit": "tokens of the model's tokenizer (the sweep binds "
+                                                                 "it); characters when no tokenizer is bound"})
     depth: float | None = None
     num_depths: int = 11
     samples_per_depth: int = 5

@@ -243,3 +243,46 @@ def test_ray_cluster_yaml_validates_against_rays_schema():
     broken["available_node_types"]["gpu_worker"]["resources"]["GPU"] = "one"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+
+
+def test_a_method_that_needs_eager_attention_is_announced(tiny_llama, tmp_path):
+    cfg = base_config(tiny_llama, tmp_path)
+    cfg["methods"] = ["full", "h2o", {"name": "h2o", "params": {"recent_ratio": 0.25}}]
+    warnings = expand(parse_config(cfg)).warnings
+    eager = [w for w in warnings if "eager" in w]
+    assert len(eager) == 1 and eager[0].startswith("method h2o: needs eager attention") and "instead of sdpa" in eager[0]
+    cfg["models"][0]["attn_implementation"] = "eager"  # nothing to announce when the run is eager anyway
+    assert not [w for w in expand(parse_config(cfg)).warnings if "eager" in w]
+
+
+def test_summary_keeps_task_specs_of_one_name_apart(capsys):
+    """Two niah lengths are two rows, labelled by the option that differs."""
+    from runner.sweep import SweepSummary, print_summary
+
+    def row(length, score):
+        return {"model": "m", "task": "niah", "task_options": {"context_length": length, "seed": 0}, "method": "full",
+                "params": "{}", "budget": 64, "cells": 2, "ok": 2, "failed": 0, "mean_score": score}
+
+    print_summary(SweepSummary(1, 4, 0, 4, 4, 0, 1.0, rows=[row(512, 1.0), row(1024, 0.5)]))
+    lines = capsys.readouterr().out.splitlines()
+    assert any("niah[context_length=512]" in ln and ln.rstrip().endswith("1.000") for ln in lines)
+    assert any("niah[context_length=1024]" in ln and ln.rstrip().endswith("0.500") for ln in lines)
+
+
+def test_no_progress_still_prints_a_heartbeat(monkeypatch, capsys):
+    """--no-progress (bar=False) prints a status line every 60 s, even while no cell finishes."""
+    from runner import sweep
+
+    clock = [1000.0]
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: clock[0])
+    progress = sweep.Progress(10, "demo", bar=False)
+    progress.update(0, 0)
+    clock[0] += 59
+    progress.update(0, 0)
+    assert capsys.readouterr().out == ""
+    clock[0] += 2
+    progress.update(0, 0)
+    assert capsys.readouterr().out.startswith("[demo] 0/10 cells done, 0 failed")
+    clock[0] += 61
+    progress.update(3, 1)
+    assert "3/10 cells done, 1 failed" in capsys.readouterr().out

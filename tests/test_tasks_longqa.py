@@ -248,3 +248,12 @@ def test_leval_subset_sampling_is_seeded():
     assert a == b == sorted(a) and a != c
     everything = [s.sample_id for s in task.load(data_dir=DATA_DIR)]
     assert a == sorted(everything[i] for i in random.Random(1).sample(range(len(everything)), 10))
+
+
+def test_niah_lists_the_unit_of_its_context_length():
+    """`kvleague tasks --json` says what context_length counts (it is tokens in a sweep)."""
+    from tasks.registry import task_class
+
+    opts = {o["name"]: o for o in task_class("niah").describe()["options"]}
+    assert opts["context_length"]["unit"].startswith("tokens of the model's tokenizer")
+    assert "unit" not in opts["depth"]
