@@ -1,12 +1,10 @@
 """Read-only SQL for the dashboard: every aggregation runs in the database (GROUP BY), and what comes
-back is small - per-problem histograms, per-(method, budget) means, a few dimension rows.
+back is small - one row per problem cell, per-(method, budget) means, a few dimension rows.
 
-The statistical unit is a *problem*: one ``sample_id`` of one task, for one model, protocol and
-generation setting. The core building block is :func:`problem_hist`: per method spec, task and budget,
-how many problems had ``k`` of their ``m`` samples correct (and in how many samples eviction fired).
-The leaderboard, curves and scorecard read :func:`question_cells` instead: one row per problem cell,
-failed samples included (and counted as wrong), so that pairing, clustering by question and the
-common problem set are decided once, in :mod:`dashboard.tables`.
+The core building block is :func:`question_cells`: per method spec and budget, one row per problem
+cell (a ``sample_id`` of a task under one model, protocol and generation setting) with ``k`` of its
+``m`` samples correct, failed samples included (and counted as wrong), in a fixed order. Clustering
+cells into questions, the common problem set and the statistics are decided in :mod:`dashboard.tables`.
 """
 
 from __future__ import annotations
@@ -258,28 +256,6 @@ def _int(expr):
     return cast(expr, Integer)
 
 
-def _per_problem(filters: Filters, budgets: Iterable[int] | None, methods: Iterable[int] | None = None, name: str = "p"):
-    """Subquery: one row per (problem, method, budget) with k correct of m samples and f samples where
-    eviction fired."""
-    cond = [R.c.status == STATUS_OK, *filters.conditions(budgets=budgets is None)]
-    if budgets is not None:
-        cond.append(R.c.budget.in_(list(budgets)))
-    if methods is not None:
-        cond.append(R.c.method_spec_id.in_(list(methods)))
-    cols = [getattr(R.c, k) for k in _PROBLEM_KEY]
-    return (
-        select(
-            *cols, R.c.method_spec_id, R.c.budget,
-            _int(func.sum(_correct_int())).label("k"),
-            func.count().label("m"),
-            _int(func.sum(case((R.c.evictions > 0, 1), else_=0))).label("f"),
-        )
-        .where(and_(*cond))
-        .group_by(*cols, R.c.method_spec_id, R.c.budget)
-        .subquery(name)
-    )
-
-
 def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None,
                    methods: Iterable[int] | None = None) -> list[dict[str, Any]]:
     """One row per (method spec, budget, problem cell) with ``k`` correct of ``m`` samples *including
@@ -309,51 +285,6 @@ def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | No
         return [dict(r._mapping) for r in conn.execute(q)]
 
 
-def problem_hist(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[dict[str, Any]]:
-    """Rows ``method_spec_id, task_id, budget, k, m, problems, fired`` (fired: samples with evictions > 0).
-
-    ``budgets``: restrict to these budgets (default: the filters' budgets)."""
-    p = _per_problem(filters, budgets)
-    q = (
-        select(p.c.method_spec_id, p.c.task_id, p.c.budget, p.c.k, p.c.m, func.count().label("problems"), _int(func.sum(p.c.f)).label("fired"))
-        .group_by(p.c.method_spec_id, p.c.task_id, p.c.budget, p.c.k, p.c.m)
-    )
-    with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(q)]
-
-
-def paired_hist(
-    engine: Engine,
-    filters: Filters,
-    a_methods: Iterable[int],
-    b_methods: Iterable[int],
-    budgets: Iterable[int] | None = None,
-    b_budget: int | None = None,
-) -> list[dict[str, Any]]:
-    """Rows ``a_method, b_method, task_id, budget, k_a, m_a, k_b, m_b, problems`` over the problems both
-    methods answered. The B side runs at the same budget, or at ``b_budget`` for every A budget (a
-    full cache stored at one budget only)."""
-    a_methods, b_methods = list(a_methods), list(b_methods)
-    if not a_methods or not b_methods:
-        return []
-    a = _per_problem(filters, budgets, a_methods, "a")
-    b = _per_problem(filters, [b_budget] if b_budget is not None else budgets, b_methods, "b")
-    on = [getattr(a.c, k) == getattr(b.c, k) for k in _PROBLEM_KEY]
-    if b_budget is None:
-        on.append(a.c.budget == b.c.budget)
-    on.append(a.c.method_spec_id != b.c.method_spec_id)
-    q = (
-        select(
-            a.c.method_spec_id.label("a_method"), b.c.method_spec_id.label("b_method"), a.c.task_id, a.c.budget,
-            a.c.k.label("k_a"), a.c.m.label("m_a"), b.c.k.label("k_b"), b.c.m.label("m_b"), func.count().label("problems"),
-        )
-        .select_from(a.join(b, and_(*on)))
-        .group_by(a.c.method_spec_id, b.c.method_spec_id, a.c.task_id, a.c.budget, a.c.k, a.c.m, b.c.k, b.c.m)
-    )
-    with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(q)]
-
-
 def method_budgets(engine: Engine, filters: Filters, method_ids: Iterable[int]) -> dict[int, int]:
     """``budget -> ok rows`` of the given method specs under the filters (budget filter ignored)."""
     ids = list(method_ids)
@@ -366,18 +297,6 @@ def method_budgets(engine: Engine, filters: Filters, method_ids: Iterable[int]) 
     )
     with engine.connect() as conn:
         return {int(b): int(n) for b, n in conn.execute(q)}
-
-
-def failed_counts(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[dict[str, Any]]:
-    """Rows ``method_spec_id, task_id, budget, failed``."""
-    cond = [R.c.status == STATUS_FAILED, *filters.conditions(budgets=budgets is None)]
-    if budgets is not None:
-        cond.append(R.c.budget.in_(list(budgets)))
-    q = select(R.c.method_spec_id, R.c.task_id, R.c.budget, func.count().label("failed")).where(*cond).group_by(
-        R.c.method_spec_id, R.c.task_id, R.c.budget
-    )
-    with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(q)]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -118,24 +118,25 @@ def test_readonly_engine_cannot_write(small_db, tmp_path):
         q.open_readonly("sqlite:///:memory:")
 
 
-def test_histograms_match_brute_force(small_db):
+def test_question_cells_match_brute_force(small_db):
     engine = q.open_readonly(small_db)
     dims = q.dimensions(engine)
     labels = {m["label"] for m in dims["methods"].values()}
     assert labels == {"full", "h2o(window=8)", "h2o(window=16)"}  # only the differing hyperparameter
     by_label = {m["label"]: i for i, m in dims["methods"].items()}
-    hist = q.problem_hist(engine, q.Filters(), [64])
-    got = {(h["method_spec_id"], h["k"]): (h["problems"], h["fired"]) for h in hist}
-    assert got[(by_label["full"], 1)] == (4, 0)
-    assert got[(by_label["h2o(window=8)"], 1)] == (2, 1)  # p0, p1 right; evictions > 0 only for p1 among them
-    assert got[(by_label["h2o(window=8)"], 0)] == (4, 4)
-    pairs = q.paired_hist(engine, q.Filters(), [by_label["h2o(window=16)"]], [by_label["full"]], [64])
-    table = {(p["k_a"], p["k_b"]): p["problems"] for p in pairs}
-    # h2o(16) right on p0, p4; full right on p0-p3: both p0; h2o only p4; full only p1-p3; neither p5
-    assert table == {(1, 1): 1, (1, 0): 1, (0, 1): 3, (0, 0): 1}
+    cells = q.question_cells(engine, q.Filters(), [64])
+    got = {(r["method_spec_id"], r["sample_id"]): (r["k"], r["m"], r["failed"], r["fired"]) for r in cells}
+    assert len(got) == len(cells) == 18
+    for i in range(6):  # full right on p0-p3, h2o(8) on p0, p1 (evictions = i), h2o(16) on p0, p4 (always evicts)
+        assert got[(by_label["full"], f"p{i}")] == (int(i < 4), 1, 0, 0)
+        assert got[(by_label["h2o(window=8)"], f"p{i}")] == (int(i < 2), 1, 0, int(i > 0))
+        assert got[(by_label["h2o(window=16)"], f"p{i}")] == (int(i in (0, 4)), 1, 0, 1)
+    keys = [tuple(r[k] for k in ("method_spec_id", "budget", "model_id", "task_id", "protocol_id", "generation_id", "sample_id"))
+            for r in cells]
+    assert keys == sorted(keys)  # a fixed order, whatever the database returns
     # filters: budget, decoding, domain, nothing selected
-    assert {h["budget"] for h in q.problem_hist(engine, q.Filters(budgets=(128,)))} == {128}
-    assert q.problem_hist(engine, q.Filters(decoding=("sampled",)), [64]) == []
-    assert q.problem_hist(engine, q.Filters(domains=("code",)), [64]) == []
-    assert q.problem_hist(engine, q.Filters(models=()), [64]) == []
+    assert {r["budget"] for r in q.question_cells(engine, q.Filters(budgets=(128,)))} == {128}
+    assert q.question_cells(engine, q.Filters(decoding=("sampled",)), [64]) == []
+    assert q.question_cells(engine, q.Filters(domains=("code",)), [64]) == []
+    assert q.question_cells(engine, q.Filters(models=()), [64]) == []
     assert q.method_budgets(engine, q.Filters(), [by_label["full"]]) == {64: 6, 128: 6}
