@@ -40,6 +40,10 @@ class EpiKVBands(EpiKVFamily):
     band_b: tuple[float, float] = (18 / 32, 25 / 32)
     weight_a: float = 1.29
     weight_b: float = 1.0
+    #: explicit decoder layers of band A / B (the authors' ``band_a_layers`` / ``band_b_layers``);
+    #: ``None`` = the relative-depth bands above
+    layers_a: list[int] | None = None
+    layers_b: list[int] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,9 +52,17 @@ class EpiKVBands(EpiKVFamily):
             if not 0.0 <= lo <= hi <= 1.0:
                 raise ValueError(f"{name} must be (lo, hi) with 0 <= lo <= hi <= 1, got {getattr(self, name)}")
         self.band_a, self.band_b = tuple(self.band_a), tuple(self.band_b)
+        for name in ("layers_a", "layers_b"):
+            value = getattr(self, name)
+            if value is not None:
+                if not value or any(layer < 0 for layer in value):
+                    raise ValueError(f"{name} must be a non-empty list of layers >= 0 or null, got {value}")
+                setattr(self, name, list(value))
 
     def groups(self, n_layers: int) -> tuple[list[int], list[int]]:
-        return band_layers(self.band_a, n_layers), band_layers(self.band_b, n_layers)
+        a = self.layers_a if self.layers_a is not None else band_layers(self.band_a, n_layers)
+        b = self.layers_b if self.layers_b is not None else band_layers(self.band_b, n_layers)
+        return a, b
 
     def weights(self) -> tuple[float, float]:
         return self.weight_a, self.weight_b

@@ -58,7 +58,7 @@ class LagKV(EvictionMethod):
     """
 
     lag: int = 128
-    eps: float = 1e-6
+    eps: float = 1e-9
 
     def __post_init__(self) -> None:
         if self.lag < 2:

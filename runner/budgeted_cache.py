@@ -225,15 +225,21 @@ class BudgetedCache:
             current_position=current_position,
         )
 
-    def _protected(self, pos: torch.Tensor, prompt: torch.Tensor, protocol: Protocol, current_position: int) -> torch.Tensor:
-        mask = (pos < protocol.sink) | (pos > current_position - protocol.recent)
-        if protocol.protect_prompt:
-            mask |= prompt
-        return mask
+    def _protected(
+        self, pos: torch.Tensor, prompt: torch.Tensor, protocol: Protocol, current_position: int, budget: int
+    ) -> torch.Tensor:
+        return self._window(pos, protocol, current_position, budget) | (prompt if protocol.protect_prompt else False)
 
-    def protected(self, protocol: Protocol, current_position: int) -> list[torch.Tensor]:
+    @staticmethod
+    def _window(pos: torch.Tensor, protocol: Protocol, current_position: int, budget: int) -> torch.Tensor:
+        """The sink and recent-window slots (not the prompt)."""
+        return (pos < protocol.sink) | (pos > current_position - protocol.recent_for(budget))
+
+    def protected(self, protocol: Protocol, current_position: int, budget: int) -> list[torch.Tensor]:
         """Per layer ``[H, T]``: slots the protocol forbids evicting."""
-        return [self._protected(p, f, protocol, current_position) for p, f in zip(self.positions, self.is_prompt)]
+        return [
+            self._protected(p, f, protocol, current_position, budget) for p, f in zip(self.positions, self.is_prompt)
+        ]
 
     # -- eviction -------------------------------------------------------------------------------
 
@@ -256,16 +262,29 @@ class BudgetedCache:
             if scores.dim() == 2:
                 scores = scores[:, None, :].expand(self.n_layers, self.n_kv_heads, length)
             pos, prompt = self._per_layer()  # [L, H, T]
-        protected = self._protected(pos, prompt, protocol, current_position)
-        n_protected = int(protected.sum(dim=-1).max())
-        if n_protected > budget:
+        window = self._window(pos, protocol, current_position, budget)
+        prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
+        n_prompt = int(prompt_tier.sum(dim=-1).max()) if protocol.protect_prompt else 0
+        n_protected = int((window | prompt_tier).sum(dim=-1).max())
+        if n_protected > budget and protocol.prompt_over_budget != "keep":
             raise KvleagueError(
                 f"budget: {n_protected} protected tokens (sink + recent + prompt) exceed the budget {budget}; "
-                "raise the budget or turn off protect_prompt"
+                "raise the budget, turn off protect_prompt, or use prompt_over_budget: keep"
             )
-        # protected slots rank strictly above any score a method gives (its own +inf included)
-        ceiling = torch.finfo(scores.dtype).max
-        keep = _keep_mask(torch.where(protected, float("inf"), scores.clamp(max=ceiling)), budget)  # shape of scores
+        # prompt_over_budget "keep": the whole prompt stays even beyond B (then nothing else does)
+        kept = max(budget, n_prompt)
+        if kept >= length:
+            return 0
+        # tiers: protected prompt (+inf) > sink / recent window (largest finite) > the method's scores
+        # (its own +inf included); equal scores keep the more recent position (_keep_mask)
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            scores = scores.float()
+        top = torch.tensor(torch.finfo(scores.dtype).max, dtype=scores.dtype)
+        below_top = float(torch.nextafter(top, torch.zeros_like(top)))
+        ranked = torch.where(window, float(top), scores.clamp(max=below_top))
+        ranked = torch.where(prompt_tier.bool(), float("inf"), ranked)
+        keep = _keep_mask(ranked, kept, pos)  # shape of scores
+        budget = kept
         if keep.dim() == 1:  # one plan for every layer
             plan = _Plan(keep, budget, ordered)
             for layer in self.cache.layers:
@@ -370,19 +389,26 @@ class BudgetedCache:
         return scores.to(self.device, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
-def _keep_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+def _keep_mask(scores: torch.Tensor, k: int, positions: torch.Tensor) -> torch.Tensor:
     """Boolean mask of the ``k`` highest scores along the last dim (exactly ``k`` per row).
 
-    Selects whichever side is smaller: with one slot to drop per decode step, that is a bottom-1
-    search rather than a top-(T-1) one."""
+    Deterministic whatever the slot order: on equal scores the slot holding the larger absolute
+    position (``positions``, same shape as ``scores``) is kept. The k-th largest score per row is found
+    by selection (O(T)); everything above it is kept, and the slots equal to it are kept most recent
+    first until the row holds ``k`` (a sort happens only when such a tie crosses the boundary)."""
     t = scores.shape[-1]
     if k >= t:
         return torch.ones_like(scores, dtype=torch.bool)
-    if 2 * k >= t:
-        drop = torch.topk(scores, t - k, dim=-1, largest=False, sorted=False).indices
-        return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, drop, False)
-    keep = torch.topk(scores, k, dim=-1, sorted=False).indices
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, keep, True)
+    threshold = torch.kthvalue(scores, t - k + 1, dim=-1, keepdim=True).values
+    above = scores > threshold
+    equal = scores == threshold
+    need = k - above.sum(dim=-1, keepdim=True)  # >= 1
+    if bool((equal.sum(dim=-1, keepdim=True) == need).all()):
+        return above | equal
+    key = torch.where(equal, positions.to(scores.device).expand(scores.shape), -1)
+    order = key.argsort(dim=-1, descending=True)  # equal slots first, most recent first
+    take = torch.arange(t, device=scores.device).expand(scores.shape) < need
+    return above | torch.zeros_like(equal).scatter_(-1, order, take)
 
 
 #: ordered removal of at most this many slots per head moves the tail in place (CPU memmove)

@@ -9,6 +9,7 @@ from runner.errors import KvleagueError
 
 CADENCES = ("every_step", "buffer=N")
 POSITION_MODES = ("absolute", "compact")
+PROMPT_OVER_BUDGET = ("error", "keep")
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,25 @@ class Protocol:
       keys keep their original RoPE); ``"compact"`` feeds position = current cache length, as the
       EpiKV authors' harness (and any HF code that lets positions follow the cache length) does.
     * ``sink`` / ``recent``: the first ``sink`` and the last ``recent`` tokens are never evicted.
+    * ``recent_max_fraction``: when set, the recent window is ``min(recent, int(B * fraction))``
+      (the EpiKV authors' harness: ``min(128, B // 4)``); ``None`` = ``recent`` as given.
     * ``protect_prompt``: prompt tokens (everything fed, as opposed to generated) are never evicted
-      (EpiKV's setting for reasoning). A prompt longer than the budget is then an error.
-    * ``prefill_chunk``: prompts are prefilled in chunks of this many tokens and compressed to B after
+      (EpiKV's setting for reasoning).
+    * ``prompt_over_budget`` (with ``protect_prompt``): ``"error"`` refuses a prompt that, with the
+      sink and recent window, does not fit in B; ``"keep"`` (the EpiKV authors' harness) keeps the
+      whole prompt even when it alone exceeds B: the cache then holds max(B, prompt) entries, the
+      sink and recent window share what the prompt leaves (most recent first), and a prompt >= B
+      leaves nothing, so every generated token is dropped right after its own forward pass.
+
+    On equal scores the engine keeps the more recent position (``runner/budgeted_cache.py``); the
+    protected tiers rank prompt > sink / recent window > any method score.
+
+    Named presets (:data:`PRESETS`, ``protocol: <name>`` in a sweep YAML, ``--protocol <name>`` on the
+    CLI): ``epikv_paper`` is everything the EpiKV authors' ``scripts/benchmark.py`` sets for the
+    EpiKV family and LagKV: prompt kept whole, recent window ``min(128, B // 4)``, eviction after
+    every decode step and never after prefill (a no-op under a kept prompt), positions = cache
+    length, no sink, whole-prompt prefill.
+        * ``prefill_chunk``: prompts are prefilled in chunks of this many tokens and compressed to B after
       each chunk, so the cache never holds more than B + chunk entries; ``None`` = whole prompt.
     """
 
@@ -34,7 +51,22 @@ class Protocol:
     recent: int = 0
     protect_prompt: bool = False
     prefill_chunk: int | None = None
+    recent_max_fraction: float | None = None
+    prompt_over_budget: Literal["error", "keep"] = "error"
     buffer: int = field(init=False, default=0)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "Protocol":
+        """The protocol of preset ``name`` (see :data:`PRESETS`), with ``overrides`` on top."""
+        if name not in PRESETS:
+            raise KvleagueError(f"protocol: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def recent_for(self, budget: int) -> int:
+        """The recent window under budget ``budget``."""
+        if self.recent_max_fraction is None:
+            return self.recent
+        return min(self.recent, int(budget * self.recent_max_fraction))
 
     def __post_init__(self) -> None:
         if self.cadence == "every_step":
@@ -56,15 +88,40 @@ class Protocol:
                 raise KvleagueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise KvleagueError(f"prefill_chunk: must be a positive integer or null, got {self.prefill_chunk}")
+        if self.recent_max_fraction is not None and not 0 <= self.recent_max_fraction <= 1:
+            raise KvleagueError(f"recent_max_fraction: must be in [0, 1] or null, got {self.recent_max_fraction}")
+        if self.prompt_over_budget not in PROMPT_OVER_BUDGET:
+            raise KvleagueError(
+                f"prompt_over_budget: unknown {self.prompt_over_budget!r}; allowed: {', '.join(PROMPT_OVER_BUDGET)}"
+            )
 
     def check_budget(self, budget: int) -> None:
         if budget < 1:
             raise KvleagueError(f"budget: must be a positive integer, got {budget}")
-        if self.sink + self.recent >= budget:
+        recent = self.recent_for(budget)
+        if self.sink + recent >= budget:
             raise KvleagueError(
-                f"budget: {budget} leaves no evictable slot after sink ({self.sink}) + recent ({self.recent}); "
-                f"use a budget > {self.sink + self.recent}"
+                f"budget: {budget} leaves no evictable slot after sink ({self.sink}) + recent ({recent}); "
+                f"use a budget > {self.sink + recent}"
             )
+
+
+#: named protocols; each value is a complete set of :class:`Protocol` fields
+PRESETS: dict[str, dict] = {
+    # EpiKV authors' harness (stevenkolawole/epiphany-kv-cache scripts/benchmark.py + the EpiKV family's
+    # and LagKVEviction's evict_past_key_values): EvictionConfig(keep_recent_k=128) capped at B // 4,
+    # the prompt always kept, eviction after every decode forward, no position_ids (= cache length).
+    "epikv_paper": dict(
+        cadence="every_step",
+        positions="compact",
+        sink=0,
+        recent=128,
+        recent_max_fraction=0.25,
+        protect_prompt=True,
+        prompt_over_budget="keep",
+        prefill_chunk=None,
+    ),
+}
 
 
 @dataclass(frozen=True)

@@ -84,26 +84,51 @@ def test_rolling_zscore_conventions():
     assert rolling_zscore([100.0, 0.0, 1.0], torch.tensor([2.0]), 3).item() == pytest.approx(1.2247436, rel=1e-5)
 
 
+#: kvleague's earlier EpiKV variant: series over every token, last layer before the norm, float64
+LEGACY = {"series": "all", "arithmetic": "float64", "last_layer": "residual"}
+
+
+def py_rolling_z(x: list[float], window: int) -> list[float]:
+    """The authors' arithmetic: Python floats, left-to-right sums, z = 0 for a one-value window."""
+    out = []
+    for t in range(len(x)):
+        chunk = x[max(0, t - window + 1) : t + 1]
+        if len(chunk) < 2:
+            out.append(0.0)
+            continue
+        mean = sum(chunk) / len(chunk)
+        var = sum((v - mean) ** 2 for v in chunk) / len(chunk)
+        out.append((chunk[-1] - mean) / (var**0.5 + 1e-6))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["authors", "legacy"])
 @pytest.mark.parametrize("window", [5, 64])
-def test_epikv_score_on_hand_made_series_matches_numpy(window):
+def test_epikv_score_on_hand_made_series_matches_numpy(window, variant):
     rng = np.random.default_rng(0)
-    n, hidden, layer_a, layer_b = 150, 16, 2, 5
+    n, hidden, layer_a, layer_b, n_prompt = 150, 16, 2, 5, 47
     # a random walk with bursts, so the change series has structure
     h_a = np.cumsum(rng.normal(size=(n, hidden)) * rng.choice([0.1, 1.0, 5.0], size=(n, 1)), axis=0)
     h_b = np.cumsum(rng.normal(size=(n, hidden)) * rng.choice([0.2, 2.0], size=(n, 1)), axis=0)
-    method = build_method("epikv", {"window": window, "layer_a": layer_a, "layer_b": layer_b})
+    params = {"window": window, "layer_a": layer_a, "layer_b": layer_b, **(LEGACY if variant == "legacy" else {})}
+    method = build_method("epikv", params)
     method.reset(_info())
     assert list(method.hidden_layers(8)) == [layer_a, layer_b]
     # a prefill in two chunks, then decode steps one token at a time
-    bounds = [0, 40, 47] + list(range(48, n + 1))
+    bounds = [0, 40, n_prompt] + list(range(n_prompt + 1, n + 1))
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         hidden_states = {
             layer_a: torch.tensor(h_a[lo:hi], dtype=torch.float32),
             layer_b: torch.tensor(h_b[lo:hi], dtype=torch.float32),
         }
-        method.observe(_obs(list(range(lo, hi)), hidden_states, phase="prefill" if lo < 47 else "decode"))
+        method.observe(_obs(list(range(lo, hi)), hidden_states, phase="prefill" if lo < n_prompt else "decode"))
     ha32, hb32 = (h.astype(np.float32).astype(np.float64) for h in (h_a, h_b))
-    expected = np_rolling_z(np_change(ha32), window) - np_rolling_z(np_change(hb32), window)
+    if variant == "legacy":
+        expected = np_rolling_z(np_change(ha32), window) - np_rolling_z(np_change(hb32), window)
+    else:  # generated tokens only; the first one's change is against the last prompt token
+        d_a, d_b = np_change(ha32)[n_prompt:].tolist(), np_change(hb32)[n_prompt:].tolist()
+        z = np.array(py_rolling_z(d_a, window)) - np.array(py_rolling_z(d_b, window))
+        expected = np.concatenate([np.full(n_prompt, np.inf), z])
     # score every position, in a shuffled cache order
     order = rng.permutation(n)
     got = method.score(_view([torch.zeros(2, n, 4)], positions=order, current=n - 1))
@@ -112,6 +137,13 @@ def test_epikv_score_on_hand_made_series_matches_numpy(window):
     method.observe(_obs([n], {layer_a: torch.ones(1, hidden) * 1e3, layer_b: torch.zeros(1, hidden)}))
     again = method.score(_view([torch.zeros(2, n, 4)], positions=order, current=n))
     assert torch.equal(again, got)
+
+
+def test_epikv_last_layer_is_read_after_the_final_norm():
+    """Engine hidden index ``n_layers`` is the final norm's output (HF ``hidden_states[-1]``)."""
+    assert list(build_method("epikv", {"layer_a": 1, "layer_b": 7}).hidden_layers(8)) == [1, 8]
+    assert list(build_method("epikv", {"layer_a": 1, "layer_b": 7, "last_layer": "residual"}).hidden_layers(8)) == [1, 7]
+    assert list(build_method("epikv_bands", {"layers_a": [0], "layers_b": [6, 7]}).hidden_layers(8)) == [0, 6, 8]
 
 
 def test_epikv_default_layers_follow_relative_depth():
@@ -125,7 +157,7 @@ def test_epikv_default_layers_follow_relative_depth():
 
 def test_epikv_value_reserve_keeps_largest_value_range_generated_tokens():
     n, h, d = 12, 2, 4
-    method = build_method("epikv", {"layer_a": 0, "layer_b": 1, "value_reserve": 2})
+    method = build_method("epikv", {"layer_a": 0, "layer_b": 1, "value_reserve": 2, **LEGACY})
     method.reset(_info(n_layers=2))
     rng = np.random.default_rng(1)
     hidden = torch.tensor(rng.normal(size=(n, 6)), dtype=torch.float32)
@@ -174,17 +206,19 @@ def _full_hidden(model, ids, layers):
 def test_epikv_kept_set_on_tiny_model_equals_naive_reimplementation(
     engines, prompt_ids, monkeypatch, arch, name, params, group_a, group_b, weights
 ):
-    """The cache grows untouched (so every hidden state equals a full-cache forward's) until one
-    eviction at the last step cuts it from B + buffer to B; the naive oracle recomputes the kept set."""
+    """kvleague's variant (``series: all``, pre-norm last layer, float64; the authors' defaults are
+    checked over many evictions in ``tests/test_epikv_reference.py``). The cache grows untouched (so
+    every hidden state equals a full-cache forward's) until one eviction at the last step cuts it from
+    B + buffer to B; the naive oracle recomputes the kept set."""
     engine = engines[arch]
     monkeypatch.setattr(engine, "eos_ids", set())
     prompt, budget, buffer, recent = prompt_ids[:40], 50, 49, 4
     n_fed = budget + buffer + 1 - len(prompt)  # the fed decode token that pushes the cache past B + buffer
     protocol = Protocol(recent=recent, cadence=f"buffer={buffer}")
-    with engine.session(build_method(name, params), budget, protocol) as session:
+    with engine.session(build_method(name, {**params, **LEGACY}), budget, protocol) as session:
         session.feed(prompt)
         out = session.decode(GenerationSettings(max_new_tokens=n_fed + 1))
-        kept = sorted(session.cache.positions[0][0].tolist())  # epikv is order-free: slot order is arbitrary
+        kept = sorted(session.cache.positions[0][0].tolist())
         assert session.evictions == 1 and all(torch.equal(p[0], session.cache.positions[0][0]) for p in session.cache.positions)
     ids = prompt + out.token_ids[:n_fed]
     n = len(ids)
@@ -357,7 +391,7 @@ def test_lag_kv_matches_numpy(t):
     method.reset(_info(n_layers=4, n_kv_heads=3))
     as_t = lambda xs: [torch.tensor(x, dtype=torch.float32) for x in xs]  # noqa: E731
     got = method.score(_view(as_t(keys), as_t(values)))
-    np.testing.assert_allclose(got.numpy(), np_lag_kv(keys, values, 8, 1e-6), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got.numpy(), np_lag_kv(keys, values, 8, 1e-9), rtol=1e-4, atol=1e-5)
 
 
 # -- epikv_seg and thinkv: quota structure on constructed inputs ---------------------------------------
@@ -366,7 +400,7 @@ def test_lag_kv_matches_numpy(t):
 def test_epikv_seg_keeps_tertile_quotas_ranked_by_epikv_score():
     seg, n, recent = 8, 6 * 8 + 4, 4
     method = build_method("epikv_seg", {"segment": seg, "quotas": (4, 2, 1), "recent_window": recent, "layer_a": 0, "layer_b": 1, "window": 4})
-    method.reset(_info(n_layers=2, n_kv_heads=1))
+    method.reset(_info(n_layers=3, n_kv_heads=1))  # layer 1 is not the last: no final norm
     rng = np.random.default_rng(3)
     # key variance per segment: segments 0..5 get spreads [5, 1, 3, 0.5, 4, 2] -> tertiles H L M L H M
     spread = np.repeat([5.0, 1.0, 3.0, 0.5, 4.0, 2.0, 1.0], seg)[:n]

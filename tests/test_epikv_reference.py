@@ -1,0 +1,196 @@
+"""EpiKV under ``protocol: epikv_paper`` against a naive re-implementation of the authors' semantics.
+
+The oracle below follows the authors' ``DetrendendHSVarianceEviction`` / ``BandAdaptiveHSEviction``
+under their ``scripts/benchmark.py`` loop (stevenkolawole/epiphany-kv-cache), written from their
+description, independently of kvleague's code: a plain HF decode loop (no ``position_ids``, so
+positions follow the cache length), ``output_hidden_states``, one score per generated token from
+Python-float rolling z-scores of ||h_t - h_{t-1}|| (the first generated token measured against the
+last prompt token), rounded to float32, and after every decode forward: the prompt kept whole, the
+last min(128, B // 4) generated tokens kept, the rest of the budget to the highest scores (equal
+scores: the more recent position, kvleague's stated tie-break; the authors' ``topk`` leaves it open).
+Kept positions and greedy tokens are compared after every one of many evictions, and each documented
+choice has a mutation that makes kvleague differ from the oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from methods import build_method
+from runner.errors import KvleagueError
+from runner.protocol import GenerationSettings, Protocol
+from tests.conftest import ARCHS
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_models):
+    return {
+        arch: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+        for arch, path in tiny_models.items()
+    }
+
+
+def _z(series: list[float], window: int) -> float:
+    chunk = series[-window:]
+    if len(chunk) < 2:
+        return 0.0
+    mean = sum(chunk) / len(chunk)
+    var = sum((x - mean) ** 2 for x in chunk) / len(chunk)
+    return (chunk[-1] - mean) / (var**0.5 + 1e-6)
+
+
+def oracle_decode(model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0, 1.0), window=64, keep_recent=128):
+    """The authors' loop and eviction rule, naively; returns (tokens, kept positions after each step)."""
+    n_prompt = len(prompt)
+    recent = min(keep_recent, budget // 4)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True, output_hidden_states=True)
+    cache = out.past_key_values
+    prev = {l: out.hidden_states[l + 1][0, -1] for l in (*layers_a, *layers_b)}
+    token = int(out.logits[0, -1].argmax())
+    positions, series_a, series_b, score = list(range(n_prompt)), [], [], {}
+    tokens, kept = [], []
+    for step in range(n_new):
+        tokens.append(token)
+        with torch.no_grad():
+            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        cache = out.past_key_values
+        position = n_prompt + step
+        positions.append(position)
+        changes = []
+        for layers in (layers_a, layers_b):
+            ds = []
+            for l in layers:
+                h = out.hidden_states[l + 1][0, -1]
+                ds.append(float((h - prev[l]).norm()))
+                prev[l] = h
+            changes.append(sum(ds) / len(ds))
+        series_a.append(changes[0])
+        series_b.append(changes[1])
+        s = weights[0] * _z(series_a, window) - weights[1] * _z(series_b, window)
+        score[position] = float(np.float32(s))
+        if len(positions) > budget:
+            generated = [p for p in positions if p >= n_prompt]
+            protected = set(generated[-recent:]) if recent else set()
+            ranked = sorted(generated, key=lambda p: (p in protected, score[p], p), reverse=True)
+            keep = set(range(n_prompt)) | set(ranked[: max(budget - n_prompt, 0)])
+            index = torch.tensor([i for i, p in enumerate(positions) if p in keep])
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+            positions = [positions[i] for i in index.tolist()]
+        kept.append(list(positions))
+        token = int(out.logits[0, -1].argmax())
+    return tokens, kept
+
+
+def kvleague_decode(engine, prompt, n_new, budget, method, protocol):
+    """Tokens and kept positions after each forward pass of a generated token (as the oracle's)."""
+    tokens, kept = [], []
+    with engine.session(method, budget, protocol) as session:
+        session.feed(list(prompt))
+        for step in range(n_new):
+            tokens += session.decode(GenerationSettings(max_new_tokens=1)).token_ids
+            if step:
+                kept.append(session.kept_positions()[0])
+        session._flush_pending()
+        kept.append(session.kept_positions()[0])
+        evictions = session.evictions
+    return tokens, kept, evictions
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, size=n).tolist()
+
+
+def _first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_epikv_equals_authors_semantics_over_many_evictions(engines, hf_models, monkeypatch, arch):
+    engine = engines[arch]
+    monkeypatch.setattr(engine, "eos_ids", set())
+    prompt, budget, steps = _prompt(ARCHS.index(arch), 40), 64, 160
+    # layer B = 3 is the last of the 4: its hidden state is taken after the final norm
+    expected_tokens, expected_kept = oracle_decode(hf_models[arch], prompt, steps, budget, [1], [3])
+    tokens, kept, evictions = kvleague_decode(
+        engine, prompt, steps, budget, build_method("epikv", {"layer_a": 1, "layer_b": 3}), Protocol.preset("epikv_paper")
+    )
+    assert evictions >= steps - (budget - len(prompt))  # evicts at every step once the cache is full
+    assert _first_difference(kept, expected_kept) is None
+    assert tokens == expected_tokens
+    assert len({tuple(k) for k in kept[-50:]}) == 50  # the kept set keeps changing (not a trivial recency cut)
+
+
+def test_epikv_bands_equals_authors_semantics(engines, hf_models, monkeypatch):
+    engine = engines["qwen2"]
+    monkeypatch.setattr(engine, "eos_ids", set())
+    prompt, budget, steps = _prompt(7, 30), 48, 120
+    expected = oracle_decode(hf_models["qwen2"], prompt, steps, budget, [0, 1], [2, 3], weights=(1.29, 1.0), window=16)
+    method = build_method("epikv_bands", {"layers_a": [0, 1], "layers_b": [2, 3], "window": 16})
+    tokens, kept, _ = kvleague_decode(engine, prompt, steps, budget, method, Protocol.preset("epikv_paper"))
+    assert (tokens, kept) == expected
+
+
+def test_prompt_longer_than_budget_is_kept_whole(engines, hf_models, monkeypatch):
+    """The authors' harness keeps a prompt longer than B; every generated token then goes at once."""
+    engine = engines["llama"]
+    monkeypatch.setattr(engine, "eos_ids", set())
+    prompt, budget, steps = _prompt(3, 70), 64, 40
+    expected = oracle_decode(hf_models["llama"], prompt, steps, budget, [1], [2])
+    method = build_method("epikv", {"layer_a": 1, "layer_b": 2})
+    tokens, kept, _ = kvleague_decode(engine, prompt, steps, budget, method, Protocol.preset("epikv_paper"))
+    assert all(k == list(range(70)) for k in kept)
+    assert (tokens, kept) == expected
+    with pytest.raises(KvleagueError, match="prompt_over_budget"):
+        kvleague_decode(engine, prompt, 3, budget, method, Protocol.preset("epikv_paper", prompt_over_budget="error"))
+
+
+# -- mutations: each documented choice, changed, makes kvleague differ from the oracle -------------------
+
+
+MUTATIONS = {
+    "series over prompt tokens": ({"series": "all"}, {}),
+    "last layer before the final norm": ({"last_layer": "residual"}, {}),
+    "recent window not capped at B // 4": ({}, {"recent_max_fraction": None}),
+    "true positions instead of the cache length": ({}, {"positions": "absolute"}),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_each_documented_choice_breaks_the_oracle_when_changed(engines, hf_models, monkeypatch, mutation):
+    engine = engines["llama"]
+    monkeypatch.setattr(engine, "eos_ids", set())
+    prompt, budget, steps = _prompt(0, 40), 64, 100
+    expected_tokens, expected_kept = oracle_decode(hf_models["llama"], prompt, steps, budget, [1], [3])
+    params, overrides = MUTATIONS[mutation]
+    method = build_method("epikv", {"layer_a": 1, "layer_b": 3, **params})
+    protocol = Protocol.preset("epikv_paper", **overrides)
+    if mutation.startswith("recent"):
+        protocol = Protocol.preset("epikv_paper", recent_max_fraction=None, recent=20)
+    tokens, kept, _ = kvleague_decode(engine, prompt, steps, budget, method, protocol)
+    assert (tokens, kept) != (expected_tokens, expected_kept)
+
+
+def test_reference_arithmetic_stores_float32_scores():
+    """``arithmetic="reference"`` rounds each score to float32 as the authors' tensor does; float64 does not."""
+    from tests.test_method_formulas import _info, _obs
+
+    rng = np.random.default_rng(5)
+    hidden = torch.tensor(rng.normal(size=(60, 8)), dtype=torch.float32)
+    scores = {}
+    for arithmetic in ("reference", "float64"):
+        method = build_method("epikv", {"layer_a": 0, "layer_b": 1, "arithmetic": arithmetic})
+        method.reset(_info(n_layers=4))  # layers 0 and 1: not the last, so no final norm involved
+        method.observe(_obs(list(range(10)), {0: hidden[:10], 1: hidden[:10].flip(0)}, phase="prefill", n_layers=4))
+        for t in range(10, 60):
+            method.observe(_obs([t], {0: hidden[t : t + 1], 1: hidden[t : t + 1] * 2}, n_layers=4))
+        scores[arithmetic] = method.table.read(torch.arange(60))
+    ref, f64 = scores["reference"], scores["float64"]
+    assert torch.isinf(ref[:10]).all() and torch.isinf(f64[:10]).all()  # the prompt is not scored
+    assert torch.equal(ref[10:], ref[10:].float().double())
+    assert not torch.equal(f64[10:], f64[10:].float().double())
+    torch.testing.assert_close(ref[10:], f64[10:], rtol=1e-6, atol=1e-6)
