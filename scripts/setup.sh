@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a venv in .venv with torch first (the pinned CPU wheel
-# here; an unpinned torch would pull a multi-GB CUDA build), then kvleague and its test extras.
-# Re-runs are instant while pyproject.toml is unchanged.
+# here; an unpinned torch would pull a multi-GB CUDA build), then kvleague with the extras in
+# KVLEAGUE_EXTRAS (default: test; the demo asks for none, which installs faster).
+# Re-runs are instant while pyproject.toml and the installed extras cover what is asked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -10,12 +11,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=.venv/.kvleague-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+extras=${KVLEAGUE_EXTRAS-test}
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) [$extras]"
+have=$(cat "$stamp" 2>/dev/null || true)
+# a test install also serves the demo
+if [ "$have" != "$want" ] && [ "$have" != "${want% *} [test]" ]; then
   python -m pip install -q --upgrade pip >/dev/null
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${KVLEAGUE_TORCH_VERSION:-2.13.0}"
   # build-backend chatter goes to a log that is shown only if the install fails
-  python -m pip install -q -e ".[test]" >.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
+  python -m pip install -q -e ".${extras:+[$extras]}" >.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
   # BFCL's simulators and checker need only mpmath; the package itself pins numpy 1.26 and many API
   # SDKs that kvleague never imports, so it is installed without its declared dependencies.
   python -m pip install -q --no-deps "bfcl-eval==2026.3.23"

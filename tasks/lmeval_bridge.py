@@ -11,7 +11,8 @@ imported. Three ways to use it:
 * Python: ``import tasks.lmeval_bridge`` then ``lm_eval.simple_evaluate(model="kvleague", ...)``;
 * any script that imports ``tasks.lmeval_bridge`` before calling lm-eval's CLI.
 
-``--model_args`` keys: ``pretrained`` (checkpoint dir or Hub id), ``method`` (a kvleague method,
+``--model_args`` keys: ``pretrained`` (a known name such as ``smollm2-135m``, a ``.gguf`` file, a
+checkpoint dir or a Hub id; see ``runner/model_source.py``), ``method`` (a kvleague method,
 default ``full``), ``budget`` (default 1024), method hyperparameters as ``method.NAME=VALUE``, the
 protocol (``cadence``, ``positions``, ``sink``, ``recent``, ``protect_prompt``, ``prefill_chunk``),
 ``dtype``, ``device``, ``attn_implementation``, ``seed``, ``max_gen_toks`` (default when a task sets
@@ -124,7 +125,8 @@ class KvleagueLM(LM):
         self.add_special_tokens = None if add_special_tokens in (None, "", "None", "none") else _as_bool(add_special_tokens)
         if engine is None:
             if pretrained is None:
-                raise KvleagueError("model_args: pretrained is required (a checkpoint directory or Hub id)")
+                raise KvleagueError("model_args: pretrained is required (a known name such as smollm2-135m, a .gguf file, "
+                                    "a checkpoint directory or a Hub id)")
             from runner.engine import Engine
 
             engine = Engine.load(str(pretrained), attn_implementation=attn_implementation, dtype=dtype, device=_device(device))
