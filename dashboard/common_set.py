@@ -12,10 +12,13 @@ same, so math500 outweighs aime24 by 500 : 30) or ``"task"`` (each task weighs t
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Hashable, Iterable
+
+import numpy as np
 
 from dashboard import ranking, stats
 
@@ -53,24 +56,48 @@ class CommonSet:
     methods: list[int]
     cells: list[tuple]  # sorted
     results: Results
-    weights: dict[tuple, Fraction] = field(default_factory=dict)  # question -> weight
+    weights: dict[tuple, Fraction] = field(default_factory=dict)  # question -> weight; empty: all 1
 
-    @property
-    def questions(self) -> list[tuple]:
-        return sorted({question_of(c) for c in self.cells})
+    def __post_init__(self) -> None:
+        self.questions = sorted({question_of(c) for c in self.cells}, key=repr)
+        position = {qn: i for i, qn in enumerate(self.questions)}
+        self._question_of_cell = np.array([position[question_of(c)] for c in self.cells], dtype=np.int64)
+        cells_per_question = np.bincount(self._question_of_cell, minlength=len(self.questions))
+        # one denominator for every method's question scores: lcm of the sample counts times lcm of the
+        # cells per question, so a score is (sum over cells of k * M / m) * (L / cells) / (M * L)
+        sample_counts = {r.m for m in self.methods for c in self.cells if (r := self.results[m][c]).m}
+        self._m_lcm = math.lcm(*sample_counts) if sample_counts else 1
+        cells_lcm = math.lcm(*{int(x) for x in cells_per_question}) if self.cells else 1
+        self.denominator = self._m_lcm * cells_lcm
+        self._cell_scale = (cells_lcm // np.maximum(cells_per_question, 1))[self._question_of_cell]
+        distinct = sorted(set(self.weights.values())) or [Fraction(1)]
+        index = {w: i for i, w in enumerate(distinct)}
+        self._group = np.array([index[self.weights[qn]] if self.weights else 0 for qn in self.questions], dtype=np.int64)
+        self._group_weights = tuple(distinct)
+        self._cache: dict[int, tuple[np.ndarray, int]] = {}
 
-    def _weights(self) -> dict[tuple, Fraction] | None:
-        return self.weights or None
+    def _per_question(self, method: int) -> tuple[np.ndarray, int]:
+        """Question-score numerators over :attr:`denominator` and the most samples behind one question."""
+        if method not in self._cache:
+            r = self.results[method]
+            k = np.array([r[c].k for c in self.cells], dtype=np.int64)
+            m = np.array([r[c].m for c in self.cells], dtype=np.int64)
+            per_cell = k * (self._m_lcm // np.maximum(m, 1)) * self._cell_scale
+            n = len(self.questions)
+            sums = np.bincount(self._question_of_cell, weights=per_cell, minlength=n)  # exact below 2^53
+            samples = np.bincount(self._question_of_cell, weights=m, minlength=n)
+            self._cache[method] = (np.rint(sums).astype(np.int64), int(samples.max()) if n else 1)
+        return self._cache[method]
+
+    def _scores(self, numerators: np.ndarray, max_samples: int) -> stats.Scores:
+        return stats.Scores(numerators, self.denominator, self._group, self._group_weights, max(1, max_samples))
 
     def scores(self, method: int) -> stats.Scores:
-        r = self.results[method]
-        per_question = stats.question_scores((question_of(c), r[c].k, r[c].m) for c in self.cells)
-        return stats.scores_of(per_question, self._weights())
+        return self._scores(*self._per_question(method))
 
     def differences(self, a: int, b: int) -> stats.Scores:
-        ra, rb = self.results[a], self.results[b]
-        per_question = stats.question_differences((question_of(c), ra[c].k, ra[c].m, rb[c].k, rb[c].m) for c in self.cells)
-        return stats.scores_of(per_question, self._weights())
+        (num_a, max_a), (num_b, max_b) = self._per_question(a), self._per_question(b)
+        return self._scores(num_a - num_b, max(max_a, max_b))
 
     def total(self, method: int, what: str) -> int:
         r = self.results[method]
@@ -83,36 +110,32 @@ class CommonSet:
         return stats.compare(self.differences(a, b))
 
     def rank_intervals(self) -> dict[int, ranking.RankInterval]:
-        scores = {m: self.scores(m) for m in self.methods}
-        if not scores or not self.cells:
+        if not self.methods or not self.cells:
             return {}
-        first = next(iter(scores.values()))
-        return ranking.rank_intervals({m: s.values for m, s in scores.items()}, first.weights, first.max_samples)
+        return ranking.rank_intervals({m: self.scores(m) for m in self.methods})
 
 
-def common_set(results: Results, methods: Iterable[int], keep: Callable[[tuple], bool] = lambda c: True,
+def common_set(results: Results, methods: Iterable[int], tasks: set[int] | None = None,
                weighting: str = "problem", stratum: Callable[[tuple], Hashable] | None = None) -> CommonSet:
-    """The cells (passing ``keep``) that every method in ``methods`` has. ``stratum(question)`` groups
-    questions that weigh the same in total (each domain, for a mean over domains); within a stratum
-    ``weighting`` decides between questions and tasks."""
+    """The cells (of ``tasks``, default all) that every method in ``methods`` has. ``stratum(question)``
+    groups questions that weigh the same in total (each domain, for a mean over domains); within a
+    stratum ``weighting`` decides between questions and tasks."""
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     methods = sorted(set(methods))
     cells: set[tuple] | None = None
     for m in methods:
-        mine = {c for c in results.get(m, {}) if keep(c)}
+        mine = {c for c in results.get(m, {}) if tasks is None or c[0] in tasks}
         cells = mine if cells is None else cells & mine
     cells_sorted = sorted(cells or (), key=repr)
-    questions = sorted({question_of(c) for c in cells_sorted}, key=repr)
     weights: dict[tuple, Fraction] = {}
     if weighting == "task" or stratum is not None:
+        questions = sorted({question_of(c) for c in cells_sorted}, key=repr)
         per_stratum: dict[Hashable, dict[Hashable, int]] = defaultdict(lambda: defaultdict(int))
         for qn in questions:
             per_stratum[stratum(qn) if stratum else None][qn[0]] += 1
         for qn in questions:
-            tasks = per_stratum[stratum(qn) if stratum else None]
-            if weighting == "task":
-                weights[qn] = Fraction(1, len(tasks) * tasks[qn[0]])
-            else:
-                weights[qn] = Fraction(1, sum(tasks.values()))
+            tasks_here = per_stratum[stratum(qn) if stratum else None]
+            weights[qn] = (Fraction(1, len(tasks_here) * tasks_here[qn[0]]) if weighting == "task"
+                           else Fraction(1, sum(tasks_here.values())))
     return CommonSet(methods, cells_sorted, results, weights)

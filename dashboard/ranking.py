@@ -8,16 +8,12 @@ significantly worse than i]``. "Tied with the best" means no method is significa
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from fractions import Fraction
 from itertools import combinations
-from typing import Hashable, Mapping, Sequence
-
-import numpy as np
+from typing import Hashable, Mapping
 
 from dashboard import multiplicity, score_tests
-from dashboard.stats import ALPHA
+from dashboard.stats import ALPHA, Scores
 
 
 @dataclass(frozen=True)
@@ -33,19 +29,16 @@ class RankInterval:
         return str(self.best) if self.best == self.worst else f"{self.best}-{self.worst}"
 
 
-def rank_intervals(
-    scores: Mapping[Hashable, Sequence[Fraction]], weights: Sequence[Fraction], max_samples: int, alpha: float = ALPHA
-) -> dict[Hashable, RankInterval]:
-    """``scores``: method -> per-question scores, every method on the same questions in the same order."""
+def rank_intervals(scores: Mapping[Hashable, Scores], alpha: float = ALPHA) -> dict[Hashable, RankInterval]:
+    """``scores``: method -> its :class:`~dashboard.stats.Scores` on the same questions, in the same
+    order, over the same denominator and weights."""
     methods = sorted(scores, key=repr)
-    denominator = math.lcm(*{v.denominator for m in methods for v in scores[m]}) if methods else 1
-    dtype = np.int64 if denominator <= 2**20 else object
-    ints = {m: np.array([v.numerator * (denominator // v.denominator) for v in scores[m]], dtype=dtype) for m in methods}
-    distinct = sorted(set(weights))
-    index = {w: i for i, w in enumerate(distinct)}
-    group = np.array([index[w] for w in weights], dtype=np.int64)
     pairs = list(combinations(methods, 2))
-    effs = [score_tests.effective_ints(ints[i] - ints[j], denominator, group, distinct, max_samples) for i, j in pairs]
+    effs = []
+    for i, j in pairs:
+        a, b = scores[i], scores[j]
+        effs.append(score_tests.effective_ints(a.numerators - b.numerators, a.denominator, a.group, a.group_weights,
+                                               max(a.max_samples, b.max_samples)))
     raw = [1.0 if e.mean == 0 else score_tests.tango_pvalue(float(e.mean), float(e.abs_mean), e.n) for e in effs]
     adjusted = multiplicity.holm(raw)
     better = {m: 0 for m in methods}  # how many methods are significantly better than m

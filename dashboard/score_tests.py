@@ -44,47 +44,39 @@ class Effective:
     design_effect: float
 
 
-def effective(values: Sequence[Fraction], weights: Sequence[Fraction], max_samples: int) -> Effective:
-    """Exact weighted mean and mean |value| of per-question values, with the design effect computed
-    from exact sums (so equal data give bitwise equal results in any order)."""
-    denominator = math.lcm(*{v.denominator for v in values}) if values else 1
-    numerators = np.array([v.numerator * (denominator // v.denominator) for v in values], dtype=_int_dtype(denominator))
-    distinct = sorted(set(weights))
-    index = {w: i for i, w in enumerate(distinct)}
-    return effective_ints(numerators, denominator, np.array([index[w] for w in weights], dtype=np.int64), distinct, max_samples)
-
-
-def _int_dtype(denominator: int):
-    return np.int64 if denominator <= 2**20 else object  # sums of squares stay below 2^63 up to ~10^22 / denominator^2 questions
-
-
 def effective_ints(
     numerators: np.ndarray, denominator: int, group: np.ndarray, group_weights: Sequence[Fraction], max_samples: int
 ) -> Effective:
-    """:func:`effective` on values ``numerators / denominator`` whose weight is ``group_weights[group]``:
-    integer power sums per weight group, combined as fractions."""
+    """Exact weighted mean and mean |value| of per-question values ``numerators / denominator`` (question
+    i weighing ``group_weights[group[i]]``), and the design effect: integer power sums per weight group
+    (weights scaled to integers), divided out once at the end, so equal data give bitwise equal results
+    in any order."""
     n = len(numerators)
     if n == 0:
         return Effective(Fraction(0), Fraction(0), 0.0, 0, math.nan)
-    total = s_wv = s_wa = s_w2 = s_w2v = s_w2v2 = Fraction(0)
+    scale = math.lcm(*(w.denominator for w in group_weights))
+    total = s_v = s_a = s_w2 = s_w2v = s_w2v2 = 0  # sums of w, w v, w |v|, w^2, w^2 v, w^2 v^2 (scaled)
     for g, w in enumerate(group_weights):
-        x = numerators[group == g]
+        x = numerators if len(group_weights) == 1 else numerators[group == g]
         if not len(x):
             continue
+        iw = int(w * scale)
         count, s1, sa, s2 = len(x), int(x.sum()), int(np.abs(x).sum()), int((x * x).sum())
-        total += w * count
-        s_wv += w * Fraction(s1, denominator)
-        s_wa += w * Fraction(sa, denominator)
-        s_w2 += w * w * count
-        s_w2v += w * w * Fraction(s1, denominator)
-        s_w2v2 += w * w * Fraction(s2, denominator * denominator)
-    mean, abs_mean = s_wv / total, s_wa / total
-    n_kish = total * total / s_w2
+        total += iw * count
+        s_v += iw * s1
+        s_a += iw * sa
+        s_w2 += iw * iw * count
+        s_w2v += iw * iw * s1
+        s_w2v2 += iw * iw * s2
+    mean = Fraction(s_v, total * denominator)
+    abs_mean = Fraction(s_a, total * denominator)
+    n_kish = Fraction(total * total, s_w2)
     bernoulli = (abs_mean - mean * mean) / n_kish  # variance of the mean if each value were one draw in {-1, 0, 1}
     deff = Fraction(1)
     if n > 1 and bernoulli > 0:
-        spread = s_w2v2 - 2 * mean * s_w2v + mean * mean * s_w2  # sum of w^2 (v - mean)^2
-        observed = Fraction(n, n - 1) * spread / total**2
+        # sum of w^2 (v - mean)^2, over scale^2 like total^2
+        spread = Fraction(s_w2v2, denominator * denominator) - 2 * mean * Fraction(s_w2v, denominator) + mean * mean * s_w2
+        observed = Fraction(n, n - 1) * spread / (total * total)
         deff = min(Fraction(1), max(Fraction(1, max(1, max_samples)), observed / bernoulli))
     return Effective(mean, abs_mean, float(n_kish / deff), n, float(deff))
 

@@ -19,10 +19,11 @@ fractions, so sums, ties and signs are exact and do not depend on the order of t
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Hashable, Iterable, Sequence
+from typing import Iterable, Sequence
+
+import numpy as np
 
 from dashboard import score_tests as st
 
@@ -48,57 +49,35 @@ def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float]
 
 
 # ------------------------------------------------------------------------------------------------
-# Questions from cells
+# Per-question values
 # ------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Scores:
-    """Per-question values (exact), their weights and the most samples behind one question."""
+    """Per-question values ``numerators / denominator`` (exact), question i weighing
+    ``group_weights[group[i]]``, and the most samples behind one question (for the design effect)."""
 
-    values: tuple[Fraction, ...]
-    weights: tuple[Fraction, ...]
+    numerators: np.ndarray
+    denominator: int
+    group: np.ndarray
+    group_weights: tuple[Fraction, ...]
     max_samples: int
 
     @property
     def n(self) -> int:
-        return len(self.values)
+        return len(self.numerators)
+
+    def effective(self) -> st.Effective:
+        return st.effective_ints(self.numerators, self.denominator, self.group, self.group_weights, self.max_samples)
 
 
-def question_scores(cells: Iterable[tuple[Hashable, int, int]]) -> dict[Hashable, tuple[Fraction, int]]:
-    """``(question, k, m)`` cells -> ``question: (mean over its cells of k/m, samples)``."""
-    acc: dict[Hashable, list] = defaultdict(lambda: [Fraction(0), 0, 0])
-    for question, k, m in cells:
-        if m:
-            a = acc[question]
-            a[0] += Fraction(int(k), int(m))
-            a[1] += 1
-            a[2] += int(m)
-    return {q: (s / c, m) for q, (s, c, m) in acc.items()}
-
-
-def question_differences(cells: Iterable[tuple[Hashable, int, int, int, int]]) -> dict[Hashable, tuple[Fraction, int]]:
-    """``(question, k_a, m_a, k_b, m_b)`` paired cells -> ``question: (mean difference a - b, samples)``
-    where samples is the larger side's sample count for that question."""
-    acc: dict[Hashable, list] = defaultdict(lambda: [Fraction(0), 0, 0, 0])
-    for question, k_a, m_a, k_b, m_b in cells:
-        if m_a and m_b:
-            a = acc[question]
-            a[0] += Fraction(int(k_a), int(m_a)) - Fraction(int(k_b), int(m_b))
-            a[1] += 1
-            a[2] += int(m_a)
-            a[3] += int(m_b)
-    return {q: (s / c, max(ma, mb)) for q, (s, c, ma, mb) in acc.items()}
-
-
-def scores_of(per_question: dict[Hashable, tuple[Fraction, int]], weights: dict[Hashable, Fraction] | None = None) -> Scores:
-    """Canonical order (sorted question keys) and weight 1 per question unless given."""
-    keys = sorted(per_question, key=repr)
-    return Scores(
-        tuple(per_question[k][0] for k in keys),
-        tuple(weights[k] if weights else Fraction(1) for k in keys),
-        max((per_question[k][1] for k in keys), default=1),
-    )
+def unweighted(values: Sequence[Fraction], max_samples: int) -> Scores:
+    """Equally weighted questions from exact values."""
+    denominator = math.lcm(*{v.denominator for v in values}) if values else 1
+    numerators = np.array([v.numerator * (denominator // v.denominator) for v in values],
+                          dtype=np.int64 if denominator <= 2**20 else object)
+    return Scores(numerators, denominator, np.zeros(len(values), dtype=np.int64), (Fraction(1),), max(1, max_samples))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,7 +100,7 @@ class Accuracy:
 def accuracy(scores: Scores, samples: int = 0, level: float = LEVEL) -> Accuracy:
     if scores.n == 0:
         return Accuracy(math.nan, math.nan, math.nan, "none", 0, 0, math.nan, math.nan)
-    return accuracy_from(st.effective(scores.values, scores.weights, scores.max_samples), samples, level)
+    return accuracy_from(scores.effective(), samples, level)
 
 
 def accuracy_from(eff: st.Effective, samples: int = 0, level: float = LEVEL) -> Accuracy:
@@ -140,8 +119,7 @@ def accuracy_interval(hist: Iterable[tuple[int, int, int]], level: float = LEVEL
             values += [Fraction(int(k), int(m))] * int(count)
             samples += int(m) * int(count)
             max_m = max(max_m, int(m))
-    values.sort()
-    return accuracy(Scores(tuple(values), (Fraction(1),) * len(values), max_m or 1), samples, level)
+    return accuracy(unweighted(sorted(values), max_m), samples, level)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,7 +149,7 @@ TEST_NAME = "Tango score"
 def compare(diffs: Scores, level: float = LEVEL) -> Comparison:
     if diffs.n == 0:
         return NONE
-    return comparison_from(st.effective(diffs.values, diffs.weights, diffs.max_samples), level)
+    return comparison_from(diffs.effective(), level)
 
 
 def comparison_from(eff: st.Effective, level: float = LEVEL) -> Comparison:
@@ -191,8 +169,7 @@ def compare_paired(pairs: Iterable[tuple[int, int, int, int, int]], level: float
         if count and m_a and m_b:
             values += [Fraction(int(k_a), int(m_a)) - Fraction(int(k_b), int(m_b))] * int(count)
             max_m = max(max_m, int(m_a), int(m_b))
-    values.sort()
-    return compare(Scores(tuple(values), (Fraction(1),) * len(values), max_m or 1), level)
+    return compare(unweighted(sorted(values), max_m), level)
 
 
 def shifted_pvalue(c: Comparison, delta: float) -> float:

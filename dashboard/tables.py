@@ -142,12 +142,12 @@ def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | 
             present[c[0]].add(m_id)
     task_rows, domain_rows = [], []
     for t_id in sorted(present, key=lambda t: (task_of(t)["domain"], task_of(t)["name"], t)):
-        group = cs.common_set(results, present[t_id], keep=lambda c, t_id=t_id: c[0] == t_id)
+        group = cs.common_set(results, present[t_id], tasks={t_id})
         task_rows += _group_rows(group, methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"])
     domains = sorted({task_of(t)["domain"] for t in present})
     for d in domains:
         in_domain = {m for t in present if task_of(t)["domain"] == d for m in present[t]}
-        group = cs.common_set(results, in_domain, keep=lambda c, d=d: task_of(c[0])["domain"] == d, weighting=weighting)
+        group = cs.common_set(results, in_domain, tasks={t for t in present if task_of(t)["domain"] == d}, weighting=weighting)
         domain_rows += _group_rows(group, methods, full_id, d, "(all)")
     by_task, by_domain = pd.DataFrame(task_rows), pd.DataFrame(domain_rows)
     for df, group_col in ((by_task, "task"), (by_domain, "domain")):
@@ -212,6 +212,10 @@ def _domain_of_cell(tasks: dict[int, Any]) -> Callable[[tuple], str]:
     return lambda c: tasks.get(c[0], {}).get("domain", "?")
 
 
+def _tasks_in(tasks: dict[int, Any], domain: str) -> set[int]:
+    return {t for t, v in tasks.items() if v.get("domain", "?") == domain}
+
+
 def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None,
                   weighting: str = "problem") -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(curves, full)``: accuracy with interval per (method, domain, budget) for the non-full methods,
@@ -226,7 +230,7 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
     for b, results in sorted(_by_budget(q.question_cells(engine, filters)).items()):
         for d in sorted({domain_of(c) for cells in results.values() for c in cells}):
             here = [m for m in results if any(domain_of(c) == d for c in results[m])]
-            group = cs.common_set(results, [m for m in here if m not in full_ids], keep=lambda c, d=d: domain_of(c) == d,
+            group = cs.common_set(results, [m for m in here if m not in full_ids], tasks=_tasks_in(tasks, d),
                                   weighting=weighting)
             for m_id in group.methods:
                 a = group.accuracy(m_id)
@@ -234,7 +238,7 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
                                "acc_lo": pct(a.lo), "acc_hi": pct(a.hi), "problems": a.problems, "samples": a.samples,
                                "interval_method": a.method})
             for f in sorted(m for m in here if m in full_ids):
-                own = cs.common_set(results, [f], keep=lambda c, d=d: domain_of(c) == d, weighting=weighting)
+                own = cs.common_set(results, [f], tasks=_tasks_in(tasks, d), weighting=weighting)
                 size = (own.total(f, "m"), -b, -f)
                 if d not in full_best or size > full_best[d][0]:
                     full_best[d] = (size, b, own.accuracy(f))
@@ -281,7 +285,7 @@ def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, A
             if not family:
                 continue
             refs = [m for m in here if name(m) in PAPER_BASELINES] + ([full_id] if full_id in here else [])
-            group = cs.common_set(results, family + refs, keep=lambda c, d=d: domain_of(c) == d, weighting=weighting)
+            group = cs.common_set(results, family + refs, tasks=_tasks_in(tasks, d), weighting=weighting)
             claims = [(f"better than {name(r)}", r, 0.0) for r in refs if r != full_id]
             claims.append((f"within {margin:g} pts of full cache", full_id if full_id in refs else None, -margin / 100))
             for f in family:
@@ -464,7 +468,7 @@ def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.D
     for r in rows:
         results = per_budget.get(int(r["budget"]), {})
         m_id = r["method_spec_id"]
-        a = cs.common_set(results, [m_id]).accuracy(m_id) if m_id in results else stats.accuracy(stats.Scores((), (), 1))
+        a = cs.common_set(results, [m_id]).accuracy(m_id) if m_id in results else stats.accuracy(stats.unweighted([], 1))
         model_s = float(r["model_seconds_sum"] or 0)
         out.append({
             "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),

@@ -9,7 +9,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dashboard import multiplicity, ranking, score_tests, stats
+from dashboard import common_set, multiplicity, ranking, score_tests, stats
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 sm_tables = pytest.importorskip("statsmodels.stats.contingency_tables")
@@ -107,11 +107,11 @@ def test_tango_p_and_interval_agree_for_every_table_up_to_30():
 
 
 def test_design_effect_is_one_for_one_sample_and_matches_numpy_otherwise():
-    assert score_tests.effective([Fraction(1), Fraction(0)] * 10, [Fraction(1)] * 20, 1).design_effect == 1.0
+    assert stats.unweighted([Fraction(1), Fraction(0)] * 10, 1).effective().design_effect == 1.0
     rng = np.random.default_rng(3)
     k = rng.integers(0, 4, size=40)
     values = [Fraction(int(x), 3) for x in k]
-    eff = score_tests.effective(values, [Fraction(1)] * 40, 3)
+    eff = stats.unweighted(values, 3).effective()
     shares = k / 3
     p = shares.mean()
     expected = min(1.0, max(1 / 3, shares.var(ddof=1) / (p * (1 - p))))
@@ -127,7 +127,8 @@ def test_weighted_effective_matches_the_sandwich_variance():
     n/(n-1) * sum(w^2 (v - mean)^2) / (sum w)^2 and n_kish = (sum w)^2 / sum w^2."""
     v = np.array([1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0.5, 0.5])
     w = np.array([1 / 10] * 10 + [1 / 3] * 3)
-    eff = score_tests.effective([Fraction(x).limit_denominator() for x in v], [Fraction(1, 10)] * 10 + [Fraction(1, 3)] * 3, 2)
+    scores = stats.Scores(np.array([int(2 * x) for x in v]), 2, np.array([0] * 10 + [1] * 3), (Fraction(1, 10), Fraction(1, 3)), 2)
+    eff = scores.effective()
     mean = (w * v).sum() / w.sum()
     n_kish = w.sum() ** 2 / (w**2).sum()
     observed = len(v) / (len(v) - 1) * (w**2 * (v - mean) ** 2).sum() / w.sum() ** 2
@@ -139,13 +140,16 @@ def test_weighted_effective_matches_the_sandwich_variance():
 
 def test_clustering_a_question_over_models_counts_it_once():
     """The same 40 greedy outcomes under 3 models: one question each, not 120 problems."""
-    cells = [((t, i), a, 1, b, 1) for i, (a, b) in enumerate([(1, 0)] * 9 + [(0, 1)] * 2 + [(1, 1)] * 29) for t in range(3)]
-    per_q = stats.question_differences(cells)
-    clustered = stats.compare(stats.scores_of({(0, q[1]): v for q, v in per_q.items() if q[0] == 0}))
-    pooled = stats.compare(stats.scores_of(stats.question_differences(((i,) + c[0], *c[1:]) for i, c in enumerate(cells))))
+    outcomes = [(1, 0)] * 9 + [(0, 1)] * 2 + [(1, 1)] * 20 + [(0, 0)] * 9
+    rows = [{"method_spec_id": method, "task_id": 1, "sample_id": f"q{i}", "model_id": model, "protocol_id": 1,
+             "generation_id": 1, "k": pair[method], "m": 1, "failed": 0, "fired": 0}
+            for i, pair in enumerate(outcomes) for model in (1, 2, 3) for method in (0, 1)]
+    results = common_set.results_from_rows(rows)
+    clustered = common_set.common_set(results, [0, 1]).compare(0, 1)
     single = stats.compare_paired(greedy_pairs(9, 2, 40))
-    assert clustered.pvalue == single.pvalue and clustered.n == 40
-    assert pooled.pvalue < single.pvalue / 10  # what treating the cells as problems would claim
+    assert (clustered.pvalue, clustered.n, clustered.diff) == (single.pvalue, 40, single.diff)
+    as_problems = stats.compare_paired(greedy_pairs(27, 6, 120))  # what treating the cells as problems would claim
+    assert as_problems.pvalue < single.pvalue / 10
 
 
 # ---------------------------------------------------------------------------------------------- multiplicity
@@ -171,7 +175,7 @@ def test_rank_intervals_against_pairwise_mcnemar_with_holm():
     truth = {"a": 0.8, "b": 0.6, "c": 0.58, "d": 0.2}
     base = rng.uniform(size=n)
     scores = {m: [Fraction(int(u < p)) for u in (base + rng.normal(0, 0.1, n)) % 1] for m, p in truth.items()}
-    got = ranking.rank_intervals(scores, [Fraction(1)] * n, 1)
+    got = ranking.rank_intervals({m: stats.unweighted(v, 1) for m, v in scores.items()})
     names = sorted(truth)
     pairs = [(i, j) for k, i in enumerate(names) for j in names[k + 1:]]
     raw = []
