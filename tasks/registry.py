@@ -26,7 +26,7 @@ from runner.errors import KvleagueError
 from tasks.base import DOMAINS, Task
 
 ENTRY_POINT_GROUP = "kvleague.tasks"
-_BUILTIN_MODULES = ("tasks.math", "tasks.code", "tasks.longqa", "tasks.agentic", "tasks.bfcl", "tasks.lmeval", "tasks.synthetic")
+_BUILTIN_MODULES = ("tasks.math", "tasks.code", "tasks.longqa", "tasks.agentic", "tasks.bfcl", "tasks.lmeval")
 
 _REGISTRY: dict[str, type[Task]] = {}
 _FAMILIES: dict[str, Callable[[str], type[Task]]] = {}
