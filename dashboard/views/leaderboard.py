@@ -7,6 +7,7 @@ import math
 import streamlit as st
 
 from dashboard import stats
+from dashboard.views import head_to_head
 from dashboard.views.common import INT, empty, pick_budget, pick_weighting, styled
 
 DETAIL_COLUMNS = {
@@ -77,6 +78,7 @@ def render(ctx) -> None:
         "Download CSV", detail.to_csv(index=False).encode(), file_name=f"kvleague-leaderboard-budget{budget}.csv",
         mime="text/csv", key="lb_csv",
     )
+    head_to_head.section(ctx, budget)
     with st.expander("Per method and task"):
         by_task = _detail(lb.by_task, with_task=True)
         st.dataframe(styled(by_task, **DETAIL_FORMATS), hide_index=True, placeholder="—", column_config=CONFIG, key="lb_task")

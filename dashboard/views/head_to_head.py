@@ -1,0 +1,24 @@
+"""Head to head: every pair of methods at the leaderboard's budget, with exact paired tests."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard.views.common import INT, styled
+
+
+def section(ctx, budget: int) -> None:
+    pairs = ctx.data("head_to_head", ctx.filters, budget)
+    if pairs.empty:
+        return
+    st.subheader(f"Head to head at budget {budget:,}")
+    st.caption(
+        "Each pair on the problems both methods have (a failed sample counts as wrong). **A only** / **B only**: "
+        "problems one method answered and the other did not. With one greedy sample per question, **p** is exact "
+        "McNemar (two-sided binomial test of A only among the discordant problems at 1/2); otherwise the paired score "
+        "test of the leaderboard. **p (Holm)** adjusts over all pairs in this table. Sorted by p."
+    )
+    st.dataframe(
+        styled(pairs, pct=["A %", "B %"], pp=["Δ A−B (pts)"], p=["p", "p (Holm)"]), hide_index=True, placeholder="—",
+        column_config={c: INT for c in ("problems", "both right", "A only", "B only", "both wrong")}, key="h2h",
+    )
