@@ -59,7 +59,7 @@ def cmd_generate(args) -> int:
     from runner.protocol import GenerationSettings, Protocol
 
     method = build_method(args.method, dict(_parse_param(p) for p in args.param))
-    protocol = Protocol(
+    protocol = Protocol.preset(args.protocol) if args.protocol else Protocol(
         cadence=args.cadence,
         positions=args.positions,
         sink=args.sink,
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--positions", default="absolute", choices=["absolute", "compact"])
     p.add_argument("--sink", type=int, default=0)
     p.add_argument("--recent", type=int, default=0)
+    p.add_argument("--protocol", default=None, help="a named protocol preset (e.g. epikv_paper); replaces the protocol flags")
     p.add_argument("--protect-prompt", action="store_true")
     p.add_argument("--prefill-chunk", type=int, default=None)
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])

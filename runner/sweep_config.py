@@ -125,6 +125,20 @@ class ProtocolConfig(_Strict):
     #: ``null``: the task's own default (``Task.protect_prompt``)
     protect_prompt: bool | None = None
     prefill_chunk: int | None = Field(default=None, ge=1)
+    recent_max_fraction: float | None = Field(default=None, ge=0, le=1)
+    prompt_over_budget: Literal["error", "keep"] = "error"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, value: Any) -> Any:
+        """``protocol: epikv_paper`` is that preset's fields (``runner.protocol.PRESETS``)."""
+        if isinstance(value, str):
+            from runner.protocol import PRESETS
+
+            if value not in PRESETS:
+                raise ValueError(f"unknown preset {value!r}; allowed: {', '.join(PRESETS)}")
+            return dict(PRESETS[value])
+        return value
 
 
 class ProtocolOverride(_Strict):
@@ -134,6 +148,8 @@ class ProtocolOverride(_Strict):
     recent: int | None = Field(default=None, ge=0)
     protect_prompt: bool | None = None
     prefill_chunk: int | None = Field(default=None, ge=1)
+    recent_max_fraction: float | None = Field(default=None, ge=0, le=1)
+    prompt_over_budget: Literal["error", "keep"] | None = None
 
 
 class GenerationConfig(_Strict):
@@ -239,6 +255,11 @@ class SweepConfig(_Strict):
             fields.update({k: v for k, v in override.model_dump().items() if v is not None})
         if fields["protect_prompt"] is None:
             fields["protect_prompt"] = bool(task_protect_prompt)
+        # fields added with the protocol presets: left out at their defaults, so protocols (and their
+        # stored hashes) that do not use them are unchanged
+        for key, default in (("recent_max_fraction", None), ("prompt_over_budget", "error")):
+            if fields.get(key) == default:
+                fields.pop(key)
         return fields
 
 

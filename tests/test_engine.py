@@ -205,7 +205,10 @@ def test_streaming_llm_keeps_exactly_sinks_and_most_recent(engines, prompt_ids):
 
 
 def _kvpress_kept(engine, prompt_ids, press, budget):
-    """kvpress's kept indices: its score(), top-`budget` per KV head, as ScorerPress.compress does."""
+    """kvpress's kept indices: its score(), top-`budget` per KV head, as ScorerPress.compress does,
+    with kvleague's stated tie-break (equal scores: the more recent position; see test_methods_kvpress)."""
+    from tests.test_methods_kvpress import ranked_top
+
     cache = DynamicCache(config=engine.model.config)
     with torch.no_grad():
         engine.model(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
@@ -213,7 +216,7 @@ def _kvpress_kept(engine, prompt_ids, press, budget):
     for i, layer in enumerate(cache.layers):
         module = engine.layers[i].self_attn
         scores = press.score(module, None, layer.keys, layer.values, None, {})
-        kept.append(scores[0].topk(budget, dim=-1).indices.sort(dim=-1).values)
+        kept.append(ranked_top(scores[0], torch.arange(scores.shape[-1]).expand(scores.shape[1:]), budget))
     return kept
 
 

@@ -194,3 +194,28 @@ def test_reference_arithmetic_stores_float32_scores():
     assert torch.equal(ref[10:], ref[10:].float().double())
     assert not torch.equal(f64[10:], f64[10:].float().double())
     torch.testing.assert_close(ref[10:], f64[10:], rtol=1e-6, atol=1e-6)
+
+
+def test_epikv_paper_preset_is_one_line_in_a_sweep_and_is_stored(tmp_path):
+    from db.models import ProtocolSpec
+    from db.session import get_engine, upgrade
+    from db.store import get_or_create
+    from runner.protocol import PRESETS
+    from runner.sweep_config import parse_config
+
+    config = parse_config({
+        "name": "replication", "database": f"sqlite:///{tmp_path / 'r.db'}", "models": [{"source": "x/y"}],
+        "methods": ["epikv"], "budgets": [512], "tasks": ["math500"], "protocol": "epikv_paper",
+    })
+    fields = config.resolved_protocol("math", True)
+    assert fields == PRESETS["epikv_paper"]
+    protocol = Protocol(**fields)
+    assert protocol.recent_for(512) == 128 and protocol.recent_for(256) == 64 and protocol.prompt_over_budget == "keep"
+    # a protocol that does not use the preset fields resolves (and hashes) as before they existed
+    plain = parse_config({**config.model_dump(), "protocol": {"recent": 8}}).resolved_protocol("math", True)
+    assert set(plain) == {"cadence", "positions", "sink", "recent", "protect_prompt", "prefill_chunk"}
+    engine = get_engine(f"sqlite:///{tmp_path / 'r.db'}")
+    upgrade(engine)
+    assert get_or_create(engine, ProtocolSpec, {"spec_hash": "h" * 64, **fields}) == 1
+    with pytest.raises(KvleagueError, match="unknown preset"):
+        parse_config({**config.model_dump(), "protocol": "epikv_papr"})
