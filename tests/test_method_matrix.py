@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from methods import available_methods, build_method
+from methods.base import EvictionMethod, Needs
 from runner.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
@@ -81,3 +82,48 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
     # deterministic for a seed, and no state leaks from sequence A into sequence B
     assert after_other.token_ids == alone.token_ids, "B after A differs from B alone (state leak or nondeterminism)"
     assert after_other.kept_positions == alone.kept_positions
+
+
+# -- the engine's selection rule: one deterministic tie-break by absolute position -------------------
+
+
+@pytest.mark.parametrize("shape", [(50,), (3, 50), (3, 2, 50)], ids=["T", "LT", "LHT"])
+@pytest.mark.parametrize("k", [7, 24, 25, 26, 43], ids=lambda k: f"k{k}")
+def test_keep_mask_keeps_highest_scores_then_most_recent_whatever_the_slot_order(shape, k):
+    """Both branches (2k below and above T) against a plain lexicographic sort on (score, position)."""
+    from runner.budgeted_cache import _keep_mask
+
+    gen = torch.Generator().manual_seed(k)
+    scores = torch.randint(0, 4, shape, generator=gen).double()  # many exact ties
+    scores[..., 3] = float("inf")
+    positions = torch.stack([torch.randperm(shape[-1], generator=gen) for _ in range(scores.numel() // shape[-1])])
+    positions = positions.view(shape) * 3 + 100  # shuffled slots, gaps in the positions
+    keep = _keep_mask(scores, k, positions)
+    flat_s, flat_p, flat_k = scores.reshape(-1, shape[-1]), positions.reshape(-1, shape[-1]), keep.reshape(-1, shape[-1])
+    for s, p, kept in zip(flat_s, flat_p, flat_k):
+        order = sorted(range(shape[-1]), key=lambda i: (float(s[i]), int(p[i])), reverse=True)
+        assert set(kept.nonzero()[:, 0].tolist()) == set(order[:k])
+
+
+class _Constant(EvictionMethod):
+    """Every slot scores the same: what stays is decided by the tie-break alone."""
+
+    needs = Needs(ordered_slots=False)  # the hole-filling path, which scrambles slot order
+
+    def score(self, cache):
+        return torch.zeros(cache.length)
+
+
+def test_equal_scores_keep_the_most_recent_positions_on_the_order_free_path(engines, prompt_ids):
+    result = engines["qwen2"].generate(prompt_ids, _Constant(), BUDGET, Protocol(), GenerationSettings(max_new_tokens=20))
+    newest = len(prompt_ids) + 20 - 2  # the last sampled token is not fed
+    assert result.kept_positions[0] == list(range(newest - BUDGET + 1, newest + 1))
+
+
+def test_kept_prompt_beyond_the_recent_window_keeps_the_newest_of_the_window(engines, prompt_ids, monkeypatch):
+    """epikv_paper, prompt + recent > B: the prompt stays, the newest generated tokens fill what is left."""
+    monkeypatch.setattr(engines["llama"], "eos_ids", set())
+    prompt, budget = prompt_ids[:56], 64  # recent window min(128, 64 // 4) = 16 > 64 - 56
+    result = engines["llama"].generate(prompt, _Constant(), budget, Protocol.preset("epikv_paper"), GenerationSettings(max_new_tokens=30))
+    newest = 56 + 30 - 2
+    assert result.kept_positions[0] == list(range(56)) + list(range(newest - 7, newest + 1))
