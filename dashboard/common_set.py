@@ -16,18 +16,18 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable, NamedTuple
 
 import numpy as np
 
+from dashboard import queries as q
 from dashboard import ranking, stats
 
 CELL_KEY = ("task_id", "sample_id", "model_id", "protocol_id", "generation_id")
 WEIGHTINGS = ("problem", "task")
 
 
-@dataclass(frozen=True)
-class CellResult:
+class CellResult(NamedTuple):
     k: int  # correct samples
     m: int  # samples, failed ones included
     failed: int
@@ -35,15 +35,16 @@ class CellResult:
 
 
 Results = dict[int, dict[tuple, CellResult]]  # method -> cell key -> result
+K, M, FAILED, FIRED = range(4)  # CellResult's positions, for the (cells, 4) arrays
+assert q.QUESTION_CELL_COLUMNS[2:7] == CELL_KEY and q.QUESTION_CELL_COLUMNS[7:] == CellResult._fields
 
 
-def results_from_rows(rows: Iterable[dict[str, Any]], method_of: Callable[[int], int] = lambda m: m) -> Results:
-    """:func:`dashboard.queries.question_cells` rows -> :data:`Results` (``method_of`` maps a spec to the
-    method it stands for, e.g. full cache at another budget)."""
+def results_from_rows(rows: Iterable[tuple]) -> Results:
+    """:func:`dashboard.queries.question_cells` rows -> :data:`Results` (the columns are laid out so that
+    the cell key and the result are two slices)."""
     out: Results = defaultdict(dict)
     for r in rows:
-        out[method_of(r["method_spec_id"])][tuple(r[k] for k in CELL_KEY)] = CellResult(
-            int(r["k"]), int(r["m"]), int(r["failed"] or 0), int(r["fired"] or 0))
+        out[r[0]][r[2:7]] = CellResult._make(r[7:11])
     return out
 
 
@@ -65,7 +66,7 @@ class CommonSet:
         cells_per_question = np.bincount(self._question_of_cell, minlength=len(self.questions))
         # one denominator for every method's question scores: lcm of the sample counts times lcm of the
         # cells per question, so a score is (sum over cells of k * M / m) * (L / cells) / (M * L)
-        sample_counts = {r.m for m in self.methods for c in self.cells if (r := self.results[m][c]).m}
+        sample_counts = {r[M] for m in self.methods for c in self.cells if (r := self.results[m][c])[M]}
         self._m_lcm = math.lcm(*sample_counts) if sample_counts else 1
         cells_lcm = math.lcm(*{int(x) for x in cells_per_question}) if self.cells else 1
         self.denominator = self._m_lcm * cells_lcm
@@ -74,14 +75,21 @@ class CommonSet:
         index = {w: i for i, w in enumerate(distinct)}
         self._group = np.array([index[self.weights[qn]] if self.weights else 0 for qn in self.questions], dtype=np.int64)
         self._group_weights = tuple(distinct)
+        self._arrays: dict[int, np.ndarray] = {}
         self._cache: dict[int, tuple[np.ndarray, int]] = {}
+
+    def _cell_array(self, method: int) -> np.ndarray:
+        """``(cells, 4)`` integers: k, m, failed, fired per common cell."""
+        if method not in self._arrays:
+            r = self.results[method]
+            self._arrays[method] = np.array([r[c] for c in self.cells], dtype=np.int64).reshape(len(self.cells), 4)
+        return self._arrays[method]
 
     def _per_question(self, method: int) -> tuple[np.ndarray, int]:
         """Question-score numerators over :attr:`denominator` and the most samples behind one question."""
         if method not in self._cache:
-            r = self.results[method]
-            k = np.array([r[c].k for c in self.cells], dtype=np.int64)
-            m = np.array([r[c].m for c in self.cells], dtype=np.int64)
+            a = self._cell_array(method)
+            k, m = a[:, K], a[:, M]
             per_cell = k * (self._m_lcm // np.maximum(m, 1)) * self._cell_scale
             n = len(self.questions)
             sums = np.bincount(self._question_of_cell, weights=per_cell, minlength=n)  # exact below 2^53
@@ -100,8 +108,8 @@ class CommonSet:
         return self._scores(num_a - num_b, max(max_a, max_b))
 
     def total(self, method: int, what: str) -> int:
-        r = self.results[method]
-        return sum(getattr(r[c], what) for c in self.cells)
+        """Sum over the common cells of ``"m"`` (samples), ``"failed"`` or ``"fired"``."""
+        return int(self._cell_array(method)[:, {"m": M, "failed": FAILED, "fired": FIRED}[what]].sum())
 
     def accuracy(self, method: int) -> stats.Accuracy:
         return stats.accuracy(self.scores(method), self.total(method, "m"))

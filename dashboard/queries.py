@@ -256,9 +256,14 @@ def _int(expr):
     return cast(expr, Integer)
 
 
+QUESTION_CELL_COLUMNS = ("method_spec_id", "budget", "task_id", "sample_id", "model_id", "protocol_id", "generation_id",
+                         "k", "m", "failed", "fired")
+
+
 def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None,
-                   methods: Iterable[int] | None = None) -> list[dict[str, Any]]:
-    """One row per (method spec, budget, problem cell) with ``k`` correct of ``m`` samples *including
+                   methods: Iterable[int] | None = None) -> list[tuple]:
+    """Tuples of :data:`QUESTION_CELL_COLUMNS`: one per (method spec, budget, problem cell) - tens of
+    thousands of rows, so plain tuples - with ``k`` correct of ``m`` samples *including
     failed ones* (a failed sample counts as wrong), ``failed`` samples and ``fired`` (samples with
     evictions > 0), in a fixed order, so the statistics never depend on the database's row order.
 
@@ -268,7 +273,7 @@ def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | No
         cond.append(R.c.budget.in_(list(budgets)))
     if methods is not None:
         cond.append(R.c.method_spec_id.in_(list(methods)))
-    key = [R.c.method_spec_id, R.c.budget, *(getattr(R.c, k) for k in _PROBLEM_KEY)]
+    key = [getattr(R.c, k) for k in QUESTION_CELL_COLUMNS[:7]]
     q = (
         select(
             *key,
@@ -282,7 +287,7 @@ def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | No
         .order_by(*key)
     )
     with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(q)]
+        return [tuple(r) for r in conn.execute(q).fetchall()]
 
 
 def method_budgets(engine: Engine, filters: Filters, method_ids: Iterable[int]) -> dict[int, int]:

@@ -86,18 +86,15 @@ def budget_results(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     """Every method's cells at ``budget`` (failed samples included), with full cache taken from its
     reference budget (:func:`full_reference_budget`) under one id. Returns ``(results, full id, full budget)``."""
     full_ids = _full_ids(dims)
-    rows = q.question_cells(engine, filters, [budget])
     full_budget = full_reference_budget(engine, filters, budget, full_ids) if full_ids else None
-    rows = [r for r in rows if r["method_spec_id"] not in full_ids]
-    full_rows = q.question_cells(engine, filters, [full_budget], full_ids) if full_budget is not None else []
+    others = [i for i in dims["methods"] if i not in full_ids]
+    results = cs.results_from_rows(q.question_cells(engine, filters, [budget], others)) if others else {}
+    full = cs.results_from_rows(q.question_cells(engine, filters, [full_budget], full_ids)) if full_budget is not None else {}
     full_id = None
-    if full_rows:  # several full-cache specs (full has no hyperparameters, so should not happen): keep the biggest
-        size: dict[int, int] = defaultdict(int)
-        for r in full_rows:
-            size[r["method_spec_id"]] += 1
-        full_id = min(size, key=lambda i: (-size[i], i))
-        rows += [r for r in full_rows if r["method_spec_id"] == full_id]
-    return cs.results_from_rows(rows), full_id, full_budget
+    if full:  # several full-cache specs (full has no hyperparameters, so should not happen): keep the biggest
+        full_id = min(full, key=lambda i: (-len(full[i]), i))
+        results[full_id] = full[full_id]
+    return results, full_id, full_budget
 
 
 def _label(methods: dict[int, Any], method_id: int) -> str:
@@ -153,7 +150,11 @@ def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | 
     for df, group_col in ((by_task, "task"), (by_domain, "domain")):
         if not df.empty:
             df.insert(0, "rank", _rank(df, group_col))
-    in_every_domain = [m for m in results if all(any(task_of(c[0])["domain"] == d for c in results[m]) for d in domains)]
+    domains_of: dict[int, set[str]] = defaultdict(set)
+    for t, here in present.items():
+        for m in here:
+            domains_of[m].add(task_of(t)["domain"])
+    in_every_domain = [m for m in results if domains_of[m] == set(domains)]
     overall = cs.common_set(results, in_every_domain, weighting=weighting, stratum=lambda qn: task_of(qn[0])["domain"])
     return Leaderboard(budget, full_budget, by_domain, by_task, _wide(by_domain, domains, overall, methods), domains, weighting)
 
@@ -203,8 +204,9 @@ def _wide(by_domain: pd.DataFrame, domains: list[str], overall: cs.CommonSet, me
 
 def _by_budget(rows: list[dict[str, Any]]) -> dict[int, cs.Results]:
     grouped: dict[int, list] = defaultdict(list)
+    at = q.QUESTION_CELL_COLUMNS.index("budget")
     for r in rows:
-        grouped[int(r["budget"])].append(r)
+        grouped[int(r[at])].append(r)
     return {b: cs.results_from_rows(rs) for b, rs in grouped.items()}
 
 
@@ -320,7 +322,7 @@ def _own_accuracy(engine, filters: q.Filters, spec_ids: list[int], budget: int, 
     results = cs.results_from_rows(q.question_cells(engine, filters, [budget], spec_ids))
     if not results:
         return None
-    spec = min(results, key=lambda i: (-sum(r.m for r in results[i].values()), i))
+    spec = min(results, key=lambda i: (-sum(r[cs.M] for r in results[i].values()), i))
     return spec, cs.common_set(results, [spec], weighting=weighting).accuracy(spec)
 
 

@@ -124,7 +124,7 @@ def test_question_cells_match_brute_force(small_db):
     labels = {m["label"] for m in dims["methods"].values()}
     assert labels == {"full", "h2o(window=8)", "h2o(window=16)"}  # only the differing hyperparameter
     by_label = {m["label"]: i for i, m in dims["methods"].items()}
-    cells = q.question_cells(engine, q.Filters(), [64])
+    cells = [dict(zip(q.QUESTION_CELL_COLUMNS, r)) for r in q.question_cells(engine, q.Filters(), [64])]
     got = {(r["method_spec_id"], r["sample_id"]): (r["k"], r["m"], r["failed"], r["fired"]) for r in cells}
     assert len(got) == len(cells) == 18
     for i in range(6):  # full right on p0-p3, h2o(8) on p0, p1 (evictions = i), h2o(16) on p0, p4 (always evicts)
@@ -135,7 +135,7 @@ def test_question_cells_match_brute_force(small_db):
             for r in cells]
     assert keys == sorted(keys)  # a fixed order, whatever the database returns
     # filters: budget, decoding, domain, nothing selected
-    assert {r["budget"] for r in q.question_cells(engine, q.Filters(budgets=(128,)))} == {128}
+    assert {r[1] for r in q.question_cells(engine, q.Filters(budgets=(128,)))} == {128}
     assert q.question_cells(engine, q.Filters(decoding=("sampled",)), [64]) == []
     assert q.question_cells(engine, q.Filters(domains=("code",)), [64]) == []
     assert q.question_cells(engine, q.Filters(models=()), [64]) == []

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dashboard import common_set, multiplicity, ranking, score_tests, stats
+from dashboard.queries import QUESTION_CELL_COLUMNS
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 sm_tables = pytest.importorskip("statsmodels.stats.contingency_tables")
@@ -141,10 +142,10 @@ def test_weighted_effective_matches_the_sandwich_variance():
 def test_clustering_a_question_over_models_counts_it_once():
     """The same 40 greedy outcomes under 3 models: one question each, not 120 problems."""
     outcomes = [(1, 0)] * 9 + [(0, 1)] * 2 + [(1, 1)] * 20 + [(0, 0)] * 9
-    rows = [{"method_spec_id": method, "task_id": 1, "sample_id": f"q{i}", "model_id": model, "protocol_id": 1,
+    rows = [{"method_spec_id": method, "budget": 64, "task_id": 1, "sample_id": f"q{i}", "model_id": model, "protocol_id": 1,
              "generation_id": 1, "k": pair[method], "m": 1, "failed": 0, "fired": 0}
             for i, pair in enumerate(outcomes) for model in (1, 2, 3) for method in (0, 1)]
-    results = common_set.results_from_rows(rows)
+    results = common_set.results_from_rows([tuple(r[c] for c in QUESTION_CELL_COLUMNS) for r in rows])
     clustered = common_set.common_set(results, [0, 1]).compare(0, 1)
     single = stats.compare_paired(greedy_pairs(9, 2, 40))
     assert (clustered.pvalue, clustered.n, clustered.diff) == (single.pvalue, 40, single.diff)
