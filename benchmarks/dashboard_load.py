@@ -3,8 +3,8 @@
 Seeds a fresh SQLite database through the db layer (migrations, ``db.store.write_results`` in bulk
 batches) with a synthetic sweep of ``--rows`` sample results (10 methods x 4 budgets x 5 tasks), then
 times, without Streamlit's cache, what the Leaderboard page computes on a first visit: the filter
-options and the leaderboard (per-problem histograms, the paired join against full cache, Wilson /
-bootstrap intervals, McNemar / paired bootstrap tests). Best and median of ``--repeats`` runs.
+options and the leaderboard (per-cell rows, the common problem set of each table, Wilson and Tango
+score intervals and tests, rank intervals from all pairwise tests). Best and median of ``--repeats`` runs.
 
     python benchmarks/dashboard_load.py [--rows 200000] [--n-samples 1] [--completion-chars 300] [--db URL] [--json OUT]
 """
@@ -58,7 +58,7 @@ def spec_for(rows: int, n_samples: int, completion_chars: int) -> RealisticSpec:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=200_000)
-    p.add_argument("--n-samples", type=int, default=1, help="samples per problem (>1: sampled decoding, bootstrap path)")
+    p.add_argument("--n-samples", type=int, default=1, help="samples per problem (>1: sampled decoding, design-effect path)")
     p.add_argument("--completion-chars", type=int, default=300)
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
