@@ -8,6 +8,14 @@ prompt has exactly ``budget`` tokens (kvpress's ``DecodingPress`` does not compr
 both evict one token at every decode step from the first. Decode time runs from the first generated
 token to the last (a streamer timestamps ``model.generate``). Runs alternate; medians are compared;
 the target is engine / kvpress >= 1.0.
+
+"same tokens" (the agreeing prefix of the greedy tokens) compares like with like: kvpress's
+``DecodingPress`` writes the kept entries back in the order ``topk`` returns them, not in position
+order, and ``StreamingLLMPress`` assumes position order, so kvpress as is soon keeps neither the sinks
+nor the recent window (docs/methods.md). The column is therefore taken against an untimed run of the
+same kvpress scorer with its kept entries sorted back into position order and equal scores broken
+towards the more recent position (kvleague's rule; ``topk`` leaves ties open); the agreement with
+kvpress as is is reported next to it.
 """
 
 from __future__ import annotations
@@ -44,6 +52,43 @@ def time_kvpress(engine, name: str, budget: int, prompt: list[int], new_tokens: 
     return time_generate(engine, prompt, new_tokens, clock, press=kvpress_press(name, budget))
 
 
+def corrected_kvpress_tokens(engine, name: str, budget: int, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens of kvpress's scorer applied after every decode step (true positions, as
+    ``model.generate``), the kept entries in position order, equal scores to the more recent position."""
+    import torch
+    from transformers import DynamicCache
+
+    decoding = kvpress_press(name, budget)
+    press, model = decoding.base_press, engine.model
+    cache = DynamicCache(config=model.config)
+    positions = [torch.arange(len(prompt))[None].expand(engine.n_kv_heads, -1) for _ in engine.layers]
+    tokens = []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt], device=engine.device), past_key_values=cache, use_cache=True)
+        for step in range(new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            length = cache.layers[0].keys.shape[2]
+            position = len(prompt) + step
+            out = model(torch.tensor([[token]], device=engine.device), position_ids=torch.tensor([[position]], device=engine.device),
+                        cache_position=torch.tensor([length], device=engine.device), past_key_values=cache, use_cache=True)
+            for i, layer in enumerate(cache.layers):
+                pos = torch.cat([positions[i], torch.full((engine.n_kv_heads, 1), position)], dim=1)
+                k_len = layer.keys.shape[2]
+                if k_len > budget:
+                    press.compression_ratio = decoding._find_target_compression_ratio(k_len, budget)
+                    scores = press.score(engine.layers[i].self_attn, None, layer.keys, layer.values, None, {})[0].cpu()
+                    n_kept = int(k_len * (1 - press.compression_ratio))
+                    by_recency = torch.argsort(pos, dim=-1, descending=True, stable=True)
+                    ranked = by_recency.gather(1, torch.argsort(scores.gather(1, by_recency), dim=-1, descending=True, stable=True))
+                    keep = ranked[:, :n_kept].sort(dim=-1).values  # position order (slots are in position order)
+                    index = keep.to(layer.keys.device)[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
+                    layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+                    pos = pos.gather(1, keep)
+                positions[i] = pos
+    return tokens
+
+
 def run(args) -> dict:
     import logging
 
@@ -77,9 +122,12 @@ def run(args) -> dict:
         for name in names:
             eng, kvp = results[f"engine:{name}"], results[f"kvpress:{name}"]
             e_tps, k_tps = h.median(r["decode_tps"] for r in eng), h.median(r["decode_tps"] for r in kvp)
-            agree = _agreeing_prefix(eng[0]["tokens"], kvp[0]["tokens"])
+            corrected = corrected_kvpress_tokens(engine, name, budget, prompt, new_tokens)
+            agree = _agreeing_prefix(eng[0]["tokens"], corrected)
             row = {"method": name, "budget": budget, "engine_tokens_per_second": e_tps, "kvpress_tokens_per_second": k_tps,
-                   "ratio": h.ratio(e_tps, k_tps), "same_tokens_prefix": agree, "new_tokens": new_tokens, "rounds": rounds}
+                   "ratio": h.ratio(e_tps, k_tps), "same_tokens_prefix": agree,
+                   "same_tokens_prefix_kvpress_as_is": _agreeing_prefix(eng[0]["tokens"], kvp[0]["tokens"]),
+                   "new_tokens": new_tokens, "rounds": rounds}
             rows.append(row)
             ratios.append({"method": name, "budget": budget, "ratio": row["ratio"]})
             common = dict(method=name, budget=budget, clock=args.clock, threads=threads, new_tokens=new_tokens)
@@ -111,7 +159,8 @@ def print_report(report: dict) -> None:
     print("\nengine vs kvpress (DecodingPress, compression every step), decode tokens/s")
     print(h.table(report["rows"], [("method", "method", ""), ("budget", "B", "d"), ("engine_tokens_per_second", "engine", ".2f"),
                                    ("kvpress_tokens_per_second", "kvpress", ".2f"), ("ratio", "engine/kvpress", ".3f"),
-                                   ("same_tokens_prefix", "same tokens", "d")]))
+                                   ("same_tokens_prefix", "same tokens", "d"),
+                                   ("same_tokens_prefix_kvpress_as_is", "same tokens (kvpress as is)", "d")]))
     print(f"target: engine / kvpress >= {report['summary']['target']}")
 
 
