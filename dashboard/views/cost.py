@@ -21,7 +21,9 @@ def sweep_costs(ctx) -> None:
         empty()
         return
     st.caption("Means over ok samples per method and budget. ms/token: mean decode step; method overhead: time in the "
-               "eviction method as a share of prefill + decode time; peak KV: bytes of keys and values held at the peak.")
+               "eviction method as a share of prefill + decode time; peak KV: bytes of keys and values held at the peak. "
+               "accuracy: on the method's own problems at that budget (not a common set: this page compares cost, not "
+               "accuracy), failed samples counted as wrong, questions as the unit, 95% Wilson score interval.")
     num = {c: st.column_config.NumberColumn(format="%.2f") for c in df.columns if df[c].dtype.kind == "f"}
     num.update({"accuracy": PCT, "acc_lo": PCT, "acc_hi": PCT})
     st.dataframe(df, hide_index=True, placeholder="—", column_config=num, key="cost_table")
