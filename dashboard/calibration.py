@@ -71,7 +71,7 @@ def paired(n: int, m: int, reps: int, shift: float = 0.0, seed: int = 0, level: 
         p = c.pvalue if truth == 0 else stats.shifted_pvalue(c, truth)
         reject += p < 1 - level
         cover += c.lo <= truth <= c.hi
-    name = f"paired difference, {'null' if shift == 0 else f'shift {shift:g}'}"
+    name = f"paired difference (Tango), {'null' if shift == 0 else f'Δ = +{shift:g} shift'}"
     return Calibration(name, n, m, reps, reject / reps, cover / reps)
 
 
@@ -85,4 +85,4 @@ def accuracy(n: int, m: int, reps: int, seed: int = 0) -> Calibration:
         acc = stats.accuracy_from(score_tests.effective_ints(row, m, _group(n), ONE_WEIGHT, m))
         reject += score_tests.two_sided_p(score_tests.wilson_z(acc.mean, acc.n_effective, truth)) < stats.ALPHA
         cover += acc.lo <= truth <= acc.hi
-    return Calibration("accuracy", n, m, reps, reject / reps, cover / reps)
+    return Calibration("accuracy (Wilson, design effect)", n, m, reps, reject / reps, cover / reps)

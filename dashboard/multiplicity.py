@@ -1,6 +1,6 @@
-"""Adjusting a family of p-values for multiple comparisons: Holm (family-wise error) and
-Benjamini-Hochberg (false discovery rate). NaN entries (comparisons without a test) are left out of
-the family and stay NaN."""
+"""Adjusting a family of p-values for multiple comparisons: Holm's step-down method, which controls
+the family-wise error rate under any dependence between the tests (the scorecard's claims share their
+data). NaN entries (comparisons without a test) are left out of the family and stay NaN."""
 
 from __future__ import annotations
 
@@ -25,19 +25,3 @@ def holm(pvalues: Sequence[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * pvalues[i]))
         out[i] = running
     return out
-
-
-def benjamini_hochberg(pvalues: Sequence[float]) -> list[float]:
-    """Benjamini-Hochberg step-up adjustment: ``min over j >= i of min(1, m / j * p_(j))``."""
-    out = [math.nan] * len(pvalues)
-    order = _tested(pvalues)
-    m = len(order)
-    running = 1.0
-    for rank in range(m - 1, -1, -1):
-        i = order[rank]
-        running = min(running, m / (rank + 1) * pvalues[i])
-        out[i] = min(1.0, running)
-    return out
-
-
-CORRECTIONS = {"Holm": holm, "Benjamini-Hochberg": benjamini_hochberg}

@@ -34,20 +34,6 @@ TOO_FEW = f"too few problems (n < {MIN_PROBLEMS})"
 NOT_MEASURED = "not measured yet"
 
 
-def z_value(level: float = LEVEL) -> float:
-    """The two-sided normal quantile for ``level`` (1.959964... for 0.95)."""
-    return st.critical_z(level)
-
-
-def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
-    """Wilson score interval for a proportion k/n; ``(nan, nan)`` when n == 0."""
-    if n < 0 or k < 0 or k > n:
-        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-    if n == 0:
-        return (math.nan, math.nan)
-    return st.wilson_bounds(k / n, n, level)
-
-
 # ------------------------------------------------------------------------------------------------
 # Per-question values
 # ------------------------------------------------------------------------------------------------
