@@ -24,6 +24,7 @@ _BUILTIN_MODULES = (
     "methods.epikv_bands",
     "methods.epikv_seg",
     "methods.lag_kv",
+    "methods.h2o_authors",
     "methods.h2o",
     "methods.tova",
     "methods.snapkv",

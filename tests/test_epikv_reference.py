@@ -219,3 +219,54 @@ def test_epikv_paper_preset_is_one_line_in_a_sweep_and_is_stored(tmp_path):
     assert get_or_create(engine, ProtocolSpec, {"spec_hash": "h" * 64, **fields}) == 1
     with pytest.raises(KvleagueError, match="unknown preset"):
         parse_config({**config.model_dump(), "protocol": "epikv_papr"})
+
+
+# -- the authors' H2O (their harness variant), against a naive eager re-implementation ----------------
+
+
+def oracle_h2o_authors(model, prompt, n_new, budget, n_sink=4, keep_recent=128):
+    """The authors' H2OEviction semantics: decode attention (mean over heads, then layers) summed per
+    slot from the first decode step on; sinks min(4, B/4), recent min(128, B - sinks), prompt
+    evictable; positions = cache length (no position_ids)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    positions, acc, tokens, kept = list(range(len(prompt))), {}, [], []
+    sinks = min(n_sink, budget // 4)
+    recent = min(keep_recent, budget - sinks)
+    for step in range(n_new):
+        tokens.append(token)
+        with torch.no_grad():
+            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True, output_attentions=True)
+        cache = out.past_key_values
+        positions.append(len(prompt) + step)
+        received = torch.stack([a[0, :, -1].mean(dim=0) for a in out.attentions]).mean(dim=0)
+        for p, r in zip(positions, received.tolist()):
+            acc[p] = float(np.float32(acc.get(p, 0.0) + np.float32(r)))
+        if len(positions) > budget:
+            middle = positions[sinks : len(positions) - recent]
+            heavy = sorted(middle, key=lambda p: (acc[p], p), reverse=True)[: budget - sinks - recent]
+            keep = set(positions[:sinks]) | set(positions[len(positions) - recent :]) | set(heavy)
+            index = torch.tensor([i for i, p in enumerate(positions) if p in keep])
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+            positions = [positions[i] for i in index.tolist()]
+        kept.append(list(positions))
+        token = int(out.logits[0, -1].argmax())
+    return tokens, kept
+
+
+def test_h2o_authors_equals_the_authors_semantics_over_many_evictions(engines, tiny_models, monkeypatch):
+    engine = engines["qwen3"]
+    monkeypatch.setattr(engine, "eos_ids", set())
+    eager = AutoModelForCausalLM.from_pretrained(str(tiny_models["qwen3"]), dtype=torch.float32, attn_implementation="eager").eval()
+    prompt, budget, steps = _prompt(11, 30), 150, 180  # 4 sinks, 128 recent, 18 heavy hitters
+    expected = oracle_h2o_authors(eager, prompt, steps, budget)
+    got = kvleague_decode(engine, prompt, steps, budget, build_method("h2o_authors"), Protocol(positions="compact"))
+    assert got[2] >= steps - (budget - len(prompt))
+    assert (got[0], got[1]) == expected
+    # not a recency cut: some heavy hitters from the middle survive while newer tokens go
+    assert any(k[4:22] != list(range(k[4], k[4] + 18)) for k in got[1][-30:])
+    # mutation: the original H2O (prefill attention accumulated, per KV head, recent half) differs
+    original = kvleague_decode(engine, prompt, steps, budget, build_method("h2o"), Protocol(positions="compact"))
+    assert (original[0], original[1]) != expected
