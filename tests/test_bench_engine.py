@@ -152,7 +152,8 @@ def test_grouped_attention_rows_equal_the_repeat_kv_reference(dtype, window):
     torch.testing.assert_close(attention_rows(query, keys, 0.3), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "epikv", "tova", "keydiff"])
+# (epikv keeps slots in position order since issue 14: the authors' cache sums attention in that order)
+@pytest.mark.parametrize("name", ["streaming_llm", "tova", "keydiff"])
 def test_order_free_methods_keep_the_same_tokens_as_under_ordered_eviction(engines, monkeypatch, name):
     """The opt-out of slot order changes where entries sit, never which ones are kept or what is generated.
 
