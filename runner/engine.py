@@ -14,6 +14,7 @@ slots among the evictable ones, moving the cache entries in place (``runner/budg
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -275,6 +276,27 @@ class Session:
         output = DecodeOutput(tokens, text, reason)
         self.outputs.append(output)
         return output
+
+    def teacher_force(self, token_ids: list[int], on_logits: Callable[[torch.Tensor, int], None]) -> None:
+        """Append ``token_ids`` as if this session had decoded them: ``on_logits(logits, token)`` sees
+        the distribution the model predicts each token from, and the method observes and evicts at
+        exactly the points :meth:`decode` would (the last token stays pending, as a decoded one does)."""
+        if self.logits is None:
+            raise KvleagueError("teacher_force: feed a prompt first")
+        if not token_ids:
+            return
+        self._flush_pending()
+        for i, token in enumerate(token_ids):
+            step_start = time.perf_counter()
+            on_logits(self.logits, token)
+            if i == len(token_ids) - 1:
+                self.pending = [token]
+            else:
+                self._forward([token], prompt=False, phase="decode")
+                if self.cache.length > self.budget + self.protocol.buffer:
+                    self._evict("decode")
+            self.step_seconds.append(time.perf_counter() - step_start)
+        self.generated.extend(token_ids)
 
     def _flush_pending(self) -> None:
         """Feed the previous decode's last token, which sampling produced but no forward pass saw."""

@@ -22,9 +22,16 @@ def _rope(x: torch.Tensor, position: int, theta: float) -> torch.Tensor:
 
 def decode_logits(model, keys, values, token: int, position: int) -> torch.Tensor:
     """Logits for ``token`` at RoPE ``position``, attending to per-layer ``keys/values`` [H_kv, T, d]."""
+    return decode_step(model, keys, values, token, position)[0]
+
+
+def decode_step(model, keys, values, token: int, position: int):
+    """``(logits, [k per layer], [v per layer])``: the step of :func:`decode_logits` and the token's own
+    post-RoPE keys and values [H_kv, d] in every layer (what a cache would append)."""
     config = model.config
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or config.rope_theta
     inner = model.model
+    new_k, new_v = [], []
     h = inner.embed_tokens(torch.tensor([token]))[0]
     for layer, k_cache, v_cache in zip(inner.layers, keys, values):
         attn = layer.self_attn
@@ -36,6 +43,8 @@ def decode_logits(model, keys, values, token: int, position: int) -> torch.Tenso
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rope(q, position, theta), _rope(k, position, theta)
+        new_k.append(k)
+        new_v.append(v)
         group = q.shape[0] // k.shape[0]
         outputs = []
         for head in range(q.shape[0]):
@@ -46,4 +55,4 @@ def decode_logits(model, keys, values, token: int, position: int) -> torch.Tenso
             outputs.append(weights @ all_v)
         h = h + attn.o_proj(torch.cat(outputs))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.lm_head(inner.norm(h))
+    return model.lm_head(inner.norm(h)), new_k, new_v

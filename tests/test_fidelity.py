@@ -1,0 +1,85 @@
+"""Teacher-forced fidelity: full cache is exact, the per-token KL equals a naive re-computation on
+exactly the kept positions, and the segments walk the same tokens as the full-cache pass."""
+
+import pytest
+import torch
+
+from methods.registry import build_method
+from runner import fidelity
+from runner.engine import Session
+from runner.errors import KvleagueError
+from runner.protocol import Protocol
+from tests.naive_attention import decode_step
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _segments(engine, prompt_ids, n_scored=30):
+    tail = engine.tokenizer(" and the answer, word for word, is this one", add_special_tokens=False)["input_ids"]
+    return [(list(prompt_ids), False), ((tail * 4)[:n_scored], True)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_cache_is_exact(engines, prompt_ids, arch):
+    engine = engines[arch]
+    segs = _segments(engine, prompt_ids) + [(list(prompt_ids[:9]), False), (list(prompt_ids[:12]), True)]
+    r = fidelity.measure(engine, segs, build_method("full"), 16, Protocol(prefill_chunk=7), per_token=True)
+    assert r.tokens == 42 and r.top1_agreement == 1.0
+    assert max(abs(k) for k in r.per_token["kl"]) <= 1e-6 and abs(r.delta_nll_mean) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", ["streaming_llm", "knorm"])  # one token-level, one per-KV-head method
+def test_kl_equals_a_naive_recomputation_on_the_kept_positions(engines, prompt_ids, arch, method, monkeypatch):
+    engine = engines[arch]
+    segs = _segments(engine, prompt_ids, 20)
+    seq = [t for ids, _ in segs for t in ids]
+    seen: list[list[torch.Tensor]] = []  # cache positions right after each forward (before its eviction)
+    real_forward = Session._forward
+
+    def recording_forward(self, token_ids, prompt, phase):
+        real_forward(self, token_ids, prompt, phase)
+        seen.append([p.clone() for p in self.cache.positions])
+
+    monkeypatch.setattr(Session, "_forward", recording_forward)
+    result = fidelity.measure(engine, segs, build_method(method), 40, Protocol(sink=2, recent=4), per_token=True)
+    monkeypatch.undo()
+    assert result.generation.evictions > 10  # eviction really happened at the teacher-forced steps
+
+    with torch.no_grad():
+        out = engine.model(input_ids=torch.tensor([seq]), use_cache=True)
+        full_logp = torch.log_softmax(out.logits[0].double(), -1)
+        start = len(segs[0][0])
+        # the oracle's own K/V per position: the prompt's from one full prefill (the engine prefills it in
+        # one chunk too); every later token's from the naive step, under the reduced cache it attended to
+        store = {t: ([l.keys[0][:, t] for l in out.past_key_values.layers], [l.values[0][:, t] for l in out.past_key_values.layers])
+                 for t in range(start)}
+        n = len(result.per_token["kl"])
+        for i, kl in enumerate(result.per_token["kl"]):
+            if i == 0:  # the prompt's own forward: nothing was evicted yet, so q is the full cache's
+                assert kl <= 1e-6
+                continue
+            cur = start + i - 1
+            kept = seen[-n + i]  # the engine's cache right after feeding `cur` (its eviction decisions)
+            layer_k, layer_v = [], []
+            for layer, pos in enumerate(kept):
+                pos = pos.expand(len(store[0][0][layer]), -1) if pos.dim() == 1 else pos
+                others = [sorted(t for t in pos[h].tolist() if t != cur) for h in range(pos.shape[0])]
+                layer_k.append(torch.stack([torch.stack([store[t][0][layer][h] for t in idx]) for h, idx in enumerate(others)]))
+                layer_v.append(torch.stack([torch.stack([store[t][1][layer][h] for t in idx]) for h, idx in enumerate(others)]))
+            logits, new_k, new_v = decode_step(engine.model, layer_k, layer_v, seq[cur], cur)
+            store[cur] = (new_k, new_v)
+            q = torch.log_softmax(logits.double(), -1)
+            p = full_logp[cur]
+            assert kl == pytest.approx(float((p.exp() * (p - q)).sum()), rel=1e-3, abs=1e-6)
+    assert result.kl_mean > 1e-4  # eviction changed the distribution: the check above is not vacuous
+
+
+def test_truncate_and_bad_segments():
+    segs = [([1, 2], False), ([3, 4, 5], True), ([6], False), ([7, 8], True)]
+    assert fidelity.truncate(segs, 4) == [([1, 2], False), ([3, 4, 5], True), ([6], False), ([7], True)]
+    assert fidelity.truncate(segs, 3) == [([1, 2], False), ([3, 4, 5], True), ([6], False)]
+    with pytest.raises(KvleagueError, match="start with an unscored prompt"):
+        fidelity.check_segments([([1], True)])
+    with pytest.raises(KvleagueError, match="at least one scored token"):
+        fidelity.check_segments([([1], False)])
