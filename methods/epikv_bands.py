@@ -24,16 +24,18 @@ class EpiKVBands(EpiKVFamily):
     clamped, so a 28-layer model uses 6..11 and 16..22. score_t = ``weight_a`` * z_A(t) -
     ``weight_b`` * z_B(t) with 1.29 and 1.0.
 
-    Choices where the paper is silent: band ends are inclusive; the band signal is the plain mean of
-    d over the band's layers, z-scored afterwards (not the mean of per-layer z-scores); on small
-    models the bands may overlap or collapse to one layer (a 4-layer model: 1..2 and 2..3). The
-    z-score conventions (window includes x_t, population std, d := 0 for the first token) are
-    ``epikv``'s. ``value_reserve`` as in ``epikv``. Protocol defaults as ``epikv`` (prompt protected,
-    recent min(128, B // 4), evict every step).
+    Band ends are inclusive; the band signal is the plain mean of d over the band's layers (a Python
+    sum in layer order under ``arithmetic: reference``), z-scored afterwards (not the mean of per-layer
+    z-scores); on small models the bands may overlap or collapse to one layer (a 4-layer model: 1..2
+    and 2..3). ``layers_a`` / ``layers_b`` give the bands as explicit layer lists (the authors'
+    ``band_a_layers`` / ``band_b_layers``). The signal conventions (``series``, ``last_layer``,
+    ``arithmetic``) and ``value_reserve`` are ``epikv``'s.
 
-    Paper: Kolawole & Smith, arXiv 2606.26472 (EpiKV, band-adaptive variant). Reference code:
-    stevenkolawole/epiphany-kv-cache ``src/eviction.py`` (not consulted; written from the method zoo
-    issue's description).
+    Reference: the authors' ``BandAdaptiveHSEviction`` (stevenkolawole/epiphany-kv-cache
+    ``src/eviction.py``). Under ``protocol: epikv_paper`` with the defaults, kept positions and greedy
+    tokens equal that class's (``tests/test_epikv_reference.py``; evidence in docs/methods.md).
+
+    Paper: Kolawole & Smith, arXiv 2606.26472 (EpiKV, band-adaptive variant).
     """
 
     band_a: tuple[float, float] = (7 / 32, 13 / 32)

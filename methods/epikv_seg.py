@@ -77,9 +77,15 @@ class EpiKVSeg(EpiKV):
     partial segment outside the window is a segment like the others; key variances are computed once
     per token when it enters the cache (its keys never change).
 
-    Paper: Kolawole & Smith, arXiv 2606.26472 (EpiKV, segment variant). Reference code:
-    stevenkolawole/epiphany-kv-cache ``src/eviction.py`` (not consulted; written from the method zoo
-    issue's description).
+    Not the authors' code: their ``KVSegHSEviction`` (stevenkolawole/epiphany-kv-cache
+    ``src/eviction.py``) cuts the current cache into 128-*slot* segments before the recent window
+    (prompt slots included), types them by ``>=`` tertile thresholds of the mean key variance (top
+    tertile 64, middle 32, bottom 8), ranks generated tokens inside a segment by the EpiKV score and
+    keeps only those quotas, the prompt and the recent window, so it holds fewer than B; kvleague's
+    engine always keeps B. The ``epikv`` score inside a segment follows the authors' semantics (the
+    defaults of ``epikv``: generated-token series, normed last layer, reference arithmetic).
+
+    Paper: Kolawole & Smith, arXiv 2606.26472 (EpiKV, segment variant).
     """
 
     needs = Needs(hidden_states=True, new_keys_values=True)

@@ -45,16 +45,16 @@ class LagKV(EvictionMethod):
     score_t = mean over KV heads of std_d(K̄'_t) + mean over KV heads of std_d(V̄'_t), one global
     ``[T]`` score. Stateless (recomputed from the cache at every eviction). No attention.
 
-    Choices where the paper is silent: std is the sample std (ddof = 1, as the LagKV code's
-    ``torch.std``); ``eps`` = 1e-6 guards constant channels; chunks follow the current cache slots
-    (after evictions a chunk spans more than ``lag`` original positions); a trailing partial chunk is
-    normalised by the last full chunk.
+    As the authors' ``LagKVEviction``: std is the sample std (ddof = 1, ``torch.std``); ``eps`` = 1e-9;
+    chunks follow the current cache slots, prompt included (after evictions a chunk spans more than
+    ``lag`` original positions); a trailing partial chunk is normalised by the last full chunk. Under
+    ``protocol: epikv_paper`` (prompt kept, recent min(128, B // 4)) the cache equals that class's,
+    bit for bit, at every step (evidence in docs/methods.md).
 
     Paper: Kolawole & Smith, arXiv 2606.26472 (lag-normalised KV baseline), after LagKV (Liang et
-    al., arXiv 2504.04704). Reference code: stevenkolawole/epiphany-kv-cache ``src/eviction.py`` (not
-    consulted; written from the method zoo issue's description). kvpress ``LagKVPress`` is the
-    original LagKV (it normalises by the *next* chunk, per layer, with a softmax and sink/tail
-    handling) and is deliberately not what this method does.
+    al., arXiv 2504.04704). Reference code: stevenkolawole/epiphany-kv-cache ``src/eviction.py``
+    ``LagKVEviction``. kvpress ``LagKVPress`` is the original LagKV (it normalises by the *next* chunk,
+    per layer, with a softmax and sink/tail handling) and is deliberately not what this method does.
     """
 
     lag: int = 128
