@@ -266,6 +266,9 @@ class KvAgent(EpisodicTask):
             )
         return samples
 
+    def reference_agent(self, sample: Sample):
+        return optimal_agent
+
     def system_message(self, sample: Sample) -> str:
         return tools_system_prompt(PREAMBLE, TOOLS)
 

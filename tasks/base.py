@@ -194,6 +194,30 @@ class Task:
             return [int(i) for i in ids]
         return [int(i) for i in tokenizer(self.prompt_text(sample))["input_ids"]]
 
+    # ---- reference continuation (teacher-forced fidelity) -----------------------------------------
+    def reference_continuation(self, sample: Sample) -> str | None:
+        """The task's own reference answer, written as the model's reply (a worked solution, the gold
+        code, the gold answer); ``None`` when the sample has none. Tasks with references override it."""
+        return None
+
+    @classmethod
+    def has_reference(cls) -> bool:
+        """Whether the task can be measured by teacher-forced fidelity (checked when a sweep is validated)."""
+        return cls.reference_continuation is not Task.reference_continuation or cls.fidelity_segments is not Task.fidelity_segments
+
+    def fidelity_segments(self, sample: Sample, tokenizer: Any) -> list[tuple[list[int], bool]]:
+        """``[(prompt ids, False), (reference reply ids + EOS, True)]``: the prompt exactly as for
+        generation, then the reply to teacher-force (see ``runner/fidelity.py``)."""
+        text = self.reference_continuation(sample)
+        if not text:
+            from runner.errors import KvleagueError
+
+            raise KvleagueError(f"task {self.name}: sample {sample.sample_id} has no reference continuation")
+        ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if tokenizer.eos_token_id is not None:  # the reply ends the turn, as the model's would
+            ids.append(int(tokenizer.eos_token_id))
+        return [(self.build_prompt(sample, tokenizer), False), (ids, True)]
+
     # ---- scoring -------------------------------------------------------------------------------
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         """Score one completion of ``sample``. Implemented by every task."""

@@ -318,6 +318,11 @@ class BfclMultiTurn(EpisodicTask):
         return ScoreResult(bool(verdict["valid"]), 1.0 if verdict["valid"] else 0.0, json.dumps(decoded), details)
 
     # -- gold ---------------------------------------------------------------------------------------
+    def reference_agent(self, sample: Sample):
+        """Replays the ground-truth calls, one step per call, then each turn's closing text."""
+        steps = iter([s for turn in self.gold_transcript(sample).turns for s in turn])
+        return lambda context: next(steps)
+
     def gold_transcript(self, sample: Sample, one_call_per_step: bool = True) -> Transcript:
         """The ground-truth calls written in kvleague's tool-call format, one step per call and a
         closing plain-text step per turn (what a perfect agent's episode looks like)."""

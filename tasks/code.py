@@ -152,6 +152,10 @@ class HumanEval(CodeTask):
             for row in load_records(self.source, data_dir)
         ]
 
+    def reference_continuation(self, sample: Sample) -> str | None:
+        """The complete function the prompt asks for: its stub with the canonical body, in one block."""
+        return f"```python\n{sample.metadata['code_prompt'].rstrip()}\n{sample.reference.rstrip()}\n```"
+
     def program(self, sample: Sample, code: str) -> str:
         """Prompt context (imports, helpers) + the function + HumanEval's ``check(entry_point)``.
 
@@ -209,6 +213,10 @@ class _MbppBase(CodeTask):
             ))
         out.sort(key=lambda s: int(s.sample_id))
         return out
+
+    def reference_continuation(self, sample: Sample) -> str | None:
+        """The reference code, in the single block the prompt asks for."""
+        return f"```python\n{sample.reference.strip()}\n```"
 
     def program(self, sample: Sample, code: str) -> str:
         """``test_imports`` + the code + ``test_setup_code`` (it may use the code's classes) + the

@@ -244,6 +244,20 @@ class EpisodicTask(Task):
         result.sample_id = sample.sample_id
         return result
 
+    def reference_agent(self, sample: Sample) -> Callable[[str], str] | None:
+        """A scripted agent that solves ``sample`` (its turns are the reference continuation); None: none."""
+        return None
+
+    def fidelity_segments(self, sample: Sample, tokenizer: Any) -> list[tuple[list[int], bool]]:
+        """The reference agent's episode, played against the real environment: what it was fed
+        (prompt, observations, user turns) unscored, its own turns scored."""
+        agent = self.reference_agent(sample)
+        if agent is None:
+            raise KvleagueError(f"task {self.name}: sample {sample.sample_id} has no reference agent")
+        session = ScriptedSession(tokenizer, agent)
+        run_episode(self, sample, session, tokenizer, _ReferenceSettings())
+        return session.segments
+
     def run_episode(self, sample: Sample, session: Any, tokenizer: Any, settings: Any) -> EpisodeResult:
         return run_episode(self, sample, session, tokenizer, settings)
 
@@ -396,6 +410,14 @@ class EpisodeResult:
         return out
 
 
+@dataclass
+class _ReferenceSettings:
+    """Decoding settings for a scripted agent's episode (it ignores them)."""
+
+    max_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+
+
 def _decode_settings(settings: Any, extra_stops: tuple[str, ...]) -> Any:
     stops = tuple(dict.fromkeys((*tuple(getattr(settings, "stop", ()) or ()), *extra_stops)))
     if dataclasses.is_dataclass(settings):
@@ -496,12 +518,14 @@ class ScriptedSession:
         self.sequence: list[int] = []
         self.fed: list[list[int]] = []
         self.decoded: list[list[int]] = []
+        self.segments: list[tuple[list[int], bool]] = []  # in sequence order: (ids, decoded by the agent)
         self._text: list[str] = []  # decoded chunk by chunk (cheaper than re-decoding the sequence)
 
     def feed(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise KvleagueError("prompt: empty token list")
         self.fed.append(list(token_ids))
+        self.segments.append((list(token_ids), False))
         self.sequence.extend(token_ids)
         self._text.append(self.tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
@@ -510,6 +534,7 @@ class ScriptedSession:
         end = self.fmt.end_marker if self.fmt.templated else ""
         ids = [int(i) for i in self.tokenizer(text + end, add_special_tokens=False)["input_ids"]]
         self.decoded.append(ids)
+        self.segments.append((ids, True))
         self.sequence.extend(ids)
         self._text.append(text + end)
         return ScriptedOutput(ids, text, "stop" if end else "eos")

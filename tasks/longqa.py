@@ -149,6 +149,10 @@ class _LEvalTask(Task):
                 ))
         return samples
 
+    def reference_continuation(self, sample: Sample) -> str | None:
+        """The dataset's gold answer as written (a letter for choice tasks, the answer text otherwise)."""
+        return str(sample.metadata.get("raw_answer") or "").strip() or None
+
     def render(self, document: str, question: str) -> str:
         return f"Read the document below and answer the question that follows.\n\nDocument:\n{document.strip()}\n\n" \
                f"Question: {question.strip()}\n\n{self.instruction}"
@@ -362,6 +366,9 @@ class _KvRetrieval(Task):
             samples.append(Sample(sample_id=str(i), task=self.name, prompt=prompt, reference=value,
                                   metadata={"key": key, "gold_index": position, "num_keys": len(records)}))
         return samples
+
+    def reference_continuation(self, sample: Sample) -> str | None:
+        return sample.reference
 
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         ok = sample.reference.lower() in completion.lower()
@@ -601,6 +608,10 @@ class Niah(Task):
                 ))
         return samples
 
+    def reference_continuation(self, sample: Sample) -> str | None:
+        """The answer in the words SmolLM2-135M uses with a full cache (docs/smollm2.md)."""
+        return f"The special magic number for {sample.metadata['key']} mentioned in the text is {sample.reference}."
+
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         numbers = re.findall(r"\d+", completion.replace(",", ""))
         ok = sample.reference in numbers
@@ -645,6 +656,9 @@ class _LongBench(Task):
                    reference=list(row["answers"]), metadata={"length": row.get("length")})
             for i, row in enumerate(load_records(self.source, data_dir))
         ]
+
+    def reference_continuation(self, sample: Sample) -> str | None:
+        return str(sample.reference[0]) if sample.reference else None
 
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         answers = list(sample.reference)

@@ -134,6 +134,15 @@ class _MathTask(Task):
     def _prompt(self, problem: str) -> str:
         return f"{problem.strip()}\n\n{MATH_SUFFIX}"
 
+    def reference_continuation(self, sample: Sample) -> str | None:
+        """The dataset's worked solution, ending in the boxed answer the prompt asks for."""
+        solution = (sample.metadata.get("solution") or "").strip()
+        if not solution:
+            return None
+        if "\\boxed" not in solution:
+            solution += f"\n\nThe final answer is $\\boxed{{{sample.reference}}}$."
+        return solution
+
 
 @register_task("math500")
 @dataclass
@@ -207,7 +216,7 @@ class Aime24(_Aime):
     def load_records(self, data_dir: Path | None) -> list[Sample]:
         return [
             Sample(sample_id=str(row["id"]), task=self.name, prompt=self._prompt(row["problem"]),
-                   reference=str(row["answer"]), metadata={"url": row.get("url")})
+                   reference=str(row["answer"]), metadata={"url": row.get("url"), "solution": row.get("solution")})
             for row in load_records(self.source, data_dir)
         ]
 
@@ -224,6 +233,10 @@ class Aime25(_Aime):
         local_path="aime2025/test.jsonl",
         license="MIT (harness); problems (c) MAA",
     )
+
+    @classmethod
+    def has_reference(cls) -> bool:
+        return False  # the dataset gives answers only, no worked solutions
 
     def load_records(self, data_dir: Path | None) -> list[Sample]:
         rows = load_records(self.source, data_dir)
@@ -263,6 +276,12 @@ class Gsm8k(_MathTask):
                    reference=gsm8k_gold(row["answer"]), metadata={"solution": row["answer"]})
             for i, row in enumerate(load_records(self.source, data_dir))
         ]
+
+    def reference_continuation(self, sample: Sample) -> str | None:
+        """The worked solution without its calculator annotations (``<<48/2=24>>``), its ``#### 72``
+        line written as the boxed answer the prompt asks for."""
+        steps = re.sub(r"<<[^>]*>>", "", sample.metadata["solution"]).rsplit("####", 1)[0].strip()
+        return f"{steps}\nThe final answer is $\\boxed{{{sample.reference}}}$."
 
     @staticmethod
     def extract(completion: str) -> tuple[str | None, str]:
