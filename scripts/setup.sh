@@ -17,8 +17,9 @@ have=$(cat "$stamp" 2>/dev/null || true)
 # a test install also serves the demo
 if [ "$have" != "$want" ] && [ "$have" != "${want% *} [test]" ]; then
   python -m pip install -q --upgrade pip >/dev/null
-  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${KVLEAGUE_TORCH_VERSION:-2.13.0}"
-  # build-backend chatter goes to a log that is shown only if the install fails
+  # pip's index chatter goes to a log that is shown only if an install fails
+  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${KVLEAGUE_TORCH_VERSION:-2.13.0}" \
+      >.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
   python -m pip install -q -e ".${extras:+[$extras]}" >.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
   # BFCL's simulators and checker need only mpmath; the package itself pins numpy 1.26 and many API
   # SDKs that kvleague never imports, so it is installed without its declared dependencies.

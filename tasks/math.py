@@ -135,11 +135,13 @@ class _MathTask(Task):
         return f"{problem.strip()}\n\n{MATH_SUFFIX}"
 
     def reference_continuation(self, sample: Sample) -> str | None:
-        """The dataset's worked solution, ending in the boxed answer the prompt asks for."""
+        """The dataset's worked solution, ending in the boxed answer the prompt asks for (stated once
+        more at the end when the solution's own last box is not it: AIME solutions often end in a
+        signature or a second method)."""
         solution = (sample.metadata.get("solution") or "").strip()
         if not solution:
             return None
-        if "\\boxed" not in solution:
+        if not self.score(sample, solution).correct:
             solution += f"\n\nThe final answer is $\\boxed{{{sample.reference}}}$."
         return solution
 

@@ -8,7 +8,7 @@ from methods.registry import build_method
 from runner import fidelity
 from runner.engine import Session
 from runner.errors import KvleagueError
-from runner.protocol import Protocol
+from runner.protocol import GenerationSettings, Protocol
 from tests.naive_attention import decode_step
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -83,3 +83,47 @@ def test_truncate_and_bad_segments():
         fidelity.check_segments([([1], True)])
     with pytest.raises(KvleagueError, match="at least one scored token"):
         fidelity.check_segments([([1], False)])
+
+
+# ---- the tasks' reference continuations --------------------------------------------------------
+
+DATA_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+@pytest.mark.parametrize("name,options,limit", [
+    ("math500", {}, 40), ("gsm8k", {}, 40), ("aime24", {}, 30), ("humaneval", {}, 20), ("mbpp", {}, 20),
+    ("niah", {"context_length": 300, "num_depths": 3, "samples_per_depth": 2}, 6), ("kv_retrieval_75", {}, 10),
+    ("leval_tpo", {}, 20), ("leval_scientific_qa", {}, 20), ("kv_agent", {}, 10), ("bfcl_multi_turn", {}, 6),
+])
+def test_a_reference_continuation_is_a_correct_answer(name, options, limit, engines):
+    """The oracle is the task's own scorer: what fidelity teacher-forces must be a right answer."""
+    from tasks.registry import build_task
+
+    if not DATA_DIR.is_dir():
+        pytest.skip("no local data")
+    task = build_task(name, options)
+    assert task.has_reference()
+    tok = engines["llama"].tokenizer
+    samples = task.load(limit=limit, seed=0, data_dir=DATA_DIR)
+    right = 0
+    for s in samples:
+        segments = task.fidelity_segments(s, tok)
+        assert segments[0] == (task.build_prompt(s, tok), False) and any(scored for _, scored in segments)
+        if getattr(task, "episodic", False):  # the reference agent's turns, replayed, must solve the episode
+            from tasks.episode import ScriptedSession
+
+            turns = iter([tok.decode(ids, skip_special_tokens=True) for ids, scored in segments if scored])
+            result = task.run_episode(s, ScriptedSession(tok, lambda ctx: next(turns)), tok, GenerationSettings(max_new_tokens=8))
+            right += result.score.correct
+        else:
+            right += task.score(s, task.reference_continuation(s)).correct
+    # a few MATH / HumanEval references are not accepted by the checker as written; nearly all are
+    assert right >= 0.9 * len(samples), (right, len(samples))
+
+
+def test_fidelity_of_a_task_without_references_is_one_line_exit_2(capsys):
+    from runner.cli import main
+
+    assert main(["fidelity", "--task", "aime25", "--method", "full", "--budget", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "kvleague: error: task: aime25 has no reference continuation for fidelity"
