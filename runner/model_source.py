@@ -182,12 +182,15 @@ def _convert_into(gguf_file: Path, out: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from unittest import mock
+
     meta = gguf_metadata(gguf_file)
     transformers.utils.logging.disable_progress_bar()
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantizer's own bar ignores the switch above
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+        # the GGUF dequantizer draws its own tqdm bar, which ignores transformers' switch above
+        with mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a bad file, said in one line
         raise KvleagueError(f"model: {gguf_file}: transformers could not convert it: {_first_line(exc)}") from None
     model.save_pretrained(out)
