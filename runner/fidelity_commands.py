@@ -74,8 +74,14 @@ def run(args: argparse.Namespace) -> int:
     if task.tokenizer_dependent:
         task.bind_tokenizer(engine.tokenizer)
     samples = task.load(limit=args.limit, seed=args.sample_seed, data_dir=args.data_dir)
-    rows = []
+    rows: list[dict] = []
     start = time.perf_counter()
+
+    def report() -> dict:
+        return {"task": args.task, "model": args.model, "protocol": protocol.__dict__, "max_tokens": args.max_tokens,
+                "samples_done": len({r["sample_id"] for r in rows}), "wall_seconds": time.perf_counter() - start,
+                "summary": summarize(rows), "samples": rows}
+
     for si, sample in enumerate(samples):
         segments = fidelity.truncate(task.fidelity_segments(sample, engine.tokenizer), args.max_tokens)
         t0 = time.perf_counter()
@@ -88,21 +94,24 @@ def run(args: argparse.Namespace) -> int:
                              "prompt_tokens": r.generation.prompt_tokens, "evictions": r.generation.evictions,
                              "reference_seconds": ref_seconds, **r.to_dict()})
         print(f"[{args.task}] {si + 1}/{len(samples)} samples, {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
-    summary = summarize(rows)
-    for s in summary:
+        if args.json and args.json != "-":  # after every sample, so a long run interrupted keeps what it measured
+            _write(args.json, report())
+    for s in summarize(rows):
         print(f"{s['method']:<14} B={s['budget']:<5} n={s['samples']:<3} KL {s['kl_mean']:.4f} [{s['kl_lo']:.4f}, {s['kl_hi']:.4f}]  "
               f"top-1 {100 * s['top1']:.1f}% [{100 * s['top1_lo']:.1f}, {100 * s['top1_hi']:.1f}]  "
               f"dNLL {s['dnll_mean']:+.4f}  ms/token {s['ms_per_token']:.1f}")
-    if args.json:
-        report = {"task": args.task, "model": args.model, "protocol": protocol.__dict__, "max_tokens": args.max_tokens,
-                  "wall_seconds": time.perf_counter() - start, "summary": summary, "samples": rows}
-        text = json.dumps(report, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as fh:
-                fh.write(text)
+    if args.json == "-":
+        print(json.dumps(report(), indent=1, default=str))
     return 0
+
+
+def _write(path: str, report: dict) -> None:
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    import os
+
+    os.replace(tmp, path)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

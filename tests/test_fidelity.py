@@ -127,3 +127,23 @@ def test_fidelity_of_a_task_without_references_is_one_line_exit_2(capsys):
     assert main(["fidelity", "--task", "aime25", "--method", "full", "--budget", "64"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "kvleague: error: task: aime25 has no reference continuation for fidelity"
+
+
+def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, capsys):
+    from runner.cli import main
+
+    if not (DATA_DIR / "gsm8k").is_dir():
+        pytest.skip("no local GSM8K")
+    argv = ["fidelity", "--model", str(tiny_models["llama"]), "--task", "gsm8k", "--method", "full", "--method", "streaming_llm",
+            "--budget", "32", "--budget", "48", "--limit", "2", "--max-tokens", "12", "--sink", "2", "--recent", "4",
+            "--data-dir", str(DATA_DIR), "--json", "-"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    report = __import__("json").loads(out[out.index("{"):])
+    rows = report["samples"]
+    assert len(rows) == 2 * (1 + 2)  # full once per sample, streaming_llm at both budgets
+    assert all(r["tokens"] == 12 for r in rows)
+    by = {(s["method"], s["budget"]): s for s in report["summary"]}
+    assert by[("full", 32)]["kl_mean"] < 1e-6 and by[("full", 32)]["top1"] == 1.0
+    assert by[("streaming_llm", 32)]["kl_mean"] > by[("streaming_llm", 48)]["kl_mean"] > 0
+    assert by[("streaming_llm", 32)]["kl_lo"] <= by[("streaming_llm", 32)]["kl_mean"] <= by[("streaming_llm", 32)]["kl_hi"]
