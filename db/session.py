@@ -10,15 +10,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from runner.errors import KvleagueError
+
+T = TypeVar("T")
 
 DEFAULT_URL = "sqlite:///kvleague.db"
 DB_URL_ENV = "KVLEAGUE_DB"
@@ -77,6 +83,14 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cur.execute("PRAGMA busy_timeout=30000")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
+    # Python's sqlite3 opens a transaction only before INSERT/UPDATE/DELETE, so CREATE TABLE would
+    # commit at once: a driver killed mid-migration would leave tables without their revision. We
+    # begin every transaction ourselves (below), DDL included.
+    dbapi_connection.isolation_level = None
+
+
+def _sqlite_begin(conn) -> None:
+    conn.exec_driver_sql("BEGIN")
 
 
 _ENGINES: dict[str, Engine] = {}
@@ -90,6 +104,7 @@ def _engine_for(url: str) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         engine = create_engine(parsed, connect_args={"timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
     else:
         engine = create_engine(parsed, pool_pre_ping=True, connect_args={"connect_timeout": 10})
     _ENGINES[url] = engine
@@ -117,10 +132,8 @@ def check_connection(engine: Engine) -> None:
     try:
         with engine.connect() as conn:
             conn.exec_driver_sql("SELECT 1")
-    except (OperationalError, SQLAlchemyError) as exc:
-        first = str(getattr(exc, "orig", exc) or exc).strip().splitlines()
-        reason = first[0] if first else type(exc).__name__
-        raise KvleagueError(f"database: cannot connect to {display_url(engine.url)}: {reason}") from None
+    except SQLAlchemyError as exc:
+        raise KvleagueError(f"database: cannot connect to {display_url(engine.url)}: {error_reason(exc)}") from None
 
 
 def alembic_config(engine: Engine):
@@ -134,14 +147,85 @@ def alembic_config(engine: Engine):
 
 
 def upgrade(engine: Engine, revision: str = "head") -> str | None:
-    """Migrate the schema to ``revision`` (default head); returns the revision now current."""
+    """Migrate the schema to ``revision`` (default head); returns the revision now current. Drivers
+    started together on a new database take turns (a lock), so neither sees half-made tables."""
     from alembic import command
-    from alembic.runtime.migration import MigrationContext
 
     check_connection(engine)
-    command.upgrade(alembic_config(engine), revision)
-    with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+    if revision == "head" and current_revision(engine) == head_revision():
+        return head_revision()
+    with _migration_lock(engine):
+        command.upgrade(alembic_config(engine), revision)
+    return current_revision(engine)
+
+
+_PG_MIGRATION_LOCK = 0x6B766C67  # any constant key for pg_advisory_lock, the same in every driver
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: Engine):
+    """PostgreSQL: a session advisory lock; SQLite: ``flock`` on the file's directory (not on the
+    file: closing another descriptor of it would drop SQLite's own locks)."""
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"SELECT pg_advisory_lock({_PG_MIGRATION_LOCK})")
+            try:
+                yield
+            finally:
+                conn.exec_driver_sql(f"SELECT pg_advisory_unlock({_PG_MIGRATION_LOCK})")
+        return
+    db = engine.url.database or ""
+    if not db or db == ":memory:" or db.startswith("file:"):
+        yield
+        return
+    import fcntl
+
+    fd = os.open(str(Path(db).parent), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def transient(exc: BaseException) -> bool:
+    """A database error that waiting can cure: a lost or refused connection (a server restarting),
+    a SQLite file locked by another writer. Anything else (a constraint, a missing table) is not."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if not isinstance(exc, (OperationalError, InterfaceError)):
+        return False
+    import sqlite3
+
+    if isinstance(exc.orig, sqlite3.Error):
+        text = str(exc.orig).lower()
+        return "locked" in text or "busy" in text
+    return True
+
+
+def error_reason(exc: BaseException) -> str:
+    """The first line of a database error, without SQLAlchemy's statement and background link."""
+    first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return first[0] if first else type(exc).__name__
+
+
+def retrying(engine: Engine, fn: Callable[[], T], what: str, seconds: float) -> T:
+    """``fn()`` (one idempotent transaction), retried with backoff while the database error is
+    transient; after ``seconds`` one line: which database, what could not be done, why."""
+    deadline = time.monotonic() + seconds
+    delay = 0.5
+    while True:
+        try:
+            return fn()
+        except SQLAlchemyError as exc:
+            if not transient(exc):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise KvleagueError(f"database: {what} failed for {seconds:g}s at {display_url(engine.url)}: "
+                                    f"{error_reason(exc)}") from None
+            print(f"database: {what}: {error_reason(exc)}; retrying in {delay:g}s", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -12,9 +12,15 @@ where it stopped and a finished one re-runs in seconds without writing anything.
 Cells run on Ray actors (one per GPU, or one per ``cpus_per_worker`` CPUs without GPUs); an actor
 keeps the model it loaded and serves many cells. Actors restart (``max_restarts``) and their calls
 are retried (``max_task_retries``); a cell whose worker keeps dying is stored as failed after
-``max_cell_attempts``. A cell that raises (bad output, OOM, a prompt longer than a protected budget)
-is stored as failed with the error and the sweep goes on. Results stream back to this driver, the
-only database writer, which writes them in batches: workers need no database access.
+``max_cell_attempts``. A cell that raises (bad output, a prompt longer than a protected budget) is
+stored as failed with the error and the sweep goes on; one that runs out of memory (CUDA, or the
+CPU cap ``memory_limit_gb``) is stored as failed "out of memory" and its worker goes on; one that
+runs past ``cell_timeout_seconds`` is stored as failed and its worker killed and replaced. Results
+stream back to this driver, the only database writer, which writes them in batches: workers need no
+database access. A lost database (a server restarting) does not stop the sweep: finished results
+wait in the driver and are written when it is back (``db_retry_seconds``). Every write is
+idempotent and the database's unique ``cell_key`` holds one row per cell, so a driver killed at any
+point, or two drivers on one sweep, leave exactly one row per finished cell; re-running resumes.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from runner.sweep_config import (
     SweepConfig,
     canonical_json,
     check_config,
+    clip,
     load_config,
     project_dir,
     resolve_data_dir,
@@ -244,10 +251,34 @@ def load_tokenizer(model_spec: str):
 # ------------------------------------------------------------------------------------------------
 
 
+#: keys of an injected-failure rule that say what happens (the others select cells)
+INJECTED_ACTIONS = ("message", "hang_seconds", "allocate_mb")
+
+
 def _matches(cell: Cell, rule: dict[str, Any]) -> bool:
     values = {"method": cell.method, "budget": cell.budget, "task": cell.task, "sample_id": cell.sample_id,
               "seed": cell.seed, "sample_index": cell.sample_index, "model": cell.model["name"], "key": cell.key}
-    return all(k == "message" or values.get(k) == v for k, v in rule.items())
+    return all(k in INJECTED_ACTIONS or values.get(k) == v for k, v in rule.items())
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CPU (MemoryError, torch's allocator under a memory cap) or accelerator (torch.OutOfMemoryError)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def _cap_address_space(limit_gb: float) -> None:
+    """RLIMIT_AS = what this process has mapped now + ``limit_gb``: an allocation beyond it fails
+    (MemoryError) in this worker instead of the kernel's OOM killer taking the node's processes."""
+    import resource
+
+    with open("/proc/self/statm") as fh:
+        mapped = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = mapped + int(limit_gb * 1024**3)
+    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 def _error_text(exc: BaseException) -> str:
@@ -262,13 +293,16 @@ def _error_text(exc: BaseException) -> str:
 class CellWorker:
     """Loads a model once (per model spec) and runs cells on it."""
 
-    def __init__(self, torch_threads: int | None = None, inject_failures: list[dict[str, Any]] | None = None):
+    def __init__(self, torch_threads: int | None = None, inject_failures: list[dict[str, Any]] | None = None,
+                 memory_limit_gb: float | None = None):
         import torch
 
         from runner.provenance import collect_environment
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        if memory_limit_gb:
+            _cap_address_space(memory_limit_gb)
         self.inject_failures = list(inject_failures or [])
         self.env = collect_environment()
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
@@ -306,18 +340,34 @@ class CellWorker:
         """Run one cell; never raises for a cell's own failure (the failure is the result)."""
         start = time.perf_counter()
         row: dict[str, Any] = {"cell_key": cell.key, "worker": self.worker, "environment": self.env}
+        oom = False
         try:
             for rule in self.inject_failures:
                 if _matches(cell, rule):
-                    raise RuntimeError(rule.get("message") or f"injected failure for cell {cell.describe()}")
+                    self._inject(cell, rule)
             row.update(self._run(cell))
             row["status"] = "ok"
         except Exception as exc:  # noqa: BLE001 - a failed cell is data, not a crash
-            row.update(status="failed", error=_error_text(exc))
-            if type(exc).__name__ == "OutOfMemoryError":
-                _free_accelerator_memory()
+            oom = is_out_of_memory(exc)
+            row.update(status="failed", error=("out of memory: " if oom else "") + _error_text(exc))
+        if oom:  # here, not in the except block, whose traceback still holds the failed cell's tensors
+            _free_accelerator_memory()
         row["wall_seconds"] = time.perf_counter() - start
         return row
+
+    def _inject(self, cell: Cell, rule: dict[str, Any]) -> None:
+        """Test hooks (``--inject-failure``): hang, allocate (on the model's device), or raise."""
+        if "hang_seconds" in rule:
+            time.sleep(float(rule["hang_seconds"]))
+        if "allocate_mb" in rule:
+            import torch
+
+            engine = self._engine_for(cell.model)
+            device = next(engine.model.parameters()).device
+            block = torch.empty(int(rule["allocate_mb"]) * 1024**2, dtype=torch.uint8, device=device)
+            del block
+        if "allocate_mb" not in rule and "hang_seconds" not in rule or "message" in rule:
+            raise RuntimeError(rule.get("message") or f"injected failure for cell {cell.describe()}")
 
     def _run(self, cell: Cell) -> dict[str, Any]:
         from methods.registry import build_method
@@ -608,12 +658,14 @@ class SweepRunner:
 
         threads = self.config.resources.torch_threads or max(1, int(self._cpus_per))
         options = {k: v for k, v in self._options.items() if v is not None}
-        return ray.remote(CellWorker).options(**options).remote(threads, self.inject_failures)
+        return ray.remote(CellWorker).options(**options).remote(threads, self.inject_failures,
+                                                                self.config.resources.memory_limit_gb)
 
     # -- run ------------------------------------------------------------------------------------
 
     def run(self) -> SweepSummary:
         from db import store
+        from db.session import retrying
         from runner.provenance import collect_environment, resolved_git_state
 
         t0 = time.monotonic()
@@ -621,15 +673,20 @@ class SweepRunner:
         for w in grid.warnings:
             print(f"warning: {w}", file=sys.stderr, flush=True)
         engine = self._open_db()
+
+        def db(fn: Callable[[], Any], what: str) -> Any:  # a server restarting, another driver writing: wait
+            return retrying(engine, fn, what, self.config.resources.db_retry_seconds)
+
         dim_ids: dict[str, dict[str, int]] = {}
         for dim, rows in grid.dims.items():
-            dim_ids[dim] = {h: store.get_or_create(engine, store.DIMENSIONS[dim], values) for h, values in rows.items()}
+            dim_ids[dim] = db(lambda: {h: store.get_or_create(engine, store.DIMENSIONS[dim], values) for h, values in rows.items()},
+                              f"recording the {dim} rows")
         # an uploaded Ray working dir has no .git: then the checkout it came from tells
         commit, dirty = resolved_git_state(self.base_dir)
         self.git = (commit, dirty)
         driver_env = collect_environment(git=self.git)
-        driver_env_id = store.environment_id(engine, driver_env)
-        sweep_id = store.start_sweep(
+        driver_env_id = db(lambda: store.environment_id(engine, driver_env), "recording the environment")
+        sweep_id = db(lambda: store.start_sweep(
             engine,
             {
                 "name": self.config.name, "config": {**self.config.canonical(), "database": _display(engine)},
@@ -639,9 +696,9 @@ class SweepRunner:
                 "ray_job_id": ray_job_submission_id(),
                 "n_cells": len(grid.cells),
             },
-        )
+        ), "recording the sweep")
         keys = [c.key for c in grid.cells]
-        existing = store.existing_status(engine, keys)
+        existing = db(lambda: store.existing_status(engine, keys), "reading which cells are done")
         pending = [c for c in grid.cells if c.key not in existing or (self.retry_failed and existing[c.key] == "failed")]
         skipped = len(grid.cells) - len(pending)
         print(
@@ -659,13 +716,17 @@ class SweepRunner:
             status = "interrupted"
             raise
         finally:
-            store.finish_sweep(engine, sweep_id, status, n_skipped=skipped, n_ok=ok, n_failed=failed)
+            try:
+                retrying(engine, lambda: store.finish_sweep(engine, sweep_id, status, n_skipped=skipped, n_ok=ok, n_failed=failed),
+                         f"marking sweep #{sweep_id} {status}", min(30.0, self.config.resources.db_retry_seconds))
+            except KvleagueError as exc:  # the results are what matters; they are written (or said not to be)
+                print(f"warning: {exc}", file=sys.stderr, flush=True)
             self._shutdown()
         summary = SweepSummary(
             sweep_id=sweep_id, total=len(grid.cells), skipped=skipped, ran=len(pending), ok=ok, failed=failed,
             seconds=time.monotonic() - t0, keys=keys,
         )
-        summary.rows = store.summary(engine, keys)
+        summary.rows = db(lambda: store.summary(engine, keys), "reading the summary")
         return summary
 
     def _shutdown(self) -> None:
@@ -684,42 +745,41 @@ class SweepRunner:
     def _dispatch(self, engine, sweep_id: int, pending: list[Cell], dim_ids: dict[str, dict[str, int]]) -> tuple[int, int]:
         self._init_ray()  # first: it sets the environment Ray reads once, at import
         import ray
+        from sqlalchemy.exc import SQLAlchemyError
 
         from db import store
+        from db.session import error_reason, retrying, transient
 
         died_errors, task_error = _ray_exceptions()
         res = self.config.resources
         n_workers, self._cpus_per, gpus_per = self._plan_workers(len(pending))
         self._options = self._actor_options(self._cpus_per, gpus_per)
         self.actors = [self._new_actor() for _ in range(n_workers)]
+        # a ping per new actor: the cell time limit counts from when it is up (not while Ray starts
+        # the process and imports torch)
+        starting: list[Any] = [actor.ping.remote() for actor in self.actors]
         print(f"workers: {n_workers} actor(s), {self._cpus_per:g} CPU / {gpus_per:g} GPU each", flush=True)
 
         queue: collections.deque[Cell] = collections.deque(pending)
         inflight: dict[Any, tuple[int, Cell | None]] = {}  # ref -> (actor slot, cell; None for a ping)
+        # per slot, its cells' refs in the order the actor runs them (one at a time): the first is
+        # running, since about when the one before it ended
+        running: list[collections.deque] = [collections.deque() for _ in range(n_workers)]
+        since = [0.0] * n_workers
         load = [0] * n_workers
         probing = [False] * n_workers
         env_ids: dict[str, int] = {}
+        revisions_known: set[int] = set()
         buffer: list[dict[str, Any]] = []
         last_flush = time.monotonic()
+        lost_since: float | None = None  # when a write first failed for a lost database
+        retry_at, backoff = 0.0, 0.5
         done = ok = failed = 0
         progress = Progress(len(pending), self.config.name, bar=self.show_progress)
         max_replacements = 2 * n_workers + 2
 
-        revisions_known: set[int] = set()
-
         def record(cell: Cell, row: dict[str, Any]) -> None:
             nonlocal done, ok, failed
-            revision = row.pop("model_revision", None)
-            model_id = dim_ids["model"][cell.dims["model"]]
-            if revision and model_id not in revisions_known:
-                store.set_model_revision(engine, model_id, str(revision))
-                revisions_known.add(model_id)
-            env = row.pop("environment", None)
-            if env is not None:
-                h = env["spec_hash"]
-                if h not in env_ids:
-                    env_ids[h] = store.environment_id(engine, env)
-                row["environment_id"] = env_ids[h]
             row.update(
                 sweep_id=sweep_id, budget=cell.budget, sample_id=cell.sample_id, sample_index=cell.sample_index,
                 seed=cell.seed, attempts=cell.attempts,
@@ -735,12 +795,62 @@ class SweepRunner:
             if self.on_result is not None:
                 self.on_result(self, row)
 
+        def write(rows: list[dict[str, Any]]) -> None:
+            """Workers' environments, model revisions, then the results: every step idempotent, so
+            the whole is retried after a lost connection."""
+            out = []
+            for row in rows:
+                row = dict(row)
+                env = row.pop("environment", None)
+                if env is not None:
+                    if env["spec_hash"] not in env_ids:
+                        env_ids[env["spec_hash"]] = store.environment_id(engine, env)
+                    row["environment_id"] = env_ids[env["spec_hash"]]
+                revision = row.pop("model_revision", None)
+                if revision and row["model_id"] not in revisions_known:
+                    store.set_model_revision(engine, row["model_id"], str(revision))
+                    revisions_known.add(row["model_id"])
+                out.append(row)
+            store.write_results(engine, out, replace_failed=self.retry_failed)
+
         def flush(force: bool = False) -> None:
-            nonlocal last_flush
-            if buffer and (force or len(buffer) >= res.batch_size or time.monotonic() - last_flush >= res.flush_seconds):
-                store.write_results(engine, buffer, replace_failed=self.retry_failed)
-                buffer.clear()
-                last_flush = time.monotonic()
+            """Write the buffer when due. A lost database does not stop the sweep: its results stay
+            in the buffer and the write is retried with backoff, up to ``db_retry_seconds``."""
+            nonlocal last_flush, lost_since, retry_at, backoff
+            now = time.monotonic()
+            if not buffer or not force and (now < retry_at or len(buffer) < res.batch_size and now - last_flush < res.flush_seconds):
+                return
+            if force:
+                left = res.db_retry_seconds - (now - lost_since if lost_since is not None else 0.0)
+                try:
+                    retrying(engine, lambda: write(buffer), f"writing {len(buffer)} finished results", max(left, 1.0))
+                except KvleagueError as exc:
+                    raise KvleagueError(f"{exc}; run the same command again to resume") from None
+            else:
+                try:
+                    write(buffer)
+                except SQLAlchemyError as exc:
+                    if not transient(exc):
+                        raise
+                    lost_since = now if lost_since is None else lost_since
+                    if now - lost_since >= res.db_retry_seconds:
+                        buffer.clear()  # said below; the forced flush on the way out must not wait again
+                        raise KvleagueError(
+                            f"database: {_display(engine)} lost for {now - lost_since:.0f}s ({error_reason(exc)}); "
+                            f"{len(buffer)} finished results not written: run the same command again to resume") from None
+                    print(f"database: cannot write {len(buffer)} finished results ({error_reason(exc)}); keeping them, "
+                          f"retrying in {backoff:g}s", file=sys.stderr, flush=True)
+                    retry_at, backoff = now + backoff, min(2 * backoff, 30.0)
+                    return
+            if lost_since is not None:
+                print(f"database: back after {time.monotonic() - lost_since:.0f}s; wrote {len(buffer)} results", file=sys.stderr, flush=True)
+            buffer.clear()
+            last_flush, lost_since, retry_at, backoff = time.monotonic(), None, 0.0, 0.5
+
+        def finished(slot: int, ref: Any) -> None:
+            if ref in running[slot]:
+                running[slot].remove(ref)
+                since[slot] = time.monotonic()
 
         def worker_lost(slot: int, cell: Cell | None, exc: BaseException) -> None:
             if cell is not None:
@@ -755,12 +865,36 @@ class SweepRunner:
                 inflight[self.actors[slot].ping.remote()] = (slot, None)
                 load[slot] += 1
 
+        def timed_out(slot: int) -> None:
+            """The slot's running cell is over its time: a failed row; the actor is killed (a hung
+            call cannot be cancelled: Ray cancels only queued actor calls) and replaced, and the
+            cells queued behind the hung one go back to the queue."""
+            cell = inflight[running[slot][0]][1]
+            cell.attempts += 1
+            record(cell, {"cell_key": cell.key, "status": "failed", "error": (
+                f"timed out after {res.cell_timeout_seconds:g}s (resources.cell_timeout_seconds); its worker was replaced")})
+            ray.kill(self.actors[slot], no_restart=True)
+            for ref in [r for r, (s, _) in inflight.items() if s == slot]:
+                other = inflight.pop(ref)[1]
+                if other is not None and other is not cell:
+                    queue.appendleft(other)
+            running[slot].clear()
+            load[slot], probing[slot] = 0, False
+            self.actors[slot] = self._new_actor()
+            starting[slot] = self.actors[slot].ping.remote()
+            print(f"worker {slot}: {cell.describe()} timed out after {res.cell_timeout_seconds:g}s; replaced the worker",
+                  file=sys.stderr, flush=True)
+
         try:
             while queue or inflight:
                 for slot in range(n_workers):
                     while queue and not probing[slot] and load[slot] < res.in_flight_per_worker:
                         cell = queue.popleft()
-                        inflight[self.actors[slot].run.remote(cell)] = (slot, cell)
+                        ref = self.actors[slot].run.remote(cell)
+                        inflight[ref] = (slot, cell)
+                        if not running[slot]:
+                            since[slot] = time.monotonic()
+                        running[slot].append(ref)
                         load[slot] += 1
                 if not inflight:
                     if all(probing):
@@ -774,6 +908,7 @@ class SweepRunner:
                 for ref in ready:
                     slot, cell = inflight.pop(ref)
                     load[slot] -= 1
+                    finished(slot, ref)
                     try:
                         out = ray.get(ref)
                     except died_errors as exc:
@@ -782,6 +917,7 @@ class SweepRunner:
                                 raise KvleagueError(f"ray: workers keep dying ({self.replacements} replaced); last: {_error_text(exc)}") from None
                             self.replacements += 1
                             self.actors[slot] = self._new_actor()
+                            starting[slot] = self.actors[slot].ping.remote()
                             probing[slot] = False
                             print(f"worker {slot} died; replaced it ({self.replacements}/{max_replacements})", file=sys.stderr, flush=True)
                         else:
@@ -798,6 +934,15 @@ class SweepRunner:
                         continue
                     cell.attempts += 1
                     record(cell, out)
+                if res.cell_timeout_seconds:
+                    now = time.monotonic()
+                    for slot in range(n_workers):
+                        if starting[slot] is not None:
+                            if not ray.wait([starting[slot]], timeout=0)[0]:
+                                continue
+                            starting[slot], since[slot] = None, max(since[slot], now)
+                        if running[slot] and now - since[slot] > res.cell_timeout_seconds:
+                            timed_out(slot)
                 flush()
                 progress.update(done, failed)
         finally:
@@ -895,7 +1040,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         check_config(config, base)
     except KvleagueError as exc:
-        raise KvleagueError(f"config {args.config}: {exc}") from None
+        raise KvleagueError(clip(f"config {args.config}: {exc}")) from None
     injections = []
     for text in args.inject_failure:
         try:

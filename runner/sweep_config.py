@@ -45,12 +45,14 @@ DOMAINS = ("math", "code", "agentic", "longqa")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("sdpa", "eager", "flash_attention_2")
 PROJECT_DIR_ENV = "KVLEAGUE_PROJECT_DIR"
+#: integers stored in INTEGER columns (budgets, seeds, token counts) must fit in 32 bits (PostgreSQL)
+INT32 = 2**31 - 1
 
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -109,7 +111,7 @@ class TaskConfig(_Strict):
     sample_seed: int = Field(default=0, ge=0)
     #: skip (with a warning) instead of failing when no task of this name is registered
     optional: bool = False
-    max_new_tokens: int | None = Field(default=None, ge=1)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=INT32)
 
     @model_validator(mode="before")
     @classmethod
@@ -120,11 +122,11 @@ class TaskConfig(_Strict):
 class ProtocolConfig(_Strict):
     cadence: str = "every_step"
     positions: Literal["absolute", "compact"] = "absolute"
-    sink: int = Field(default=0, ge=0)
-    recent: int = Field(default=0, ge=0)
+    sink: int = Field(default=0, ge=0, le=INT32)
+    recent: int = Field(default=0, ge=0, le=INT32)
     #: ``null``: the task's own default (``Task.protect_prompt``)
     protect_prompt: bool | None = None
-    prefill_chunk: int | None = Field(default=None, ge=1)
+    prefill_chunk: int | None = Field(default=None, ge=1, le=INT32)
     recent_max_fraction: float | None = Field(default=None, ge=0, le=1)
     prompt_over_budget: Literal["error", "keep"] = "error"
 
@@ -144,10 +146,10 @@ class ProtocolConfig(_Strict):
 class ProtocolOverride(_Strict):
     cadence: str | None = None
     positions: Literal["absolute", "compact"] | None = None
-    sink: int | None = Field(default=None, ge=0)
-    recent: int | None = Field(default=None, ge=0)
+    sink: int | None = Field(default=None, ge=0, le=INT32)
+    recent: int | None = Field(default=None, ge=0, le=INT32)
     protect_prompt: bool | None = None
-    prefill_chunk: int | None = Field(default=None, ge=1)
+    prefill_chunk: int | None = Field(default=None, ge=1, le=INT32)
     recent_max_fraction: float | None = Field(default=None, ge=0, le=1)
     prompt_over_budget: Literal["error", "keep"] | None = None
 
@@ -157,7 +159,7 @@ class GenerationConfig(_Strict):
     top_p: float = Field(default=1.0, gt=0, le=1)
     n_samples: int = Field(default=1, ge=1, le=1000)
     #: ``null``: the task's default (``Task.max_new_tokens``); a task entry's own value wins
-    max_new_tokens: int | None = Field(default=None, ge=1)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=INT32)
     #: ``null``: the task's stop strings
     stop: list[str] | None = None
 
@@ -184,6 +186,13 @@ class ResourcesConfig(_Strict):
     flush_seconds: float = Field(default=5.0, gt=0)
     #: calls queued per actor (pipelining hides the driver round trip)
     in_flight_per_worker: int = Field(default=2, ge=1, le=64)
+    #: a cell running longer (model loading included) is stored as failed and its worker replaced; null: no limit
+    cell_timeout_seconds: float | None = Field(default=3600.0, gt=0)
+    #: CPU memory a worker may map beyond what it has at start (RLIMIT_AS, Linux); a cell that needs
+    #: more is stored as failed (out of memory) and the worker goes on; null: no cap
+    memory_limit_gb: float | None = Field(default=None, gt=0)
+    #: how long the driver keeps retrying (with backoff) a database it lost before it stops
+    db_retry_seconds: float = Field(default=600.0, gt=0)
 
 
 class SweepConfig(_Strict):
@@ -217,6 +226,8 @@ class SweepConfig(_Strict):
         for b in value:
             if b < 1:
                 raise ValueError(f"must be positive integers, got {b}")
+            if b > INT32:
+                raise ValueError(f"must be at most {INT32}, got {b}")
         if len(set(value)) != len(value):
             raise ValueError(f"duplicate budget in {value}")
         return value
@@ -227,6 +238,8 @@ class SweepConfig(_Strict):
         for s in value:
             if s < 0:
                 raise ValueError(f"must be >= 0, got {s}")
+            if s > INT32:
+                raise ValueError(f"must be at most {INT32}, got {s}")
         if len(set(value)) != len(value):
             raise ValueError(f"duplicate seed in {value}")
         return value
@@ -322,6 +335,21 @@ def _inner_model(tp: Any) -> type[BaseModel] | None:
     return None
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a message stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def clip(message: str, limit: int = 1000) -> str:
+    """A message cut in the middle when an input it echoes is enormous: the field it names (at the
+    start) and the allowed values (at the end) stay."""
+    if len(message) <= limit:
+        return message
+    half = limit // 2 - 20
+    return f"{message[:half]} ...({len(message) - 2 * half} characters cut)... {message[-half:]}"
+
+
 def format_validation_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-union"))))
@@ -341,7 +369,7 @@ def format_validation_error(exc: ValidationError) -> str:
     if msg.startswith("Assertion failed, "):
         msg = msg[len("Assertion failed, "):]
     got = err.get("input")
-    shown = "" if kind.startswith("value_error") or isinstance(got, (dict, list)) else f" (got {got!r})"
+    shown = "" if kind.startswith("value_error") or isinstance(got, (dict, list)) else f" (got {_short(got)})"
     if kind == "value_error" and re.match(r"^[A-Za-z_][\w.\[\]]*: ", msg):
         # a model validator's message starts with the field it is about ("grid.window: ...")
         return f"{where}.{msg}".replace("\n", " ") if loc else msg.replace("\n", " ")
@@ -366,19 +394,25 @@ def load_config(path: str | os.PathLike[str], *, check: bool = True, base_dir: P
         raise KvleagueError(f"config: no such file {str(p)!r}") from None
     except OSError as exc:
         raise KvleagueError(f"config: cannot read {str(p)!r}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
+    except UnicodeDecodeError as exc:
+        raise KvleagueError(f"config {p}: not UTF-8 text (byte {exc.start})") from None
+    try:  # libyaml's parser where present: linear on enormous or deeply nested input, unlike PyYAML's
+        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise KvleagueError(f"config {p}: invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise KvleagueError(f"config {p}: nested too deeply to be a sweep config") from None
     try:
         config = parse_config(data)
         if check:
             check_config(config, base_dir=base_dir)
     except KvleagueError as exc:
-        raise KvleagueError(f"config {p}: {exc}") from None
+        raise KvleagueError(clip(f"config {p}: {exc}")) from None
+    except RecursionError:
+        raise KvleagueError(f"config {p}: nested too deeply to be a sweep config") from None
     return config
 
 

@@ -3,6 +3,7 @@
 #
 #   scripts/postgres.sh start [DIR]   # installs Debian's postgresql if missing, starts a server, prints its URL
 #   scripts/postgres.sh url   [DIR]   # prints the URL of the running server
+#   scripts/postgres.sh pause [DIR]   # stops it, keeping its data (resume starts it again on the same port)
 #   scripts/postgres.sh stop  [DIR]   # stops it and deletes DIR
 #
 # DIR (default $KVLEAGUE_PG_DIR, else /tmp/kvleague-pg) holds the data directory, the socket, the log
@@ -46,6 +47,14 @@ as_owner() {  # run a server binary as the data directory's owner
 
 url() { echo "postgresql+psycopg://postgres@127.0.0.1:$(cat "$dir/port")/kvleague"; }
 
+launch() {  # start the server of $dir on its port
+  local port
+  port=$(cat "$dir/port")
+  as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+    -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c fsync=off -c synchronous_commit=off -c full_page_writes=off" \
+    start >/dev/null || { tail -20 "$dir/server.log" >&2; exit 1; }
+}
+
 case "$cmd" in
   start)
     bin=$(find_bin) || { install_postgres; bin=$(find_bin); }
@@ -63,14 +72,22 @@ case "$cmd" in
     fi
     as_owner "$bin/initdb" -D "$dir/data" -U postgres --auth=trust --encoding=UTF8 --no-locale >"$dir/initdb.log" 2>&1 \
       || { cat "$dir/initdb.log" >&2; exit 1; }
-    as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-      -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c fsync=off -c synchronous_commit=off -c full_page_writes=off" \
-      start >/dev/null || { tail -20 "$dir/server.log" >&2; exit 1; }
+    launch
     as_owner "$bin/createdb" -h 127.0.0.1 -p "$port" -U postgres kvleague
     url
     ;;
   url)
     [ -f "$dir/port" ] || { echo "postgres.sh: no server in $dir" >&2; exit 1; }
+    url
+    ;;
+  pause)  # stop the server but keep its data (fault tests: a database lost mid-sweep)
+    bin=$(find_bin)
+    as_owner "$bin/pg_ctl" -D "$dir/data" -m fast -w -t 30 stop >/dev/null
+    echo "postgres paused"
+    ;;
+  resume)  # start a paused server again, same data and port
+    bin=$(find_bin)
+    launch
     url
     ;;
   stop)
@@ -82,7 +99,7 @@ case "$cmd" in
     echo "postgres stopped"
     ;;
   *)
-    echo "usage: $0 start|url|stop [DIR]" >&2
+    echo "usage: $0 start|url|pause|resume|stop [DIR]" >&2
     exit 2
     ;;
 esac

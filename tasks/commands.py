@@ -67,26 +67,54 @@ def parse_option(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+COMPLETION_FIELDS = ("sample_id", "completion")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def read_completions(path: str | Path) -> list[tuple[str, str]]:
-    """``(sample_id, completion)`` pairs of a JSONL file, validated line by line."""
+    """``(sample_id, completion)`` pairs of a JSONL file, validated line by line: each line an object
+    with exactly ``sample_id`` (a string) and ``completion`` (a string, or JSON for agentic transcripts)."""
     p = Path(path)
     if not p.is_file():
         raise KvleagueError(f"--completions: {str(p)!r} is not a file")
     pairs = []
-    with open(p, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(p, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"--completions: line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise KvleagueError(f"{where} is not UTF-8 text (byte {exc.start})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise KvleagueError(f"--completions: line {lineno} is not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or "sample_id" not in row or "completion" not in row:
-                raise KvleagueError(f"--completions: line {lineno} must be an object with keys sample_id and completion")
-            completion = row["completion"]
-            if not isinstance(completion, str):  # agentic transcripts may come as JSON objects
-                completion = json.dumps(completion)
-            pairs.append((str(row["sample_id"]), completion))
+                raise KvleagueError(f"{where} is not JSON ({exc.msg})") from None
+            except RecursionError:
+                raise KvleagueError(f"{where} is nested too deeply") from None
+            if not isinstance(row, dict) or any(k not in row for k in COMPLETION_FIELDS):
+                raise KvleagueError(f"{where} must be an object with keys sample_id and completion")
+            extra = sorted(set(row) - set(COMPLETION_FIELDS))
+            if extra:
+                raise KvleagueError(f"{where}: unknown field {_short(extra[0])}; allowed: {', '.join(COMPLETION_FIELDS)}")
+            sample_id, completion = row["sample_id"], row["completion"]
+            if not isinstance(sample_id, str) or not sample_id:
+                raise KvleagueError(f"{where}: sample_id must be a non-empty string, got {_short(sample_id)}")
+            if isinstance(completion, (dict, list)):  # agentic transcripts may come as JSON
+                try:
+                    completion = json.dumps(completion)
+                except RecursionError:
+                    raise KvleagueError(f"{where} is nested too deeply") from None
+            elif not isinstance(completion, str):
+                raise KvleagueError(f"{where}: completion must be a string (or a JSON object or list), got {_short(completion)}")
+            pairs.append((sample_id, completion))
+    if not pairs:
+        raise KvleagueError(f"--completions: {str(p)!r} has no completions")
     return pairs
 
 
@@ -102,7 +130,7 @@ def score_file(task_name: str, completions: str | Path, data_dir: str | None = N
     for sample_id, completion in pairs:
         if sample_id not in samples:
             some = ", ".join(list(samples)[:3])
-            raise KvleagueError(f"--completions: unknown sample_id {sample_id!r} for task {task_name} (ids look like: {some})")
+            raise KvleagueError(f"--completions: unknown sample_id {_short(sample_id)} for task {task_name} (ids look like: {some})")
         todo.append((samples[sample_id], completion))
     results = task.score_many(todo)
     per_sample = []
