@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -8,16 +9,17 @@ from methods.base import CacheView, EvictionMethod
 from methods.registry import register_method
 
 
-def lag_std(x: torch.Tensor, lag: int, eps: float) -> torch.Tensor:
+def lag_std(x: torch.Tensor, lag: int, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x`` ``[H, T, d]`` -> ``[H, T]``: std over d of each token, chunk i min/max-normalised by chunk i-1.
 
     Chunks are consecutive runs of ``lag`` cache slots from the oldest (the last may be shorter).
     For chunk i > 0: x' = (x - min_{i-1}) / (max_{i-1} - min_{i-1} + eps), min/max per head and
-    channel over the tokens of chunk i-1; chunk 0 uses raw x. Sample std (ddof = 1) over head_dim.
+    channel over the tokens of chunk i-1; chunk 0 uses raw x. Sample std (ddof = 1) over head_dim,
+    stored in ``dtype``.
     """
     h, t, d = x.shape
     full = (t // lag) * lag
-    std = torch.empty(h, t, dtype=torch.float32, device=x.device)
+    std = torch.empty(h, t, dtype=dtype, device=x.device)
     std[:, : min(lag, t)] = x[:, : min(lag, t)].std(dim=-1)
     if t <= lag:
         return std
@@ -47,7 +49,9 @@ class LagKV(EvictionMethod):
 
     As the authors' ``LagKVEviction``: std is the sample std (ddof = 1, ``torch.std``); ``eps`` = 1e-9;
     chunks follow the current cache slots, prompt included (after evictions a chunk spans more than
-    ``lag`` original positions); a trailing partial chunk is normalised by the last full chunk. Under
+    ``lag`` original positions); a trailing partial chunk is normalised by the last full chunk; the
+    arithmetic is theirs (``arithmetic: reference``: in the cache's dtype, so bf16 models round as
+    theirs do; ``float32`` is kvleague's earlier float32 path, which avoids stacking the layers). Under
     ``protocol: epikv_paper`` (prompt kept, recent min(128, B // 4)) the cache equals that class's,
     bit for bit, at every step (evidence in docs/methods.md).
 
@@ -59,14 +63,26 @@ class LagKV(EvictionMethod):
 
     lag: int = 128
     eps: float = 1e-9
+    #: ``reference``: as the authors' class, in the cache dtype (layer mean of the stacked K/V, std and
+    #: head mean in that dtype, then float32); ``float32``: accumulated in float32 without the stack
+    arithmetic: Literal["reference", "float32"] = "reference"
 
     def __post_init__(self) -> None:
         if self.lag < 2:
             raise ValueError(f"lag must be >= 2, got {self.lag}")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.arithmetic not in ("reference", "float32"):
+            raise ValueError(f"arithmetic must be reference or float32, got {self.arithmetic!r}")
 
     def score(self, cache: CacheView) -> torch.Tensor:
+        if self.arithmetic == "reference":
+            total = None
+            for tensors in (cache.keys, cache.values):
+                x = torch.stack(tensors).mean(dim=0)
+                s = lag_std(x, self.lag, self.eps, x.dtype).mean(dim=0).float()
+                total = s if total is None else total + s
+            return total
         keys, values = _layer_mean(cache.keys), _layer_mean(cache.values)
         return lag_std(keys, self.lag, self.eps).mean(dim=0) + lag_std(values, self.lag, self.eps).mean(dim=0)
 
