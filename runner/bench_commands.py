@@ -66,14 +66,16 @@ def cmd_all(args) -> int:
 def cmd_store(args) -> int:
     from db.session import default_url, display_url
     from runner.bench.harness import read_report
-    from runner.bench.storage import store_report
+    from runner.bench.storage import check_storable, store_report
     from runner.errors import KvleagueError
+    from runner.sweep_config import clip
 
     for path in args.reports:
         try:
             report = read_report(path)
-        except (OSError, ValueError) as exc:
-            raise KvleagueError(f"{path}: not a benchmark report: {exc}") from None
+            check_storable(report)
+        except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise KvleagueError(clip(f"{path}: not a benchmark report: {exc}")) from None
         n = store_report(report, args.db)
         print(f"{path}: stored {n} new figures of {report['benchmark']} run {report['run_id'][:12]} "
               f"in {display_url(args.db or default_url())}")

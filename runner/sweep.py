@@ -366,7 +366,7 @@ class CellWorker:
             device = next(engine.model.parameters()).device
             block = torch.empty(int(rule["allocate_mb"]) * 1024**2, dtype=torch.uint8, device=device)
             del block
-        if "allocate_mb" not in rule and "hang_seconds" not in rule or "message" in rule:
+        if "message" in rule or ("allocate_mb" not in rule and "hang_seconds" not in rule):
             raise RuntimeError(rule.get("message") or f"injected failure for cell {cell.describe()}")
 
     def _run(self, cell: Cell) -> dict[str, Any]:

@@ -382,3 +382,102 @@ def test_dashboard_engine_cannot_write(backend, tmp_path, request):
                 conn.commit()
     assert fingerprint(engine) == before == (before[0], 5)
     engine.dispose()
+
+
+# ------------------------------------------------------------------------------------------------
+# kvleague bench store: the import of exported (benchmark) reports
+# ------------------------------------------------------------------------------------------------
+
+
+def mutate_report(rng: random.Random, report: dict) -> tuple[str, bytes]:
+    from db.models import Environment
+    from runner.bench.harness import ENVIRONMENT_KEYS, FIGURE_KEYS
+
+    STORED_ENV = [k for k in ENVIRONMENT_KEYS if k in Environment.__table__.columns]
+
+    kind = rng.choice(["wrong_type", "missing", "extra", "huge", "negative_budget", "unicode", "nested", "enormous",
+                       "truncated", "not_utf8", "not_an_object", "bad_date", "non_finite"])
+    r = copy.deepcopy(report)
+    fig = r["figures"][rng.randrange(len(r["figures"]))]
+    if kind == "wrong_type":
+        where = rng.choice(["top", "figure", "environment"])
+        if where == "top":
+            key = rng.choice(["schema_version", "benchmark", "run_id", "created_at", "environment", "config", "rows",
+                              "figures", "summary"])
+            r[key] = {"a": 1} if isinstance(report[key], list) else rng.choice([[1], None])
+        elif where == "figure":
+            key = rng.choice(list(FIGURE_KEYS))
+            fig[key] = rng.choice([[1], {"a": 1}] if key != "details" else [[1], "x", 3])
+        else:  # a field stored in the environments table (the others, like load_average, are not stored)
+            r["environment"][rng.choice(STORED_ENV)] = rng.choice([[1, 2], {"a": [1]}])
+    elif kind == "missing":
+        where = rng.choice(["top", "figure", "environment"])
+        if where == "top":
+            del r[rng.choice(["schema_version", "benchmark", "run_id", "created_at", "environment", "config", "figures"])]
+        elif where == "figure":
+            del fig[rng.choice(list(FIGURE_KEYS))]
+        else:
+            del r["environment"][rng.choice(ENVIRONMENT_KEYS)]
+    elif kind == "extra":
+        fig[rng.choice(["extra", "ключ", "😀", "row_key"])] = rng.choice([1, "x", None])
+    elif kind == "huge":
+        fig[rng.choice(["budget", "value"])] = rng.choice([INT32 + 1, 2**63, 10**40]) if rng.random() < 0.5 else 10**400
+    elif kind == "negative_budget":
+        fig["budget"] = rng.choice([-1, 0, -(2**40)])
+    elif kind == "unicode":
+        key = rng.choice(["benchmark", "schema_version"])
+        r[key] = rng.choice(UNICODE) + "decode_speed"
+    elif kind == "nested":
+        body = json.dumps(r).replace('"summary": {}', '"summary": ' + "[" * 200_000 + "]" * 200_000, 1)
+        return kind, body.encode()
+    elif kind == "enormous":
+        r[rng.choice(["run_id", "benchmark", "created_at"])] = "A" * rng.choice([300, 3_000_000])
+        if r.get("run_id") and len(r["run_id"]) == 300:
+            r["benchmark"] = "☃" * 1_000_000
+    elif kind == "truncated":
+        body = json.dumps(r).encode()
+        return kind, body[: rng.randrange(0, len(body) - 1)]
+    elif kind == "not_utf8":
+        body = json.dumps(r, ensure_ascii=False).encode()
+        at = rng.randrange(len(body))
+        return kind, body[:at] + rng.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80"]) + body[at:]
+    elif kind == "not_an_object":
+        return kind, rng.choice([b"[]", b"42", b'"report"', b"null", b""])
+    elif kind == "bad_date":
+        r["created_at"] = rng.choice(["yesterday", "2026-13-45T00:00:00", "", "☃"])
+    else:
+        return kind, json.dumps(r).replace('"value": ', '"value": NaN, "x": ', 1).encode()
+    return kind, json.dumps(r, ensure_ascii=False).encode()
+
+
+def test_fuzzed_benchmark_reports(tmp_path, capsys):
+    """240 mutants of a valid exported report through `kvleague bench store`: each one line, exit 2,
+    and nothing in the database (no figure, no environment row)."""
+    from runner.bench import harness as h
+
+    figures = [h.figure("speed_ratio", 1.25, "x", method="epikv", budget=256, reference="full", clock="cpu"),
+               h.figure("max_tokens", 4096, "tokens", method="h2o", budget=1024, at_least=False)]
+    report = h.make_report("decode_speed", config={"model": "m"}, rows=[{"method": "epikv"}], figures=figures,
+                           summary={}, env=h.environment())
+    path = tmp_path / "r.json"
+    db = tmp_path / "bench.db"
+    url = f"sqlite:///{db}"
+    from db.session import get_engine, upgrade
+
+    upgrade(get_engine(url))
+    rng = random.Random(202)
+    kinds: dict[str, int] = {}
+    for i in range(N_MUTANTS):
+        kind, body = mutate_report(rng, report)
+        path.write_bytes(body)
+        rc, out, err = _run_cli(capsys, ["bench", "store", str(path), "--db", url])
+        lines = err.splitlines()
+        assert rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith(f"kvleague: error: {path}: "), (i, kind, err[-2000:])
+        assert "Traceback" not in err and len(lines[0]) <= MAX_LINE, (i, kind, err[:2000])
+        kinds[kind] = kinds.get(kind, 0) + 1
+    with get_engine(url).connect() as conn:
+        assert conn.execute(text("SELECT (SELECT count(*) FROM benchmark_results) + (SELECT count(*) FROM environments)")).scalar() == 0
+    assert len(kinds) == 13, kinds
+    path.write_text(json.dumps(report))
+    assert _run_cli(capsys, ["bench", "store", str(path), "--db", url])[0] == 0  # the unmutated report is stored
+    print(f"fuzzed benchmark reports: {N_MUTANTS}, all exit 2 with one line, nothing stored; by kind: {kinds}")

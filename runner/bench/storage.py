@@ -28,13 +28,59 @@ def row_key(report: dict[str, Any], fig: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def check_storable(report: dict[str, Any]) -> None:
+    """Raise ``ValueError`` (one line) unless every stored value of ``report`` fits its column: a
+    report edited or damaged by hand is refused before anything is written, not by the database
+    halfway through."""
+    import math
+
+    from sqlalchemy import Boolean, Float, Integer, String
+
+    from db.models import BenchmarkResult, Environment
+
+    def check(where: str, column, value: Any) -> None:
+        kind = column.type
+        if value is None:
+            if not column.nullable:
+                raise ValueError(f"{where}: must not be null")
+        elif isinstance(kind, Boolean):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: expected true or false")
+        elif isinstance(kind, Integer):
+            if not isinstance(value, int) or isinstance(value, bool) or not -(2**31) <= value < 2**31:
+                raise ValueError(f"{where}: expected an integer from {-(2**31)} to {2**31 - 1}")
+        elif isinstance(kind, Float):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or abs(value) >= 2**63 or not math.isfinite(value):
+                raise ValueError(f"{where}: expected a finite number below 2**63 in size")
+        elif isinstance(kind, String):
+            if not isinstance(value, str) or (kind.length and len(value) > kind.length):
+                raise ValueError(f"{where}: expected a string of at most {kind.length} characters")
+
+    validate_report(report)
+    env_columns = Environment.__table__.columns
+    for key, value in report["environment"].items():
+        if key in env_columns:
+            check(f"environment.{key}", env_columns[key], value)
+    figure_columns = BenchmarkResult.__table__.columns
+    check("run_id", figure_columns["run_id"], report["run_id"])
+    for i, fig in enumerate(report["figures"]):
+        for key in ("method", "budget", "metric", "value", "unit", "reference"):
+            check(f"figures[{i}].{key}", figure_columns[key], fig[key])
+        if fig["budget"] is not None and fig["budget"] < 1:
+            raise ValueError(f"figures[{i}].budget: must be positive, got {fig['budget']}")
+    try:
+        datetime.fromisoformat(report["created_at"])
+    except ValueError:
+        raise ValueError("created_at: expected an ISO 8601 date and time") from None
+
+
 def store_report(report: dict[str, Any], url: str | None = None) -> int:
     """Write every figure of ``report`` (migrating the schema first); returns how many are new."""
     from db import store
     from db.models import BenchmarkResult
     from db.session import get_engine, upgrade
 
-    validate_report(report)
+    check_storable(report)
     engine = get_engine(url)
     upgrade(engine)
     env_id = store.environment_id(engine, report["environment"])
