@@ -119,6 +119,38 @@ def test_database_refuses_a_second_row_for_a_cell(db_url):
     assert _counts(db_url)[:2] == (1, 1)
 
 
+def test_a_database_that_stays_away_is_one_line_after_the_retry_window(tmp_path, capsys):
+    """retrying(): transient errors (nothing listening) are retried with backoff, then one line naming
+    the database and what could not be done; a non-transient error (a missing table) is raised at once."""
+    import socket
+
+    from sqlalchemy.exc import OperationalError
+
+    from db.session import retrying
+    from runner.errors import KvleagueError
+
+    with socket.socket() as s:  # a port with nothing behind it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = get_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/kvleague")
+
+    def write():
+        with engine.begin() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    t0 = time.monotonic()
+    with pytest.raises(KvleagueError) as err:
+        retrying(engine, write, "writing 3 finished results", 2.0)
+    assert 1.0 <= time.monotonic() - t0 < 10
+    assert str(err.value).startswith(f"database: writing 3 finished results failed for 2s at postgresql+psycopg://postgres@127.0.0.1:{port}/kvleague: ")
+    assert "retrying in 0.5s" in capsys.readouterr().err
+    sqlite = get_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    t0 = time.monotonic()
+    with pytest.raises(OperationalError, match="no such table"):
+        retrying(sqlite, lambda: sqlite.connect().exec_driver_sql("SELECT * FROM nowhere"), "reading", 30.0)
+    assert time.monotonic() - t0 < 5
+
+
 def test_hung_cell_and_out_of_memory_cell(ray_head, project, tmp_path):
     """One worker; a cell that allocates past the worker's memory cap, and later one that hangs. The
     first is a failed row "out of memory" and the same worker runs the next cells; the second is a
