@@ -658,8 +658,9 @@ class SweepRunner:
 
         threads = self.config.resources.torch_threads or max(1, int(self._cpus_per))
         options = {k: v for k, v in self._options.items() if v is not None}
-        return ray.remote(CellWorker).options(**options).remote(threads, self.inject_failures,
-                                                                self.config.resources.memory_limit_gb)
+        # an address-space cap would break CUDA, which maps far more address space than memory
+        cap = self.config.resources.memory_limit_gb if not options.get("num_gpus") else None
+        return ray.remote(CellWorker).options(**options).remote(threads, self.inject_failures, cap)
 
     # -- run ------------------------------------------------------------------------------------
 
@@ -759,6 +760,9 @@ class SweepRunner:
         # the process and imports torch)
         starting: list[Any] = [actor.ping.remote() for actor in self.actors]
         print(f"workers: {n_workers} actor(s), {self._cpus_per:g} CPU / {gpus_per:g} GPU each", flush=True)
+        if res.memory_limit_gb and gpus_per:
+            print("warning: resources.memory_limit_gb applies to CPU workers only; GPU workers run without it "
+                  "(CUDA out of memory is still a failed row)", file=sys.stderr, flush=True)
 
         queue: collections.deque[Cell] = collections.deque(pending)
         inflight: dict[Any, tuple[int, Cell | None]] = {}  # ref -> (actor slot, cell; None for a ping)

@@ -188,8 +188,9 @@ class ResourcesConfig(_Strict):
     in_flight_per_worker: int = Field(default=2, ge=1, le=64)
     #: a cell running longer (model loading included) is stored as failed and its worker replaced; null: no limit
     cell_timeout_seconds: float | None = Field(default=3600.0, gt=0)
-    #: CPU memory a worker may map beyond what it has at start (RLIMIT_AS, Linux); a cell that needs
-    #: more is stored as failed (out of memory) and the worker goes on; null: no cap
+    #: CPU memory a worker may map beyond what it has at start (RLIMIT_AS, Linux; CPU workers only:
+    #: CUDA needs more address space than memory); a cell that needs more is stored as failed (out
+    #: of memory) and the worker goes on; null: no cap
     memory_limit_gb: float | None = Field(default=None, gt=0)
     #: how long the driver keeps retrying (with backoff) a database it lost before it stops
     db_retry_seconds: float = Field(default=600.0, gt=0)
