@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from methods.base import EvictionMethod, Observation, SequenceInfo
 from runner.attention_probe import INNER_IMPLEMENTATIONS, AttentionRecorder, recording, wrapper_name
 from runner.budgeted_cache import BudgetedCache
-from runner.errors import KvleagueError
+from runner.errors import KvleagueError, first_line
 from runner.model_source import resolve_model
 from runner.protocol import GenerationSettings, Protocol
 from runner.resources import PeakMemory
@@ -122,8 +122,7 @@ class Engine:
                 source, dtype=DTYPES[dtype], attn_implementation=attn_implementation
             ).to(device)
         except OSError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise KvleagueError(f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first}") from None
+            raise KvleagueError(f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}") from None
         return cls(hf_model, tokenizer, attn_implementation)
 
     def session(self, method: EvictionMethod, budget: int, protocol: Protocol | None = None, seed: int = 0) -> "Session":

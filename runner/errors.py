@@ -3,3 +3,9 @@
 
 class KvleagueError(Exception):
     """Bad input or an impossible request; the message names the field and the allowed values."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none), for a one-line error."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -109,8 +110,6 @@ def _write(path: str, report: dict) -> None:
     tmp = f"{path}.partial"
     with open(tmp, "w") as fh:
         json.dump(report, fh, indent=1, default=str)
-    import os
-
     os.replace(tmp, path)
 
 

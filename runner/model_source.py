@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.errors import KvleagueError
+from runner.errors import KvleagueError, first_line
 
 MARKER = "kvleague-source.json"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -192,7 +192,7 @@ def _convert_into(gguf_file: Path, out: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
             model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a bad file, said in one line
-        raise KvleagueError(f"model: {gguf_file}: transformers could not convert it: {_first_line(exc)}") from None
+        raise KvleagueError(f"model: {gguf_file}: transformers could not convert it: {first_line(exc)}") from None
     model.save_pretrained(out)
     chat_tokenizer_from_gguf(tokenizer, meta).save_pretrained(out)
     import importlib.metadata as md
@@ -219,7 +219,7 @@ def gguf_metadata(gguf_file: Path) -> dict:
                 meta[key] = field.contents()
         return meta
     except Exception as exc:  # noqa: BLE001
-        raise KvleagueError(f"model: {gguf_file}: not a readable GGUF file (corrupt or truncated?): {_first_line(exc)}") from None
+        raise KvleagueError(f"model: {gguf_file}: not a readable GGUF file (corrupt or truncated?): {first_line(exc)}") from None
 
 
 def chat_tokenizer_from_gguf(tokenizer, meta: dict):
@@ -247,8 +247,3 @@ def chat_tokenizer_from_gguf(tokenizer, meta: dict):
         tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad or eos,
         chat_template=tokenizer.chat_template, add_prefix_space=bool(meta.get("tokenizer.ggml.add_space_prefix")),
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from runner.errors import KvleagueError
+from runner.errors import KvleagueError, first_line
 from runner.sweep_config import (
     SweepConfig,
     canonical_json,
@@ -243,7 +243,7 @@ def load_tokenizer(model_spec: str):
     try:
         return AutoTokenizer.from_pretrained(resolve_model(model_spec))
     except OSError as exc:
-        raise KvleagueError(f"models: cannot load the tokenizer of {model_spec!r}: {str(exc).strip().splitlines()[0]}") from None
+        raise KvleagueError(f"models: cannot load the tokenizer of {model_spec!r}: {first_line(exc)}") from None
 
 
 # ------------------------------------------------------------------------------------------------
