@@ -41,6 +41,9 @@ NAMING = {
 #: sample_results.status values
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
+#: sample_results.measure values: a generation scored by the task, or teacher-forced fidelity to the full cache
+MEASURE_GENERATION = "generation"
+MEASURE_FIDELITY = "fidelity"
 
 
 def utcnow() -> datetime:
@@ -162,7 +165,11 @@ class GenerationSpec(Base):
 
 
 class SampleResult(Base):
-    """One cell: (model, method spec, budget, task, sample, sample index, protocol, generation, seed)."""
+    """One cell: (model, method spec, budget, task, sample, sample index, protocol, generation, seed),
+    measured by generation (``correct``, ``score``, ...) or by teacher-forced fidelity to the full cache
+    (``kl_mean``, ``delta_nll_mean``, ``top1_agreement``, ``scored_tokens``; ``runner/fidelity.py``). A
+    fidelity row's generation settings are ``max_new_tokens`` = the cap on scored tokens, greedy, no stop
+    strings: teacher forcing samples nothing."""
 
     __tablename__ = "sample_results"
 
@@ -180,6 +187,7 @@ class SampleResult(Base):
     sample_index: Mapped[int] = mapped_column(Integer)  # 0..n_samples-1 (pass@k)
     seed: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))  # ok | failed
+    measure: Mapped[str] = mapped_column(String(16), default=MEASURE_GENERATION, server_default=MEASURE_GENERATION)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     correct: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     score: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -202,7 +210,13 @@ class SampleResult(Base):
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     peak_memory_source: Mapped[str | None] = mapped_column(String(64), nullable=True)
     attn_implementation: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    details: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # scorer details, episode summary
+    details: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # scorer details, episode summary, fidelity extras
+    #: fidelity: means over the scored tokens of KL(full || method) (nats), of -log q + log p of the
+    #: reference token, and of [argmax p == argmax q]; and how many tokens were scored
+    kl_mean: Mapped[float | None] = mapped_column(Float, nullable=True)
+    delta_nll_mean: Mapped[float | None] = mapped_column(Float, nullable=True)
+    top1_agreement: Mapped[float | None] = mapped_column(Float, nullable=True)
+    scored_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     worker: Mapped[str | None] = mapped_column(String(255), nullable=True)  # hostname:pid
     attempts: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -213,6 +227,7 @@ class SampleResult(Base):
         Index("ix_sample_results_method_budget", "method_spec_id", "budget"),
         Index("ix_sample_results_task_budget", "task_id", "budget"),
         Index("ix_sample_results_status", "status"),
+        Index("ix_sample_results_measure", "measure"),
     )
 
 

@@ -16,6 +16,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import Engine
 
 from db.models import (
+    MEASURE_FIDELITY,
     STATUS_FAILED,
     STATUS_OK,
     Environment,
@@ -149,8 +150,9 @@ def count_results(engine: Engine, keys: Iterable[str] | None = None, status: str
 
 
 def summary(engine: Engine, keys: Iterable[str]) -> list[dict[str, Any]]:
-    """Per (model, task spec, method spec, budget): cells, ok, failed, mean score over ok rows. Task
-    specs of one name (niah at two lengths) stay apart; ``task_options`` tells them apart."""
+    """Per (model, task spec, method spec, budget, measure): cells, ok, failed, mean score over ok rows
+    (generation) or mean KL and top-1 agreement over ok rows (fidelity). Task specs of one name (niah at
+    two lengths) stay apart; ``task_options`` tells them apart."""
     r, m, t, ms = SampleResult.__table__, Model.__table__, TaskSpec.__table__, MethodSpec.__table__
     keys = list(keys)
     acc: dict[tuple, dict[str, Any]] = {}
@@ -158,30 +160,37 @@ def summary(engine: Engine, keys: Iterable[str]) -> list[dict[str, Any]]:
         tasks = {i: (name, options or {}) for i, name, options in conn.execute(select(t.c.id, t.c.name, t.c.options))}
         for i in range(0, len(keys), _CHUNK):
             q = (
-                select(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.status, func.count(), func.sum(r.c.score))
+                select(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.measure, r.c.status, func.count(),
+                       func.sum(r.c.score), func.sum(r.c.kl_mean), func.sum(r.c.top1_agreement))
                 .join(m, m.c.id == r.c.model_id)
                 .join(t, t.c.id == r.c.task_id)
                 .join(ms, ms.c.id == r.c.method_spec_id)
                 .where(r.c.cell_key.in_(keys[i : i + _CHUNK]))
-                .group_by(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.status)
+                .group_by(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.measure, r.c.status)
             )
-            for model, task_id, method, params, budget, status, n, score_sum in conn.execute(q):
+            for model, task_id, method, params, budget, measure, status, n, score_sum, kl_sum, top1_sum in conn.execute(q):
                 task, options = tasks[task_id]
                 row = acc.setdefault(
-                    (model, task, json.dumps(options, sort_keys=True, default=str), method, params, budget),
+                    (model, task, json.dumps(options, sort_keys=True, default=str), method, params, budget, measure),
                     {"model": model, "task": task, "task_options": options, "method": method, "params": params,
-                     "budget": budget, "cells": 0, "ok": 0, "failed": 0, "score_sum": 0.0},
+                     "budget": budget, "measure": measure, "cells": 0, "ok": 0, "failed": 0, "score_sum": 0.0,
+                     "kl_sum": 0.0, "top1_sum": 0.0},
                 )
                 row["cells"] += n
                 if status == STATUS_OK:
                     row["ok"] += n
                     row["score_sum"] += float(score_sum or 0.0)
+                    row["kl_sum"] += float(kl_sum or 0.0)
+                    row["top1_sum"] += float(top1_sum or 0.0)
                 else:
                     row["failed"] += n
     out = []
-    for key in sorted(acc, key=lambda k: (str(k[0]), str(k[1]), k[2], str(k[3]), str(k[4]), int(k[5]))):
+    for key in sorted(acc, key=lambda k: (str(k[0]), str(k[1]), k[2], str(k[3]), str(k[4]), int(k[5]), str(k[6]))):
         row = acc[key]
-        row["mean_score"] = row["score_sum"] / row["ok"] if row["ok"] else None
-        del row["score_sum"]
+        sums = {name: row.pop(f"{name}_sum") for name in ("score", "kl", "top1")}
+        fidelity = row["measure"] == MEASURE_FIDELITY
+        row["mean_score"] = sums["score"] / row["ok"] if row["ok"] and not fidelity else None
+        row["mean_kl"] = sums["kl"] / row["ok"] if row["ok"] and fidelity else None
+        row["mean_top1"] = sums["top1"] / row["ok"] if row["ok"] and fidelity else None
         out.append(row)
     return out

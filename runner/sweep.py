@@ -9,6 +9,16 @@ becomes cells; each cell has a deterministic key (a SHA-256 of everything that d
 generation), and cells whose key already has a row are skipped, so an interrupted sweep resumes
 where it stopped and a finished one re-runs in seconds without writing anything.
 
+A task entry with ``measure: fidelity`` (or ``both``) also makes *fidelity* cells: one per (model,
+method, budget, sample, seed) - teacher forcing samples nothing, so no ``n_samples`` - that feed the
+task's reference continuation (cut at ``fidelity.max_scored_tokens``) under the method and compare
+every scored token with the full cache (``runner/fidelity.py``). Their key hashes ``measure:
+fidelity`` and the token cap in place of the generation settings and sample index, so it can never
+equal a generation cell's key (whose spec is unchanged: existing databases resume as before). A
+worker keeps the last sample's full-cache pass, and a sample's fidelity cells are queued together,
+so with one worker each sample's full-cache pass runs once for all its methods and budgets (with n
+workers, at most n times).
+
 Cells run on Ray actors (one per GPU, or one per ``cpus_per_worker`` CPUs without GPUs); an actor
 keeps the model it loaded and serves many cells. Actors restart (``max_restarts``) and their calls
 are retried (``max_task_retries``); a cell whose worker keeps dying is stored as failed after
@@ -96,13 +106,16 @@ class Cell:
     generation: dict[str, Any]  # max_new_tokens, temperature, top_p, stop
     dims: dict[str, str] = field(default_factory=dict)  # dimension -> spec_hash
     attempts: int = 0
+    #: "generation" or "fidelity" (then ``generation["max_new_tokens"]`` is the cap on scored tokens)
+    measure: str = "generation"
 
     @property
     def sample_id(self) -> str:
         return self.sample.sample_id
 
     def describe(self) -> str:
-        return f"{self.model['name']} {self.method} B={self.budget} {self.task}/{self.sample_id}#{self.sample_index} seed={self.seed}"
+        what = " fidelity" if self.measure == "fidelity" else ""
+        return f"{self.model['name']} {self.method} B={self.budget} {self.task}/{self.sample_id}#{self.sample_index} seed={self.seed}{what}"
 
 
 def cell_key(spec: dict[str, Any]) -> str:
@@ -179,7 +192,12 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         }
         g_hash = sha256(gen)
         dims["generation"][g_hash] = {"spec_hash": g_hash, **gen}
-        return (entry, task, samples, protocol, gen, t_hash, p_hash, g_hash)
+        # a fidelity cell's settings: at most this many scored tokens, teacher-forced (nothing sampled)
+        fid = {"max_new_tokens": int(config.fidelity.max_scored_tokens), "temperature": 0.0, "top_p": 1.0, "stop": []}
+        f_hash = sha256(fid)
+        if "fidelity" in entry.measures:
+            dims["generation"][f_hash] = {"spec_hash": f_hash, **fid}
+        return (entry, task, samples, protocol, {"generation": (gen, g_hash), "fidelity": (fid, f_hash)}, t_hash, p_hash)
 
     entries = []
     for entry in config.tasks:
@@ -206,28 +224,35 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
             tokenizer = load_tokenizer(model["resolved"])
         tasks = [shared[i] if i in shared else plan_task(entry, tokenizer, model_cfg.source)
                  for i, (entry, _) in enumerate(entries)]
-        for entry, task, samples, protocol, gen, t_hash, p_hash, g_hash in tasks:
+        for entry, task, samples, protocol, settings, t_hash, p_hash in tasks:
             for sample in samples:
-                for index in range(config.generation.n_samples):
-                    for seed in config.seeds:
-                        for name, params, meth_hash in methods:
-                            for budget in config.budgets:
-                                spec = {
-                                    "model": m_spec, "method": name, "params": params, "budget": budget,
-                                    "task": entry.name, "task_options": task.option_values(),
-                                    "sample_id": sample.sample_id, "sample_index": index, "protocol": protocol,
-                                    "generation": gen, "seed": seed,
-                                }
-                                cells.append(
-                                    Cell(
-                                        key=cell_key(spec), model=model, method=name, params=params, budget=budget,
-                                        task=entry.name, task_options=task.option_values(), domain=task.domain,
-                                        sample=sample, sample_index=index, seed=seed,
-                                        gen_seed=derived_seed(seed, index), protocol=protocol, generation=gen,
-                                        dims={"model": m_hash, "method": meth_hash, "task": t_hash,
-                                              "protocol": p_hash, "generation": g_hash},
+                for measure in entry.measures:
+                    gen, g_hash = settings[measure]
+                    # fidelity is teacher-forced: one cell per seed, never n_samples of them
+                    for index in range(config.generation.n_samples if measure == "generation" else 1):
+                        for seed in config.seeds:
+                            for name, params, meth_hash in methods:
+                                for budget in config.budgets:
+                                    spec = {
+                                        "model": m_spec, "method": name, "params": params, "budget": budget,
+                                        "task": entry.name, "task_options": task.option_values(),
+                                        "sample_id": sample.sample_id, "protocol": protocol, "seed": seed,
+                                    }
+                                    if measure == "generation":  # the spec generation cells always had
+                                        spec.update(sample_index=index, generation=gen)
+                                    else:
+                                        spec.update(measure=measure, max_scored_tokens=gen["max_new_tokens"])
+                                    cells.append(
+                                        Cell(
+                                            key=cell_key(spec), model=model, method=name, params=params, budget=budget,
+                                            task=entry.name, task_options=task.option_values(), domain=task.domain,
+                                            sample=sample, sample_index=index, seed=seed,
+                                            gen_seed=derived_seed(seed, index), protocol=protocol, generation=gen,
+                                            dims={"model": m_hash, "method": meth_hash, "task": t_hash,
+                                                  "protocol": p_hash, "generation": g_hash},
+                                            measure=measure,
+                                        )
                                     )
-                                )
     keys = [c.key for c in cells]
     if len(set(keys)) != len(keys):  # a task returning the same sample id twice
         raise KvleagueError("tasks: two cells share a key (a task returned duplicate sample ids)")
@@ -309,6 +334,9 @@ class CellWorker:
         self._engine_key: str | None = None
         self._engine = None
         self._tasks: dict[str, Any] = {}
+        #: the last sample's full-cache pass ``(key, (log-probabilities, targets), seconds)``: a
+        #: sample's fidelity cells run back to back, so one pass serves all its methods and budgets
+        self._reference: tuple[str, Any, float] | None = None
 
     def ping(self) -> str:
         return self.worker
@@ -323,6 +351,7 @@ class CellWorker:
 
             self._engine = None
             self._engine_key = None
+            self._reference = None
             _free_accelerator_memory()
             self._engine = Engine.load(model["resolved"], attn_implementation=model["attn_implementation"], dtype=model["dtype"])
             self._engine_key = key
@@ -377,6 +406,8 @@ class CellWorker:
         task = self._task(cell.task, cell.task_options)
         method = build_method(cell.method, cell.params)
         protocol = Protocol(**cell.protocol)
+        if cell.measure == "fidelity":
+            return self._run_fidelity(cell, engine, task, method, protocol)
         gen = cell.generation
         settings = GenerationSettings(
             max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"], stop=tuple(gen["stop"])
@@ -424,6 +455,52 @@ class CellWorker:
             "attn_implementation": generation.attn_implementation,
             "details": details,
             # the Hub commit the checkpoint was loaded from (None for a local directory)
+            "model_revision": getattr(engine.model.config, "_commit_hash", None),
+        }
+
+    def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
+        """Teacher-force the sample's reference continuation under the method and compare every scored
+        token with the full cache (``runner.fidelity.measure``)."""
+        from runner import fidelity
+
+        segments = fidelity.truncate(task.fidelity_segments(cell.sample, engine.tokenizer), cell.generation["max_new_tokens"])
+        key = canonical_json([self._engine_key, cell.task, cell.task_options, cell.sample_id, segments])
+        shared = self._reference is not None and self._reference[0] == key
+        if not shared:
+            self._reference = None  # free the previous sample's before computing the next
+            start = time.perf_counter()
+            reference = fidelity.full_cache_logprobs(engine, segments)
+            self._reference = (key, reference, time.perf_counter() - start)
+        _, reference, reference_seconds = self._reference
+        r = fidelity.measure(engine, segments, method, cell.budget, protocol, seed=cell.gen_seed, reference=reference)
+        g = r.generation
+        return {
+            "measure": "fidelity",
+            "kl_mean": r.kl_mean,
+            "delta_nll_mean": r.delta_nll_mean,
+            "top1_agreement": r.top1_agreement,
+            "scored_tokens": r.tokens,
+            "prompt_tokens": g.prompt_tokens,
+            "generated_tokens": g.generated_tokens,
+            "prefill_seconds": g.prefill_seconds,
+            "decode_seconds_mean": g.decode_seconds_mean,
+            "decode_seconds_p50": g.decode_seconds_p50,
+            "decode_seconds_p95": g.decode_seconds_p95,
+            "tokens_per_second": g.tokens_per_second,
+            "method_seconds": g.method_seconds,
+            "evictions": g.evictions,
+            "evicted_tokens": g.evicted_tokens,
+            "peak_cache_entries": g.peak_cache_entries,
+            "peak_kv_bytes": g.peak_kv_bytes,
+            "peak_memory_bytes": g.peak_memory_bytes,
+            "peak_memory_source": g.peak_memory_source,
+            "attn_implementation": g.attn_implementation,
+            "details": {"fidelity": {
+                "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
+                "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
+                # the full-cache pass: its time, and whether an earlier cell of this sample paid it
+                "reference_seconds": reference_seconds, "reference_shared": shared,
+            }},
             "model_revision": getattr(engine.model.config, "_commit_hash", None),
         }
 
@@ -786,7 +863,7 @@ class SweepRunner:
             nonlocal done, ok, failed
             row.update(
                 sweep_id=sweep_id, budget=cell.budget, sample_id=cell.sample_id, sample_index=cell.sample_index,
-                seed=cell.seed, attempts=cell.attempts,
+                seed=cell.seed, attempts=cell.attempts, measure=cell.measure,
                 **{f"{dim}_id": dim_ids[dim][h] for dim, h in cell.dims.items() if dim != "method"},
                 method_spec_id=dim_ids["method"][cell.dims["method"]],
             )
@@ -997,7 +1074,9 @@ def print_summary(summary: SweepSummary, file=None) -> None:
         score = "-" if r["mean_score"] is None else f"{r['mean_score']:.3f}"
         method = r["method"] if len(variants[r["method"]]) == 1 else f"{r['method']}{r['params']}"
         task = r["task"] + _distinguishing(r["task_options"], task_options[r["task"]])
-        print(f"{r['model'][:18]:<18} {task[:28]:<28} {method[:16]:<16} {r['budget']:>7} {r['cells']:>6} {r['ok']:>5} {r['failed']:>6} {score:>7}", file=out)
+        # a fidelity row has no score: its mean KL to the full cache and top-1 agreement instead
+        fidelity = "" if r.get("mean_kl") is None else f"  fidelity: KL {r['mean_kl']:.4f}, top-1 {100 * r['mean_top1']:.1f}%"
+        print(f"{r['model'][:18]:<18} {task[:28]:<28} {method[:16]:<16} {r['budget']:>7} {r['cells']:>6} {r['ok']:>5} {r['failed']:>6} {score:>7}{fidelity}", file=out)
 
 
 def _distinguishing(options: dict, siblings: list[dict]) -> str:

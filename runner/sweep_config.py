@@ -18,10 +18,11 @@ Layout (see ``sweeps/demo.yaml``)::
       - full
       - {name: streaming_llm, params: {...}, grid: {hyperparameter: [v1, v2]}}
     budgets: [32, 64]
-    tasks: [{name: math500, limit: 2, options: {}, optional: false}]
+    tasks: [{name: math500, limit: 2, options: {}, optional: false, measure: generation}]  # or fidelity, both
     protocol: {cadence: every_step, positions: absolute, sink: 0, recent: 0, protect_prompt: null, prefill_chunk: null}
     protocol_by_domain: {longqa: {protect_prompt: false, prefill_chunk: 512}}
     generation: {temperature: 0.0, top_p: 1.0, n_samples: 1, max_new_tokens: null, stop: null}
+    fidelity: {max_scored_tokens: 64}       # for tasks with measure: fidelity or both
     seeds: [0]
     resources: {workers: null, cpus_per_worker: 1, gpus_per_worker: null, ...}
 """
@@ -112,11 +113,19 @@ class TaskConfig(_Strict):
     #: skip (with a warning) instead of failing when no task of this name is registered
     optional: bool = False
     max_new_tokens: int | None = Field(default=None, ge=1, le=INT32)
+    #: generation (the task's score), fidelity (teacher-forced KL to the full cache on the task's reference
+    #: continuation, ``runner/fidelity.py``), or both
+    measure: Literal["generation", "fidelity", "both"] = "generation"
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
+
+    @property
+    def measures(self) -> tuple[str, ...]:
+        """The kinds of cell this entry makes, in the order they run."""
+        return ("generation", "fidelity") if self.measure == "both" else (self.measure,)
 
 
 class ProtocolConfig(_Strict):
@@ -170,6 +179,11 @@ class GenerationConfig(_Strict):
         return self
 
 
+class FidelityConfig(_Strict):
+    #: teacher-forced (scored) tokens per sample at most: the reference continuation is cut there
+    max_scored_tokens: int = Field(default=64, ge=1, le=INT32)
+
+
 class ResourcesConfig(_Strict):
     #: number of actors; default: one per GPU when the cluster has GPUs, else one per cpus_per_worker CPUs
     workers: int | None = Field(default=None, ge=1, le=4096)
@@ -208,6 +222,7 @@ class SweepConfig(_Strict):
     protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
     protocol_by_domain: dict[Literal["math", "code", "agentic", "longqa"], ProtocolOverride] = Field(default_factory=dict)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
@@ -531,6 +546,9 @@ def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]
             task = build_task(entry.name, entry.options)
         except KvleagueError as exc:
             raise KvleagueError(f"tasks[{i}].options: {exc}") from None
+        if entry.measure != "generation" and not cls.has_reference():
+            raise KvleagueError(f"tasks[{i}].measure: {entry.name} has no reference continuation, so {entry.measure!r} "
+                                "cannot be measured; allowed for it: generation")
         key = json.dumps([entry.name, task.option_values()], sort_keys=True, default=str)
         if key in seen_tasks:
             raise KvleagueError(f"tasks[{i}]: {entry.name} with the same options is listed twice")

@@ -111,7 +111,8 @@ def test_one_row_per_cell_key(engine):
     assert got == {"k1": 1.0, "k2": 0.25}
     assert store.count_results(engine, status="failed") == 0
     rows = store.summary(engine, ["k1", "k2"])
-    assert rows == [{"model": "tiny", "task": "math500", "task_options": {}, "method": "knorm", "params": "{}", "budget": 64, "cells": 2, "ok": 2, "failed": 0, "mean_score": pytest.approx(0.625)}]
+    assert rows == [{"model": "tiny", "task": "math500", "task_options": {}, "method": "knorm", "params": "{}", "budget": 64, "measure": "generation", "cells": 2, "ok": 2, "failed": 0, "mean_score": pytest.approx(0.625),
+                     "mean_kl": None, "mean_top1": None}]
 
 
 def test_the_database_enforces_the_unique_cell_key(engine):

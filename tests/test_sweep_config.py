@@ -93,6 +93,11 @@ INVALID = [
     ("unset-env-var", "database", "${KVLEAGUE_TEST_SURELY_UNSET_VAR}", "environment variable KVLEAGUE_TEST_SURELY_UNSET_VAR is not set"),
     ("negative-seed", "seeds", [-1], "seeds: must be >= 0, got -1"),
     ("bad-resources", "resources", {"gpus_per_worker": -1}, "resources.gpus_per_worker: Input should be greater than or equal to 0"),
+    ("fidelity-without-reference", "tasks.0", {"name": "aime25", "measure": "fidelity"},
+     "tasks[0].measure: aime25 has no reference continuation, so 'fidelity' cannot be measured; allowed for it: generation"),
+    ("both-without-reference", "tasks.0", {"name": "aime25", "measure": "both"}, "tasks[0].measure: aime25 has no reference"),
+    ("unknown-measure", "tasks.0.measure", "accuracy", "tasks[0].measure: Input should be 'generation', 'fidelity' or 'both'"),
+    ("zero-scored-tokens", "fidelity", {"max_scored_tokens": 0}, "fidelity.max_scored_tokens: Input should be greater than or equal to 1"),
 ]
 
 
@@ -286,3 +291,27 @@ def test_no_progress_still_prints_a_heartbeat(monkeypatch, capsys):
     clock[0] += 61
     progress.update(3, 1)
     assert "3/10 cells done, 1 failed" in capsys.readouterr().out
+
+
+def test_fidelity_cells_never_share_a_key_with_generation_cells(tiny_llama, tmp_path):
+    """``measure: both`` adds one fidelity cell per (method, budget, sample, seed) - never n_samples of
+    them - whose keys are new; the generation cells keep the keys a generation-only config gives them,
+    so a database written before fidelity existed resumes as before."""
+    cfg = {**base_config(tiny_llama, tmp_path), "seeds": [0, 1],
+           "generation": {"temperature": 0.7, "n_samples": 2, "max_new_tokens": 4}}
+    generation_only = expand(parse_config(cfg)).cells
+    both = expand(parse_config(_set(cfg, "tasks.0.measure", "both"))).cells
+    fidelity_only = expand(parse_config(_set(cfg, "tasks.0.measure", "fidelity"))).cells
+    gen = [c for c in both if c.measure == "generation"]
+    fid = [c for c in both if c.measure == "fidelity"]
+    assert [c.key for c in gen] == [c.key for c in generation_only]
+    assert [c.key for c in fid] == [c.key for c in fidelity_only]
+    assert len(fid) == 3 * 2 * 2 * 2 and {c.sample_index for c in fid} == {0}  # methods x budgets x samples x seeds
+    assert len({c.key for c in both}) == len(both)
+    assert all(c.generation == {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "stop": []} for c in fid)
+    # a sample's fidelity cells are queued together (one worker computes its full-cache pass once)
+    order = [c.sample_id for c in fidelity_only]
+    assert order == sorted(order, key=order.index)
+    # the cap on scored tokens is part of what a fidelity cell computes
+    capped = expand(parse_config({**_set(cfg, "tasks.0.measure", "fidelity"), "fidelity": {"max_scored_tokens": 16}})).cells
+    assert not {c.key for c in capped} & {c.key for c in fidelity_only}
