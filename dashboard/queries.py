@@ -9,7 +9,7 @@ cells into questions, the common problem set and the statistics are decided in :
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -18,6 +18,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from db.models import (
+    MEASURE_FIDELITY,
+    MEASURE_GENERATION,
     STATUS_FAILED,
     STATUS_OK,
     BenchmarkResult,
@@ -129,7 +131,8 @@ def benchmark_fingerprint(engine: Engine) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Filters:
-    """``None`` means no restriction; an empty tuple selects nothing."""
+    """``None`` means no restriction; an empty tuple selects nothing. ``measure``: which kind of row
+    (generation: accuracy pages; fidelity: :mod:`dashboard.fidelity`; ``None``: both, for provenance)."""
 
     models: tuple[int, ...] | None = None
     domains: tuple[str, ...] | None = None
@@ -137,9 +140,12 @@ class Filters:
     budgets: tuple[int, ...] | None = None
     protocols: tuple[int, ...] | None = None
     decoding: tuple[str, ...] | None = None
+    measure: str | None = MEASURE_GENERATION
 
     def conditions(self, budgets: bool = True) -> list:
         cond = []
+        if self.measure is not None:
+            cond.append(R.c.measure == self.measure)
         if self.models is not None:
             cond.append(R.c.model_id.in_(self.models))
         if self.tasks is not None:
@@ -286,6 +292,24 @@ def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | No
         .group_by(*key)
         .order_by(*key)
     )
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(q).fetchall()]
+
+
+FIDELITY_COLUMNS = ("method_spec_id", "budget", "task_id", "sample_id", "model_id", "protocol_id", "seed",
+                    "kl_mean", "top1_agreement", "delta_nll_mean", "scored_tokens")
+
+
+def fidelity_rows(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[tuple]:
+    """Tuples of :data:`FIDELITY_COLUMNS`: every ok fidelity row under the filters (one per method spec,
+    budget, sample, model, protocol and seed), in a fixed order. ``budgets``: restrict to these
+    (default: the filters' budgets)."""
+    f = replace(filters, measure=MEASURE_FIDELITY)
+    cond = [R.c.status == STATUS_OK, R.c.kl_mean.is_not(None), *f.conditions(budgets=budgets is None)]
+    if budgets is not None:
+        cond.append(R.c.budget.in_(list(budgets)))
+    cols = [getattr(R.c, c) for c in FIDELITY_COLUMNS]
+    q = select(*cols).where(and_(*cond)).order_by(*cols[:7])
     with engine.connect() as conn:
         return [tuple(r) for r in conn.execute(q).fetchall()]
 

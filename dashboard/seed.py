@@ -95,8 +95,10 @@ class Seeder:
         n = 0
         batch: list[dict[str, Any]] = []
         for row in rows:
+            # a fidelity row's key differs from the generation row of the same cell (as a sweep's does)
+            measure = [row["measure"]] if row.get("measure", "generation") != "generation" else []
             row.setdefault("cell_key", _hash([row.get(k) for k in ("sweep_id", "model_id", "method_spec_id", "task_id", "protocol_id",
-                                                                   "generation_id", "budget", "sample_id", "sample_index", "seed")]))
+                                                                   "generation_id", "budget", "sample_id", "sample_index", "seed")] + measure))
             row.setdefault("environment_id", self.env_id)
             row.setdefault("status", "ok")
             row.setdefault("attempts", 1)

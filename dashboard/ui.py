@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from dashboard import head_to_head
+from dashboard import fidelity, head_to_head
 from dashboard import queries as q
 from dashboard import tables
 from runner.errors import KvleagueError
@@ -48,9 +48,9 @@ def fingerprint(url: str) -> tuple[int, ...]:
 
 @st.cache_data(show_spinner="Aggregating results...", max_entries=256)
 def cached(name: str, url: str, fp: tuple[int, ...], *args: Any) -> Any:
-    """``tables.<name>(engine, *args)`` (or ``head_to_head.<name>``, ``queries.<name>``), cached until
-    the fingerprint changes."""
-    fn = getattr(tables, name, None) or getattr(head_to_head, name, None) or getattr(q, name)
+    """``tables.<name>(engine, *args)`` (or ``head_to_head.<name>``, ``fidelity.<name>``, ``queries.<name>``),
+    cached until the fingerprint changes."""
+    fn = getattr(tables, name, None) or getattr(head_to_head, name, None) or getattr(fidelity, name, None) or getattr(q, name)
     return fn(engine_for(url), *args)
 
 

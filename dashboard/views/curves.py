@@ -30,8 +30,33 @@ def chart(curves, full, domain: str) -> alt.LayerChart:
     return alt.layer(*layers).properties(title=domain, height=320)
 
 
+#: what a fidelity curve plots: (column, its interval's columns, axis title)
+FIDELITY_MEASURES = {"KL to full cache": ("KL", "KL lo", "KL hi", "mean KL(full || method), nats/token"),
+                     "top-1 agreement": ("top-1 %", "top-1 lo", "top-1 hi", "top-1 agreement with full cache %")}
+
+
+def fidelity_chart(curves, domain: str, measure: str) -> alt.LayerChart:
+    y, lo, hi, title = FIDELITY_MEASURES[measure]
+    data = curves[curves["domain"] == domain]
+    budgets = sorted(data["budget"].unique().tolist())
+    x = alt.X("budget:Q", title="budget (KV entries)", scale=alt.Scale(type="log", base=2), axis=alt.Axis(values=budgets, format="~s"))
+    base = alt.Chart(data).encode(x=x, color=alt.Color("method:N", title="method"))
+    band = base.mark_area(opacity=0.12).encode(y=f"{lo}:Q", y2=f"{hi}:Q")
+    line = base.mark_line(point=True).encode(
+        y=alt.Y(f"{y}:Q", title=title),
+        tooltip=["method", "budget", alt.Tooltip(f"{y}:Q", format=".4f"), alt.Tooltip(f"{lo}:Q", format=".4f"),
+                 alt.Tooltip(f"{hi}:Q", format=".4f"), "samples"],
+    )
+    return alt.layer(band, line).properties(title=domain, height=320)
+
+
 def render(ctx) -> None:
     st.title("Budget curves")
+    measure = st.radio("Plot", ("accuracy", *FIDELITY_MEASURES), horizontal=True, key="bc_measure",
+                       help="accuracy of the generations, or fidelity to the full cache (teacher-forced, runner/fidelity.py)")
+    if measure != "accuracy":
+        render_fidelity(ctx, measure)
+        return
     weighting = pick_weighting("bc_weighting")
     curves, full = ctx.data("budget_curves", ctx.filters, None, weighting)
     if curves.empty:
@@ -49,3 +74,20 @@ def render(ctx) -> None:
     with st.expander("Data"):
         st.dataframe(curves, hide_index=True, placeholder="—", column_config={"accuracy": PCT, "acc_lo": PCT, "acc_hi": PCT})
         st.dataframe(full.rename(columns={"accuracy": "full cache %"}), hide_index=True, placeholder="—")
+
+
+def render_fidelity(ctx, measure: str) -> None:
+    curves = ctx.data("fidelity_curves", ctx.filters)
+    if curves.empty:
+        empty("No fidelity results match the filters (a sweep task entry with measure: fidelity writes them).")
+        return
+    st.caption(f"{measure.capitalize()} against the KV budget (log scale), per domain: the mean over samples of each "
+               "sample's mean over its scored tokens, with 95% percentile bootstrap bands over samples. At each budget the "
+               "methods of a domain share the samples all of them have. Full cache is left out: its KL is 0 and its "
+               "top-1 agreement 100% by construction.")
+    cols = st.columns(2)
+    for i, d in enumerate(sorted(curves["domain"].unique())):
+        with cols[i % 2]:
+            st.altair_chart(fidelity_chart(curves, d, measure), width="stretch")
+    with st.expander("Data"):
+        st.dataframe(curves, hide_index=True, placeholder="—", key="bc_fidelity_data")

@@ -7,7 +7,7 @@ import math
 import streamlit as st
 
 from dashboard import stats
-from dashboard.views import head_to_head
+from dashboard.views import fidelity, head_to_head
 from dashboard.views.common import INT, empty, pick_budget, pick_weighting, styled
 
 DETAIL_COLUMNS = {
@@ -43,7 +43,8 @@ def render(ctx) -> None:
     weighting = pick_weighting("lb_weighting")
     lb = ctx.data("leaderboard", ctx.filters, budget, None, weighting)
     if lb.by_domain.empty:
-        empty()
+        if not fidelity.section(ctx, budget):  # a fidelity-only sweep has no accuracy to show
+            empty()
         return
     note = ""
     if lb.full_budget is None:
@@ -79,6 +80,7 @@ def render(ctx) -> None:
         mime="text/csv", key="lb_csv",
     )
     head_to_head.section(ctx, budget)
+    fidelity.section(ctx, budget)
     with st.expander("Per method and task"):
         by_task = _detail(lb.by_task, with_task=True)
         st.dataframe(styled(by_task, **DETAIL_FORMATS), hide_index=True, placeholder="—", column_config=CONFIG, key="lb_task")

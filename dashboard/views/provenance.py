@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import streamlit as st
 
@@ -18,8 +20,9 @@ def render(ctx) -> None:
     st.title("Provenance")
     methods = ctx.opts.methods
     chosen = st.multiselect("Method (empty: all)", list(methods), format_func=lambda i: methods[i]["label"], key="pv_method")
-    st.caption("Everything behind the rows that match the filters (and the methods chosen here).")
-    data = ctx.data("provenance", ctx.filters, tuple(chosen) if chosen else None)
+    st.caption("Everything behind the rows that match the filters (and the methods chosen here): generations and "
+               "fidelity measurements alike.")
+    data = ctx.data("provenance", replace(ctx.filters, measure=None), tuple(chosen) if chosen else None)
     if not data["sweeps"]:
         empty()
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from dashboard import fidelity
 from dashboard import queries as q
 from dashboard import stats, tables
 from dashboard.views.common import empty, pick_weighting, styled
@@ -39,9 +40,29 @@ def render(ctx) -> None:
     st.subheader("Per domain and budget")
     card = ctx.data("scorecard", ctx.filters, float(margin), None, weighting)
     if card.empty:
-        empty("No EpiKV-family results match the filters.")
+        empty("No EpiKV-family accuracy results match the filters.")
+    else:
+        st.dataframe(styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (Holm)")),
+                     hide_index=True, placeholder="—", key="sc_card")
+        st.download_button("Download CSV", card.to_csv(index=False).encode(), file_name="kvleague-scorecard.csv",
+                           mime="text/csv", key="sc_csv")
+    fidelity_claims(ctx)
+
+
+def fidelity_claims(ctx) -> None:
+    card = ctx.data("fidelity_scorecard", ctx.filters)
+    if card.empty:
         return
-    st.dataframe(styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (Holm)")),
-                 hide_index=True, placeholder="—", key="sc_card")
-    st.download_button("Download CSV", card.to_csv(index=False).encode(), file_name="kvleague-scorecard.csv",
-                       mime="text/csv", key="sc_csv")
+    st.subheader("By fidelity, where accuracy cannot separate the methods")
+    st.caption(
+        f"The rule: in a (domain, budget) where full cache is right on fewer than {fidelity.ACCURACY_FLOOR:g}% of the "
+        "questions (a small model on math, code or agentic tasks), or where there are no accuracy results, every method "
+        "sits near the floor and accuracy cannot tell them apart; there the claim *better than* a paper baseline is "
+        "judged by fidelity to the full cache instead: *closer to full cache* = lower mean KL(full || method) on the "
+        "samples both have. Δ KL: method minus baseline with its 95% bootstrap interval over samples; p: two-sided "
+        "Wilcoxon signed-rank test of the paired KL differences; p (Holm): adjusted over this table. Verdict: replicates "
+        "when p (Holm) < 0.05 with lower KL, does not replicate when p (Holm) < 0.05 with higher KL, else inconclusive; "
+        f"fewer than {stats.MIN_PROBLEMS} samples: no verdict."
+    )
+    st.dataframe(styled(card, p=("p", "p (Holm)")).format({"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
+                 hide_index=True, placeholder="—", key="sc_fidelity")

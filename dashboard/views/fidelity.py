@@ -1,0 +1,49 @@
+"""Fidelity to the full cache beside accuracy on the leaderboard: mean KL and top-1 agreement per method
+and domain (and task) with bootstrap intervals, and paired differences between methods."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard.views.common import INT, styled
+
+BOARD_SHOWN = ["method", "domain", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens"]
+KL_FORMAT = {"KL": "{:.4f}", "ΔNLL": "{:+.4f}", "Δ KL (A−B)": "{:+.4f}", "KL A": "{:.4f}", "KL B": "{:.4f}"}
+
+
+def _formats(df):
+    sty = styled(df, pct=[c for c in ("top-1 %",) if c in df.columns], pp=[c for c in ("Δ top-1 (pts)",) if c in df.columns],
+                 p=[c for c in ("p (Wilcoxon)", "p (Holm)") if c in df.columns])
+    return sty.format({c: f for c, f in KL_FORMAT.items() if c in df.columns})
+
+
+def section(ctx, budget: int) -> bool:
+    """The fidelity tables at ``budget``; False when there are no fidelity results there."""
+    board = ctx.data("fidelity_board", ctx.filters, budget)
+    if board.by_domain.empty:
+        return False
+    st.subheader(f"Fidelity to the full cache at budget {budget:,}")
+    note = ""
+    if board.full_budget is not None and board.full_budget != budget:
+        note = f" Full cache has no fidelity rows at this budget; its rows at budget {board.full_budget:,} stand in."
+    st.caption(
+        "Teacher-forced on each task's reference continuation (runner/fidelity.py): per sample, the mean over its scored "
+        "tokens of **KL**(full cache || method) in nats and of **top-1** agreement (the method's most likely next token "
+        "is the full cache's); **ΔNLL**: the change in the reference token's negative log-likelihood. Means over samples "
+        "(the unit; a sample's cells averaged), 95% percentile bootstrap intervals over samples (2,000 resamples). Each "
+        "table uses the samples every method in it has. Lowest KL first." + note
+    )
+    st.dataframe(_formats(board.by_domain[BOARD_SHOWN]), hide_index=True, placeholder="—",
+                 column_config={"samples": INT, "tokens": INT}, key="fid_domain")
+    pairs = ctx.data("fidelity_pairs", ctx.filters, budget)
+    if not pairs.empty:
+        st.markdown("**Paired differences between methods**")
+        st.caption("Each pair on the samples both have, per domain: mean difference A − B of per-sample KL and of top-1 "
+                   "agreement with 95% bootstrap intervals (samples resampled, pairs kept); **p (Wilcoxon)**: two-sided "
+                   "signed-rank test of the KL differences; **p (Holm)**: adjusted over every pair in this table.")
+        st.dataframe(_formats(pairs.drop(columns=["Δ KL lo", "Δ KL hi"])), hide_index=True, placeholder="—",
+                     column_config={"samples": INT}, key="fid_pairs")
+    with st.expander("Fidelity per method and task"):
+        st.dataframe(_formats(board.by_task[["method", "domain", "task", *BOARD_SHOWN[2:]]]), hide_index=True,
+                     placeholder="—", column_config={"samples": INT, "tokens": INT}, key="fid_task")
+    return True
