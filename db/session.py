@@ -235,14 +235,22 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
-def head_revision() -> str:
-    from alembic.script import ScriptDirectory
-
+def _scripts():
     from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    return ScriptDirectory.from_config(cfg).get_current_head()
+    return ScriptDirectory.from_config(cfg)
+
+
+def head_revision() -> str:
+    return _scripts().get_current_head()
+
+
+def known_revisions() -> set[str]:
+    """Every schema revision this code can migrate from."""
+    return {script.revision for script in _scripts().walk_revisions()}
 
 
 def table_names(engine: Engine) -> list[str]:

@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands contributed by other packages: each module has ``register(subparsers)``.
-_COMMAND_MODULES: tuple[str, ...] = ("tasks.commands", "runner.sweep_commands", "dashboard.commands", "runner.bench_commands",
-                                       "runner.fidelity_commands")
+_COMMAND_MODULES: tuple[str, ...] = ("tasks.commands", "runner.sweep_commands", "db.commands", "dashboard.commands",
+                                       "runner.bench_commands", "runner.fidelity_commands")
 
 
 def main(argv: list[str] | None = None) -> int:
