@@ -29,6 +29,45 @@ def _parse_param(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
+#: the protocol flags: (flag, argparse keywords); their defaults are Protocol's own
+_PROTOCOL_FLAGS = (
+    ("--cadence", {"help": "every_step or buffer=N"}),
+    ("--positions", {"choices": ["absolute", "compact"]}),
+    ("--sink", {"type": int, "help": "first tokens never evicted"}),
+    ("--recent", {"type": int, "help": "last tokens never evicted"}),
+    ("--protect-prompt", {"action": "store_true", "help": "never evict prompt tokens"}),
+    ("--prefill-chunk", {"type": int, "help": "prefill in chunks of this many tokens (default: the whole prompt)"}),
+)
+
+
+def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--protocol PRESET`` or the protocol flags (``runner.protocol.Protocol``), the same in every command."""
+    from runner.protocol import PRESETS
+
+    parser.add_argument("--protocol", default=None, metavar="PRESET",
+                        help=f"a named protocol ({', '.join(PRESETS)}): every protocol field at once, so no other protocol flag")
+    for flag, kwargs in _PROTOCOL_FLAGS:
+        # default None (not given): Protocol's own default applies, and a preset can tell a flag was given
+        parser.add_argument(flag, **({} if kwargs.get("action") == "store_true" else {"default": None}), **kwargs)
+
+
+def protocol_from_args(args: argparse.Namespace):
+    """The Protocol the flags describe: the preset when ``--protocol`` is given (then any other protocol
+    flag is an error), else Protocol's defaults with the flags given on top."""
+    from runner.protocol import Protocol
+
+    given = {flag.removeprefix("--").replace("-", "_"): flag for flag, _ in _PROTOCOL_FLAGS}
+    given = {dest: flag for dest, flag in given.items() if getattr(args, dest) not in (None, False)}
+    if args.protocol:
+        if given:
+            raise KvleagueError(f"--protocol: the preset {args.protocol} sets every protocol field; drop {', '.join(given.values())}")
+        try:
+            return Protocol.preset(args.protocol)
+        except KvleagueError as exc:
+            raise KvleagueError(f"--{exc}") from None
+    return Protocol(**{dest: getattr(args, dest) for dest in given})
+
+
 def cmd_make_tiny_model(args) -> int:
     from runner.tiny_model import make_tiny_model
 
@@ -56,17 +95,10 @@ def cmd_methods(args) -> int:
 def cmd_generate(args) -> int:
     from methods.registry import build_method
     from runner.engine import Engine
-    from runner.protocol import GenerationSettings, Protocol
+    from runner.protocol import GenerationSettings
 
     method = build_method(args.method, dict(_parse_param(p) for p in args.param))
-    protocol = Protocol.preset(args.protocol) if args.protocol else Protocol(
-        cadence=args.cadence,
-        positions=args.positions,
-        sink=args.sink,
-        recent=args.recent,
-        protect_prompt=args.protect_prompt,
-        prefill_chunk=args.prefill_chunk,
-    )
+    protocol = protocol_from_args(args)
     protocol.check_budget(args.budget)
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, stop=tuple(args.stop)
@@ -124,13 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cadence", default="every_step", help="every_step or buffer=N")
-    p.add_argument("--positions", default="absolute", choices=["absolute", "compact"])
-    p.add_argument("--sink", type=int, default=0)
-    p.add_argument("--recent", type=int, default=0)
-    p.add_argument("--protocol", default=None, help="a named protocol preset (e.g. epikv_paper); replaces the protocol flags")
-    p.add_argument("--protect-prompt", action="store_true")
-    p.add_argument("--prefill-chunk", type=int, default=None)
+    add_protocol_arguments(p)
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")

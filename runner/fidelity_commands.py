@@ -13,10 +13,10 @@ import numpy as np
 
 from runner.errors import KvleagueError
 
-LEVEL = 0.95
-
 
 def register(subparsers) -> None:
+    from runner.cli import add_protocol_arguments
+
     p = subparsers.add_parser("fidelity", help="KL to the full cache, delta NLL and top-1 agreement on reference continuations")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", required=True)
@@ -26,12 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--sample-seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=64, help="scored (teacher-forced) tokens per sample at most")
-    p.add_argument("--cadence", default="every_step")
-    p.add_argument("--positions", default="absolute", choices=["absolute", "compact"])
-    p.add_argument("--sink", type=int, default=4)
-    p.add_argument("--recent", type=int, default=16)
-    p.add_argument("--protect-prompt", action="store_true")
-    p.add_argument("--prefill-chunk", type=int, default=None)
+    add_protocol_arguments(p)
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -40,25 +35,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def bootstrap_interval(values: list[float], level: float = LEVEL) -> tuple[float, float]:
-    """Percentile bootstrap over samples of the mean (scipy, 2,000 resamples, fixed seed)."""
-    from scipy.stats import bootstrap
-
-    if len(values) < 2 or len(set(values)) == 1:
-        return (float(np.mean(values)),) * 2 if values else (float("nan"),) * 2
-    res = bootstrap((np.asarray(values),), np.mean, n_resamples=2000, confidence_level=level, method="percentile",
-                    random_state=np.random.default_rng(0))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from methods.registry import build_method
     from runner import fidelity
-    from runner.cli import _parse_param
+    from runner.cli import _parse_param, protocol_from_args
     from runner.engine import Engine
-    from runner.protocol import Protocol
     from tasks.registry import build_task
 
     if args.threads:
@@ -67,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if not task.has_reference():
         raise KvleagueError(f"task: {args.task} has no reference continuation for fidelity")
     methods = {name: build_method(name, {}) for name in dict.fromkeys(args.method)}
-    protocol = Protocol(cadence=args.cadence, positions=args.positions, sink=args.sink, recent=args.recent,
-                        protect_prompt=args.protect_prompt, prefill_chunk=args.prefill_chunk)
+    protocol = protocol_from_args(args)
     for b in args.budget:
         protocol.check_budget(b)
     engine = Engine.load(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
@@ -114,15 +96,17 @@ def _write(path: str, report: dict) -> None:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (method, budget): sample means of the per-sample means, with bootstrap intervals over samples."""
+    """Per (method, budget): sample means of the per-sample means, with bootstrap intervals over samples
+    (the dashboard's, :func:`dashboard.fidelity.bootstrap_mean_interval`)."""
+    from dashboard.fidelity import bootstrap_mean_interval
     out = []
     for key in dict.fromkeys((r["method"], r["budget"]) for r in rows):
         mine = [r for r in rows if (r["method"], r["budget"]) == key]
         kl, top1, dnll = [r["kl_mean"] for r in mine], [r["top1_agreement"] for r in mine], [r["delta_nll_mean"] for r in mine]
         tokens = sum(r["tokens"] for r in mine)
-        kl_lo, kl_hi = bootstrap_interval(kl)
-        t_lo, t_hi = bootstrap_interval(top1)
-        d_lo, d_hi = bootstrap_interval(dnll)
+        kl_lo, kl_hi = bootstrap_mean_interval(kl)
+        t_lo, t_hi = bootstrap_mean_interval(top1)
+        d_lo, d_hi = bootstrap_mean_interval(dnll)
         out.append({"method": key[0], "budget": key[1], "samples": len(mine), "tokens": tokens,
                     "kl_mean": float(np.mean(kl)), "kl_lo": kl_lo, "kl_hi": kl_hi,
                     "top1": float(np.mean(top1)), "top1_lo": t_lo, "top1_hi": t_hi,

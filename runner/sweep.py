@@ -10,7 +10,8 @@ generation), and cells whose key already has a row are skipped, so an interrupte
 where it stopped and a finished one re-runs in seconds without writing anything.
 
 A task entry with ``measure: fidelity`` (or ``both``) also makes *fidelity* cells: one per (model,
-method, budget, sample, seed) - teacher forcing samples nothing, so no ``n_samples`` - that feed the
+method, budget, sample, seed) - teacher forcing samples nothing, so no ``n_samples``; a method that
+never evicts (full) only at the first budget, as it is the same at every budget - that feed the
 task's reference continuation (cut at ``fidelity.max_scored_tokens``) under the method and compare
 every scored token with the full cache (``runner/fidelity.py``). Their key hashes ``measure:
 fidelity`` and the token cap in place of the generation settings and sample index, so it can never
@@ -145,14 +146,15 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
     data_dir = resolve_data_dir(config, base)
     dims: dict[str, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
 
-    methods = []  # (name, canonical params, spec hash)
+    methods = []  # (name, canonical params, spec hash, budgets of its fidelity cells)
     for entry in config.methods:
         for point in entry.points():
             built = build_method(entry.name, point)
             params = built.params()
             h = sha256({"name": entry.name, "params": params})
             dims["method"][h] = {"spec_hash": h, "name": entry.name, "params": params, "params_json": canonical_json(params)}
-            methods.append((entry.name, params, h))
+            # teacher forcing under a method that never evicts is the same at every budget: measured once
+            methods.append((entry.name, params, h, config.budgets[:1] if built.never_evicts else config.budgets))
         non_eager = sorted({m.attn_implementation for m in config.models} - {"eager"})
         if built.needs.eager and non_eager and not any(f"method {entry.name}:" in w for w in warnings):
             warnings.append(f"method {entry.name}: needs eager attention (full attention columns), so its cells run "
@@ -231,8 +233,8 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
                     # fidelity is teacher-forced: one cell per seed, never n_samples of them
                     for index in range(config.generation.n_samples if measure == "generation" else 1):
                         for seed in config.seeds:
-                            for name, params, meth_hash in methods:
-                                for budget in config.budgets:
+                            for name, params, meth_hash, fidelity_budgets in methods:
+                                for budget in (config.budgets if measure == "generation" else fidelity_budgets):
                                     spec = {
                                         "model": m_spec, "method": name, "params": params, "budget": budget,
                                         "task": entry.name, "task_options": task.option_values(),

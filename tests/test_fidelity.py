@@ -147,3 +147,53 @@ def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, c
     assert by[("full", 32)]["kl_mean"] < 1e-6 and by[("full", 32)]["top1"] == 1.0
     assert by[("streaming_llm", 32)]["kl_mean"] > by[("streaming_llm", 48)]["kl_mean"] > 0
     assert by[("streaming_llm", 32)]["kl_lo"] <= by[("streaming_llm", 32)]["kl_mean"] <= by[("streaming_llm", 32)]["kl_hi"]
+
+
+# ---- one definition of the protocol flags --------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "--method", "full", "--budget", "64", "--prompt", "x"],
+    ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
+])
+def test_generate_and_fidelity_read_the_protocol_flags_alike(command):
+    from runner.cli import build_parser, protocol_from_args
+
+    parse = lambda *extra: protocol_from_args(build_parser().parse_args([*command, *extra]))  # noqa: E731
+    assert parse() == Protocol()  # the same defaults in both commands: Protocol's own
+    assert parse("--protocol", "epikv_paper") == Protocol.preset("epikv_paper")
+    assert parse("--sink", "4", "--recent", "16", "--cadence", "buffer=8", "--positions", "compact", "--protect-prompt",
+                 "--prefill-chunk", "32") == Protocol(sink=4, recent=16, cadence="buffer=8", positions="compact",
+                                                      protect_prompt=True, prefill_chunk=32)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--protocol", "nope"], "kvleague: error: --protocol: unknown preset 'nope'; allowed: epikv_paper"),
+    (["--protocol", "epikv_paper", "--sink", "4", "--protect-prompt"],
+     "kvleague: error: --protocol: the preset epikv_paper sets every protocol field; drop --sink, --protect-prompt"),
+])
+@pytest.mark.parametrize("command", [
+    ["generate", "--method", "full", "--budget", "64", "--prompt", "x"],
+    ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
+])
+def test_bad_protocol_flags_are_one_line_exit_2(command, extra, message, capsys):
+    from runner.cli import main
+
+    assert main([*command, "--model", "/no/such/dir", *extra]) == 2  # refused before the model is looked at
+    assert capsys.readouterr().err.strip() == message
+
+
+def test_fidelity_cli_takes_the_epikv_paper_preset(tiny_models, capsys):
+    from runner.cli import main
+
+    if not (DATA_DIR / "gsm8k").is_dir():
+        pytest.skip("no local GSM8K")
+    argv = ["fidelity", "--model", str(tiny_models["llama"]), "--task", "gsm8k", "--method", "full", "--method", "knorm",
+            "--budget", "48", "--limit", "1", "--max-tokens", "8", "--protocol", "epikv_paper", "--data-dir", str(DATA_DIR),
+            "--json", "-"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    report = __import__("json").loads(out[out.index("{"):])
+    assert report["protocol"] == Protocol.preset("epikv_paper").__dict__
+    full, knorm = report["samples"]
+    assert full["kl_mean"] < 1e-6 and knorm["prompt_tokens"] > 48  # the prompt is kept whole (prompt_over_budget: keep)

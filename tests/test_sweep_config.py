@@ -306,7 +306,9 @@ def test_fidelity_cells_never_share_a_key_with_generation_cells(tiny_llama, tmp_
     fid = [c for c in both if c.measure == "fidelity"]
     assert [c.key for c in gen] == [c.key for c in generation_only]
     assert [c.key for c in fid] == [c.key for c in fidelity_only]
-    assert len(fid) == 3 * 2 * 2 * 2 and {c.sample_index for c in fid} == {0}  # methods x budgets x samples x seeds
+    # (full at its first budget only + streaming_llm's 2 points x 2 budgets) x 2 samples x 2 seeds, sample index 0
+    assert len(fid) == (1 + 2 * 2) * 2 * 2 and {c.sample_index for c in fid} == {0}
+    assert {c.budget for c in fid if c.method == "full"} == {32}
     assert len({c.key for c in both}) == len(both)
     assert all(c.generation == {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "stop": []} for c in fid)
     # a sample's fidelity cells are queued together (one worker computes its full-cache pass once)
