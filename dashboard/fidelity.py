@@ -11,8 +11,8 @@ fidelity claims.
 
 The unit is the sample (one ``sample_id`` of one task); a sample with several cells (models, protocols,
 seeds) counts once, with the mean over its cells. Each table compares its methods on the samples all of
-them have. Full cache does not depend on the budget: at a budget where it has no fidelity rows, its rows
-at the budget where it has the most stand in (as on the accuracy leaderboard).
+them have. Full cache does not depend on the budget: its rows at the budget where it has the most samples
+stand in at every budget.
 """
 
 from __future__ import annotations
@@ -96,15 +96,16 @@ def _full_ids(dims: dict[str, Any]) -> set[int]:
 
 
 def at_budget(data: Fidelity, budget: int, full_ids: set[int]) -> tuple[dict[int, dict[Question, SampleFidelity]], int | None]:
-    """Every method's samples at ``budget``; full cache from its own rows there, else from the budget
-    where it has the most. Returns ``(method -> samples, full cache's budget)``."""
+    """Every method's samples at ``budget``; full cache from the budget where it has the most samples
+    (this one on a tie): it is the same at every budget, and a sweep measures it at its first budget
+    only. Returns ``(method -> samples, full cache's budget)``."""
     out = {m: by_budget[budget] for m, by_budget in data.items() if m not in full_ids and by_budget.get(budget)}
     full_budget = None
     for f in sorted(full_ids):
         by_budget = data.get(f, {})
         if not by_budget:
             continue
-        b = budget if by_budget.get(budget) else max(by_budget, key=lambda x: (len(by_budget[x]), -x))
+        b = max(by_budget, key=lambda x: (len(by_budget[x]), x == budget, -x))
         out[f], full_budget = by_budget[b], b
     return out, full_budget
 

@@ -250,13 +250,21 @@ def test_a_fidelity_only_database_shows_its_tables(tmp_path, monkeypatch):
     task, gen = s.task("niah", "longqa"), s.generation(0.0, max_new_tokens=24)
     cells = dict(sweep_id=s.sweep("only"), model_id=s.model("m"), task_id=task, protocol_id=s.protocol(), generation_id=gen,
                  budget=64, sample_index=0, seed=0, measure="fidelity", scored_tokens=24)
-    s.write([{**cells, "method_spec_id": s.method(m), "sample_id": f"n{i}", "kl_mean": BASE_KL[m] * (1 + i / 10),
-              "top1_agreement": 1 - BASE_KL[m], "delta_nll_mean": 0.0} for m in METHODS for i in range(12)])
+    rows = [{**cells, "method_spec_id": s.method(m), "sample_id": f"n{i}", "kl_mean": BASE_KL[m] * (1 + i / 10),
+             "top1_agreement": 1 - BASE_KL[m], "delta_nll_mean": 0.0} for m in METHODS for i in range(12)]
+    # full cache measured once, at another budget, as a sweep does; two samples of it at 64 too: fewer, so not used
+    rows = [{**r, "budget": 32} if r["method_spec_id"] == s.method("full") else r for r in rows]
+    rows += [{**r, "budget": 64} for r in rows if r["method_spec_id"] == s.method("full") and r["sample_id"] in ("n0", "n1")]
+    s.write(rows)
     engine.dispose()
     monkeypatch.setenv("KVLEAGUE_DB", f"sqlite:///{tmp_path / 'only.db'}")
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
     at.run()
     assert not at.exception, at.exception
+    at.selectbox(key="lb_budget").set_value(64).run()
+    assert not at.exception, at.exception
     board = _frame(at, "KL 95% CI", "domain")
     assert row_of(board, method="h2o", domain="longqa")["KL"] == pytest.approx(0.05 * (1 + 5.5 / 10), rel=1e-12)
+    assert row_of(board, method="full", domain="longqa")["samples"] == 12  # its 12 samples at budget 32 stand in
+    assert any("Full cache (the same at every budget) is its measurement at budget 32" in c.value for c in at.caption)
     assert not any("accuracy %" in d.value.columns for d in at.dataframe)

@@ -25,7 +25,7 @@ def section(ctx, budget: int) -> bool:
     st.subheader(f"Fidelity to the full cache at budget {budget:,}")
     note = ""
     if board.full_budget is not None and board.full_budget != budget:
-        note = f" Full cache has no fidelity rows at this budget; its rows at budget {board.full_budget:,} stand in."
+        note = f" Full cache (the same at every budget) is its measurement at budget {board.full_budget:,}."
     st.caption(
         "Teacher-forced on each task's reference continuation (runner/fidelity.py): per sample, the mean over its scored "
         "tokens of **KL**(full cache || method) in nats and of **top-1** agreement (the method's most likely next token "
