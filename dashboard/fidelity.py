@@ -322,3 +322,29 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
         else:
             r["verdict"] = "inconclusive"
     return pd.DataFrame(rows, columns=SCORECARD_COLUMNS)
+
+
+def markdown(engine, filters: q.Filters = q.Filters()) -> str:
+    """The fidelity table of a database as Markdown: per domain, method and budget, the samples, mean KL
+    and top-1 agreement with their 95% bootstrap intervals, and delta NLL (docs/fidelity.md)."""
+    dims = q.dimensions(engine)
+    lines = ["| domain | method | budget | n | mean KL [95% CI] | top-1 % [95% CI] | ΔNLL |", "|---|---|---:|---:|---|---|---:|"]
+    budgets = sorted({b for by_budget in load(engine, filters).values() for b in by_budget})
+    rows = pd.concat([fidelity_board(engine, filters, b, dims).by_domain.assign(budget=b) for b in budgets], ignore_index=True)
+    for _, r in rows.sort_values(["domain", "budget", "KL", "method"], kind="stable").iterrows():
+        lines.append(f"| {r['domain']} | {r['method']} | {r['budget']} | {r['samples']} | {r['KL']:.4f} {r['KL 95% CI']} | "
+                     f"{r['top-1 %']:.1f} {r['top-1 95% CI']} | {r['ΔNLL']:+.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dashboard.fidelity", description="Print a database's fidelity table (Markdown).")
+    p.add_argument("--db", required=True, help="database URL (opened read-only)")
+    print(markdown(q.open_readonly(p.parse_args(argv).db)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
