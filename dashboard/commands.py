@@ -1,4 +1,5 @@
-"""``kvleague dashboard [--db URL] [--port P]``: serve the Streamlit leaderboard on 127.0.0.1.
+"""``kvleague dashboard [--db URL] [--port P]``: serve the Streamlit leaderboard on 127.0.0.1; ``kvleague report``:
+the replication report (markdown + figures) of a database or an export.
 
 Added to the CLI through ``runner.cli._COMMAND_MODULES`` (``register(subparsers)``).
 """
@@ -63,9 +64,44 @@ def cmd_dashboard(args) -> int:
         return 130
 
 
+def cmd_report(args) -> int:
+    import tempfile
+
+    from dashboard.queries import has_schema, open_readonly
+    from dashboard.report import build
+    from db.session import display_url, get_engine
+
+    if (args.db is None) == (args.export is None):
+        raise KvleagueError("report: give one of --db URL (a database) or --export FILE (a kvleague db export)")
+    with tempfile.TemporaryDirectory(prefix="kvleague-report-") as scratch:
+        if args.export is not None:  # the export into a scratch SQLite file: the report never needs a server
+            from db.transfer import import_
+
+            url = f"sqlite:///{Path(scratch) / 'import.db'}"
+            import_(get_engine(url), args.export)
+            source = args.source or f"the export {Path(args.export).name}"
+        else:
+            url = resolve_db(args.db)
+            source = args.source or display_url(url)
+        engine = open_readonly(url)
+        if not has_schema(engine):
+            raise KvleagueError(f"report: {display_url(url)} holds no kvleague results; run a sweep or kvleague db import first")
+        path = build(engine, args.out, source=source)
+        engine.dispose()
+    print(path)
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("dashboard", help="serve the leaderboard (Streamlit) on 127.0.0.1")
     p.add_argument("--db", default=None,
                    help="database URL (default: $KVLEAGUE_DB, else sqlite:///kvleague.db); opened read-only")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port on 127.0.0.1 (default {DEFAULT_PORT})")
     p.set_defaults(func=cmd_dashboard)
+
+    p = subparsers.add_parser("report", help="write the replication report (markdown + PNG figures) from a database or an export")
+    p.add_argument("--db", default=None, help="database URL; opened read-only")
+    p.add_argument("--export", default=None, help="a file written by kvleague db export (imported into a scratch SQLite)")
+    p.add_argument("--out", required=True, help="directory for replication.md and replication_figures/")
+    p.add_argument("--source", default=None, help="how the report names its data (default: the database URL or export file name)")
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,369 @@
+"""``kvleague report --db URL --out DIR``: the replication report of any kvleague database, as markdown
+with figures (``DIR/replication.md``, ``DIR/replication_figures/*.png``).
+
+It is the dashboard's tables written down, so every number in it is computed by the code the
+dashboard's tests check: per (model, protocol) and domain, accuracy and fidelity against budget with
+95% intervals; per budget, each method's accuracy and fidelity with paired tests against full cache
+and against EpiKV; the scorecard of the paper's claims (accuracy, fidelity where accuracy cannot
+separate methods, and the paper's own numbers); the totals (cells, samples, tokens, CPU time) and
+provenance. The findings at the top are sentences generated from those tests, never written by hand.
+Output depends only on the database's content (bootstraps are seeded; figures carry no timestamp), so
+the same export always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+from sqlalchemy import case, distinct, func, select
+
+from dashboard import fidelity as fid
+from dashboard import queries as q
+from dashboard import tables
+from dashboard.head_to_head import head_to_head
+from dashboard.report_figures import budget_figure
+from db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
+
+R = SampleResult.__table__
+REPORT = "replication.md"
+FIGURES = "replication_figures"
+EPIKV = "epikv"
+#: the baselines that score tokens by attention: the paper's question is whether EpiKV matches them
+ATTENTION_BASELINES = ("h2o", "h2o_authors", "tova", "snapkv", "thinkv", "thinkv_authors", "rkv", "rkv_authors")
+ALPHA = 0.05
+
+
+# ------------------------------------------------------------------------------------------------
+# Markdown
+# ------------------------------------------------------------------------------------------------
+
+
+def _cell(value: Any, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _p(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.2g}" if value >= 0.001 else f"{value:.1e}"
+
+
+def _is_p(column: str) -> bool:
+    return column in ("p", "p_value") or column.startswith("p ")
+
+
+def markdown_table(df: pd.DataFrame, columns: list[str], digits: dict[str, int] | None = None) -> str:
+    """``columns`` of ``df`` as a markdown table; floats at ``digits[column]`` places (default 2); the
+    columns ``p``, ``p_value`` and ``p (...)`` / ``p vs ...`` are p-values."""
+    digits = digits or {}
+    head = "| " + " | ".join(columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    body = []
+    for _, row in df.iterrows():
+        cells = [_p(row[c]) if _is_p(c) else _cell(row[c], digits.get(c, 2)) for c in columns]
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *body])
+
+
+# ------------------------------------------------------------------------------------------------
+# What the database holds
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One model under one protocol: methods are only compared inside a slice."""
+
+    model_id: int
+    model: str
+    protocol_id: int
+    protocol: str
+
+    @property
+    def filters(self) -> q.Filters:
+        return q.Filters(models=(self.model_id,), protocols=(self.protocol_id,))
+
+
+def slices(engine, opts: q.Options) -> list[Slice]:
+    with engine.connect() as conn:
+        pairs = conn.execute(select(R.c.model_id, R.c.protocol_id).distinct().order_by(R.c.model_id, R.c.protocol_id)).all()
+    models = {m["id"]: m["name"] for m in opts.models}
+    protocols = {p["id"]: p["label"] for p in opts.protocols}
+    return [Slice(int(m), models.get(m, f"#{m}"), int(p), protocols.get(p, f"#{p}")) for m, p in pairs]
+
+
+def totals(engine, filters: q.Filters | None = None) -> dict[str, Any]:
+    """Cells, failed cells, samples (task, sample id), tokens through the model (prompt + generated or
+    scored) and the cells' summed wall time (one CPU-bound worker per cell: its CPU time)."""
+    cond = filters.conditions() if filters else []
+    tokens = func.coalesce(R.c.prompt_tokens, 0) + func.coalesce(R.c.generated_tokens, 0) + func.coalesce(R.c.scored_tokens, 0)
+    with engine.connect() as conn:
+        row = conn.execute(select(
+            func.count(), func.sum(case((R.c.status != STATUS_OK, 1), else_=0)),
+            func.count(distinct(R.c.task_id.concat(":").concat(R.c.sample_id))),
+            func.sum(tokens), func.sum(R.c.wall_seconds),
+            func.sum(case((R.c.measure == MEASURE_FIDELITY, 1), else_=0)),
+        ).where(*cond)).one()
+    n, failed, samples, tok, seconds, fidelity_cells = row
+    return {"cells": int(n or 0), "failed": int(failed or 0), "samples": int(samples or 0), "tokens": int(tok or 0),
+            "seconds": float(seconds or 0.0), "fidelity_cells": int(fidelity_cells or 0)}
+
+
+def _budgets(engine, filters: q.Filters) -> list[int]:
+    with engine.connect() as conn:
+        return [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().where(*filters.conditions()).order_by(R.c.budget))]
+
+
+def _base_name(label: str) -> str:
+    return label.split("(")[0].split("#")[0]
+
+
+def _involves(df: pd.DataFrame, names: Iterable[str]) -> pd.DataFrame:
+    names = set(names)
+    if df.empty:
+        return df
+    keep = df["A"].map(_base_name).isin(names) | df["B"].map(_base_name).isin(names)
+    return df[keep].reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Findings: one sentence per (domain, budget), from the paired tests in the tables below
+# ------------------------------------------------------------------------------------------------
+
+
+def _oriented(row: pd.Series, epikv_first: bool) -> tuple[float, str]:
+    """EpiKV's KL minus the baseline's, with its interval, from a pair row in either order."""
+    d = row["Δ KL (A−B)"]
+    lo, hi = row["Δ KL lo"], row["Δ KL hi"]
+    if not epikv_first:
+        d, lo, hi = -d, -hi, -lo
+    return d, f"[{lo:+.3f}, {hi:+.3f}]"
+
+
+def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int) -> list[str]:
+    """How close EpiKV stays to the full cache, and whether it matches the attention baselines, at one
+    budget in one domain; only what the paired tests (Wilcoxon, Holm over the table) support."""
+    mine = board[board["method"].map(_base_name) == EPIKV]
+    if mine.empty:
+        return []
+    e = mine.iloc[0]
+    out = [f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): EpiKV's mean KL to the full cache is "
+           f"{e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}."]
+    verdicts = {"lower": [], "higher": [], "no different": []}
+    for _, row in pairs.iterrows():
+        a, b = _base_name(row["A"]), _base_name(row["B"])
+        if EPIKV not in (a, b) or not ({a, b} - {EPIKV}) & set(ATTENTION_BASELINES):
+            continue
+        other = row["B"] if a == EPIKV else row["A"]
+        d, ci = _oriented(row, a == EPIKV)
+        p_adj = row["p (Holm)"]
+        kind = "no different" if not (p_adj < ALPHA) else ("lower" if d < 0 else "higher")
+        verdicts[kind].append(f"{other} (Δ {d:+.3f} {ci}, p Holm {_p(p_adj)})")
+    said = [f"{kind} than {', '.join(items)}" if kind != "no different" else f"not significantly different from {', '.join(items)}"
+            for kind, items in verdicts.items() if items]
+    if said:
+        out[0] += " Its KL is " + "; ".join(said) + "."
+    return out
+
+
+def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int) -> list[str]:
+    """EpiKV's accuracy against full cache (score test) and against the attention baselines (the paired
+    tests of the head-to-head table, Holm over its pairs), at one budget in one domain."""
+    mine = board[board["method"].map(_base_name) == EPIKV]
+    full = board[board["test"] == "reference"]
+    if mine.empty or full.empty:
+        return []
+    e, f = mine.iloc[0], full.iloc[0]
+    close = ("not significantly different from" if not (e["p_value"] < ALPHA) else
+             "below" if e["delta_full"] < 0 else "above")
+    line = (f"**{domain}, budget {budget}** (accuracy, {int(e['problems'])} problems): EpiKV {e['accuracy']:.1f}% {e['interval']} "
+            f"against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ {e['delta_full']:+.1f} pts "
+            f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}).")
+    verdicts: dict[str, list[str]] = {"above": [], "below": [], "no different": []}
+    for _, row in pairs.iterrows():
+        a, b = _base_name(row["A"]), _base_name(row["B"])
+        if EPIKV not in (a, b) or not ({a, b} - {EPIKV}) & set(ATTENTION_BASELINES):
+            continue
+        other = row["B"] if a == EPIKV else row["A"]
+        d = row["Δ A−B (pts)"] if a == EPIKV else -row["Δ A−B (pts)"]
+        kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("above" if d > 0 else "below")
+        verdicts[kind].append(f"{other} (Δ {d:+.1f} pts, {row['test']} p Holm {_p(row['p (Holm)'])})")
+    said = [f"{kind} {', '.join(items)}" if kind != "no different" else f"not significantly different from {', '.join(items)}"
+            for kind, items in verdicts.items() if items]
+    if said:
+        line += " Against the attention baselines it is " + "; ".join(said) + "."
+    return [line]
+
+
+# ------------------------------------------------------------------------------------------------
+# The report
+# ------------------------------------------------------------------------------------------------
+
+_BOARD = ["method", "accuracy", "interval", "delta_full", "delta_lo", "delta_hi", "p_value", "rank_interval", "problems", "failed"]
+_FID = ["method", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens"]
+_FID_PAIRS = ["A", "B", "samples", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)", "Δ top-1 95% CI", "p (Wilcoxon)", "p (Holm)"]
+_ACC_PAIRS = ["A", "B", "problems", "A %", "B %", "Δ A−B (pts)", "test", "p", "p (Holm)"]
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h"
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+class _Writer:
+    def __init__(self, engine, out: Path):
+        self.engine, self.out = engine, out
+        self.figures = out / FIGURES
+        self.lines: list[str] = []
+        self.findings: list[str] = []
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def figure(self, name: str, path_maker) -> None:
+        self.figures.mkdir(parents=True, exist_ok=True)
+        path = path_maker(self.figures / name)
+        self.add(f"![{name}]({FIGURES}/{path.name})", "")
+
+
+def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, budgets: list[int],
+                    acc_curves: pd.DataFrame, acc_full: pd.DataFrame, fid_curves: pd.DataFrame, tag: str) -> None:
+    w.add(f"### {domain}", "")
+    acc = acc_curves[acc_curves["domain"] == domain]
+    full = acc_full[acc_full["domain"] == domain]
+    if not acc.empty:
+        ref = float(full["accuracy"].iloc[0]) if not full.empty else None
+        w.figure(f"{tag}-{_slug(domain)}-accuracy.png", lambda p: budget_figure(
+            acc, "accuracy", "acc_lo", "acc_hi", "accuracy (%)", f"{domain}: accuracy vs budget ({s.model})", p, ref))
+    fc = fid_curves[fid_curves["domain"] == domain]
+    if not fc.empty:
+        w.figure(f"{tag}-{_slug(domain)}-kl.png", lambda p: budget_figure(
+            fc, "KL", "KL lo", "KL hi", "mean KL(full || method), nats/token", f"{domain}: KL to the full cache vs budget", p, 0.0))
+        w.figure(f"{tag}-{_slug(domain)}-top1.png", lambda p: budget_figure(
+            fc, "top-1 %", "top-1 lo", "top-1 hi", "top-1 agreement with full cache (%)", f"{domain}: top-1 agreement vs budget", p, 100.0))
+    for b in budgets:
+        f_dom = replace(s.filters, domains=(domain,))
+        board = tables.leaderboard(w.engine, f_dom, b, dims).by_domain
+        board = board[board["domain"] == domain] if not board.empty else board
+        fboard = fid.fidelity_board(w.engine, f_dom, b, dims).by_domain
+        fboard = fboard[fboard["domain"] == domain] if not fboard.empty else fboard
+        non_full = (board["test"] != "reference").any() if not board.empty else False
+        if not non_full and (fboard.empty or (fboard["method"].map(_base_name) == "full").all()):
+            continue
+        w.add(f"#### {domain}, budget {b}", "")
+        if non_full:
+            w.add("Accuracy (95% interval; Δ vs full cache with its interval and score test; rank interval):", "",
+                  markdown_table(board, _BOARD, {"accuracy": 1, "delta_full": 1, "delta_lo": 1, "delta_hi": 1}), "")
+            pairs = _involves(head_to_head(w.engine, f_dom, b, dims), ("full", EPIKV))
+            if not pairs.empty:
+                w.add("Paired accuracy tests against full cache and against EpiKV (Holm over all pairs in the domain):", "",
+                      markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}), "")
+            w.findings += accuracy_findings(board, pairs, domain, b)
+        if not fboard.empty:
+            fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
+            fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
+            w.add("Fidelity (mean over samples of per-token KL(full || method) in nats and top-1 agreement; 95% bootstrap intervals):", "",
+                  markdown_table(fboard, _FID, {"KL": 4, "top-1 %": 1, "ΔNLL": 4}), "")
+            shown = _involves(fpairs, ("full", EPIKV))
+            if not shown.empty:
+                w.add("Paired fidelity tests against full cache and against EpiKV (Δ of per-sample means, bootstrap interval; "
+                      "Wilcoxon signed-rank, Holm over all pairs in the domain):", "",
+                      markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}), "")
+            w.findings += fidelity_findings(fpairs, fboard, domain, b)
+
+
+def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> None:
+    t = totals(w.engine, replace(s.filters, measure=None))
+    w.add(f"## {s.model} — protocol {s.protocol}", "",
+          f"{t['cells']} cells ({t['fidelity_cells']} fidelity, {t['failed']} failed), {t['samples']} samples, "
+          f"{t['tokens']:,} tokens through the model, {_hours(t['seconds'])} of cell time.", "")
+    budgets = _budgets(w.engine, replace(s.filters, measure=None))
+    acc_curves, acc_full = tables.budget_curves(w.engine, s.filters, dims)
+    fid_curves = fid.fidelity_curves(w.engine, s.filters, dims)
+    domains = sorted({d for d in [*acc_curves["domain"], *fid_curves["domain"], *acc_full["domain"]]})
+    for domain in domains:
+        _domain_section(w, s, dims, domain, budgets, acc_curves, acc_full, fid_curves, f"s{index}")
+    claims = tables.scorecard(w.engine, s.filters, dims=dims)
+    fclaims = fid.fidelity_scorecard(w.engine, s.filters, dims=dims)
+    w.add("### Scorecard of the paper's claims", "")
+    if not claims.empty:
+        w.add("By accuracy (score tests; Holm over the table):", "",
+              markdown_table(claims, ["domain", "budget", "method", "claim", "accuracy", "reference %", "Δ", "Δ 95% CI",
+                                      "problems", "test", "p", "p (Holm)", "verdict"], {"accuracy": 1, "reference %": 1, "Δ": 1}), "")
+    if not fclaims.empty:
+        w.add(f"By fidelity, where accuracy cannot separate methods (full-cache accuracy below {fid.ACCURACY_FLOOR:g}% "
+              "or not measured; Wilcoxon signed-rank, Holm over the table):", "",
+              markdown_table(fclaims, ["domain", "budget", "method", "claim", "why fidelity", "KL", "reference KL", "Δ KL",
+                                       "Δ KL 95% CI", "samples", "p", "p (Holm)", "verdict"],
+                             {"KL": 4, "reference KL": 4, "Δ KL": 4}), "")
+    if claims.empty and fclaims.empty:
+        w.add("No EpiKV-family method with a paper baseline here: nothing to judge.", "")
+    paper = tables.paper_claims(w.engine, s.filters, dims)
+    w.add("The paper's numbers beside kvleague's (score test of kvleague's accuracy against the paper's value):", "",
+          markdown_table(paper, ["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"]), "")
+
+
+def _provenance(w: _Writer) -> None:
+    prov = q.provenance(w.engine, q.Filters(measure=None))
+    w.add("## Environment and provenance", "")
+    sweeps = pd.DataFrame(prov["sweeps"])
+    if not sweeps.empty:
+        sweeps["commit"] = sweeps["git_commit"].str[:12] + sweeps["git_dirty"].map(lambda d: " (dirty)" if d else "")
+        sweeps["versions"] = ("torch " + sweeps["torch_version"].astype(str) + ", transformers " + sweeps["transformers_version"].astype(str)
+                              + ", kvleague " + sweeps["kvleague_version"].astype(str))
+        sweeps["hardware"] = sweeps["platform"].astype(str) + "; GPU " + sweeps["gpu_name"].astype(str)
+        w.add("Sweeps:", "", markdown_table(sweeps, ["name", "config_hash", "commit", "status", "rows", "ok_rows", "versions", "hardware"]), "")
+    seeds = pd.DataFrame(prov["seeds"])
+    if not seeds.empty:
+        w.add("Seeds:", "", markdown_table(seeds, ["seed", "sample_indices", "rows"]), "")
+    gens = pd.DataFrame(prov["generations"])
+    if not gens.empty:
+        w.add("Decoding settings:", "", markdown_table(gens, ["id", "max_new_tokens", "temperature", "top_p", "stop"]), "")
+    tasks = pd.DataFrame(prov["tasks"])
+    if not tasks.empty:
+        w.add("Tasks:", "", markdown_table(tasks, ["name", "domain", "dataset", "metric", "scorer_version", "options"]), "")
+    models = pd.DataFrame(prov["models"])
+    if not models.empty:
+        w.add("Models:", "", markdown_table(models, ["name", "source", "dtype", "attn_implementation"]), "")
+
+
+def build(engine, out: str | Path, source: str = "") -> Path:
+    """Write ``out/replication.md`` and its figures from ``engine``'s results; returns the markdown's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    w = _Writer(engine, out)
+    for stale in sorted(w.figures.glob("*.png")) if w.figures.is_dir() else []:  # figures of an earlier report
+        stale.unlink()
+    opts = q.options(engine)
+    dims = q.dimensions(engine)
+    every = totals(engine)
+    for i, s in enumerate(slices(engine, opts)):
+        _slice_section(w, s, dims, i)
+    _provenance(w)
+    head = [
+        "# kvleague replication report", "",
+        f"Generated by `kvleague report` from {source or 'a kvleague database'}. Every number below comes from the "
+        "dashboard's own tables; intervals are 95%; p-values are two-sided, with Holm's adjustment over each table.", "",
+        f"**Totals:** {every['cells']} cells ({every['fidelity_cells']} fidelity, {every['failed']} failed), "
+        f"{every['samples']} samples, {every['tokens']:,} tokens through the model, {_hours(every['seconds'])} of cell time "
+        "(the sum of the cells' wall times, each cell on one CPU-bound worker).", "",
+        "## Findings", "",
+        "Each sentence restates a row of the tables below: a difference is called lower, higher, above or below only "
+        "when its adjusted p is under 0.05.", "",
+    ]
+    findings = [f"- {line}" for line in w.findings] or ["- No EpiKV results in this database: nothing to report."]
+    text = "\n".join([*head, *findings, "", *w.lines]).rstrip() + "\n"
+    path = out / REPORT
+    path.write_text(text, encoding="utf-8")
+    return path
