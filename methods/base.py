@@ -22,6 +22,15 @@ prompt) are always kept, the rest of the budget goes to the highest-scoring evic
 cache tensors are physically gathered. Methods therefore never see or enforce the budget rules
 themselves; this keeps every method under identical rules within a run.
 
+**Keeping fewer than B.** A score of ``-inf`` means "must drop": when the engine evicts (the cache
+is above B), it drops every unprotected slot scored ``-inf`` even if the cache then holds fewer than
+B, and fills the rest of B from the other slots as usual. Protected slots stay whatever their score.
+The cache refills to B before the next eviction. Every layer and KV head must then keep the same
+number of slots (a ``[T]`` score always does; ``[L, T]`` / ``[L, H, T]`` scores whose ``-inf`` counts
+leave different numbers are an error). A method that never returns ``-inf`` always keeps exactly B
+(or the protected tokens, when they alone exceed B under ``prompt_over_budget: keep``). Methods
+whose reference keeps only per-segment quotas (``thinkv_authors``, ``epikv_seg``) use this.
+
 Within each layer and KV head, slots are always in increasing absolute position (eviction keeps
 the order), so pooling over neighbouring slots or cutting the cache into position chunks is sound.
 A method that never relies on slot order (its scores are a function of each slot's own content and

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from methods.base import CacheView, Needs, Observation, SequenceInfo
 from methods.epikv import EpiKV, PositionTable
 from methods.registry import register_method
+from methods.thinkv_authors import segment_bounds, tertile_types, top_by_score_then_position
 
 #: score tiers (added to a value in [0, 1) that orders tokens inside a tier)
 TIER_RECENT, TIER_QUOTA, TIER_FILL = 2.0, 1.0, 0.0
@@ -56,36 +58,40 @@ def rank_in_unit(x: torch.Tensor) -> torch.Tensor:
 class EpiKVSeg(EpiKV):
     """EpiKV-Seg: per-segment quotas by key variance (64 / 32 / 8), ``epikv`` score inside a segment.
 
-    Outside the method's recent window, the cached tokens are cut into segments of ``segment`` (128)
-    absolute positions (segment id = position // 128). Segments are ranked by their mean key variance
-    (per token: variance over head_dim, population, averaged over KV heads and layers; the segment
-    mean is over its tokens still in the cache) and split into tertiles (rank r of S segments, highest
-    variance first, tertile floor(3r / S)), which keep ``quotas`` = 64 / 32 / 8 tokens (high / mid /
-    low). Inside a segment the tokens with the highest ``epikv`` score (z_A - z_B, frozen, same
-    hyperparameters as ``epikv``) fill its quota.
+    ``selection: authors`` (default; the authors' ``KVSegHSEviction``, which the paper's EpiKV-Seg
+    rows come from: ``benchmark.py`` method ``kv_seg_hs``). At each eviction (cache length T > B), with
+    r = ``recent_window`` (default min(128, B // 4)) and C = T - r:
 
-    Scores (one global ``[T]``): tier + rank in [0, 1) where tier 2 = inside the method's recent window
-    (``recent_window``; default min(128, B // 4), the paper's protocol window), tier 1 = inside its
-    segment's quota, tier 0 = everything else; inside each tier tokens are ordered by the ``epikv``
-    score. ``value_reserve`` tokens get 1e9 + range as in ``epikv``.
+    * the prompt slots and the newest r slots are kept (+inf);
+    * slots 0..C-1 of the current cache (position order, prompt slots included) are cut into
+      segments of ``segment`` (128) slots, the last one shorter; per slot, the key variance is the
+      sample variance over head_dim (ddof = 1) averaged over KV heads, then over layers (float32,
+      recomputed from the cache); a segment's statistic is the mean over its slots;
+    * types by descending tertile thresholds of the S statistics (sorted s, t_low = s[S // 3],
+      t_high = s[2S // 3]): s >= t_high -> quota ``quotas[0]`` (64), s >= t_low -> ``quotas[1]`` (32),
+      else ``quotas[2]`` (8); a single segment takes ``quotas[0]``;
+    * segments in order, while budget remains (B - r - prompt to start): the generated slots of the
+      segment with the highest ``epikv`` score (z_A - z_B, frozen, same hyperparameters and defaults as
+      ``epikv``) fill min(quota, generated slots in the segment, remaining); every other slot scores
+      -inf, so the cache keeps **fewer than B** (the "keeping fewer than B" contract in
+      ``methods/base.py``) and refills before the next eviction.
 
-    Deviation (contract): the reference "may keep fewer than B" (only the quotas survive); the engine
-    always keeps exactly B, so when the quotas and the recent window leave room, the remaining slots go
-    to the best tier-0 tokens by ``epikv`` score. When they overflow B, tier-1 tokens compete by
-    ``epikv`` score. Choices where the paper is silent: segments are fixed by absolute position, so the
-    prompt is segmented too (under the paper's ``protect_prompt`` it is kept anyway); the newest,
-    partial segment outside the window is a segment like the others; key variances are computed once
-    per token when it enters the cache (its keys never change).
+    Under ``protocol: epikv_paper`` kept positions and greedy tokens equal the authors' class
+    (tests/test_baselines_authors.py, docs/methods.md). Deviations: equal scores inside a segment keep
+    the more recent position (theirs: ``topk``'s choice); when the prompt and the recent window together
+    exceed B the authors' class keeps both (more than B), kvleague's engine gives the window what the
+    prompt leaves; the authors' value-magnitude swap (``kv_seg_hs_v*``) is not offered, so
+    ``value_reserve`` needs ``selection: fill``.
 
-    Not the authors' code: their ``KVSegHSEviction`` (stevenkolawole/epiphany-kv-cache
-    ``src/eviction.py``) cuts the current cache into 128-*slot* segments before the recent window
-    (prompt slots included), types them by ``>=`` tertile thresholds of the mean key variance (top
-    tertile 64, middle 32, bottom 8), ranks generated tokens inside a segment by the EpiKV score and
-    keeps only those quotas, the prompt and the recent window, so it holds fewer than B; kvleague's
-    engine always keeps B. The ``epikv`` score inside a segment follows the authors' semantics (the
-    defaults of ``epikv``: generated-token series, normed last layer, reference arithmetic).
+    ``selection: fill`` (kvleague's earlier reading of the paper, off by default): segments of
+    ``segment`` absolute positions (id = position // 128) outside the window, ranked by mean population
+    key variance (computed once per token), tertile of rank r of S = floor(3r / S); scores are tier +
+    rank in [0, 1) with tier 2 = recent window, 1 = inside the segment's quota, 0 = the rest, so the
+    engine keeps exactly B and spare slots go to the best out-of-quota tokens by ``epikv`` score.
+    ``value_reserve`` tokens get 1e9 + range as in ``epikv``.
 
-    Paper: Kolawole & Smith, arXiv 2606.26472 (EpiKV, segment variant).
+    Paper: Kolawole & Smith, arXiv 2606.26472 (EpiKV, segment variant). Reference code:
+    stevenkolawole/epiphany-kv-cache ``src/eviction.py`` ``KVSegHSEviction``.
     """
 
     needs = Needs(hidden_states=True, new_keys_values=True)
@@ -93,6 +99,7 @@ class EpiKVSeg(EpiKV):
     segment: int = 128
     quotas: tuple[int, int, int] = (64, 32, 8)
     recent_window: int | None = None
+    selection: Literal["authors", "fill"] = "authors"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,6 +110,10 @@ class EpiKVSeg(EpiKV):
             raise ValueError(f"quotas must lie in [0, segment={self.segment}], got {self.quotas}")
         if self.recent_window is not None and self.recent_window < 0:
             raise ValueError(f"recent_window must be >= 0 or null, got {self.recent_window}")
+        if self.selection not in ("authors", "fill"):
+            raise ValueError(f"selection must be authors or fill, got {self.selection!r}")
+        if self.selection == "authors" and self.value_reserve:
+            raise ValueError("value_reserve needs selection: fill (the authors' reserve swap is not offered)")
 
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)
@@ -112,10 +123,15 @@ class EpiKVSeg(EpiKV):
         super().observe(obs)
         self.key_var.write(obs.new_positions, key_variance(obs.new_keys))
 
+    def _recent(self, budget: int) -> int:
+        return self.recent_window if self.recent_window is not None else min(128, budget // 4)
+
     def score(self, cache: CacheView) -> torch.Tensor:
+        if self.selection == "authors":
+            return self._authors_scores(cache)
         positions = cache.token_positions.cpu()
         epikv = self.token_scores(cache)
-        recent = self.recent_window if self.recent_window is not None else min(128, cache.budget // 4)
+        recent = self._recent(cache.budget)
         in_recent = positions > cache.current_position - recent
         seg = positions // self.segment
         old = ~in_recent
@@ -131,3 +147,33 @@ class EpiKVSeg(EpiKV):
             tier[old] = old_tier
         scores = tier + rank_in_unit(epikv)
         return self.apply_value_reserve(scores, cache)
+
+    def _authors_scores(self, cache: CacheView) -> torch.Tensor:
+        positions = cache.token_positions.cpu()
+        prompt = cache.is_prompt[0][0].cpu()
+        epikv = self.token_scores(cache)
+        length = positions.shape[0]
+        recent = self._recent(cache.budget)
+        classify = max(length - recent, 0)
+        scores = torch.full((length,), float("-inf"), dtype=torch.float64)
+        scores[prompt] = float("inf")
+        scores[classify:] = float("inf")
+        if classify == 0:
+            return scores
+        # as the authors: k.float().var(dim=-1).mean(dim=(0, 1)) per layer on [1, H, C, d], mean over layers
+        per_slot = torch.stack([k[None, :, :classify].float().var(dim=-1).mean(dim=(0, 1)) for k in cache.keys]).mean(dim=0).cpu()
+        bounds = segment_bounds(classify, self.segment)
+        types = tertile_types([float(per_slot[a:b].mean()) for a, b in bounds], descending=True)
+        remaining = cache.budget - recent - int(prompt.sum())
+        for (start, end), kind in zip(bounds, types):
+            if remaining <= 0:
+                break
+            generated = start + (~prompt[start:end]).nonzero()[:, 0]
+            if generated.numel() == 0:
+                continue
+            n_keep = min(self.quotas[kind], generated.numel(), remaining)
+            if n_keep > 0:
+                chosen = generated[top_by_score_then_position(epikv[generated], positions[generated], n_keep)]
+                scores[chosen] = epikv[chosen]
+                remaining -= n_keep
+        return scores

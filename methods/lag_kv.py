@@ -93,3 +93,20 @@ def _layer_mean(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors[1:]:
         total.add_(t)
     return total.div_(len(tensors))
+
+
+@register_method("lag_kv_key")
+@dataclass
+class LagKVKey(LagKV):
+    """Lag-KV-key: ``lag_kv``'s rule on the keys alone, score_t = mean over KV heads of std_d(K̄'_t).
+
+    As the authors' ``LagKVKeyVarianceEviction`` (``benchmark.py`` method ``lag_kv_key``, the paper's
+    "Lag-KV-key" row) under ``protocol: epikv_paper``; chunking, normalisation, ``eps`` and arithmetic as
+    :class:`LagKV`.
+    """
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        if self.arithmetic == "reference":
+            x = torch.stack(cache.keys).mean(dim=0)
+            return lag_std(x, self.lag, self.eps, x.dtype).mean(dim=0).float()
+        return lag_std(_layer_mean(cache.keys), self.lag, self.eps).mean(dim=0)

@@ -248,6 +248,8 @@ class BudgetedCache:
     ) -> int:
         """Keep the ``budget`` best slots (protected ones first); return how many slots were dropped.
 
+        A slot the method scores -inf is dropped even when fewer than ``budget`` slots then remain
+        (protected slots excepted); every layer and KV head must then keep the same number of slots.
         ``ordered=False`` lets the kept slots change order (see the module docstring)."""
         length = self.length
         scores = self._normalise(scores, length)
@@ -283,6 +285,15 @@ class BudgetedCache:
         below_top = float(torch.nextafter(top, torch.zeros_like(top)))
         ranked = torch.where(window, float(top), scores.clamp(max=below_top))
         ranked = torch.where(prompt_tier.bool(), float("inf"), ranked)
+        # -inf: the method asks for the slot to go even if the cache then holds fewer than B
+        keepable = (ranked != float("-inf")).sum(dim=-1)
+        if int(keepable.min()) < kept:
+            if scores.dim() > 1 and bool((keepable != keepable.reshape(-1)[0]).any()):
+                raise KvleagueError(
+                    "score: -inf (must drop) leaves a different number of slots in different layers or heads; "
+                    "every layer and KV head of a cache holds the same number of slots"
+                )
+            kept = int(keepable.min())
         keep = _keep_mask(ranked, kept, pos)  # shape of scores
         budget = kept
         if keep.dim() == 1:  # one plan for every layer
@@ -399,6 +410,8 @@ def _keep_mask(scores: torch.Tensor, k: int, positions: torch.Tensor) -> torch.T
     t = scores.shape[-1]
     if k >= t:
         return torch.ones_like(scores, dtype=torch.bool)
+    if k <= 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
     threshold = torch.kthvalue(scores, t - k + 1, dim=-1, keepdim=True).values
     above = scores > threshold
     equal = scores == threshold

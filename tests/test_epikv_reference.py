@@ -42,6 +42,14 @@ def _z(series: list[float], window: int) -> float:
     return (chunk[-1] - mean) / (var**0.5 + 1e-6)
 
 
+def keep_only(cache, positions: list[int], keep: set[int]) -> list[int]:
+    """Drop from an HF cache every slot whose position is not in ``keep`` (slot order kept); the kept positions."""
+    index = torch.tensor([i for i, p in enumerate(positions) if p in keep], dtype=torch.long)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+    return [positions[i] for i in index.tolist()]
+
+
 def oracle_decode(model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0, 1.0), window=64, keep_recent=128):
     """The authors' loop and eviction rule, naively; returns (tokens, kept positions after each step)."""
     n_prompt = len(prompt)
@@ -77,10 +85,7 @@ def oracle_decode(model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0
             protected = set(generated[-recent:]) if recent else set()
             ranked = sorted(generated, key=lambda p: (p in protected, score[p], p), reverse=True)
             keep = set(range(n_prompt)) | set(ranked[: max(budget - n_prompt, 0)])
-            index = torch.tensor([i for i, p in enumerate(positions) if p in keep])
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
-            positions = [positions[i] for i in index.tolist()]
+            positions = keep_only(cache, positions, keep)
         kept.append(list(positions))
         token = int(out.logits[0, -1].argmax())
     return tokens, kept
@@ -247,10 +252,7 @@ def oracle_h2o_authors(model, prompt, n_new, budget, n_sink=4, keep_recent=128):
             middle = positions[sinks : len(positions) - recent]
             heavy = sorted(middle, key=lambda p: (acc[p], p), reverse=True)[: budget - sinks - recent]
             keep = set(positions[:sinks]) | set(positions[len(positions) - recent :]) | set(heavy)
-            index = torch.tensor([i for i, p in enumerate(positions) if p in keep])
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
-            positions = [positions[i] for i in index.tolist()]
+            positions = keep_only(cache, positions, keep)
         kept.append(list(positions))
         token = int(out.logits[0, -1].argmax())
     return tokens, kept

@@ -399,7 +399,7 @@ def test_lag_kv_matches_numpy(t):
 
 def test_epikv_seg_keeps_tertile_quotas_ranked_by_epikv_score():
     seg, n, recent = 8, 6 * 8 + 4, 4
-    method = build_method("epikv_seg", {"segment": seg, "quotas": (4, 2, 1), "recent_window": recent, "layer_a": 0, "layer_b": 1, "window": 4})
+    method = build_method("epikv_seg", {"segment": seg, "quotas": (4, 2, 1), "recent_window": recent, "layer_a": 0, "layer_b": 1, "window": 4, "selection": "fill"})
     method.reset(_info(n_layers=3, n_kv_heads=1))  # layer 1 is not the last: no final norm
     rng = np.random.default_rng(3)
     # key variance per segment: segments 0..5 get spreads [5, 1, 3, 0.5, 4, 2] -> tertiles H L M L H M

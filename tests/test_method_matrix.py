@@ -41,7 +41,7 @@ def _run(engine, method, prompt, mode, new_tokens=None):
         allowed = {(t,), (engine.n_layers, t), (engine.n_layers, engine.n_kv_heads, t)}
         assert isinstance(scores, torch.Tensor) and tuple(scores.shape) in allowed, tuple(scores.shape)
         assert not torch.isnan(scores).any(), "NaN score"
-        shapes.append(tuple(scores.shape))
+        shapes.append((tuple(scores.shape), bool((scores == float("-inf")).any())))
         return scores
 
     method.score = checked
@@ -73,9 +73,11 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
         assert alone.evictions == 0 and not shapes
     else:
         assert alone.evictions > 0 and shapes, "the cache never exceeded the budget: the cell tests nothing"
+        # a -inf score asks for the slot to go even below B (methods/base.py); otherwise exactly B stay
+        asked_fewer = any(fewer for _, fewer in shapes)
         for layer in alone.kept_positions:  # [T] or [H][T]
             heads = layer if isinstance(layer[0], list) else [layer]
-            assert all(len(h) == BUDGET for h in heads)
+            assert all(len(h) <= BUDGET if asked_fewer else len(h) == BUDGET for h in heads)
             assert all(h == sorted(set(h)) for h in heads)
         # every forward pass appends to a cache that held <= budget entries (every_step cadence)
         assert alone.peak_cache_entries <= max(n_prompt, BUDGET + 1)

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.epikv import PositionTable
+from methods.registry import register_method
+
+
+@dataclass
+class RollingVariance(EvictionMethod):
+    """Shared rule of ``kv_val`` and ``kv_key`` (not registered itself): a rolling mean of K or V variance.
+
+    For each generated token t: v_t = mean over layers of (mean over KV heads of the sample variance,
+    ddof = 1, over head_dim of its cached key or value), each layer's value a Python float and the
+    layer mean a Python sum in layer order; score_t = mean of the last ``window`` (64) v's of the
+    generated tokens up to and including t (Python sum; the series holds every generated token, also
+    evicted ones), rounded to float32 and frozen. Prompt tokens are not scored (+inf: kept, as the
+    authors' class keeps them). One ``[T]`` score; higher variance = keep.
+
+    As the authors' ``KVValVarianceEviction`` / ``KVKeyVarianceEviction`` (stevenkolawole/epiphany-kv-cache
+    ``src/eviction.py``; ``benchmark.py`` methods ``kv_val`` / ``kv_key``; the paper's "KV-val" and
+    "KV-key" rows) under their harness, which is ``protocol: epikv_paper`` here (prompt kept, recent
+    min(128, B // 4), every step, compact positions). Deviation: equal scores keep the more recent
+    position (theirs: ``topk``'s choice).
+
+    Paper: Kolawole & Smith, arXiv 2606.26472 (KV-signal baselines).
+    """
+
+    needs = Needs(new_keys_values=True)
+    #: "keys" or "values": which cached tensor the variance is taken of
+    tensor: ClassVar[str] = ""
+
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+    def reset(self, info: SequenceInfo) -> None:
+        super().reset(info)
+        self.series: deque[float] = deque(maxlen=self.window)
+        self.table = PositionTable(fill=float("inf"))
+
+    def observe(self, obs: Observation) -> None:
+        if obs.phase != "decode":
+            return
+        tensors = obs.new_keys if self.tensor == "keys" else obs.new_values
+        for i in range(obs.new_positions.shape[0]):
+            per_layer = [x[:, i, :].var(dim=-1).mean().item() for x in tensors]
+            self.series.append(sum(per_layer) / len(per_layer))
+            score = torch.tensor([sum(self.series) / len(self.series)])  # float32, as the authors' tensor
+            self.table.write(obs.new_positions[i : i + 1], score)
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        return self.table.read(cache.token_positions)
+
+
+@register_method("kv_val")
+@dataclass
+class KVValueVariance(RollingVariance):
+    """KV-val: rolling mean (64) of the value vectors' variance over head_dim; frozen; global (see :class:`RollingVariance`)."""
+
+    tensor: ClassVar[str] = "values"
+
+
+@register_method("kv_key")
+@dataclass
+class KVKeyVariance(RollingVariance):
+    """KV-key: rolling mean (64) of the (post-RoPE) key vectors' variance over head_dim; frozen; global
+    (see :class:`RollingVariance`)."""
+
+    tensor: ClassVar[str] = "keys"
