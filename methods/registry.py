@@ -30,6 +30,7 @@ _BUILTIN_MODULES = (
     "methods.rkv_authors",
     "methods.longflow_authors",
     "methods.kv_variance",
+    "methods.hs_variance",
     "methods.h2o",
     "methods.tova",
     "methods.snapkv",

@@ -24,7 +24,7 @@ from methods.base import EvictionMethod
 from runner.errors import KvleagueError
 from runner.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
-from tests.test_epikv_reference import _prompt, _z, keep_only, kvleague_decode
+from tests.test_epikv_reference import _prompt, _z, keep_only, kvleague_decode, oracle_decode
 
 COMPACT = Protocol(positions="compact")
 PAPER = Protocol.preset("epikv_paper")
@@ -390,6 +390,25 @@ def test_epikv_seg_equals_the_authors_kvseghs(engines, models, monkeypatch, arch
         # kvleague's earlier reading (position segments, fill B) is an option and differs
         fill = build_method("epikv_seg", {"layer_a": 1, "layer_b": 3, "selection": "fill", **SEG_PARAMS})
         assert kvleague_decode(engines[arch], prompt, steps, BUDGET, fill, PAPER)[:2] != expected
+
+
+# -- HSVarianceEviction --------------------------------------------------------------------------------
+
+
+def _rolling_mean(series, window):
+    chunk = series[-window:]
+    return sum(chunk) / len(chunk)
+
+
+def test_hs_variance_equals_the_authors_semantics(engines, models, monkeypatch):
+    monkeypatch.setattr(engines["qwen3"], "eos_ids", set())
+    prompt = _prompt(85, PROMPT)
+    expected = oracle_decode(models["qwen3", "sdpa"], prompt, STEPS, BUDGET, [1], [3], window=16, signal=_rolling_mean)
+    method = build_method("hs_variance", {"layer_a": 1, "layer_b": 3, "window": 16})
+    got = kvleague_decode(engines["qwen3"], prompt, STEPS, BUDGET, method, PAPER)
+    assert got[2] >= 100 and (got[0], got[1]) == expected
+    # mutation: the detrended (z-scored) signal is EpiKV-Flat, another method
+    assert oracle_decode(models["qwen3", "sdpa"], prompt, STEPS, BUDGET, [1], [3], window=16) != expected
 
 
 # -- KVValVarianceEviction / KVKeyVarianceEviction / LagKVKeyVarianceEviction -----------------------

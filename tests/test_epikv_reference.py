@@ -50,8 +50,10 @@ def keep_only(cache, positions: list[int], keep: set[int]) -> list[int]:
     return [positions[i] for i in index.tolist()]
 
 
-def oracle_decode(model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0, 1.0), window=64, keep_recent=128):
-    """The authors' loop and eviction rule, naively; returns (tokens, kept positions after each step)."""
+def oracle_decode(model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0, 1.0), window=64, keep_recent=128, signal=_z):
+    """The authors' loop and eviction rule, naively; returns (tokens, kept positions after each step).
+
+    ``signal(series, window)`` reduces each layer group's series to the token's value (z-score: EpiKV)."""
     n_prompt = len(prompt)
     recent = min(keep_recent, budget // 4)
     with torch.no_grad():
@@ -78,7 +80,7 @@ def oracle_decode(model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0
             changes.append(sum(ds) / len(ds))
         series_a.append(changes[0])
         series_b.append(changes[1])
-        s = weights[0] * _z(series_a, window) - weights[1] * _z(series_b, window)
+        s = weights[0] * signal(series_a, window) - weights[1] * signal(series_b, window)
         score[position] = float(np.float32(s))
         if len(positions) > budget:
             generated = [p for p in positions if p >= n_prompt]
