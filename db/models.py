@@ -258,4 +258,38 @@ class BenchmarkResult(Base):
     __table_args__ = (Index("ix_benchmark_results_benchmark_metric", "benchmark", "metric"),)
 
 
+class SignalCorrelation(Base):
+    """One figure of a signal study (``kvleague signals``, issue 21): Spearman's rho between a per-token
+    signal and an occlusion importance label, pooled over the run's samples, with a 95% bootstrap
+    interval over samples. ``run_id`` groups one invocation; ``config`` holds its options (model, task
+    and its options, samples, window, stride, trace, seeds...); the environment row holds the git
+    commit and library versions. ``row_key`` (a hash of run, label and signal) makes storing the same
+    run twice a no-op."""
+
+    __tablename__ = "signal_correlations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    row_key: Mapped[str] = mapped_column(String(64), unique=True)
+    run_id: Mapped[str] = mapped_column(String(64), index=True)
+    environment_id: Mapped[int | None] = mapped_column(ForeignKey("environments.id"), nullable=True)
+    model: Mapped[str] = mapped_column(Text)
+    task: Mapped[str] = mapped_column(String(255))
+    domain: Mapped[str] = mapped_column(String(32))
+    label: Mapped[str] = mapped_column(String(32))  # occlusion_nll | answer_flip
+    signal: Mapped[str] = mapped_column(String(255))  # e.g. hs_l2_diff_rolling64_l10, key_norm_mean, method:h2o
+    family: Mapped[str] = mapped_column(String(64))  # the signal without its layer, or "method"
+    layer: Mapped[int | None] = mapped_column(Integer, nullable=True)  # decoder layer of per-layer signals
+    n_layers: Mapped[int] = mapped_column(Integer)
+    rho: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: a constant signal or label
+    rho_lo: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rho_hi: Mapped[float | None] = mapped_column(Float, nullable=True)
+    p_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    n_samples: Mapped[int] = mapped_column(Integer)
+    n_pairs: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("ix_signal_correlations_task_label", "task", "label"),)
+
+
 TABLES = [t.name for t in Base.metadata.sorted_tables]

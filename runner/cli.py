@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands contributed by other packages: each module has ``register(subparsers)``.
 _COMMAND_MODULES: tuple[str, ...] = ("tasks.commands", "runner.sweep_commands", "db.commands", "dashboard.commands",
-                                       "runner.bench_commands", "runner.fidelity_commands")
+                                       "runner.bench_commands", "runner.fidelity_commands",
+                                       "runner.signals_commands")
 
 
 def main(argv: list[str] | None = None) -> int:

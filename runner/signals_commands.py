@@ -1,0 +1,149 @@
+"""``kvleague signals``: which per-token signals predict occlusion importance (issue 21).
+
+Per sample: labels and signals (``runner/signals.py``); over the samples: Spearman's rho of every
+signal against every label, pooled as the EpiKV authors pool, with bootstrap intervals over samples
+(``runner/signal_stats.py``); the correlations go to the database with provenance
+(``runner/signals_store.py``) and, with ``--json``, to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+
+from runner.errors import KvleagueError
+
+
+def register(subparsers) -> None:
+    from runner.signals import TRACES
+
+    p = subparsers.add_parser("signals", help="Spearman rho of per-token signals against occlusion importance labels")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--task", required=True)
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="task option")
+    p.add_argument("--limit", type=int, default=30, help="samples")
+    p.add_argument("--sample-seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64, help="answer tokens at most (the scored tokens, as in kvleague fidelity)")
+    p.add_argument("--trace", default="reference", choices=TRACES,
+                   help="the answer: the task's reference continuation, or the model's own greedy continuation")
+    p.add_argument("--window", type=int, default=32, help="occlusion window (tokens)")
+    p.add_argument("--stride", type=int, default=16, help="occlusion stride (tokens)")
+    p.add_argument("--rolling", type=int, default=64, help="trailing window of the smoothed hidden-state change")
+    p.add_argument("--flip-label", action="store_true", help="also the authors' answer-flip label (greedy regeneration per window)")
+    p.add_argument("--flip-tokens", type=int, default=64, help="answer tokens generated for the flip label")
+    p.add_argument("--method", action="append", default=None, help="methods whose scores to study (default: every registered one)")
+    p.add_argument("--score-budget-fraction", type=float, default=0.5, help="CacheView.budget handed to score, as a fraction of the cache")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the samples")
+    p.add_argument("--seed", type=int, default=0, help="seed of the methods and of the bootstrap")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the per-sample labels and the correlations to FILE")
+    p.add_argument("--db", default=None, metavar="URL", help="database URL (default: $KVLEAGUE_DB or sqlite:///kvleague.db)")
+    p.add_argument("--no-store", action="store_true", help="do not write the database")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from runner.signals import SignalOptions
+
+    options = SignalOptions(window=args.window, stride=args.stride, rolling=args.rolling, max_tokens=args.max_tokens,
+                            trace=args.trace, flip_label=args.flip_label, flip_tokens=args.flip_tokens,
+                            score_budget_fraction=args.score_budget_fraction, seed=args.seed)
+    options.check()
+    if args.limit < 1:
+        raise KvleagueError(f"limit: must be a positive integer, got {args.limit}")
+    if args.bootstrap < 100:
+        raise KvleagueError(f"bootstrap: must be at least 100 resamples, got {args.bootstrap}")
+
+    import torch
+
+    from methods.registry import available_methods, build_method
+    from runner.cli import _parse_param
+    from runner.engine import Engine
+    from runner.provenance import collect_environment
+    from runner.signals import LABELS, filler_token, study_sample
+    from runner.signal_stats import SampleBootstrap
+    from tasks.registry import build_task
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = build_task(args.task, dict(_parse_param(o) for o in args.option))
+    if not task.has_reference():
+        raise KvleagueError(f"task: {args.task} has no reference continuation to occlude against")
+    names = list(dict.fromkeys(args.method or available_methods()))
+    methods = {name: build_method(name, {}) for name in names}
+    engine = Engine.load(args.model, attn_implementation="eager", dtype=args.dtype)
+    if task.tokenizer_dependent:
+        task.bind_tokenizer(engine.tokenizer)
+    samples = task.load(limit=args.limit, seed=args.sample_seed, data_dir=args.data_dir)
+    config = {
+        "model": args.model, "task": args.task, "domain": task.domain, "task_options": task.option_values(),
+        "limit": args.limit, "sample_seed": args.sample_seed, "options": dataclasses.asdict(options),
+        "filler_token": filler_token(engine.tokenizer), "methods": {n: m.params() for n, m in methods.items()},
+        "bootstrap": args.bootstrap, "bootstrap_seed": args.seed, "n_layers": engine.n_layers,
+        "attn_implementation": "eager", "dtype": args.dtype, "threads": torch.get_num_threads(),
+    }
+    run_id = uuid.uuid4().hex
+    studied = []
+    per_sample: list[dict] = []
+    start = time.perf_counter()
+    for i, sample in enumerate(samples):
+        s = study_sample(engine, task, sample, methods, options)
+        studied.append(s)
+        per_sample.append(s.to_dict())
+        print(f"[{args.task}] {i + 1}/{len(samples)} {sample.sample_id}: {s.context_tokens} context tokens, "
+              f"{len(s.windows)} windows, {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
+        if args.json:  # after every sample, so an interrupted run keeps its labels
+            _write(args.json, {"run_id": run_id, "config": config, "samples": per_sample, "correlations": []})
+
+    correlations = []
+    for label in LABELS:
+        mine = [s for s in studied if label in s.labels]
+        if not mine:
+            continue
+        boot = SampleBootstrap([s.labels[label] for s in mine], args.bootstrap, args.seed)
+        signals = list(dict.fromkeys(name for s in mine for name in s.signals))
+        for name in signals:
+            c = boot.correlate([s.signals.get(name, _missing(s.context_tokens)) for s in mine])
+            correlations.append({"label": label, "signal": name, **dataclasses.asdict(c)})
+    config["sample_ids"] = [s.sample_id for s in studied]
+    config["wall_seconds"] = time.perf_counter() - start
+    report = {"run_id": run_id, "created_at": datetime.now(timezone.utc).isoformat(), "config": config,
+              "environment": collect_environment(), "samples": per_sample, "correlations": correlations}
+    if args.json:
+        _write(args.json, report)
+    if not args.no_store:
+        from db.session import default_url, display_url
+        from runner.signals_store import store_correlations
+
+        n = store_correlations(report, args.db)
+        print(f"stored {n} correlations of run {run_id[:12]} in {display_url(args.db or default_url())}", file=sys.stderr)
+    _print_summary(correlations)
+    return 0
+
+
+def _missing(n: int):
+    import numpy as np
+
+    return np.full(n, np.nan)
+
+
+def _print_summary(correlations: list[dict]) -> None:
+    for c in correlations:
+        if c["signal"].endswith("_mean") or c["signal"].startswith("method:") or "rolling64" in c["signal"]:
+            print(f"{c['label']:<14} {c['signal']:<32} rho {c['rho']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]  "
+                  f"n={c['n_samples']} pairs={c['n_pairs']}")
+
+
+def _write(path: str, report: dict) -> None:
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    os.replace(tmp, path)

@@ -1,0 +1,371 @@
+"""The signal study (issue 21): every signal and label against a naive re-computation on tiny models,
+the pooled-rho bootstrap against scipy on explicit resamples, a planted-fact model where importance is
+known by construction, and the CLI's bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM
+
+from methods.registry import build_method
+from runner.engine import Engine
+from runner.method_panel import MethodPanel
+from runner.protocol import Protocol
+from runner.signal_stats import SampleBootstrap, pooled_spearman
+from runner.signals import SignalOptions, _full_pass, model_signals, occlusion_windows, study_sample, token_labels
+from runner.tiny_model import make_tiny_model
+from tasks.base import ScoreResult
+from tests.naive_attention import _rope
+
+
+@dataclass
+class FixedTask:
+    """A task stand-in: one sample is (context ids, answer ids); correct iff the completion starts with ``expected``."""
+
+    segments: dict
+    expected: dict
+    stop: tuple = ()
+
+    def fidelity_segments(self, sample, tokenizer):
+        context, answer = self.segments[sample.sample_id]
+        return [(list(context), False), (list(answer), True)]
+
+    def score(self, sample, completion):
+        ok = completion.startswith(self.expected[sample.sample_id])
+        return ScoreResult(correct=ok, score=float(ok), extracted=completion)
+
+
+@dataclass
+class FixedSample:
+    sample_id: str
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("signals") / "llama", layers=2, seed=3)
+    return path, Engine.load(str(path), attn_implementation="eager")
+
+
+# -- the signals against a naive re-computation ------------------------------------------------------
+
+
+def naive_signals(path, ids: list[int], rolling: int) -> dict[str, np.ndarray]:
+    """Every per-layer signal from its definition: a separately loaded model, q/k/v from the layer's
+    projections, RoPE written out, per-head causal softmax, and Python loops over tokens."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg = model.config
+    n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    n = len(ids)
+    out: dict[str, np.ndarray] = {}
+    for layer, block in enumerate(model.model.layers):
+        h = hidden[layer + 1][0].double()
+        diff = [0.0] + [float(torch.linalg.norm(h[t] - h[t - 1])) for t in range(1, n)]
+        out[f"hs_l2_diff_l{layer}"] = np.array(diff)
+        out[f"hs_l2_diff_rolling64_l{layer}"] = np.array([np.mean(diff[max(0, t - rolling + 1) : t + 1]) for t in range(n)])
+        with torch.no_grad():
+            x = block.input_layernorm(hidden[layer][0])
+            q = block.self_attn.q_proj(x).view(n, n_heads, d).double()
+            k = block.self_attn.k_proj(x).view(n, n_kv, d).double()
+            v = block.self_attn.v_proj(x).view(n, n_kv, d).double()
+        q = torch.stack([torch.stack([_rope(q[t, i], t, theta) for i in range(n_heads)]) for t in range(n)])
+        k = torch.stack([torch.stack([_rope(k[t, i], t, theta) for i in range(n_kv)]) for t in range(n)])
+        out[f"key_norm_l{layer}"] = np.array([np.mean([float(k[t, i].norm()) for i in range(n_kv)]) for t in range(n)])
+        out[f"key_var_l{layer}"] = np.array([np.mean([float(k[t, i].var()) for i in range(n_kv)]) for t in range(n)])
+        out[f"value_norm_l{layer}"] = np.array([np.mean([float(v[t, i].norm()) for i in range(n_kv)]) for t in range(n)])
+        out[f"value_var_l{layer}"] = np.array([np.mean([float(v[t, i].var()) for i in range(n_kv)]) for t in range(n)])
+        received = np.zeros((n_heads, n))
+        entropy = np.zeros((n_heads, n))
+        for head in range(n_heads):
+            kv = head // (n_heads // n_kv)
+            for t in range(n):
+                logits = torch.tensor([float(q[t, head] @ k[s, kv]) / math.sqrt(d) for s in range(t + 1)])
+                row = torch.softmax(logits, dim=0).numpy()
+                received[head, : t + 1] += row
+                full_row = np.concatenate([row, np.zeros(n - t - 1)])
+                clamped = np.maximum(full_row, 1e-10)
+                entropy[head, t] = -float(np.sum(clamped * np.log(clamped)))
+        out[f"h2o_l{layer}"] = received.mean(0)
+        out[f"attn_entropy_l{layer}"] = entropy.mean(0)
+    return out
+
+
+def test_every_model_signal_equals_its_naive_recomputation(tiny):
+    path, engine = tiny
+    ids = [int(t) for t in torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(1))]
+    out, cache = _full_pass(engine, ids, 4)
+    ours = model_signals(out, cache, rolling=8)
+    naive = naive_signals(path, ids, rolling=8)
+    assert set(naive) <= set(ours)
+    for name, expected in naive.items():
+        np.testing.assert_allclose(ours[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+    for family in ("key_norm", "h2o", "attn_entropy"):  # the all-layer means
+        np.testing.assert_allclose(ours[f"{family}_mean"], (naive[f"{family}_l0"] + naive[f"{family}_l1"]) / 2, rtol=1e-4, atol=1e-5)
+
+
+def test_occlusion_labels_equal_full_recomputation(tiny):
+    """Each window's label is the answer's mean NLL after the occluded context minus the full one, computed
+    here by a whole forward pass over the occluded sequence (no cache reuse); token labels take the
+    largest label of the windows covering them."""
+    path, engine = tiny
+    gen = torch.Generator().manual_seed(2)
+    context = [int(t) for t in torch.randint(0, 250, (50,), generator=gen)]
+    answer = [int(t) for t in torch.randint(0, 250, (6,), generator=gen)]
+    task = FixedTask({"s": (context, answer)}, {"s": "x"})
+    options = SignalOptions(window=8, stride=4, rolling=8)
+    result = study_sample(engine, task, FixedSample("s"), {}, options)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    pad = engine.tokenizer.pad_token_id
+
+    def answer_nll(ctx):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx + answer])).logits[0].double()
+        return float(np.mean([-torch.log_softmax(logits[len(ctx) - 1 + j], -1)[a] for j, a in enumerate(answer)]))
+
+    base = answer_nll(context)
+    assert result.answer_nll == pytest.approx(base, abs=1e-5)
+    windows, start = [], 0
+    while start < len(context):  # the authors' loop in scripts/label_importance.py
+        windows.append((start, min(start + 8, len(context))))
+        start += 4
+    assert result.windows == windows
+    expected = [answer_nll(context[:s] + [pad] * (e - s) + context[e:]) - base for s, e in windows]
+    np.testing.assert_allclose(result.window_delta_nll, expected, atol=1e-5)
+    per_token = [max(expected[i] for i, (s, e) in enumerate(windows) if s <= t < e) for t in range(len(context))]
+    np.testing.assert_allclose(result.labels["occlusion_nll"], per_token, atol=1e-5)
+
+
+def test_answer_flip_label_as_the_authors_define_it(tiny):
+    """Only a sample answered correctly with the full context gets flip labels; a window flips when the
+    greedy answer regenerated after occluding it is no longer correct (checked here by plain greedy
+    decoding of the whole occluded context)."""
+    path, engine = tiny
+    gen = torch.Generator().manual_seed(5)
+    context = [int(t) for t in torch.randint(0, 250, (24,), generator=gen)]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def greedy_text(ctx, n=3):
+        ids = list(ctx)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        return engine.tokenizer.decode(ids[len(ctx):], skip_special_tokens=True)
+
+    right, wrong = greedy_text(context), "\x00never"
+    task = FixedTask({"r": (context, [1, 2]), "w": (context, [1, 2])}, {"r": right, "w": wrong})
+    options = SignalOptions(window=8, stride=8, flip_label=True, flip_tokens=3)
+    r = study_sample(engine, task, FixedSample("r"), {}, options)
+    w = study_sample(engine, task, FixedSample("w"), {}, options)
+    assert r.full_correct is True and w.full_correct is False and "answer_flip" not in w.labels
+    pad = engine.tokenizer.pad_token_id
+    expected = [int(not greedy_text(context[:s] + [pad] * (e - s) + context[e:]).startswith(right)) for s, e in r.windows]
+    assert r.window_flips == expected
+    assert r.labels["answer_flip"].tolist() == [expected[t // 8] for t in range(24)]
+
+
+def test_method_scores_through_the_panel_equal_each_method_run_alone(tiny):
+    """The panel hands each method what it declared; its score equals the method's in a session of its
+    own (h2o: eager attention; tova: last-row attention; snapkv: queries; epikv: hidden states)."""
+    path, engine = tiny
+    gen = torch.Generator().manual_seed(4)
+    context = [int(t) for t in torch.randint(0, 250, (30,), generator=gen)]
+    answer = [int(t) for t in torch.randint(0, 250, (10,), generator=gen)]
+    names = ("h2o", "tova", "snapkv", "epikv", "knorm")
+    panel = MethodPanel(members={n: build_method(n, {}) for n in names})
+    budget = len(context) + len(answer) + 1
+    with engine.session(panel, budget, Protocol(), 0) as session:
+        session.feed(context)
+        session.teacher_force(answer, lambda logits, token: None)
+        view = session.cache.view(20, "decode", session.next_position - 1)
+        together = {n: m.score(view).clone() for n, m in panel.members.items()}
+    for name in names:
+        alone = build_method(name, {})
+        with engine.session(alone, budget, Protocol(), 0) as session:
+            session.feed(context)
+            session.teacher_force(answer, lambda logits, token: None)
+            expected = alone.score(session.cache.view(20, "decode", session.next_position - 1))
+        torch.testing.assert_close(together[name], expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_token_labels_and_windows_naive():
+    windows = occlusion_windows(10, 4, 3)
+    assert windows == [(0, 4), (3, 7), (6, 10), (9, 10)]
+    labels = token_labels(10, windows, [0.5, -1.0, 2.0, 0.1])
+    assert labels.tolist() == [0.5, 0.5, 0.5, 0.5, -1.0, -1.0, 2.0, 2.0, 2.0, 2.0]
+
+
+# -- the statistics ----------------------------------------------------------------------------------
+
+
+def test_pooled_rho_and_bootstrap_resamples_equal_scipy_on_explicit_resamples():
+    rng = np.random.default_rng(0)
+    label = [np.round(rng.normal(size=n), 1) for n in (12, 30, 7, 19)]  # rounded: ties inside and across samples
+    signal = [np.round(x + rng.normal(size=len(x)), 1) for x in label]
+    rho, p, pairs = pooled_spearman(signal, label)
+    expected = stats.spearmanr(np.concatenate(signal), np.concatenate(label))
+    assert (rho, p, pairs) == pytest.approx((expected.statistic, expected.pvalue, 68))
+    boot = SampleBootstrap(label, n_resamples=200, seed=3)
+    captured = {}
+    original = stats.bootstrap
+
+    def spy(data, statistic, **kwargs):
+        captured["statistic"] = statistic
+        return original(data, statistic, **kwargs)
+
+    stats.bootstrap, saved = spy, stats.bootstrap
+    try:
+        c = boot.correlate(signal)
+    finally:
+        stats.bootstrap = saved
+    resamples = np.array([[0, 0, 3, 1], [2, 2, 2, 1], [3, 1, 0, 2]])
+    ours = captured["statistic"](resamples)
+    for row, value in zip(resamples, ours):
+        explicit = stats.spearmanr(np.concatenate([signal[i] for i in row]), np.concatenate([label[i] for i in row]))
+        assert value == pytest.approx(explicit.statistic, abs=1e-12)
+    assert c.lo < c.rho < c.hi and c.n_samples == 4
+
+
+# -- a planted fact: importance known by construction ------------------------------------------------
+
+PLANTED = range(200, 216)  # the token ids of the planted fact
+ANSWER = 220  # the answer token, predictable from the fact
+
+
+def planted_fact_model(root) -> Engine:
+    """A random llama in which the answer token is predictable only while the planted fact is visible.
+
+    Every embedding gets a constant coordinate 0, the planted ids a large coordinate 1, and coordinate 2
+    is left empty. In each layer W_q reads coordinate 0 and W_k coordinate 1 into the head's slowest
+    RoPE pair (position barely rotates it), so every query's score is large for a planted key and zero
+    for any other; W_v copies coordinate 1 into each head's first value dimension and W_o writes that
+    into coordinate 2, which only the answer token's row of the LM head reads. While any planted token
+    is visible, coordinate 2 is large and the answer is likely; occluding the whole fact removes it."""
+    path = make_tiny_model("llama", root, layers=2, seed=7)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    slow = d // 2 - 1
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 3.0
+        emb[:, 1:3] = 0.0
+        emb[list(PLANTED), 1] = 8.0
+        for block in model.model.layers:
+            attn = block.self_attn
+            attn.q_proj.weight.zero_()
+            attn.k_proj.weight.zero_()
+            attn.o_proj.weight[:3].zero_()
+            block.mlp.down_proj.weight[:3].zero_()
+            for head in range(cfg.num_attention_heads):
+                attn.q_proj.weight[head * d + slow, 0] = 2.0
+                attn.o_proj.weight[2, head * d] = 1.0
+            for head in range(cfg.num_key_value_heads):
+                attn.k_proj.weight[head * d + slow, 1] = 2.0
+                attn.v_proj.weight[head * d] = 0.0
+                attn.v_proj.weight[head * d, 1] = 1.0
+        model.lm_head.weight[ANSWER] = 0.0
+        model.lm_head.weight[ANSWER, 2] = 10.0
+    model.save_pretrained(path)
+    return Engine.load(str(path), attn_implementation="eager")
+
+
+def test_planted_fact_is_found_and_a_random_signal_is_not(tmp_path):
+    engine = planted_fact_model(tmp_path / "planted")
+    rng = np.random.default_rng(11)
+    segments, expected, starts = {}, {}, {}
+    for i in range(10):
+        context = [int(t) for t in rng.integers(0, 200, 128)]
+        start = int(rng.choice([16, 32, 48, 64, 80]))
+        fact = [int(t) for t in rng.choice(list(PLANTED), 32)]
+        context[start : start + 32] = fact
+        segments[f"s{i}"] = (context, [ANSWER] * 16)
+        expected[f"s{i}"] = ""
+        starts[f"s{i}"] = start
+    task = FixedTask(segments, expected)
+    options = SignalOptions()  # the defaults: window 32, stride 16
+    studied = [study_sample(engine, task, FixedSample(sid), {}, options) for sid in segments]
+    for s in studied:  # the occlusion label peaks exactly on the planted window
+        best = s.windows[int(np.argmax(s.window_delta_nll))]
+        assert best == (starts[s.sample_id], starts[s.sample_id] + 32), (s.sample_id, s.window_delta_nll)
+    labels = [s.labels["occlusion_nll"] for s in studied]
+    boot = SampleBootstrap(labels, n_resamples=1000, seed=0)
+    indicator = []
+    for s in studied:
+        mark = np.zeros(s.context_tokens)
+        mark[starts[s.sample_id] : starts[s.sample_id] + 32] = 1.0
+        indicator.append(mark)
+    built = boot.correlate(indicator)
+    key_norm = boot.correlate([s.signals["key_norm_mean"] for s in studied])  # the construction puts the fact in K
+    noise = boot.correlate([np.random.default_rng(100 + i).random(s.context_tokens) for i, s in enumerate(studied)])
+    print(f"planted indicator rho {built.rho:+.3f} [{built.lo:+.3f}, {built.hi:+.3f}]; key_norm_mean rho "
+          f"{key_norm.rho:+.3f} [{key_norm.lo:+.3f}, {key_norm.hi:+.3f}]; random rho {noise.rho:+.3f} [{noise.lo:+.3f}, {noise.hi:+.3f}]")
+    assert built.rho > 0.5 and built.lo > 0.5
+    assert key_norm.rho > 0.5
+    assert noise.lo < 0 < noise.hi
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--window", "0"], "window"),
+        (["--stride", "-3"], "stride"),
+        (["--trace", "sampled"], "--trace"),
+        (["--limit", "0"], "limit"),
+        (["--score-budget-fraction", "1.5"], "score-budget-fraction"),
+        (["--bootstrap", "10"], "bootstrap"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_field_exit_2(capsys, argv, field):
+    from runner.cli import main
+
+    assert main(["signals", "--task", "math500", "--no-store", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err, err
+
+
+def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
+    """A run on a real task stores one row per (label, signal), each with the run's options and the
+    environment (git commit, library versions); the stored rho equals the JSON report's."""
+    import json
+
+    from sqlalchemy import select
+
+    from db.models import Environment, SignalCorrelation
+    from db.session import get_engine
+    from runner.cli import main
+
+    path, _ = tiny
+    url = f"sqlite:///{tmp_path / 'signals.db'}"
+    out = tmp_path / "signals.json"
+    argv = ["signals", "--model", str(path), "--task", "niah", "--option", "context_length=160", "--limit", "2",
+            "--max-tokens", "8", "--method", "h2o", "--method", "random", "--bootstrap", "200", "--json", str(out), "--db", url]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    with get_engine(url).connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(select(SignalCorrelation.__table__))]
+        env = dict(conn.execute(select(Environment.__table__)).one()._mapping)
+    assert len(rows) == len(report["correlations"]) == 8 * 2 + 6 + 2  # 8 families x 2 layers, 6 all-layer means, 2 methods
+    stored = {(r["label"], r["signal"]): r for r in rows}
+    for c in report["correlations"]:
+        r = stored[(c["label"], c["signal"])]
+        assert r["rho"] == (pytest.approx(c["rho"]) if math.isfinite(c["rho"]) else None)
+    row = stored[("occlusion_nll", "h2o_l1")]
+    assert (row["family"], row["layer"], row["n_layers"], row["domain"], row["n_samples"]) == ("h2o", 1, 2, "longqa", 2)
+    assert row["config"]["options"]["window"] == 32 and row["config"]["task_options"]["context_length"] == 160
+    assert stored[("occlusion_nll", "method:random")]["family"] == "method"
+    assert env["git_commit"] and env["torch_version"] == torch.__version__
+    assert main(argv[:-2] + ["--db", url, "--no-store"]) == 0  # (a second run, not stored: the table is unchanged)
+    with get_engine(url).connect() as conn:
+        assert len(conn.execute(select(SignalCorrelation.__table__)).all()) == len(rows)
