@@ -21,7 +21,7 @@ from dashboard import queries as q
 from dashboard import tables
 from runner.errors import KvleagueError
 
-PAGES = ("Leaderboard", "Budget curves", "Replication scorecard", "Cost", "Samples", "Provenance")
+PAGES = ("Leaderboard", "Budget curves", "Replication scorecard", "Cost", "Samples", "Provenance", "Signals")
 SLUGS = {p: p.lower().replace(" ", "-") for p in PAGES}
 FINGERPRINT_TTL_S = 3
 
@@ -114,6 +114,11 @@ def main() -> None:
     page = choose_page()
     try:
         engine = engine_for(url)
+        if page == "Signals":  # its own table and no filters: it shows on a database of signal studies only
+            from dashboard.views import PAGE_RENDERERS
+
+            PAGE_RENDERERS[page](Context(url=url, fp=(), filters=q.Filters(), opts=None))
+            return
         if not q.has_schema(engine):
             st.title(page)
             st.info(f"The database at `{_display(url)}` has no results tables yet. Run a sweep first: "

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import sys
 import time
 import uuid
@@ -40,6 +41,12 @@ def register(subparsers) -> None:
     p.add_argument("--method", action="append", default=None, help="methods whose scores to study (default: every registered one)")
     p.add_argument("--score-budget-fraction", type=float, default=0.5, help="CacheView.budget handed to score, as a fraction of the cache")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the samples")
+    p.add_argument("--all-intervals", action="store_true",
+                   help="bootstrap intervals for every signal (default: the smoothed hidden-state change per layer, "
+                        "the all-layer signals and the methods; the other per-layer signals get rho and p only)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="take no new sample after this many seconds; samples run in a seeded random order, so those "
+                        "studied are a uniform random subset")
     p.add_argument("--seed", type=int, default=0, help="seed of the methods and of the bootstrap")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -61,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise KvleagueError(f"limit: must be a positive integer, got {args.limit}")
     if args.bootstrap < 100:
         raise KvleagueError(f"bootstrap: must be at least 100 resamples, got {args.bootstrap}")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        raise KvleagueError(f"max-seconds: must be positive, got {args.max_seconds}")
 
     import torch
 
@@ -83,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if task.tokenizer_dependent:
         task.bind_tokenizer(engine.tokenizer)
     samples = task.load(limit=args.limit, seed=args.sample_seed, data_dir=args.data_dir)
+    random.Random(args.sample_seed).shuffle(samples)  # any prefix is a uniform random subset (--max-seconds)
     config = {
         "model": args.model, "task": args.task, "domain": task.domain, "task_options": task.option_values(),
         "limit": args.limit, "sample_seed": args.sample_seed, "options": dataclasses.asdict(options),
@@ -95,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     per_sample: list[dict] = []
     start = time.perf_counter()
     for i, sample in enumerate(samples):
+        if args.max_seconds is not None and time.perf_counter() - start > args.max_seconds:
+            print(f"[{args.task}] --max-seconds {args.max_seconds:.0f} reached: {i} of {len(samples)} samples studied",
+                  file=sys.stderr, flush=True)
+            break
         s = study_sample(engine, task, sample, methods, options)
         studied.append(s)
         per_sample.append(s.to_dict())
@@ -111,9 +125,12 @@ def run(args: argparse.Namespace) -> int:
         boot = SampleBootstrap([s.labels[label] for s in mine], args.bootstrap, args.seed)
         signals = list(dict.fromkeys(name for s in mine for name in s.signals))
         for name in signals:
-            c = boot.correlate([s.signals.get(name, _missing(s.context_tokens)) for s in mine])
+            c = boot.correlate([s.signals.get(name, _missing(s.context_tokens)) for s in mine],
+                               interval=args.all_intervals or _headline(name))
             correlations.append({"label": label, "signal": name, **dataclasses.asdict(c)})
     config["sample_ids"] = [s.sample_id for s in studied]
+    config["samples_requested"] = len(samples)
+    config["max_seconds"] = args.max_seconds
     config["wall_seconds"] = time.perf_counter() - start
     report = {"run_id": run_id, "created_at": datetime.now(timezone.utc).isoformat(), "config": config,
               "environment": collect_environment(), "samples": per_sample, "correlations": correlations}
@@ -127,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"stored {n} correlations of run {run_id[:12]} in {display_url(args.db or default_url())}", file=sys.stderr)
     _print_summary(correlations)
     return 0
+
+
+def _headline(signal: str) -> bool:
+    """The signals that get bootstrap intervals by default: the paper's per-layer signal, the all-layer
+    signals and the methods (an interval costs a bootstrap; the other per-layer signals are many)."""
+    return signal.startswith(("hs_l2_diff_rolling64_l", "method:")) or signal.endswith("_mean")
 
 
 def _missing(n: int):

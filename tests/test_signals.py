@@ -325,6 +325,7 @@ def test_planted_fact_is_found_and_a_random_signal_is_not(tmp_path):
         (["--limit", "0"], "limit"),
         (["--score-budget-fraction", "1.5"], "score-budget-fraction"),
         (["--bootstrap", "10"], "bootstrap"),
+        (["--max-seconds", "0"], "max-seconds"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_field_exit_2(capsys, argv, field):
@@ -365,6 +366,10 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
     assert (row["family"], row["layer"], row["n_layers"], row["domain"], row["n_samples"]) == ("h2o", 1, 2, "longqa", 2)
     assert row["config"]["options"]["window"] == 32 and row["config"]["task_options"]["context_length"] == 160
     assert stored[("occlusion_nll", "method:random")]["family"] == "method"
+    # intervals by default for the paper's per-layer signal, the all-layer signals and the methods only
+    assert row["rho_lo"] is None and row["rho_hi"] is None
+    for name in ("hs_l2_diff_rolling64_l0", "h2o_mean", "method:h2o"):
+        assert stored[("occlusion_nll", name)]["rho_lo"] < stored[("occlusion_nll", name)]["rho_hi"], name
     assert env["git_commit"] and env["torch_version"] == torch.__version__
     assert main(argv[:-2] + ["--db", url, "--no-store"]) == 0  # (a second run, not stored: the table is unchanged)
     with get_engine(url).connect() as conn:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dashboard.views import cost, curves, leaderboard, provenance, samples, scorecard
+from dashboard.views import cost, curves, leaderboard, provenance, samples, scorecard, signals
 
 PAGE_RENDERERS = {
     "Leaderboard": leaderboard.render,
@@ -11,4 +11,5 @@ PAGE_RENDERERS = {
     "Cost": cost.render,
     "Samples": samples.render,
     "Provenance": provenance.render,
+    "Signals": signals.render,
 }

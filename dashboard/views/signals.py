@@ -1,0 +1,93 @@
+"""Signals: which per-token signals predict occlusion importance (``kvleague signals``, issue 21). Rho of
+the smoothed hidden-state change against layer depth per domain, with the paper's bands and the
+authors' published figures; each method's own score per domain; the all-layer signals."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import signals as sig
+from dashboard.signals_reference import NEGATIVE_BAND, POSITIVE_BAND, SOURCE_COMMIT, SOURCE_REPOSITORY
+from dashboard.views.common import INT
+
+RHO = st.column_config.NumberColumn(format="%+.3f")
+
+
+@st.cache_data(show_spinner=False, ttl=3)
+def _rows(url: str) -> pd.DataFrame:
+    from dashboard.ui import engine_for
+
+    return sig.read_correlations(engine_for(url))
+
+
+def depth_chart(depth: pd.DataFrame, reference: pd.DataFrame) -> alt.LayerChart:
+    """One line per domain (with its interval band), the authors' series dashed, the paper's bands shaded."""
+    bands = pd.DataFrame([{"from": POSITIVE_BAND[0], "to": POSITIVE_BAND[1], "band": "paper: positive band (layers 7-13 of 32)"},
+                          {"from": NEGATIVE_BAND[0], "to": NEGATIVE_BAND[1], "band": "paper: negative band (layers 18-25 of 32)"}])
+    shade = alt.Chart(bands).mark_rect(opacity=0.12).encode(
+        x=alt.X("from:Q"), x2="to:Q", color=alt.Color("band:N", scale=alt.Scale(range=["#2a9d8f", "#e63946"]), title=None))
+    base = alt.Chart(depth).encode(x=alt.X("depth:Q", title="layer depth (layer / layers)", scale=alt.Scale(domain=[0, 1])))
+    interval = base.mark_area(opacity=0.15).encode(y="rho_lo:Q", y2="rho_hi:Q", fill=alt.Fill("domain:N", legend=None))
+    lines = base.mark_line(point=True).encode(
+        y=alt.Y("rho:Q", title="Spearman rho with occlusion importance"), stroke=alt.Stroke("domain:N", title="domain"),
+        tooltip=["domain", "task", "layer", alt.Tooltip("rho:Q", format="+.3f"), alt.Tooltip("rho_lo:Q", format="+.3f"),
+                 alt.Tooltip("rho_hi:Q", format="+.3f"), "n_samples"])
+    ref = alt.Chart(reference).mark_line(strokeDash=[4, 3], color="gray", opacity=0.7).encode(
+        x="depth:Q", y="rho:Q", detail="dataset:N", tooltip=["dataset", "layer", alt.Tooltip("rho:Q", format="+.3f")])
+    zero = alt.Chart(pd.DataFrame({"y": [0.0]})).mark_rule(color="black", opacity=0.4).encode(y="y:Q")
+    return alt.layer(shade, ref, interval, lines, zero).resolve_scale(color="independent").properties(height=380)
+
+
+def render(ctx) -> None:
+    st.title("Signals")
+    rows = _rows(ctx.url)
+    if rows.empty:
+        st.info("No signal studies stored yet. Run `kvleague signals --model M --task T --limit N --db URL`.")
+        return
+    labels = [label for label in ("occlusion_nll", "answer_flip") if (rows["label"] == label).any()]
+    label = st.radio("Importance label", labels, horizontal=True, key="sig_label",
+                     help="occlusion_nll: increase of the reference answer's NLL when a window is occluded (every sample); "
+                          "answer_flip: the authors' label, on samples the model answers correctly with the full context")
+    models = sorted(rows["model"].unique())
+    model = st.selectbox("Model", models, key="sig_model") if len(models) > 1 else models[0]
+    rows = rows[rows["model"] == model]
+    st.caption(
+        "Per sample, windows of the context (32 tokens every 16 by default) are replaced by the pad token and the label "
+        "of a token is the largest effect of a window covering it; each signal is correlated with the label by one "
+        "Spearman rho over every context token of every sample (the EpiKV authors' pooling), with a 95% percentile "
+        "bootstrap interval that resamples samples. The latest run of each task is shown.")
+
+    depth = sig.depth_table(rows, label=label)
+    st.subheader("Rho of the smoothed hidden-state change against layer depth")
+    reference = sig.reference_series()
+    shown = st.multiselect("Authors' published series (DeepSeek-R1-Distill-Llama-8B, answer-flip labels)",
+                           sorted(reference["dataset"].unique()), default=["math500"], key="sig_reference")
+    if depth.empty:
+        st.info(f"No per-layer rows for the label {label}.")
+    else:
+        st.altair_chart(depth_chart(depth, reference[reference["dataset"].isin(shown)]), width="stretch")
+        st.caption(f"Signal `{sig.DEPTH_FAMILY}_l{{layer}}`: the L2 change of layer l's hidden state from the previous "
+                   "token, averaged over the trailing 64 tokens. Dashed grey: the authors' figures, transcribed from "
+                   f"`results_recovered/*_signal_ablation.csv` of {SOURCE_REPOSITORY} at {SOURCE_COMMIT[:12]}.")
+        st.markdown("**The paper's sign pattern per domain** (a layer counts only when its 95% interval excludes 0)")
+        st.dataframe(sig.band_verdicts(depth), hide_index=True, key="sig_bands",
+                     column_config={"mean rho early": RHO, "mean rho late": RHO, "samples": INT})
+        with st.expander("Every layer"):
+            st.dataframe(depth, hide_index=True, key="sig_depth",
+                         column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "depth": st.column_config.NumberColumn(format="%.2f")})
+
+    st.subheader("Each method's own score per domain")
+    methods = sig.method_table(rows, label)
+    if methods.empty:
+        st.info("No method scores stored for this label.")
+    else:
+        st.caption("Every registered method's `score` through the method contract, read once on the full cache at the end "
+                   "of the trace (layers and heads averaged). An empty rho: the method scores every context token the same "
+                   "(methods that never evict prompt tokens score them all +inf).")
+        st.dataframe(methods, hide_index=True, key="sig_methods", placeholder="—",
+                     column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "n_samples": INT, "n_pairs": INT})
+    st.subheader("All-layer signals")
+    st.dataframe(sig.signal_table(rows, label), hide_index=True, key="sig_all_layer", placeholder="—",
+                 column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "n_samples": INT, "n_pairs": INT})

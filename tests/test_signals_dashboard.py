@@ -1,0 +1,116 @@
+"""The Signals page under Streamlit's AppTest, on a database holding only signal studies stored through
+``runner.signals_store``; the expected figures are computed here from the stored report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from dashboard.signals_reference import PUBLISHED_LAYER_RHO  # noqa: E402
+
+APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+N_LAYERS = 32
+ENV = {"spec_hash": "e" * 64, "hostname": "h", "platform": "p", "python_version": "3", "torch_version": "t",
+       "transformers_version": "tf", "cuda_version": "none", "gpu_name": "none", "gpu_count": 0,
+       "kvleague_version": "0", "ray_version": "r", "git_commit": "c" * 40, "git_dirty": False}
+
+
+def report(run_id: str, task: str, domain: str, rho_of_layer, created: str, n: int = 30) -> dict:
+    correlations = []
+    for layer in range(N_LAYERS):
+        rho = rho_of_layer(layer)
+        correlations.append({"label": "occlusion_nll", "signal": f"hs_l2_diff_rolling64_l{layer}", "rho": rho,
+                             "lo": rho - 0.05, "hi": rho + 0.05, "p_value": 0.01, "n_samples": n, "n_pairs": 100 * n})
+    correlations += [
+        {"label": "occlusion_nll", "signal": "method:snapkv", "rho": 0.2, "lo": 0.1, "hi": 0.3, "p_value": 0.01, "n_samples": n, "n_pairs": 100 * n},
+        {"label": "occlusion_nll", "signal": "method:epikv", "rho": float("nan"), "lo": float("nan"), "hi": float("nan"),
+         "p_value": float("nan"), "n_samples": n, "n_pairs": 100 * n},
+        {"label": "occlusion_nll", "signal": "h2o_mean", "rho": -0.1, "lo": -0.2, "hi": 0.0, "p_value": 0.05, "n_samples": n, "n_pairs": 100 * n},
+    ]
+    config = {"model": "tiny", "task": task, "domain": domain, "n_layers": N_LAYERS}
+    return {"run_id": run_id, "created_at": created, "config": config, "environment": ENV, "correlations": correlations}
+
+
+def paper_like(layer: int) -> float:
+    """+0.2 in layers 7-13, -0.2 in 18-25, 0 elsewhere."""
+    return 0.2 if 7 <= layer <= 13 else -0.2 if 18 <= layer <= 25 else 0.0
+
+
+@pytest.fixture()
+def signals_db(tmp_path, monkeypatch):
+    from runner.signals_store import store_correlations
+
+    url = f"sqlite:///{tmp_path / 'signals.db'}"
+    store_correlations(report("old", "math500", "math", lambda layer: -0.5, "2026-01-01T00:00:00+00:00"), url)
+    store_correlations(report("new", "math500", "math", paper_like, "2026-02-01T00:00:00+00:00"), url)
+    store_correlations(report("code", "humaneval", "code", lambda layer: 0.0, "2026-02-01T00:00:00+00:00", n=12), url)
+    monkeypatch.setenv("KVLEAGUE_DB", url)
+    return url
+
+
+def test_signals_page_shows_the_latest_runs_bands_and_methods(signals_db):
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["page"] = "signals"
+    at.run()
+    assert not at.exception, at.exception
+    assert at.title[0].value == "Signals"
+    assert len(at.dataframe) == 4  # bands, every layer, methods, all-layer signals
+    bands = at.dataframe[0].value.set_index("task")
+    math = bands.loc["math500"]  # the newer run only: the old one (all -0.5) is superseded
+    early = [layer for layer in range(N_LAYERS) if 7 / 32 <= layer / 32 <= 13 / 32]
+    late = [layer for layer in range(N_LAYERS) if 18 / 32 <= layer / 32 <= 25 / 32]
+    assert (math["early band: layers > 0"], math["early band: layers"]) == (len(early), 7)
+    assert (math["late band: layers < 0"], math["late band: layers"]) == (len(late), 8)
+    assert math["mean rho early"] == pytest.approx(np.mean([paper_like(layer) for layer in early]))
+    assert math["verdict"].startswith("holds")
+    code = bands.loc["humaneval"]  # rho 0 +- 0.05 everywhere: no layer's interval excludes 0
+    assert (code["early band: layers > 0"], code["late band: layers < 0"], code["samples"]) == (0, 0, 12)
+    assert code["verdict"].startswith("not resolved")
+    depth = at.dataframe[1].value
+    assert len(depth) == 2 * N_LAYERS and set(depth[depth["task"] == "math500"]["rho"]) == {0.2, -0.2, 0.0}
+    row = depth[(depth["task"] == "math500") & (depth["layer"] == 10)].iloc[0]
+    assert row["depth"] == pytest.approx(10 / 32) and row["band"] == "positive"
+    methods = at.dataframe[2].value
+    snap = methods[(methods["method"] == "snapkv") & (methods["task"] == "math500")].iloc[0]
+    assert (snap["rho"], snap["rho_lo"], snap["rho_hi"]) == (0.2, 0.1, 0.3)
+    assert methods[methods["method"] == "epikv"]["rho"].isna().all()  # NaN stored as null, shown empty
+    charts = at.get("vega_lite_chart")
+    assert len(charts) == 1
+    frames = [pa.ipc.open_stream(d.data.data).read_pandas() for d in charts[0].proto.datasets]
+    bands = next(f for f in frames if "band" in f.columns and "from" in f.columns)
+    assert sorted(zip(bands["from"], bands["to"])) == [(7 / 32, 13 / 32), (18 / 32, 25 / 32)]
+    reference = next(f for f in frames if "dataset" in f.columns).sort_values("layer")
+    assert set(reference["dataset"]) == {"math500"}  # the default reference series
+    assert reference["rho"].tolist() == list(PUBLISHED_LAYER_RHO["math500"][2])
+    ours = next(f for f in frames if "rho_lo" in f.columns)
+    math_rows = ours[ours["task"] == "math500"].sort_values("layer")
+    assert list(zip(math_rows["layer"], math_rows["rho"])) == [(layer, paper_like(layer)) for layer in range(N_LAYERS)]
+
+
+def test_reference_series_are_the_authors_csv_figures():
+    """Spot checks against the issue's quotation of the paper (MATH-500: +0.112 at layer 10, -0.209 at 21)."""
+    from dashboard.signals import reference_series
+
+    ref = reference_series()
+    math = ref[ref["dataset"] == "math500"].set_index("layer")["rho"]
+    assert round(math[10], 3) == 0.112 and round(math[21], 3) == -0.209
+    assert all(len(values) == 32 for _, _, values in PUBLISHED_LAYER_RHO.values())
+
+
+def test_signals_page_on_a_database_without_studies(tmp_path, monkeypatch):
+    from db.session import get_engine, upgrade
+
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    upgrade(get_engine(url))
+    monkeypatch.setenv("KVLEAGUE_DB", url)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["page"] = "signals"
+    at.run()
+    assert not at.exception, at.exception
+    assert "No signal studies stored yet" in at.info[0].value
