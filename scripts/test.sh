@@ -18,4 +18,13 @@ if url=$(bash scripts/postgres.sh start "$pg_dir" | tail -1); then
 elif [ -n "${CI:-}" ]; then
   exit 1
 fi
-python -m pytest -q "$@"
+# One torch thread per test process, two processes (whole files each, so module fixtures such as a
+# Ray head are made once): faster on 2 cores than one process with two threads, and never more
+# threads than cores. KVLEAGUE_TEST_WORKERS=0 runs in one process.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+workers=${KVLEAGUE_TEST_WORKERS:-2}
+if [ "$workers" = 0 ]; then
+  python -m pytest -q "$@"
+else
+  python -m pytest -q -n "$workers" --dist loadfile "$@"
+fi

@@ -3,8 +3,9 @@ out of memory, the driver SIGKILLed at random points (SQLite and PostgreSQL), tw
 sweep at once, and PostgreSQL stopped and restarted mid-sweep. After each: exactly one row per cell,
 none lost, none doubled (the database's unique ``cell_key`` enforces it), and what the user saw.
 
-``KVLEAGUE_FAULT_KILLS`` sets how many times the driver is killed per database (default 3, one of
-each kind of kill point, to keep the suite short; issue 20's figures were measured with 10)."""
+``KVLEAGUE_FAULT_KILLS`` sets how many times the driver is killed per database (default 2, to keep
+the suite short: SQLite starts with a timed kill and PostgreSQL one kind later, so the two databases
+cover the three kinds of kill point between them; issue 20's figures were measured with 10)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from runner.sweep import expand
 from runner.sweep_config import parse_config
 from tests.test_sweep import REPO, db_url, pg_server, project, ray_head, small_config  # noqa: F401 - fixtures
 
-KILLS = int(os.environ.get("KVLEAGUE_FAULT_KILLS", "3"))
+KILLS = int(os.environ.get("KVLEAGUE_FAULT_KILLS", "2"))
 
 DRIVER = r"""
 import json, os, signal, sys
@@ -203,7 +204,8 @@ def test_driver_killed_at_random_points(ray_head, project, db_url):
     rng = random.Random(20 + len(db_url.split(":")[0]))
     written: set[str] = set()
     plans = []
-    for i in range(KILLS):
+    first_kind = 0 if db_url.startswith("sqlite") else 1
+    for i in range(first_kind, first_kind + KILLS):
         plan = _kill_plan(rng, i, len(keys - written))
         for _ in range(4):
             proc = _driver(ray_head, cfg, plan={k: v for k, v in plan.items() if k != "time"})

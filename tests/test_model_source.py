@@ -4,15 +4,14 @@ refused in one line), the tokenizer's special tokens, and a few end-to-end runs 
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from runner.errors import KvleagueError
 from runner import model_source
+from runner.cli import main
+from runner.errors import KvleagueError
 from runner.model_source import KNOWN_MODELS, MARKER, resolve_model
 
 def _available() -> bool:
@@ -85,7 +84,7 @@ def test_a_gguf_path_loads_through_the_same_code(smollm2_dir, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not-gguf"])
-def test_a_corrupt_gguf_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, damage):
+def test_a_corrupt_gguf_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, damage):
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVLEAGUE_MODEL_CACHE", str(cache))
     bad = tmp_path / "bad.gguf"
@@ -98,11 +97,10 @@ def test_a_corrupt_gguf_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, da
     assert str(bad) in message and "\n" not in message
     assert not [p for p in cache.iterdir() if p.is_dir()] if cache.exists() else True
 
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", "generate", "--model", str(bad), "--method", "full",
-                           "--budget", "64", "--prompt", "x"], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, KVLEAGUE_MODEL_CACHE=str(cache)))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and str(bad) in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    # through the CLI (in process: tests/test_cli.py checks the console script's exit code itself)
+    assert main(["generate", "--model", str(bad), "--method", "full", "--budget", "64", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err and "Traceback" not in err, err
 
 
 def test_an_interrupted_conversion_is_never_accepted(tmp_path, monkeypatch):
@@ -141,11 +139,11 @@ def test_an_interrupted_conversion_is_never_accepted(tmp_path, monkeypatch):
     ("not a model!", "is not a checkpoint directory, a .gguf file, a known name (smollm2-135m) or a Hub id"),
     ("nobody/no-such-model", "model: cannot load 'nobody/no-such-model' (not a local checkpoint, and not on a reachable Hub)"),
 ])
-def test_a_bad_model_spec_is_one_line_exit_2(spec, fragment):
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", "generate", "--model", spec, "--method", "full",
-                           "--budget", "64", "--prompt", "x"], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
+def test_a_bad_model_spec_is_one_line_exit_2(spec, fragment, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["generate", "--model", spec, "--method", "full", "--budget", "64", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err, err
 
 
 # ---- end to end on the real model (short prompts) ----------------------------------------------
@@ -155,7 +153,6 @@ def test_a_bad_model_spec_is_one_line_exit_2(spec, fragment):
 def smollm2():
     from runner.engine import Engine
 
-    torch.set_num_threads(2)
     return Engine.load("smollm2-135m")
 
 
@@ -173,17 +170,14 @@ def test_engine_matches_model_generate_on_the_real_model(smollm2):
     assert ours.token_ids == ref[: len(ours.token_ids)] and len(ours.token_ids) > 3
 
 
-def test_generate_cli_sends_a_chat_turn_and_the_model_answers():
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", "generate", "--method", "full", "--budget", "256",
-                           "--prompt", "What is the capital of France? Answer in one word.", "--max-new-tokens", "8",
-                           "--json"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+def test_generate_cli_sends_a_chat_turn_and_the_model_answers(capsys):
+    args = ["generate", "--method", "full", "--budget", "256", "--prompt", "What is the capital of France? Answer in one word.",
+            "--max-new-tokens", "8", "--json"]
+    assert main(args) == 0  # the default model (no --model)
+    result = json.loads(capsys.readouterr().out)
     assert "Paris" in result["completion"] and result["stop_reason"] == "eos"
-    raw = subprocess.run([sys.executable, "-m", "runner.cli", "generate", "--method", "full", "--budget", "256",
-                          "--prompt", "What is the capital of France? Answer in one word.", "--max-new-tokens", "8",
-                          "--chat", "off", "--json"], capture_output=True, text=True, timeout=300)
-    assert json.loads(raw.stdout)["prompt_tokens"] < result["prompt_tokens"]  # no template around it
+    assert main([*args, "--chat", "off"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] < result["prompt_tokens"]  # no template around it
 
 
 def test_niah_in_a_sweep_counts_the_models_tokens(tmp_path):
