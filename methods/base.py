@@ -88,6 +88,9 @@ class SequenceInfo:
     budget: int
     seed: int
     device: torch.device
+    #: the model's dtype (attention rows arrive in float32; a method that reproduces code written
+    #: against HF's outputs casts them back to average in the same precision)
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass

@@ -36,7 +36,7 @@ class LongFlowAuthors(EvictionMethod):
         self.row: torch.Tensor | None = None
 
     def observe(self, obs: Observation) -> None:
-        self.row = torch.stack([last_query_row(r).mean(dim=(0, 1))[-1, :] for r in obs.attention]).mean(dim=0).float().cpu()
+        self.row = torch.stack([last_query_row(r, self.info.dtype).mean(dim=(0, 1))[-1, :] for r in obs.attention]).mean(dim=0).float().cpu()
 
     def score(self, cache: CacheView) -> torch.Tensor:
         value_l1 = torch.stack([v[None].float().abs().sum(dim=-1).mean(dim=(0, 1)) for v in cache.values]).mean(dim=0).cpu()

@@ -37,8 +37,8 @@ class RaaSAuthors(EvictionMethod):
     The original RaaS (stamp refreshed by attention above alpha / n, per token position) is ``raas``.
 
     Paper: Hu et al., 2025 (RaaS), as adapted in stevenkolawole/epiphany-kv-cache ``src/eviction.py``
-    ``RaaSEviction`` (``scripts/benchmark.py`` method ``raas``). Deviation: bf16 weights are averaged
-    in float32 here (theirs in bf16).
+    ``RaaSEviction`` (``scripts/benchmark.py`` method ``raas``). The attention rows are averaged in the
+    model's dtype, as theirs.
     """
 
     needs = Needs(attention=True, eager=True)
@@ -55,7 +55,7 @@ class RaaSAuthors(EvictionMethod):
         step = float(obs.new_positions[-1])
         self.stamp.write(obs.new_positions, torch.full((obs.new_positions.shape[0],), step))
         positions = obs.cache_positions[0][0].cpu()
-        row = torch.stack([last_query_row(r).mean(dim=(0, 1, 2)) for r in obs.attention]).mean(dim=0).cpu()
+        row = torch.stack([last_query_row(r, self.info.dtype).mean(dim=(0, 1, 2)) for r in obs.attention]).mean(dim=0).cpu()
         generated = self.fed.read(positions) == 0
         decode_attention = row[generated]
         if decode_attention.numel():

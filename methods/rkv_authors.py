@@ -80,7 +80,7 @@ class RKVAuthors(EvictionMethod):
         self.fed_row: torch.Tensor | None = None  # the last fed token's row, until the next decode step
 
     def observe(self, obs: Observation) -> None:
-        row = torch.stack([last_query_row(r).mean(dim=(0, 1))[-1, :] for r in obs.attention]).mean(dim=0).float().cpu()
+        row = torch.stack([last_query_row(r, self.info.dtype).mean(dim=(0, 1))[-1, :] for r in obs.attention]).mean(dim=0).float().cpu()
         positions = obs.cache_positions[0][0].cpu()
         dense = torch.zeros(int(positions.max()) + 1, dtype=torch.float32)
         dense[positions] = row

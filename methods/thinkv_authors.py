@@ -8,10 +8,11 @@ from methods.base import CacheView, EvictionMethod, Needs, Observation, Sequence
 from methods.registry import register_method
 
 
-def last_query_row(rows: torch.Tensor) -> torch.Tensor:
-    """``[1, H, 1, T]``: the newest query's attention row of one layer, in the layout of HF's eager
-    ``attentions`` (so reductions over it run in the same order as code written against HF)."""
-    return rows[:, -1:][None]
+def last_query_row(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, H, 1, T]``: the newest query's attention row of one layer in the layout and ``dtype`` (the
+    model's) of HF's eager ``attentions``, so reductions over it round as code written against HF does
+    (the eager kernel's weights are in the model dtype; the engine hands them over as float32, exactly)."""
+    return rows[:, -1:][None].to(dtype)
 
 
 def top_by_score_then_position(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
@@ -54,7 +55,7 @@ class ThinKVAuthors(EvictionMethod):
     Stateless: every eviction re-types the segments from the current step's attention. One ``[T]`` score.
     Run it with ``protocol: {positions: compact}`` (the authors' harness: no ``position_ids``, prompt
     evictable, evict after every decode forward when the cache exceeds B). Under those settings kept
-    positions and greedy tokens equal the authors' class (float32 eager; tests/test_thinkv_authors.py,
+    positions and greedy tokens equal the authors' class (float32 eager; tests/test_baselines_authors.py,
     docs/methods.md).
 
     Deviations, all where the authors' class leaves the result open: equal attention inside a segment
@@ -92,7 +93,7 @@ class ThinKVAuthors(EvictionMethod):
         self.rank_row: torch.Tensor | None = None
 
     def observe(self, obs: Observation) -> None:
-        rows = [last_query_row(r) for r in obs.attention]
+        rows = [last_query_row(r, self.info.dtype) for r in obs.attention]
         # as the authors: a.mean(dim=(0, 1))[-1, :] per layer, then the mean over the classifier layers
         self.entropy_row = torch.stack([a.mean(dim=(0, 1))[-1, :] for a in rows[-self.classifier_layers :]]).mean(dim=0).cpu()
         self.rank_row = rows[-1].mean(dim=(0, 1, 2)).cpu()

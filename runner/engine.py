@@ -199,6 +199,7 @@ class Session:
                 budget=budget,
                 seed=seed,
                 device=engine.device,
+                dtype=engine.model.dtype,
             )
         )
 
