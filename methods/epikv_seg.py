@@ -121,7 +121,8 @@ class EpiKVSeg(EpiKV):
 
     def observe(self, obs: Observation) -> None:
         super().observe(obs)
-        self.key_var.write(obs.new_positions, key_variance(obs.new_keys))
+        if self.selection == "fill":  # the authors' selection reads the variances from the cache instead
+            self.key_var.write(obs.new_positions, key_variance(obs.new_keys))
 
     def _recent(self, budget: int) -> int:
         return self.recent_window if self.recent_window is not None else min(128, budget // 4)
