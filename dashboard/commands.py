@@ -64,6 +64,15 @@ def cmd_dashboard(args) -> int:
         return 130
 
 
+def _preamble(path: str | None) -> str:
+    if path is None:
+        return ""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvleagueError(f"--preamble: cannot read {path!r}: {exc.__class__.__name__}") from None
+
+
 def cmd_report(args) -> int:
     import tempfile
 
@@ -73,6 +82,7 @@ def cmd_report(args) -> int:
 
     if (args.db is None) == (args.export is None):
         raise KvleagueError("report: give one of --db URL (a database) or --export FILE (a kvleague db export)")
+    preamble = _preamble(args.preamble)
     with tempfile.TemporaryDirectory(prefix="kvleague-report-") as scratch:
         if args.export is not None:  # the export into a scratch SQLite file: the report never needs a server
             from db.transfer import import_
@@ -86,7 +96,7 @@ def cmd_report(args) -> int:
         engine = open_readonly(url)
         if not has_schema(engine):
             raise KvleagueError(f"report: {display_url(url)} holds no kvleague results; run a sweep or kvleague db import first")
-        path = build(engine, args.out, source=source)
+        path = build(engine, args.out, source=source, preamble=preamble)
         engine.dispose()
     print(path)
     return 0
@@ -103,5 +113,6 @@ def register(subparsers) -> None:
     p.add_argument("--db", default=None, help="database URL; opened read-only")
     p.add_argument("--export", default=None, help="a file written by kvleague db export (imported into a scratch SQLite)")
     p.add_argument("--out", required=True, help="directory for replication.md and replication_figures/")
+    p.add_argument("--preamble", default=None, help="a markdown file placed before the findings (what the data is)")
     p.add_argument("--source", default=None, help="how the report names its data (default: the database URL or export file name)")
     p.set_defaults(func=cmd_report)

@@ -338,8 +338,9 @@ def _provenance(w: _Writer) -> None:
         w.add("Models:", "", markdown_table(models, ["name", "source", "dtype", "attn_implementation"]), "")
 
 
-def build(engine, out: str | Path, source: str = "") -> Path:
-    """Write ``out/replication.md`` and its figures from ``engine``'s results; returns the markdown's path."""
+def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path:
+    """Write ``out/replication.md`` and its figures from ``engine``'s results; returns the markdown's path.
+    ``preamble``: markdown placed before the findings (what the data is, what it leaves out)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     w = _Writer(engine, out)
@@ -358,6 +359,7 @@ def build(engine, out: str | Path, source: str = "") -> Path:
         f"**Totals:** {every['cells']} cells ({every['fidelity_cells']} fidelity, {every['failed']} failed), "
         f"{every['samples']} samples, {every['tokens']:,} tokens through the model, {_hours(every['seconds'])} of cell time "
         "(the sum of the cells' wall times, each cell on one CPU-bound worker).", "",
+        *([preamble.strip(), ""] if preamble.strip() else []),
         "## Findings", "",
         "Each sentence restates a row of the tables below: a difference is called lower, higher, above or below only "
         "when its adjusted p is under 0.05.", "",

@@ -140,10 +140,12 @@ def test_report_regenerates_byte_for_byte_from_an_export(database, tmp_path):
     path = tmp_path / "results.jsonl.gz"
     export(get_engine(f"sqlite:///{database}"), path)
     outs = []
+    (tmp_path / "preamble.md").write_text("This is a **seeded** database.\n")
     for name in ("one", "two"):
         out = tmp_path / name
-        assert main(["report", "--export", str(path), "--out", str(out)]) == 0
+        assert main(["report", "--export", str(path), "--out", str(out), "--preamble", str(tmp_path / "preamble.md")]) == 0
         outs.append(out)
+    assert "This is a **seeded** database.\n\n## Findings" in (outs[0] / "replication.md").read_text()
     files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
     assert Path("replication.md") in files and sum(f.suffix == ".png" for f in files) == 6
     for f in files:
@@ -151,7 +153,8 @@ def test_report_regenerates_byte_for_byte_from_an_export(database, tmp_path):
     assert sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file()) == files
     # the database itself and its export give the same report (only the source line differs)
     direct = tmp_path / "direct"
-    assert main(["report", "--db", f"sqlite:///{database}", "--out", str(direct), "--source", "the export results.jsonl.gz"]) == 0
+    assert main(["report", "--db", f"sqlite:///{database}", "--out", str(direct), "--source", "the export results.jsonl.gz",
+                 "--preamble", str(tmp_path / "preamble.md")]) == 0
     assert (direct / "replication.md").read_bytes() == (outs[0] / "replication.md").read_bytes()
 
 
@@ -159,5 +162,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert main(["report", "--out", str(tmp_path)]) == 2
     assert main(["report", "--db", f"sqlite:///{tmp_path / 'none.db'}", "--out", str(tmp_path)]) == 2
     assert main(["report", "--export", str(tmp_path / "none.jsonl.gz"), "--out", str(tmp_path)]) == 2
+    assert main(["report", "--db", "sqlite:///x.db", "--out", str(tmp_path), "--preamble", str(tmp_path / "no.md")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("kvleague: error: ") for line in err)
+    assert len(err) == 4 and all(line.startswith("kvleague: error: ") for line in err)
+    assert "--preamble" in err[3]
