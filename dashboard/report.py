@@ -139,68 +139,68 @@ def _involves(df: pd.DataFrame, names: Iterable[str]) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------------
 
 
-def _oriented(row: pd.Series, epikv_first: bool) -> tuple[float, str]:
-    """EpiKV's KL minus the baseline's, with its interval, from a pair row in either order."""
-    d = row["Δ KL (A−B)"]
-    lo, hi = row["Δ KL lo"], row["Δ KL hi"]
-    if not epikv_first:
-        d, lo, hi = -d, -hi, -lo
-    return d, f"[{lo:+.3f}, {hi:+.3f}]"
+def _who(label: str) -> str:
+    return "EpiKV" if label == EPIKV else f"EpiKV ({label})"
+
+
+def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt) -> dict[str, list[str]]:
+    """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
+    says at Holm-adjusted p < 0.05: "better", "worse" or "no different". ``delta``: the A−B column,
+    turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown."""
+    out: dict[str, list[str]] = {"better": [], "worse": [], "no different": []}
+    for _, row in pairs.iterrows():
+        if label not in (row["A"], row["B"]):
+            continue
+        first = row["A"] == label
+        other = row["B"] if first else row["A"]
+        if _base_name(other) not in ATTENTION_BASELINES:
+            continue
+        d = row[delta] if first else -row[delta]
+        kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("better" if (d < 0) == lower_is_better else "worse")
+        out[kind].append(f"{other} ({fmt(row, d, first)}, p Holm {_p(row['p (Holm)'])})")
+    return out
+
+
+def _said(groups: dict[str, list[str]], better: str, worse: str) -> str:
+    words = {"better": better, "worse": worse, "no different": "not significantly different from"}
+    return "; ".join(f"{words[kind]} {', '.join(items)}" for kind, items in groups.items() if items)
+
+
+def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
+    lo, hi = (row["Δ KL lo"], row["Δ KL hi"]) if epikv_first else (-row["Δ KL hi"], -row["Δ KL lo"])
+    return f"Δ {d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
 def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int) -> list[str]:
-    """How close EpiKV stays to the full cache, and whether it matches the attention baselines, at one
-    budget in one domain; only what the paired tests (Wilcoxon, Holm over the table) support."""
-    mine = board[board["method"].map(_base_name) == EPIKV]
-    if mine.empty:
-        return []
-    e = mine.iloc[0]
-    out = [f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): EpiKV's mean KL to the full cache is "
-           f"{e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}."]
-    verdicts = {"lower": [], "higher": [], "no different": []}
-    for _, row in pairs.iterrows():
-        a, b = _base_name(row["A"]), _base_name(row["B"])
-        if EPIKV not in (a, b) or not ({a, b} - {EPIKV}) & set(ATTENTION_BASELINES):
-            continue
-        other = row["B"] if a == EPIKV else row["A"]
-        d, ci = _oriented(row, a == EPIKV)
-        p_adj = row["p (Holm)"]
-        kind = "no different" if not (p_adj < ALPHA) else ("lower" if d < 0 else "higher")
-        verdicts[kind].append(f"{other} (Δ {d:+.3f} {ci}, p Holm {_p(p_adj)})")
-    said = [f"{kind} than {', '.join(items)}" if kind != "no different" else f"not significantly different from {', '.join(items)}"
-            for kind, items in verdicts.items() if items]
-    if said:
-        out[0] += " Its KL is " + "; ".join(said) + "."
+    """How close each EpiKV spec stays to the full cache, and whether it matches the attention
+    baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
+    out = []
+    for _, e in board[board["method"].map(_base_name) == EPIKV].iterrows():
+        line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
+                f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
+        said = _said(_against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta), "lower than", "higher than")
+        out.append(line + (f" Its KL is {said}." if said else ""))
     return out
 
 
 def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int) -> list[str]:
-    """EpiKV's accuracy against full cache (score test) and against the attention baselines (the paired
-    tests of the head-to-head table, Holm over its pairs), at one budget in one domain."""
-    mine = board[board["method"].map(_base_name) == EPIKV]
+    """Each EpiKV spec's accuracy against full cache (score test) and against the attention baselines
+    (the paired tests of the head-to-head table, Holm over its pairs), at one budget in one domain."""
     full = board[board["test"] == "reference"]
-    if mine.empty or full.empty:
+    if full.empty:
         return []
-    e, f = mine.iloc[0], full.iloc[0]
-    close = ("not significantly different from" if not (e["p_value"] < ALPHA) else
-             "below" if e["delta_full"] < 0 else "above")
-    line = (f"**{domain}, budget {budget}** (accuracy, {int(e['problems'])} problems): EpiKV {e['accuracy']:.1f}% {e['interval']} "
-            f"against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ {e['delta_full']:+.1f} pts "
-            f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}).")
-    verdicts: dict[str, list[str]] = {"above": [], "below": [], "no different": []}
-    for _, row in pairs.iterrows():
-        a, b = _base_name(row["A"]), _base_name(row["B"])
-        if EPIKV not in (a, b) or not ({a, b} - {EPIKV}) & set(ATTENTION_BASELINES):
-            continue
-        other = row["B"] if a == EPIKV else row["A"]
-        d = row["Δ A−B (pts)"] if a == EPIKV else -row["Δ A−B (pts)"]
-        kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("above" if d > 0 else "below")
-        verdicts[kind].append(f"{other} (Δ {d:+.1f} pts, {row['test']} p Holm {_p(row['p (Holm)'])})")
-    said = [f"{kind} {', '.join(items)}" if kind != "no different" else f"not significantly different from {', '.join(items)}"
-            for kind, items in verdicts.items() if items]
-    if said:
-        line += " Against the attention baselines it is " + "; ".join(said) + "."
-    return [line]
+    f = full.iloc[0]
+    out = []
+    for _, e in board[board["method"].map(_base_name) == EPIKV].iterrows():
+        close = ("not significantly different from" if not (e["p_value"] < ALPHA) else
+                 "below" if e["delta_full"] < 0 else "above")
+        line = (f"**{domain}, budget {budget}** (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
+                f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
+                f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}).")
+        groups = _against_baselines(pairs, e["method"], "Δ A−B (pts)", False, lambda row, d, _: f"Δ {d:+.1f} pts, {row['test']}")
+        said = _said(groups, "above", "below")
+        out.append(line + (f" Against the attention baselines it is {said}." if said else ""))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -166,3 +166,28 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("kvleague: error: ") for line in err)
     assert "--preamble" in err[3]
+
+
+def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
+    import pandas as pd
+
+    from dashboard.report import fidelity_findings
+
+    board = pd.DataFrame([
+        {"method": "epikv(series=all)", "KL": 0.1, "KL 95% CI": "[0.08, 0.12]", "top-1 %": 90.0, "top-1 95% CI": "[88, 92]", "samples": 30},
+        {"method": "epikv(series=generated)", "KL": 0.3, "KL 95% CI": "[0.2, 0.4]", "top-1 %": 70.0, "top-1 95% CI": "[65, 75]", "samples": 30},
+    ])
+    pair = lambda a, b, d, lo, hi, p: {"A": a, "B": b, "Δ KL (A−B)": d, "Δ KL lo": lo, "Δ KL hi": hi, "p (Holm)": p}  # noqa: E731
+    pairs = pd.DataFrame([
+        pair("epikv(series=all)", "h2o", -0.05, -0.07, -0.03, 0.001),  # epikv first: lower
+        pair("h2o", "epikv(series=generated)", -0.15, -0.2, -0.1, 0.001),  # h2o first: epikv higher by 0.15
+        pair("epikv(series=generated)", "tova", 0.01, -0.02, 0.04, 0.6),
+        pair("epikv(series=all)", "epikv(series=generated)", -0.2, -0.3, -0.1, 0.001),  # not a baseline
+        pair("full", "epikv(series=all)", -0.1, -0.12, -0.08, 0.001),  # not a baseline
+    ])
+    all_, generated = fidelity_findings(pairs, board, "math", 96)
+    assert "EpiKV (epikv(series=all))'s mean KL to the full cache is 0.100" in all_
+    assert all_.endswith("Its KL is lower than h2o (Δ -0.050 [-0.070, -0.030], p Holm 0.001).")
+    assert "higher than h2o (Δ +0.150 [+0.100, +0.200], p Holm 0.001)" in generated
+    assert "not significantly different from tova (Δ +0.010 [-0.020, +0.040], p Holm 0.6)" in generated
+    assert "full" not in generated.split("Its KL is")[1] and "series=all" not in generated.split("Its KL is")[1]
