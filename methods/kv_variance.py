@@ -63,7 +63,9 @@ class RollingVariance(EvictionMethod):
 @register_method("kv_val")
 @dataclass
 class KVValueVariance(RollingVariance):
-    """KV-val: rolling mean (64) of the value vectors' variance over head_dim; frozen; global (see :class:`RollingVariance`)."""
+    """KV-val: rolling mean (64) of the value vectors' variance over head_dim; frozen; global.
+
+    See :class:`RollingVariance` for the exact rule and the reference."""
 
     tensor: ClassVar[str] = "values"
 
@@ -71,7 +73,8 @@ class KVValueVariance(RollingVariance):
 @register_method("kv_key")
 @dataclass
 class KVKeyVariance(RollingVariance):
-    """KV-key: rolling mean (64) of the (post-RoPE) key vectors' variance over head_dim; frozen; global
-    (see :class:`RollingVariance`)."""
+    """KV-key: rolling mean (64) of the key vectors' variance over head_dim; frozen; global.
+
+    Keys as cached (post-RoPE), as the authors' class reads them; the rest is :class:`RollingVariance`."""
 
     tensor: ClassVar[str] = "keys"
