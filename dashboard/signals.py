@@ -40,6 +40,7 @@ def depth_table(df: pd.DataFrame, family: str = DEPTH_FAMILY, label: str = "occl
     """Per (model, domain, task) and layer: rho with its interval, at depth = layer / layers (the paper's
     layer 10 of 32 is depth 0.31)."""
     sel = df[(df["family"] == family) & (df["label"] == label)].copy()
+    sel["layer"] = sel["layer"].astype(int)
     sel["depth"] = sel["layer"] / sel["n_layers"]
     sel["band"] = [band_of(d) for d in sel["depth"]]
     cols = ["model", "domain", "task", "layer", "depth", "band", "rho", "rho_lo", "rho_hi", "n_samples", "n_pairs"]
@@ -95,8 +96,9 @@ def method_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
 
 
 def signal_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame:
-    """The all-layer signals (the authors' kv and attention signals) per (model, domain, task)."""
-    sel = df[(df["label"] == label) & df["signal"].str.endswith("_mean")]
+    """The all-layer signals (the authors' kv and attention signals) and the position control per
+    (model, domain, task)."""
+    sel = df[(df["label"] == label) & (df["signal"].str.endswith("_mean") | (df["signal"] == "position"))]
     cols = ["signal", "model", "domain", "task", "rho", "rho_lo", "rho_hi", "n_samples", "n_pairs"]
     return sel[cols].sort_values(["domain", "signal"]).reset_index(drop=True)
 
@@ -141,7 +143,7 @@ def markdown(df: pd.DataFrame) -> str:
     if not signals.empty:
         signals = signals.assign(rho_interval=signals.apply(_interval, axis=1))
         wide = signals.pivot_table(index="signal", columns="task", values="rho_interval", aggfunc="first")
-        out += ["### All-layer signals against occlusion_nll", "", wide.to_markdown(), ""]
+        out += ["### All-layer signals and the position control against occlusion_nll", "", wide.to_markdown(), ""]
     return "\n".join(out)
 
 

@@ -35,6 +35,9 @@ overlapping windows for the binary label; the maximum for the continuous one).
   row (``-sum a log a``, a clamped at 1e-10 as the authors do), mean over heads;
 * ``{family}_mean``: the mean over layers of each family but the hidden-state ones (the authors'
   all-layer signals);
+* ``position``: the token's index, a control: labels and smoothed signals both drift with position
+  (on a context shorter than the rolling window, the rolling mean is a running mean from the first
+  token), so a signal is informative only as far as it beats position;
 * ``method:{name}``: every registered method's own ``score`` through the method contract: the context
   is fed as a prompt and the answer teacher-forced (so decode-time state is built as in a run), with a
   budget above the sequence length (no eviction), then ``score`` is called once on the whole cache at
@@ -241,6 +244,7 @@ def model_signals(out, cache, rolling: int) -> dict[str, np.ndarray]:
             per_family[family].append(value.numpy())
     for family, values in per_family.items():
         signals[f"{family}_mean"] = np.mean(values, axis=0)
+    signals["position"] = np.arange(len(signals["h2o_mean"]), dtype=np.float64)
     return signals
 
 

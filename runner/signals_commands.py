@@ -148,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _headline(signal: str) -> bool:
     """The signals that get bootstrap intervals by default: the paper's per-layer signal, the all-layer
-    signals and the methods (an interval costs a bootstrap; the other per-layer signals are many)."""
-    return signal.startswith(("hs_l2_diff_rolling64_l", "method:")) or signal.endswith("_mean")
+    signals, the position control and the methods (an interval costs a bootstrap; the other per-layer
+    signals are many)."""
+    return signal.startswith(("hs_l2_diff_rolling64_l", "method:")) or signal.endswith("_mean") or signal == "position"
 
 
 def _missing(n: int):
@@ -160,7 +161,7 @@ def _missing(n: int):
 
 def _print_summary(correlations: list[dict]) -> None:
     for c in correlations:
-        if c["signal"].endswith("_mean") or c["signal"].startswith("method:") or "rolling64" in c["signal"]:
+        if _headline(c["signal"]):
             print(f"{c['label']:<14} {c['signal']:<32} rho {c['rho']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]  "
                   f"n={c['n_samples']} pairs={c['n_pairs']}")
 

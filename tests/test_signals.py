@@ -108,6 +108,7 @@ def test_every_model_signal_equals_its_naive_recomputation(tiny):
     assert set(naive) <= set(ours)
     for name, expected in naive.items():
         np.testing.assert_allclose(ours[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert ours["position"].tolist() == list(range(len(ids)))
     for family in ("key_norm", "h2o", "attn_entropy"):  # the all-layer means
         np.testing.assert_allclose(ours[f"{family}_mean"], (naive[f"{family}_l0"] + naive[f"{family}_l1"]) / 2, rtol=1e-4, atol=1e-5)
 
@@ -357,7 +358,7 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
     with get_engine(url).connect() as conn:
         rows = [dict(r._mapping) for r in conn.execute(select(SignalCorrelation.__table__))]
         env = dict(conn.execute(select(Environment.__table__)).one()._mapping)
-    assert len(rows) == len(report["correlations"]) == 8 * 2 + 6 + 2  # 8 families x 2 layers, 6 all-layer means, 2 methods
+    assert len(rows) == len(report["correlations"]) == 8 * 2 + 6 + 1 + 2  # 8 families x 2 layers, 6 all-layer means, position, 2 methods
     stored = {(r["label"], r["signal"]): r for r in rows}
     for c in report["correlations"]:
         r = stored[(c["label"], c["signal"])]
@@ -368,7 +369,7 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
     assert stored[("occlusion_nll", "method:random")]["family"] == "method"
     # intervals by default for the paper's per-layer signal, the all-layer signals and the methods only
     assert row["rho_lo"] is None and row["rho_hi"] is None
-    for name in ("hs_l2_diff_rolling64_l0", "h2o_mean", "method:h2o"):
+    for name in ("hs_l2_diff_rolling64_l0", "h2o_mean", "position", "method:h2o"):
         assert stored[("occlusion_nll", name)]["rho_lo"] < stored[("occlusion_nll", name)]["rho_hi"], name
     assert env["git_commit"] and env["torch_version"] == torch.__version__
     assert main(argv[:-2] + ["--db", url, "--no-store"]) == 0  # (a second run, not stored: the table is unchanged)

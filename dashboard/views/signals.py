@@ -88,6 +88,6 @@ def render(ctx) -> None:
                    "(methods that never evict prompt tokens score them all +inf).")
         st.dataframe(methods, hide_index=True, key="sig_methods", placeholder="—",
                      column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "n_samples": INT, "n_pairs": INT})
-    st.subheader("All-layer signals")
+    st.subheader("All-layer signals and the position control")
     st.dataframe(sig.signal_table(rows, label), hide_index=True, key="sig_all_layer", placeholder="—",
                  column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "n_samples": INT, "n_pairs": INT})
