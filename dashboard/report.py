@@ -314,6 +314,27 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
           markdown_table(paper, ["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"]), "")
 
 
+def _signals(w: _Writer) -> None:
+    """The signal studies (``kvleague signals``), when the database has them: the tables of
+    :mod:`dashboard.signals` and one finding per task on the paper's sign pattern."""
+    from dashboard import signals
+
+    df = signals.read_correlations(w.engine)
+    if df.empty:
+        return
+    w.add("## Signal studies", "",
+          "Spearman's rho between per-token signals and importance by occlusion (the increase in the reference "
+          "continuation's NLL when a window is occluded), pooled over samples as the EpiKV authors pool, with 95% "
+          "bootstrap intervals over samples. The paper's bands: positive at 22-41% of depth, negative at 56-78%.", "",
+          signals.markdown(df), "")
+    for _, v in signals.band_verdicts(signals.depth_table(df)).iterrows():
+        w.findings.append(
+            f"**{v['domain']} ({v['task']}), signal study** ({v['samples']} samples, {v['model']}): the paper's sign pattern "
+            f"{v['verdict']} (early band: {v['early band: layers > 0']} of {v['early band: layers']} layers above 0, "
+            f"{v['early band: layers < 0']} below; late band: {v['late band: layers < 0']} of {v['late band: layers']} below 0, "
+            f"{v['late band: layers > 0']} above).")
+
+
 def _provenance(w: _Writer) -> None:
     prov = q.provenance(w.engine, q.Filters(measure=None))
     w.add("## Environment and provenance", "")
@@ -351,6 +372,7 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
     every = totals(engine)
     for i, s in enumerate(slices(engine, opts)):
         _slice_section(w, s, dims, i)
+    _signals(w)
     _provenance(w)
     head = [
         "# kvleague replication report", "",

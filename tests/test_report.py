@@ -55,6 +55,18 @@ def seed(path: Path) -> None:
                     rows.append({**cell, "generation_id": forced, "measure": "fidelity", "kl_mean": k,
                                  "top1_agreement": 1.0 - min(0.9, 2 * k), "delta_nll_mean": k / 2, "scored_tokens": 32})
     s.write(rows)
+    from db.models import SignalCorrelation
+
+    # a signal study on 10 layers built to show the paper's pattern: layers 3-4 (30-40% of depth) above 0,
+    # layers 6-7 (60-70%) below 0, the rest covering 0
+    rho = {3: (0.3, 0.1, 0.5), 4: (0.2, 0.05, 0.35), 6: (-0.3, -0.5, -0.1), 7: (-0.2, -0.4, -0.05)}
+    with engine.begin() as conn:
+        conn.execute(SignalCorrelation.__table__.insert(), [
+            {"row_key": f"k{layer}", "run_id": "run", "model": "tiny-test", "task": "math500", "domain": "math",
+             "label": "occlusion_nll", "signal": f"hs_l2_diff_rolling64_l{layer}", "family": "hs_l2_diff_rolling64",
+             "layer": layer, "n_layers": 10, "rho": rho.get(layer, (0.0, -0.1, 0.1))[0],
+             "rho_lo": rho.get(layer, (0.0, -0.1, 0.1))[1], "rho_hi": rho.get(layer, (0.0, -0.1, 0.1))[2], "p_value": 0.5,
+             "n_samples": N, "n_pairs": 10 * N, "config": {}} for layer in range(10)])
     engine.dispose()
 
 
@@ -134,6 +146,12 @@ def test_the_report_has_figures_totals_and_provenance(report):
             assert f"-{d}-{kind}.png" in report
     assert "## Environment and provenance" in report and "report-test" in report
     assert "### Scorecard of the paper's claims" in report
+    assert "## Signal studies" in report and "| 3 | 0.30 | positive | +0.300 [+0.100, +0.500] |" in report
+
+
+def test_the_signal_study_finding_follows_its_intervals(report):
+    line = next(line for line in report.splitlines() if "signal study" in line)
+    assert "holds" in line and "early band: 2 of 2 layers above 0, 0 below; late band: 2 of 2 below 0, 0 above" in line, line
 
 
 def test_report_regenerates_byte_for_byte_from_an_export(database, tmp_path):
