@@ -110,6 +110,13 @@ def reference_series() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _domain_order(domains: pd.Series) -> pd.Series:
+    """The project's domain order (math, code, agentic, longqa), for sorting."""
+    from tasks.base import DOMAINS
+
+    return domains.map({d: i for i, d in enumerate(DOMAINS)})
+
+
 def _interval(row) -> str:
     if pd.isna(row["rho"]):
         return "—"
@@ -121,7 +128,7 @@ def markdown(df: pd.DataFrame) -> str:
     depth = depth_table(df)
     out = []
     for model, g in depth.groupby("model"):
-        tasks = list(dict.fromkeys(g.sort_values("domain")["task"]))
+        tasks = list(dict.fromkeys(g.sort_values("domain", key=_domain_order)["task"]))
         n = {t: int(g[g["task"] == t]["n_samples"].max()) for t in tasks}
         header = "| layer | depth | band | " + " | ".join(f"{t} ({g[g['task'] == t]['domain'].iloc[0]}, n={n[t]})" for t in tasks) + " |"
         out += [f"### {model}: rho of {DEPTH_FAMILY} against occlusion_nll, 95% interval", "", header,
@@ -132,17 +139,20 @@ def markdown(df: pd.DataFrame) -> str:
         out.append("")
     verdicts = band_verdicts(depth)
     if not verdicts.empty:
+        verdicts = verdicts.sort_values("domain", key=_domain_order)
         out += ["### The paper's sign pattern per domain", "", verdicts.to_markdown(index=False, floatfmt="+.3f"), ""]
     methods = method_table(df)
     if not methods.empty:
         methods = methods.assign(rho_interval=methods.apply(_interval, axis=1))
         wide = methods.pivot_table(index="method", columns="task", values="rho_interval", aggfunc="first")
+        wide = wide[list(dict.fromkeys(methods.sort_values("domain", key=_domain_order)["task"]))]
         out += ["### Each method's own score against occlusion_nll (rho, 95% interval; — : constant on the context)", "",
                 wide.to_markdown(), ""]
     signals = signal_table(df)
     if not signals.empty:
         signals = signals.assign(rho_interval=signals.apply(_interval, axis=1))
         wide = signals.pivot_table(index="signal", columns="task", values="rho_interval", aggfunc="first")
+        wide = wide[list(dict.fromkeys(signals.sort_values("domain", key=_domain_order)["task"]))]
         out += ["### All-layer signals and the position control against occlusion_nll", "", wide.to_markdown(), ""]
     return "\n".join(out)
 
