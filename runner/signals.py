@@ -41,9 +41,10 @@ overlapping windows for the binary label; the maximum for the continuous one).
 * ``method:{name}``: every registered method's own ``score`` through the method contract: the context
   is fed as a prompt and the answer teacher-forced (so decode-time state is built as in a run), with a
   budget above the sequence length (no eviction), then ``score`` is called once on the whole cache at
-  the end of the trace with ``CacheView.budget`` = ``score_budget_fraction`` of the cache. ``[L, T]``
-  and ``[L, H, T]`` scores are averaged over layers and heads; ``-inf`` ("must drop") counts as below
-  every finite score, ``+inf`` ("always keep") above. Methods that never evict prompt tokens score
+  the end of the trace with ``CacheView.budget`` = ``score_budget_fraction`` of the cache and the
+  session seed ``seed + crc32(sample_id)`` (a seed per sample). ``[L, T]`` and ``[L, H, T]`` scores
+  are averaged over layers and heads; ``-inf`` ("must drop") counts as below every finite score,
+  ``+inf`` ("always keep") above. Methods that never evict prompt tokens score
   every prompt token ``+inf``: on a context that is all prompt their signal is constant and rho is
   undefined (stored as null), which says that the method does not rank those tokens at all.
 
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,7 +337,10 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
         seconds["answer_flip"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    scores, errors = method_scores(engine, methods, context, answer, options.score_budget_fraction, options.seed)
+    # a seed of its own per sample: one seed for all would make a randomised method (``random``) the same
+    # fixed function of position in every sample, which correlates with position-dependent labels
+    seed = options.seed + zlib.crc32(str(sample.sample_id).encode())
+    scores, errors = method_scores(engine, methods, context, answer, options.score_budget_fraction, seed)
     for name, values in scores.items():
         signals[f"method:{name}"] = values[:n]
     seconds["methods"] = time.perf_counter() - t0

@@ -197,6 +197,17 @@ def test_method_scores_through_the_panel_equal_each_method_run_alone(tiny):
         torch.testing.assert_close(together[name], expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_randomised_method_draws_afresh_for_every_sample(tiny):
+    """Two samples with the same tokens: ``random``'s scores differ (a seed per sample), ``knorm``'s do not."""
+    _, engine = tiny
+    context = list(range(40, 80))
+    task = FixedTask({"a": (context, [1, 2, 3]), "b": (context, [1, 2, 3])}, {"a": "", "b": ""})
+    methods = {"random": build_method("random", {}), "knorm": build_method("knorm", {})}
+    a, b = (study_sample(engine, task, FixedSample(sid), methods, SignalOptions(window=8, stride=8)) for sid in "ab")
+    assert not np.allclose(a.signals["method:random"], b.signals["method:random"])
+    np.testing.assert_allclose(a.signals["method:knorm"], b.signals["method:knorm"])
+
+
 def test_token_labels_and_windows_naive():
     windows = occlusion_windows(10, 4, 3)
     assert windows == [(0, 4), (3, 7), (6, 10), (9, 10)]
