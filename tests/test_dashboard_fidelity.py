@@ -268,3 +268,17 @@ def test_a_fidelity_only_database_shows_its_tables(tmp_path, monkeypatch):
     assert row_of(board, method="full", domain="longqa")["samples"] == 12  # its 12 samples at budget 32 stand in
     assert any("Full cache (the same at every budget) is its measurement at budget 32" in c.value for c in at.caption)
     assert not any("accuracy %" in d.value.columns for d in at.dataframe)
+
+
+def test_the_markdown_table_holds_the_boards_figures(seeded):
+    """``python -m dashboard.fidelity``: one line per (domain, method, budget), numbers from the seeded rows."""
+    from dashboard import fidelity, queries
+
+    url, rows = seeded
+    text = fidelity.markdown(queries.open_readonly(url))
+    lines = text.splitlines()[2:]
+    assert len(lines) == 2 * len(METHODS) * len(BUDGETS)  # domains x methods x budgets
+    samples = per_sample(rows, 64, "code")
+    kl = sum(v[0] for v in samples["h2o"].values()) / 24
+    top1 = 100 * sum(v[1] for v in samples["h2o"].values()) / 24
+    assert any(ln.startswith(f"| code | h2o | 64 | 24 | {kl:.4f} [") and f"| {top1:.1f} [" in ln for ln in lines), text
