@@ -7,7 +7,7 @@ and rows are ordered, so the same database always gives the same bytes (a commit
 cleanly and regenerates its report byte for byte).
 
 Import merges rather than overwrites: a row whose natural key is already there (``spec_hash``,
-``cell_key``, ``row_key``; for a sweep, all its values) is not inserted again, and ids and foreign keys
+``cell_key``, ``row_key``; for a sweep, its name, config hash and start time) is not inserted again, and ids and foreign keys
 are renumbered to the target's, so importing the same file twice, or into a database with results of
 its own, duplicates nothing.
 """
@@ -101,10 +101,19 @@ def _read(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, list[An
     return header, rows()
 
 
+#: tables without a unique column: what identifies one of their rows (a sweep's counts and status
+#: change while it runs, so an export taken mid-sweep and one taken after name the same sweep)
+_IDENTITY = {"sweeps": ["name", "config_hash", "started_at"]}
+
+
 def _natural_key(table: Table) -> list[str]:
-    """The columns that identify a row across databases: its unique columns, else all but the id."""
+    """The columns that identify a row across databases: its unique columns, else ``_IDENTITY``'s."""
     unique = [c.name for c in table.columns if c.unique]
-    return unique or [c.name for c in table.columns if not c.primary_key]
+    if unique:
+        return unique
+    if table.name not in _IDENTITY:
+        raise KvleagueError(f"db import: table {table.name} has no identity for merging; add it to db.transfer._IDENTITY")
+    return _IDENTITY[table.name]
 
 
 def _utc_naive(value: Any) -> Any:
@@ -155,7 +164,7 @@ class _Merger:
             wanted = [r[column.name] for r in rows]
             found = self.conn.execute(select(column, t.c.id).where(column.in_(wanted))).all()
             return {value: ident for value, ident in found}
-        # no unique column (sweeps): compare whole rows; such tables are small
+        # no unique column (sweeps): compare the identity columns in Python; such tables are small
         found = self.conn.execute(select(t)).mappings().all()
         return {_fingerprint({k: r[k] for k in self.key}): r["id"] for r in found}
 

@@ -155,3 +155,23 @@ def test_cli_export_then_import(tmp_path, capsys):
     assert main(["db", "import", str(out), "--db", f"sqlite:///{tmp_path / 'copy.db'}"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "sample_results 120" in lines[0] and "inserted" in lines[1] and "sample_results 120" in lines[1]
+
+
+def test_a_sweep_exported_while_running_and_again_after_is_one_sweep(tmp_path):
+    from db import store
+
+    source = seeded(f"sqlite:///{tmp_path / 'source.db'}")
+    with source.begin() as conn:
+        conn.execute(text("UPDATE sweeps SET status = 'running', n_ok = 3"))
+    target = get_engine(f"sqlite:///{tmp_path / 'target.db'}")
+    export(source, tmp_path / "during.jsonl.gz")
+    import_(target, tmp_path / "during.jsonl.gz")
+    with source.begin() as conn:
+        sweep_id = conn.execute(text("SELECT id FROM sweeps")).scalar_one()
+    store.finish_sweep(source, sweep_id, "finished")
+    export(source, tmp_path / "after.jsonl.gz")
+    counts = import_(target, tmp_path / "after.jsonl.gz")
+    assert counts.present["sweeps"] == 1 and not counts.inserted.get("sweeps")
+    with target.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM sweeps")).scalar() == 1
+    assert content(target) == content(source)
