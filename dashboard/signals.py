@@ -120,6 +120,8 @@ def _domain_order(domains: pd.Series) -> pd.Series:
 def _interval(row) -> str:
     if pd.isna(row["rho"]):
         return "—"
+    if pd.isna(row["rho_lo"]):  # not computed, or some resample's signal or label is constant
+        return f"{row['rho']:+.3f} (no interval)"
     return f"{row['rho']:+.3f} [{row['rho_lo']:+.3f}, {row['rho_hi']:+.3f}]"
 
 
