@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
-from methods.snapkv import QueryWindow, window_importance
+from methods.snapkv import QueryWindow, check_window_kernel, window_importance
 
 
 def redundancy(keys: torch.Tensor) -> torch.Tensor:
@@ -62,10 +62,7 @@ class RKV(EvictionMethod):
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"lam must be in [0, 1], got {self.lam}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be a positive odd integer, got {self.kernel}")
+        check_window_kernel(self.window, self.kernel)
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
 

@@ -86,6 +86,15 @@ def window_importance(
     return torch.stack(scores), torch.stack(masks)
 
 
+def check_window_kernel(window: int, kernel: int) -> None:
+    """The observation window (>= 1 queries) and the pooling kernel (odd, so it centres on a token) of
+    the SnapKV-style methods."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be a positive odd integer, got {kernel}")
+
+
 @register_method("snapkv")
 @dataclass
 class SnapKV(EvictionMethod):
@@ -118,10 +127,7 @@ class SnapKV(EvictionMethod):
     kernel: int = 7
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be a positive odd integer, got {self.kernel}")
+        check_window_kernel(self.window, self.kernel)
 
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)
