@@ -209,3 +209,15 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
     assert "higher than h2o (Δ +0.150 [+0.100, +0.200], p Holm 0.001)" in generated
     assert "not significantly different from tova (Δ +0.010 [-0.020, +0.040], p Holm 0.6)" in generated
     assert "full" not in generated.split("Its KL is")[1] and "series=all" not in generated.split("Its KL is")[1]
+
+
+def test_the_published_report_is_what_its_committed_export_gives(tmp_path):
+    """docs/replication.md is generated, never edited: rebuilt from results/replication.jsonl.gz with the
+    command it states, it is the same text (figures are compared in the seeded test above; their
+    bytes may differ across matplotlib versions)."""
+    repo = Path(__file__).resolve().parent.parent
+    assert main(["report", "--export", str(repo / "results" / "replication.jsonl.gz"), "--out", str(tmp_path),
+                 "--preamble", str(repo / "docs" / "replication_preamble.md")]) == 0
+    assert (tmp_path / "replication.md").read_text() == (repo / "docs" / "replication.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "replication_figures").iterdir()) == \
+        sorted(p.name for p in (repo / "docs" / "replication_figures").iterdir())
