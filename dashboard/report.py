@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import pandas as pd
 from sqlalchemy import case, distinct, func, select
@@ -122,15 +122,21 @@ def _budgets(engine, filters: q.Filters) -> list[int]:
         return [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().where(*filters.conditions()).order_by(R.c.budget))]
 
 
-def _base_name(label: str) -> str:
-    return label.split("(")[0].split("#")[0]
+def method_names(dims: dict[str, Any]) -> dict[str, str]:
+    """Method label (as the tables show it) -> registered name: labels add the hyperparameters that tell
+    specs of one name apart (``queries.method_labels``)."""
+    return {m["label"]: m["name"] for m in dims["methods"].values()}
 
 
-def _involves(df: pd.DataFrame, names: Iterable[str]) -> pd.DataFrame:
+def _named(labels: pd.Series, name_of: Mapping[str, str]) -> pd.Series:
+    return labels.map(lambda label: name_of.get(label, label))
+
+
+def _involves(df: pd.DataFrame, names: Iterable[str], name_of: Mapping[str, str]) -> pd.DataFrame:
     names = set(names)
     if df.empty:
         return df
-    keep = df["A"].map(_base_name).isin(names) | df["B"].map(_base_name).isin(names)
+    keep = _named(df["A"], name_of).isin(names) | _named(df["B"], name_of).isin(names)
     return df[keep].reset_index(drop=True)
 
 
@@ -143,7 +149,8 @@ def _who(label: str) -> str:
     return "EpiKV" if label == EPIKV else f"EpiKV ({label})"
 
 
-def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt) -> dict[str, list[str]]:
+def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt,
+                       name_of: Mapping[str, str]) -> dict[str, list[str]]:
     """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
     says at Holm-adjusted p < 0.05: "better", "worse" or "no different". ``delta``: the A−B column,
     turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown."""
@@ -153,7 +160,7 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
             continue
         first = row["A"] == label
         other = row["B"] if first else row["A"]
-        if _base_name(other) not in ATTENTION_BASELINES:
+        if name_of.get(other, other) not in ATTENTION_BASELINES:
             continue
         d = row[delta] if first else -row[delta]
         kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("better" if (d < 0) == lower_is_better else "worse")
@@ -171,19 +178,21 @@ def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
     return f"Δ {d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
 
-def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int) -> list[str]:
+def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int,
+                      name_of: Mapping[str, str]) -> list[str]:
     """How close each EpiKV spec stays to the full cache, and whether it matches the attention
     baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
     out = []
-    for _, e in board[board["method"].map(_base_name) == EPIKV].iterrows():
+    for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
                 f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
-        said = _said(_against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta), "lower than", "higher than")
+        said = _said(_against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of), "lower than", "higher than")
         out.append(line + (f" Its KL is {said}." if said else ""))
     return out
 
 
-def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int) -> list[str]:
+def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int,
+                      name_of: Mapping[str, str]) -> list[str]:
     """Each EpiKV spec's accuracy against full cache (score test) and against the attention baselines
     (the paired tests of the head-to-head table, Holm over its pairs), at one budget in one domain."""
     full = board[board["test"] == "reference"]
@@ -191,13 +200,14 @@ def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, bud
         return []
     f = full.iloc[0]
     out = []
-    for _, e in board[board["method"].map(_base_name) == EPIKV].iterrows():
+    for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         close = ("not significantly different from" if not (e["p_value"] < ALPHA) else
                  "below" if e["delta_full"] < 0 else "above")
         line = (f"**{domain}, budget {budget}** (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
                 f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
                 f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}).")
-        groups = _against_baselines(pairs, e["method"], "Δ A−B (pts)", False, lambda row, d, _: f"Δ {d:+.1f} pts, {row['test']}")
+        groups = _against_baselines(pairs, e["method"], "Δ A−B (pts)", False, lambda row, d, _: f"Δ {d:+.1f} pts, {row['test']}",
+                                    name_of)
         said = _said(groups, "above", "below")
         out.append(line + (f" Against the attention baselines it is {said}." if said else ""))
     return out
@@ -222,8 +232,11 @@ def _slug(text: str) -> str:
 
 
 class _Writer:
-    def __init__(self, engine, out: Path):
+    def __init__(self, engine, out: Path, dims: dict[str, Any]):
         self.engine, self.out = engine, out
+        self.name_of = method_names(dims)
+        # the EpiKV family is drawn solid in the figures, every other method dashed
+        self.family = {label for label, name in self.name_of.items() if name in q.REFERENCE_FAMILY}
         self.figures = out / FIGURES
         self.lines: list[str] = []
         self.findings: list[str] = []
@@ -245,13 +258,13 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
     if not acc.empty:
         ref = float(full["accuracy"].iloc[0]) if not full.empty else None
         w.figure(f"{tag}-{_slug(domain)}-accuracy.png", lambda p: budget_figure(
-            acc, "accuracy", "acc_lo", "acc_hi", "accuracy (%)", f"{domain}: accuracy vs budget ({s.model})", p, ref))
+            acc, "accuracy", "acc_lo", "acc_hi", "accuracy (%)", f"{domain}: accuracy vs budget ({s.model})", p, w.family, ref))
     fc = fid_curves[fid_curves["domain"] == domain]
     if not fc.empty:
         w.figure(f"{tag}-{_slug(domain)}-kl.png", lambda p: budget_figure(
-            fc, "KL", "KL lo", "KL hi", "mean KL(full || method), nats/token", f"{domain}: KL to the full cache vs budget", p, 0.0))
+            fc, "KL", "KL lo", "KL hi", "mean KL(full || method), nats/token", f"{domain}: KL to the full cache vs budget", p, w.family, 0.0))
         w.figure(f"{tag}-{_slug(domain)}-top1.png", lambda p: budget_figure(
-            fc, "top-1 %", "top-1 lo", "top-1 hi", "top-1 agreement with full cache (%)", f"{domain}: top-1 agreement vs budget", p, 100.0))
+            fc, "top-1 %", "top-1 lo", "top-1 hi", "top-1 agreement with full cache (%)", f"{domain}: top-1 agreement vs budget", p, w.family, 100.0))
     for b in budgets:
         f_dom = replace(s.filters, domains=(domain,))
         board = tables.leaderboard(w.engine, f_dom, b, dims).by_domain
@@ -259,28 +272,28 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
         fboard = fid.fidelity_board(w.engine, f_dom, b, dims).by_domain
         fboard = fboard[fboard["domain"] == domain] if not fboard.empty else fboard
         non_full = (board["test"] != "reference").any() if not board.empty else False
-        if not non_full and (fboard.empty or (fboard["method"].map(_base_name) == "full").all()):
+        if not non_full and (fboard.empty or (_named(fboard["method"], w.name_of) == "full").all()):
             continue
         w.add(f"#### {domain}, budget {b}", "")
         if non_full:
             w.add("Accuracy (95% interval; Δ vs full cache with its interval and score test; rank interval):", "",
                   markdown_table(board, _BOARD, {"accuracy": 1, "delta_full": 1, "delta_lo": 1, "delta_hi": 1}), "")
-            pairs = _involves(head_to_head(w.engine, f_dom, b, dims), ("full", EPIKV))
+            pairs = _involves(head_to_head(w.engine, f_dom, b, dims), ("full", EPIKV), w.name_of)
             if not pairs.empty:
                 w.add("Paired accuracy tests against full cache and against EpiKV (Holm over all pairs in the domain):", "",
                       markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}), "")
-            w.findings += accuracy_findings(board, pairs, domain, b)
+            w.findings += accuracy_findings(board, pairs, domain, b, w.name_of)
         if not fboard.empty:
             fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
             fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
             w.add("Fidelity (mean over samples of per-token KL(full || method) in nats and top-1 agreement; 95% bootstrap intervals):", "",
                   markdown_table(fboard, _FID, {"KL": 4, "top-1 %": 1, "ΔNLL": 4}), "")
-            shown = _involves(fpairs, ("full", EPIKV))
+            shown = _involves(fpairs, ("full", EPIKV), w.name_of)
             if not shown.empty:
                 w.add("Paired fidelity tests against full cache and against EpiKV (Δ of per-sample means, bootstrap interval; "
                       "Wilcoxon signed-rank, Holm over all pairs in the domain):", "",
                       markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}), "")
-            w.findings += fidelity_findings(fpairs, fboard, domain, b)
+            w.findings += fidelity_findings(fpairs, fboard, domain, b, w.name_of)
 
 
 def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> None:
@@ -364,11 +377,11 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
     ``preamble``: markdown placed before the findings (what the data is, what it leaves out)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    w = _Writer(engine, out)
+    dims = q.dimensions(engine)
+    w = _Writer(engine, out, dims)
     for stale in sorted(w.figures.glob("*.png")) if w.figures.is_dir() else []:  # figures of an earlier report
         stale.unlink()
     opts = q.options(engine)
-    dims = q.dimensions(engine)
     every = totals(engine)
     for i, s in enumerate(slices(engine, opts)):
         _slice_section(w, s, dims, i)

@@ -5,6 +5,7 @@ always give the same bytes."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Collection
 
 import matplotlib
 
@@ -12,13 +13,7 @@ matplotlib.use("Agg")  # no display; set before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-# the EpiKV family drawn solid, everything else dashed, so the paper's question reads at a glance
-_FAMILY = ("epikv", "epikv_bands", "epikv_seg", "lag_kv")
 _STYLE = {"dpi": 110, "figsize": (6.4, 3.6)}
-
-
-def _is_family(label: str) -> bool:
-    return label.split("(")[0].split("#")[0] in _FAMILY
 
 
 def _save(fig, path: Path) -> None:
@@ -27,10 +22,10 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def _panel(ax, curves: pd.DataFrame, y: str, lo: str, hi: str) -> None:
+def _panel(ax, curves: pd.DataFrame, y: str, lo: str, hi: str, solid: Collection[str]) -> None:
     for method, rows in curves.groupby("method", sort=True):
         rows = rows.sort_values("budget")
-        style = "-" if _is_family(method) else "--"
+        style = "-" if method in solid else "--"
         line, = ax.plot(rows["budget"], rows[y], style, marker="o", markersize=3, label=method, linewidth=1.4)
         ax.fill_between(rows["budget"], rows[lo], rows[hi], color=line.get_color(), alpha=0.12, linewidth=0)
     ax.set_xscale("log", base=2)
@@ -39,11 +34,12 @@ def _panel(ax, curves: pd.DataFrame, y: str, lo: str, hi: str) -> None:
 
 
 def budget_figure(curves: pd.DataFrame, y: str, lo: str, hi: str, ylabel: str, title: str, path: Path,
-                  reference: float | None = None, reference_label: str = "full cache") -> Path:
-    """One domain's curves (``curves``: method, budget, y, lo, hi), intervals shaded; ``reference``: a
-    horizontal line (full cache)."""
+                  solid: Collection[str] = (), reference: float | None = None, reference_label: str = "full cache") -> Path:
+    """One domain's curves (``curves``: method, budget, y, lo, hi), intervals shaded; the methods in
+    ``solid`` (the EpiKV family, so the paper's question reads at a glance) drawn solid, the rest dashed;
+    ``reference``: a horizontal line (full cache)."""
     fig, ax = plt.subplots(figsize=_STYLE["figsize"], dpi=_STYLE["dpi"])
-    _panel(ax, curves, y, lo, hi)
+    _panel(ax, curves, y, lo, hi, solid)
     if reference is not None:
         ax.axhline(reference, color="black", linewidth=1, linestyle=":", label=reference_label)
     ax.set_ylabel(ylabel)

@@ -203,7 +203,8 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
         pair("epikv(series=all)", "epikv(series=generated)", -0.2, -0.3, -0.1, 0.001),  # not a baseline
         pair("full", "epikv(series=all)", -0.1, -0.12, -0.08, 0.001),  # not a baseline
     ])
-    all_, generated = fidelity_findings(pairs, board, "math", 96)
+    name_of = {"epikv(series=all)": "epikv", "epikv(series=generated)": "epikv", "h2o": "h2o", "tova": "tova", "full": "full"}
+    all_, generated = fidelity_findings(pairs, board, "math", 96, name_of)
     assert "EpiKV (epikv(series=all))'s mean KL to the full cache is 0.100" in all_
     assert all_.endswith("Its KL is lower than h2o (Δ -0.050 [-0.070, -0.030], p Holm 0.001).")
     assert "higher than h2o (Δ +0.150 [+0.100, +0.200], p Holm 0.001)" in generated
