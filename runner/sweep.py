@@ -440,24 +440,8 @@ class CellWorker:
             "extracted": None if score.extracted is None else str(score.extracted),
             "completion": completion,
             "stop_reason": generation.stop_reason,
-            "prompt_tokens": generation.prompt_tokens,
-            "generated_tokens": generation.generated_tokens,
-            "prefill_seconds": generation.prefill_seconds,
-            "decode_seconds_mean": generation.decode_seconds_mean,
-            "decode_seconds_p50": generation.decode_seconds_p50,
-            "decode_seconds_p95": generation.decode_seconds_p95,
-            "tokens_per_second": generation.tokens_per_second,
-            "method_seconds": generation.method_seconds,
-            "evictions": generation.evictions,
-            "evicted_tokens": generation.evicted_tokens,
-            "peak_cache_entries": generation.peak_cache_entries,
-            "peak_kv_bytes": generation.peak_kv_bytes,
-            "peak_memory_bytes": generation.peak_memory_bytes,
-            "peak_memory_source": generation.peak_memory_source,
-            "attn_implementation": generation.attn_implementation,
+            **_instrumentation(generation, engine),
             "details": details,
-            # the Hub commit the checkpoint was loaded from (None for a local directory)
-            "model_revision": getattr(engine.model.config, "_commit_hash", None),
         }
 
     def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
@@ -475,36 +459,43 @@ class CellWorker:
             self._reference = (key, reference, time.perf_counter() - start)
         _, reference, reference_seconds = self._reference
         r = fidelity.measure(engine, segments, method, cell.budget, protocol, seed=cell.gen_seed, reference=reference)
-        g = r.generation
         return {
             "measure": "fidelity",
             "kl_mean": r.kl_mean,
             "delta_nll_mean": r.delta_nll_mean,
             "top1_agreement": r.top1_agreement,
             "scored_tokens": r.tokens,
-            "prompt_tokens": g.prompt_tokens,
-            "generated_tokens": g.generated_tokens,
-            "prefill_seconds": g.prefill_seconds,
-            "decode_seconds_mean": g.decode_seconds_mean,
-            "decode_seconds_p50": g.decode_seconds_p50,
-            "decode_seconds_p95": g.decode_seconds_p95,
-            "tokens_per_second": g.tokens_per_second,
-            "method_seconds": g.method_seconds,
-            "evictions": g.evictions,
-            "evicted_tokens": g.evicted_tokens,
-            "peak_cache_entries": g.peak_cache_entries,
-            "peak_kv_bytes": g.peak_kv_bytes,
-            "peak_memory_bytes": g.peak_memory_bytes,
-            "peak_memory_source": g.peak_memory_source,
-            "attn_implementation": g.attn_implementation,
+            **_instrumentation(r.generation, engine),
             "details": {"fidelity": {
                 "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
                 "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
                 # the full-cache pass: its time, and whether an earlier cell of this sample paid it
                 "reference_seconds": reference_seconds, "reference_shared": shared,
             }},
-            "model_revision": getattr(engine.model.config, "_commit_hash", None),
         }
+
+
+def _instrumentation(generation, engine) -> dict[str, Any]:
+    """A cell's cost and cache figures (``GenerationResult``), the same for generation and fidelity rows,
+    and the Hub commit the checkpoint was loaded from (None for a local directory)."""
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "generated_tokens": generation.generated_tokens,
+        "prefill_seconds": generation.prefill_seconds,
+        "decode_seconds_mean": generation.decode_seconds_mean,
+        "decode_seconds_p50": generation.decode_seconds_p50,
+        "decode_seconds_p95": generation.decode_seconds_p95,
+        "tokens_per_second": generation.tokens_per_second,
+        "method_seconds": generation.method_seconds,
+        "evictions": generation.evictions,
+        "evicted_tokens": generation.evicted_tokens,
+        "peak_cache_entries": generation.peak_cache_entries,
+        "peak_kv_bytes": generation.peak_kv_bytes,
+        "peak_memory_bytes": generation.peak_memory_bytes,
+        "peak_memory_source": generation.peak_memory_source,
+        "attn_implementation": generation.attn_implementation,
+        "model_revision": getattr(engine.model.config, "_commit_hash", None),
+    }
 
 
 def _jsonable(value: Any) -> Any:
