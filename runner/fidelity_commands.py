@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
-
-from runner.errors import KvleagueError
 
 
 def register(subparsers) -> None:
@@ -40,23 +37,19 @@ def run(args: argparse.Namespace) -> int:
 
     from methods.registry import build_method
     from runner import fidelity
-    from runner.cli import _parse_param, protocol_from_args
+    from runner.cli import protocol_from_args
     from runner.engine import Engine
-    from tasks.registry import build_task
+    from runner.reference_tasks import load_samples, reference_task, write_report
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    task = build_task(args.task, dict(_parse_param(o) for o in args.option))
-    if not task.has_reference():
-        raise KvleagueError(f"task: {args.task} has no reference continuation for fidelity")
+    task = reference_task(args.task, args.option, "for fidelity")
     methods = {name: build_method(name, {}) for name in dict.fromkeys(args.method)}
     protocol = protocol_from_args(args)
     for b in args.budget:
         protocol.check_budget(b)
     engine = Engine.load(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
-    if task.tokenizer_dependent:
-        task.bind_tokenizer(engine.tokenizer)
-    samples = task.load(limit=args.limit, seed=args.sample_seed, data_dir=args.data_dir)
+    samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
     rows: list[dict] = []
     start = time.perf_counter()
 
@@ -78,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                              "reference_seconds": ref_seconds, **r.to_dict()})
         print(f"[{args.task}] {si + 1}/{len(samples)} samples, {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
         if args.json and args.json != "-":  # after every sample, so a long run interrupted keeps what it measured
-            _write(args.json, report())
+            write_report(args.json, report())
     for s in summarize(rows):
         print(f"{s['method']:<14} B={s['budget']:<5} n={s['samples']:<3} KL {s['kl_mean']:.4f} [{s['kl_lo']:.4f}, {s['kl_hi']:.4f}]  "
               f"top-1 {100 * s['top1']:.1f}% [{100 * s['top1_lo']:.1f}, {100 * s['top1_hi']:.1f}]  "
@@ -86,13 +79,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(report(), indent=1, default=str))
     return 0
-
-
-def _write(path: str, report: dict) -> None:
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

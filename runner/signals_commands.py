@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import random
 import sys
 import time
@@ -74,24 +72,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from methods.registry import available_methods, build_method
-    from runner.cli import _parse_param
     from runner.engine import Engine
     from runner.provenance import collect_environment
+    from runner.reference_tasks import load_samples, reference_task, write_report
     from runner.signals import LABELS, filler_token, study_sample
     from runner.signal_stats import SampleBootstrap
-    from tasks.registry import build_task
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    task = build_task(args.task, dict(_parse_param(o) for o in args.option))
-    if not task.has_reference():
-        raise KvleagueError(f"task: {args.task} has no reference continuation to occlude against")
+    task = reference_task(args.task, args.option, "to occlude against")
     names = list(dict.fromkeys(args.method or available_methods()))
     methods = {name: build_method(name, {}) for name in names}
     engine = Engine.load(args.model, attn_implementation="eager", dtype=args.dtype)
-    if task.tokenizer_dependent:
-        task.bind_tokenizer(engine.tokenizer)
-    samples = task.load(limit=args.limit, seed=args.sample_seed, data_dir=args.data_dir)
+    samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
     random.Random(args.sample_seed).shuffle(samples)  # any prefix is a uniform random subset (--max-seconds)
     config = {
         "model": args.model, "task": args.task, "domain": task.domain, "task_options": task.option_values(),
@@ -115,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{args.task}] {i + 1}/{len(samples)} {sample.sample_id}: {s.context_tokens} context tokens, "
               f"{len(s.windows)} windows, {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
         if args.json:  # after every sample, so an interrupted run keeps its labels
-            _write(args.json, {"run_id": run_id, "config": config, "samples": per_sample, "correlations": []})
+            write_report(args.json, {"run_id": run_id, "config": config, "samples": per_sample, "correlations": []})
 
     correlations = []
     for label in LABELS:
@@ -135,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"run_id": run_id, "created_at": datetime.now(timezone.utc).isoformat(), "config": config,
               "environment": collect_environment(), "samples": per_sample, "correlations": correlations}
     if args.json:
-        _write(args.json, report)
+        write_report(args.json, report)
     if not args.no_store:
         from db.session import default_url, display_url
         from runner.signals_store import store_correlations
@@ -164,10 +157,3 @@ def _print_summary(correlations: list[dict]) -> None:
         if _headline(c["signal"]):
             print(f"{c['label']:<14} {c['signal']:<32} rho {c['rho']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]  "
                   f"n={c['n_samples']} pairs={c['n_pairs']}")
-
-
-def _write(path: str, report: dict) -> None:
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
-    os.replace(tmp, path)

@@ -1,0 +1,36 @@
+"""What the commands that read tasks' reference continuations (``kvleague fidelity``, ``kvleague
+signals``) share: the task, refused in one line when it has no reference; its samples, bound to the
+model's tokenizer first when the task counts in tokens; and their JSON reports, written atomically so
+that a run interrupted mid-write leaves the previous report whole."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from runner.errors import KvleagueError
+
+
+def reference_task(name: str, options: list[str], why: str):
+    """Task ``name`` with ``NAME=VALUE`` ``options``; a one-line error when it has no reference
+    continuation (``why``: what the reference is needed for)."""
+    from runner.cli import _parse_param
+    from tasks.registry import build_task
+
+    task = build_task(name, dict(_parse_param(o) for o in options))
+    if not task.has_reference():
+        raise KvleagueError(f"task: {name} has no reference continuation {why}")
+    return task
+
+
+def load_samples(task, tokenizer, limit: int, seed: int, data_dir: str | None) -> list:
+    if task.tokenizer_dependent:
+        task.bind_tokenizer(tokenizer)
+    return task.load(limit=limit, seed=seed, data_dir=data_dir)
+
+
+def write_report(path: str, report: dict) -> None:
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    os.replace(tmp, path)
