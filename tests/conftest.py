@@ -34,3 +34,27 @@ def engines(tiny_models):
 def prompt_ids(engines) -> list[int]:
     text = "In the beginning the cache was full, and every token was kept. " * 4
     return engines["llama"].tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> str:
+    """A PostgreSQL server for the database tests: $KVLEAGUE_PG_URL, or one started from Debian's binaries."""
+    from db.testing import postgres_server_url
+
+    url = postgres_server_url()
+    if url is None:
+        pytest.skip("PostgreSQL: KVLEAGUE_PG_URL is unset and no server binaries are installed (apt-get install postgresql)")
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A new, empty database on each backend: a SQLite file, or a fresh database on the test server."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'results.db'}"
+        return
+    from db.testing import create_database, drop_database
+
+    url = create_database(request.getfixturevalue("pg_server"))
+    yield url
+    drop_database(url)

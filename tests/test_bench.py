@@ -109,21 +109,6 @@ def test_environment_records_the_machine_and_the_code():
 # -- the database -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'bench.db'}"
-        return
-    from db.testing import create_database, drop_database, postgres_server_url
-
-    server = postgres_server_url()
-    if server is None:
-        pytest.skip("PostgreSQL: no server binaries and KVLEAGUE_PG_URL unset")
-    url = create_database(server)
-    yield url
-    drop_database(url)
-
-
 def test_figures_are_stored_once_and_read_back(db_url):
     report = _report()
     report["environment"] = h.environment()

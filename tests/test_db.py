@@ -15,27 +15,8 @@ from sqlalchemy import inspect, select, text
 from db import store
 from db.models import Base, MethodSpec, SampleResult
 from db.session import get_engine, head_revision, upgrade
-from db.testing import create_database, drop_database, postgres_server_url
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def pg_server():
-    url = postgres_server_url()
-    if url is None:
-        pytest.skip("PostgreSQL: KVLEAGUE_PG_URL is unset and no server binaries are installed (apt-get install postgresql)")
-    return url
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'results.db'}"
-        return
-    url = create_database(request.getfixturevalue("pg_server"))
-    yield url
-    drop_database(url)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from sqlalchemy import MetaData, Table, insert, text
 
 from dashboard.seed import RealisticSpec, Seeder, realistic_rows
 from db.session import get_engine, upgrade
-from db.testing import create_database, drop_database, postgres_server_url
 from db.transfer import export, import_
 from runner.cli import main
 from runner.errors import KvleagueError
@@ -47,20 +46,7 @@ def seeded(url: str, spec: RealisticSpec = SMALL):
     return engine
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def target_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'target.db'}"
-        return
-    server = postgres_server_url()
-    if server is None:
-        pytest.skip("PostgreSQL: KVLEAGUE_PG_URL is unset and no server binaries are installed")
-    url = create_database(server)
-    yield url
-    drop_database(url)
-
-
-def test_round_trip_keeps_every_row_and_merging_twice_duplicates_nothing(tmp_path, target_url):
+def test_round_trip_keeps_every_row_and_merging_twice_duplicates_nothing(tmp_path, db_url):
     source = seeded(f"sqlite:///{tmp_path / 'source.db'}")
     expected = content(source)
     assert len(expected) == 2 * 3 * (12 + 8) and any(r[1] == "failed" for r in expected)
@@ -68,7 +54,7 @@ def test_round_trip_keeps_every_row_and_merging_twice_duplicates_nothing(tmp_pat
     written = export(source, path).written
     assert written["sample_results"] == len(expected)
 
-    target = get_engine(target_url)
+    target = get_engine(db_url)
     first = import_(target, path)
     assert first.inserted["sample_results"] == len(expected) and not first.present.get("sample_results")
     assert content(target) == expected

@@ -26,7 +26,7 @@ from sqlalchemy.exc import IntegrityError
 from db.session import dispose_engines, get_engine, upgrade
 from runner.sweep import expand
 from runner.sweep_config import parse_config
-from tests.test_sweep import REPO, db_url, pg_server, project, ray_head, small_config  # noqa: F401 - fixtures
+from tests.test_sweep import REPO, project, ray_head, small_config  # noqa: F401 - fixtures
 
 KILLS = int(os.environ.get("KVLEAGUE_FAULT_KILLS", "2"))
 

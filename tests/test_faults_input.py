@@ -354,22 +354,13 @@ def _seeded(url: str) -> int:
     return s.write(rows)
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_dashboard_engine_cannot_write(backend, tmp_path, request):
+def test_dashboard_engine_cannot_write(db_url):
     """Every kind of write through the dashboard's engine fails in the database driver, even after
     the session tries to switch its own protection off; the rows are unchanged."""
     from dashboard.queries import fingerprint, open_readonly
 
-    if backend == "sqlite":
-        url, switch_off = f"sqlite:///{tmp_path / 'ro.db'}", "PRAGMA query_only=OFF"
-    else:
-        from db.testing import create_database, drop_database, postgres_server_url
-
-        server = postgres_server_url()
-        if server is None:
-            pytest.skip("PostgreSQL: no server binaries and KVLEAGUE_PG_URL unset")
-        url, switch_off = create_database(server), None
-        request.addfinalizer(lambda: drop_database(url))
+    url = db_url
+    switch_off = "PRAGMA query_only=OFF" if url.startswith("sqlite") else None
     assert _seeded(url) == 5
     engine = open_readonly(url)
     before = fingerprint(engine)

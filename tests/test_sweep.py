@@ -17,7 +17,6 @@ from sqlalchemy import text
 
 from db import store
 from db.session import get_engine
-from db.testing import create_database, drop_database, postgres_server_url
 from runner.sweep import SweepRunner, expand
 from runner.sweep_config import load_config, parse_config
 
@@ -64,24 +63,6 @@ def project(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("project")
     make_tiny_model("llama", root / "artifacts" / "tiny-llama", seed=0)
     return root
-
-
-@pytest.fixture(scope="module")
-def pg_server():
-    url = postgres_server_url()
-    if url is None:
-        pytest.skip("PostgreSQL: KVLEAGUE_PG_URL is unset and no server binaries are installed (apt-get install postgresql)")
-    return url
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'sweep.db'}"
-        return
-    url = create_database(request.getfixturevalue("pg_server"))
-    yield url
-    drop_database(url)
 
 
 def small_config(project: Path, db_url: str, **over) -> dict:
