@@ -63,6 +63,19 @@ def oracle_loop(model, prompt, n_new, policy):
     return tokens, kept
 
 
+def assert_as_the_authors(engine, model, prompt, steps, method, protocol, oracle, mutations=None):
+    """kvleague's kept positions after every decode forward and its greedy tokens equal ``oracle``'s over
+    100+ evictions; each of ``mutations`` (an oracle with one documented choice changed) differs.
+    Returns kvleague's run and the oracle's ``(tokens, kept)``."""
+    expected = oracle_loop(model, prompt, steps, oracle)
+    got = kvleague_decode(engine, prompt, steps, BUDGET, method, protocol)
+    assert got[2] >= 100
+    assert (got[0], got[1]) == expected
+    for name, mutant in (mutations or {}).items():
+        assert oracle_loop(model, prompt, steps, mutant) != expected, name
+    return got, expected
+
+
 def best(candidates, score, k):
     """The ``k`` candidates of highest ``score``; equal scores: the larger position first."""
     return sorted(candidates, key=lambda p: (score[p], p), reverse=True)[: max(k, 0)]
@@ -140,18 +153,13 @@ def test_thinkv_authors_equals_the_authors_semantics(engines, models, monkeypatc
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(20 + ARCHS.index(arch), PROMPT)
     params = THINKV_MULTI if arch != "llama" else {}
-    expected = oracle_loop(models[arch, "eager"], prompt, STEPS, ThinKVOracle(BUDGET, **params))
-    got = kvleague_decode(engines[arch], prompt, STEPS, BUDGET, build_method("thinkv_authors", params), COMPACT)
-    assert got[2] >= 100
-    assert (got[0], got[1]) == expected
-    if arch == "qwen2":
-        mutations = dict(
-            strict_thresholds=ThinKVOracle(BUDGET, strict=True, **params),
-            one_classifier_layer=ThinKVOracle(BUDGET, classifier_layers=1, **params),
-            rank_by_all_layers=ThinKVOracle(BUDGET, rank_all_layers=True, **params),
-        )
-        for name, oracle in mutations.items():
-            assert oracle_loop(models[arch, "eager"], prompt, STEPS, oracle) != expected, name
+    mutations = dict(
+        strict_thresholds=ThinKVOracle(BUDGET, strict=True, **params),
+        one_classifier_layer=ThinKVOracle(BUDGET, classifier_layers=1, **params),
+        rank_by_all_layers=ThinKVOracle(BUDGET, rank_all_layers=True, **params),
+    )
+    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("thinkv_authors", params), COMPACT,
+                          ThinKVOracle(BUDGET, **params), mutations if arch == "qwen2" else None)
 
 
 def test_thinkv_authors_keeps_only_the_quotas(engines, models, monkeypatch):
@@ -205,18 +213,14 @@ RAAS_PROTOCOL = Protocol(positions="compact", protect_prompt=True, prompt_over_b
 def test_raas_authors_equals_the_authors_semantics(engines, models, monkeypatch, arch):
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(40 + ARCHS.index(arch), PROMPT)
-    expected = oracle_loop(models[arch, "eager"], prompt, STEPS, RaaSOracle(BUDGET))
-    got = kvleague_decode(engines[arch], prompt, STEPS, BUDGET, build_method("raas_authors"), RAAS_PROTOCOL)
-    assert got[2] >= 100
-    assert (got[0], got[1]) == expected
-    if arch == "llama":
-        for name, oracle in dict(
-            strict_threshold=RaaSOracle(BUDGET, strict=True),
-            upper_median=RaaSOracle(BUDGET, upper_median=True),
-            older_wins_ties=RaaSOracle(BUDGET, older_wins_ties=True),
-            recent_window=RaaSOracle(BUDGET, recent=8),
-        ).items():
-            assert oracle_loop(models[arch, "eager"], prompt, STEPS, oracle) != expected, name
+    mutations = dict(
+        strict_threshold=RaaSOracle(BUDGET, strict=True),
+        upper_median=RaaSOracle(BUDGET, upper_median=True),
+        older_wins_ties=RaaSOracle(BUDGET, older_wins_ties=True),
+        recent_window=RaaSOracle(BUDGET, recent=8),
+    )
+    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("raas_authors"), RAAS_PROTOCOL,
+                          RaaSOracle(BUDGET), mutations if arch == "llama" else None)
 
 
 # -- RKVEviction -------------------------------------------------------------------------------------
@@ -257,13 +261,9 @@ def test_rkv_authors_equals_the_authors_semantics(engines, models, monkeypatch, 
     """Compression whenever the cache reaches B + 1 (the authors' buffer 1 = kvleague's every_step)."""
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(50 + ARCHS.index(arch), PROMPT)
-    expected = oracle_loop(models[arch, "eager"], prompt, STEPS, RKVOracle(BUDGET))
-    got = kvleague_decode(engines[arch], prompt, STEPS, BUDGET, build_method("rkv_authors"), COMPACT)
-    assert got[2] >= 100
-    assert (got[0], got[1]) == expected
-    if arch == "qwen3":
-        for name, oracle in dict(avg_pooling=RKVOracle(BUDGET, pooling="avg"), raw_mix=RKVOracle(BUDGET, standardised=False)).items():
-            assert oracle_loop(models[arch, "eager"], prompt, STEPS, oracle) != expected, name
+    mutations = dict(avg_pooling=RKVOracle(BUDGET, pooling="avg"), raw_mix=RKVOracle(BUDGET, standardised=False))
+    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("rkv_authors"), COMPACT,
+                          RKVOracle(BUDGET), mutations if arch == "qwen3" else None)
 
 
 def test_rkv_authors_buffer_is_cadence_buffer_n_minus_one(engines, models, monkeypatch):
@@ -302,13 +302,9 @@ class LongFlowOracle(Policy):
 def test_longflow_authors_equals_the_authors_semantics(engines, models, monkeypatch, arch):
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(60 + ARCHS.index(arch), PROMPT)
-    expected = oracle_loop(models[arch, "eager"], prompt, STEPS, LongFlowOracle(BUDGET))
-    got = kvleague_decode(engines[arch], prompt, STEPS, BUDGET, build_method("longflow_authors"), COMPACT)
-    assert got[2] >= 100
-    assert (got[0], got[1]) == expected
-    if arch == "qwen2":
-        for name, oracle in dict(l2_norm=LongFlowOracle(BUDGET, norm=2), recent_window=LongFlowOracle(BUDGET, recent=8)).items():
-            assert oracle_loop(models[arch, "eager"], prompt, STEPS, oracle) != expected, name
+    mutations = dict(l2_norm=LongFlowOracle(BUDGET, norm=2), recent_window=LongFlowOracle(BUDGET, recent=8))
+    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("longflow_authors"), COMPACT,
+                          LongFlowOracle(BUDGET), mutations if arch == "qwen2" else None)
 
 
 # -- KVSegHSEviction (epikv_seg) ------------------------------------------------------------------------
@@ -374,19 +370,16 @@ def test_epikv_seg_equals_the_authors_kvseghs(engines, models, monkeypatch, arch
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(70 + ARCHS.index(arch), 20)
     steps = 150  # some evictions keep fewer than B, so more steps for 100 evictions
-    expected = oracle_loop(models[arch, "sdpa"], prompt, steps, KVSegOracle(BUDGET, 1, 3, **SEG_PARAMS))
     method = build_method("epikv_seg", {"layer_a": 1, "layer_b": 3, **SEG_PARAMS})
-    got = kvleague_decode(engines[arch], prompt, steps, BUDGET, method, PAPER)
-    assert got[2] >= 100
-    assert (got[0], got[1]) == expected
+    mutations = dict(
+        segments_after_the_prompt=KVSegOracle(BUDGET, 1, 3, after_prompt=True, **SEG_PARAMS),
+        low_variance_first=KVSegOracle(BUDGET, 1, 3, ascending=True, **SEG_PARAMS),
+        strict_thresholds=KVSegOracle(BUDGET, 1, 3, strict=True, **SEG_PARAMS),
+    )
+    got, expected = assert_as_the_authors(engines[arch], models[arch, "sdpa"], prompt, steps, method, PAPER,
+                                          KVSegOracle(BUDGET, 1, 3, **SEG_PARAMS), mutations if arch == "llama" else None)
     if arch == "llama":
         assert min(len(k) for k in got[1]) < BUDGET
-        for name, oracle in dict(
-            segments_after_the_prompt=KVSegOracle(BUDGET, 1, 3, after_prompt=True, **SEG_PARAMS),
-            low_variance_first=KVSegOracle(BUDGET, 1, 3, ascending=True, **SEG_PARAMS),
-            strict_thresholds=KVSegOracle(BUDGET, 1, 3, strict=True, **SEG_PARAMS),
-        ).items():
-            assert oracle_loop(models[arch, "sdpa"], prompt, steps, oracle) != expected, name
         # kvleague's earlier reading (position segments, fill B) is an option and differs
         fill = build_method("epikv_seg", {"layer_a": 1, "layer_b": 3, "selection": "fill", **SEG_PARAMS})
         assert kvleague_decode(engines[arch], prompt, steps, BUDGET, fill, PAPER)[:2] != expected
@@ -458,16 +451,12 @@ class RollingVarianceOracle(PaperSelection):
 def test_kv_variance_equals_the_authors_semantics(engines, models, monkeypatch, arch, name, tensor):
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(80 + ARCHS.index(arch), PROMPT)
-    expected = oracle_loop(models[arch, "sdpa"], prompt, STEPS, RollingVarianceOracle(BUDGET, tensor, window=16))
-    got = kvleague_decode(engines[arch], prompt, STEPS, BUDGET, build_method(name, {"window": 16}), PAPER)
-    assert got[2] >= 100
-    assert (got[0], got[1]) == expected
-    if arch == "qwen2":
-        for mutation, oracle in dict(
-            std_instead_of_variance=RollingVarianceOracle(BUDGET, tensor, window=16, statistic="std"),
-            series_with_prompt=RollingVarianceOracle(BUDGET, tensor, window=16, with_prompt=True),
-        ).items():
-            assert oracle_loop(models[arch, "sdpa"], prompt, STEPS, oracle) != expected, mutation
+    mutations = dict(
+        std_instead_of_variance=RollingVarianceOracle(BUDGET, tensor, window=16, statistic="std"),
+        series_with_prompt=RollingVarianceOracle(BUDGET, tensor, window=16, with_prompt=True),
+    )
+    assert_as_the_authors(engines[arch], models[arch, "sdpa"], prompt, STEPS, build_method(name, {"window": 16}), PAPER,
+                          RollingVarianceOracle(BUDGET, tensor, window=16), mutations if arch == "qwen2" else None)
 
 
 class LagKeyOracle(PaperSelection):
