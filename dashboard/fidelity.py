@@ -30,6 +30,7 @@ from scipy.stats import bootstrap, wilcoxon
 from dashboard import common_set as cs
 from dashboard import multiplicity, stats
 from dashboard import queries as q
+from dashboard.tables import PAPER_BASELINES, full_cache_ids, full_reference_budget, method_label
 
 LEVEL = stats.LEVEL
 N_RESAMPLES = 2000
@@ -91,11 +92,7 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
     return out
 
 
-def _full_ids(dims: dict[str, Any]) -> set[int]:
-    return {i for i, m in dims["methods"].items() if m["name"] == q.FULL}
-
-
-def at_budget(data: Fidelity, budget: int, full_ids: set[int]) -> tuple[dict[int, dict[Question, SampleFidelity]], int | None]:
+def at_budget(data: Fidelity, budget: int, full_ids: list[int]) -> tuple[dict[int, dict[Question, SampleFidelity]], int | None]:
     """Every method's samples at ``budget``; full cache from the budget where it has the most samples
     (this one on a tie): it is the same at every budget, and a sweep measures it at its first budget
     only. Returns ``(method -> samples, full cache's budget)``."""
@@ -118,10 +115,6 @@ def common_questions(samples: dict[int, dict[Question, SampleFidelity]], methods
     return sorted(qn for qn in common if tasks is None or qn[0] in tasks)
 
 
-def _label(dims: dict[str, Any], m: int) -> str:
-    return dims["methods"].get(m, {}).get("label", f"#{m}")
-
-
 def _fmt(lo: float, hi: float, digits: int) -> str:
     return "-" if math.isnan(lo) else f"[{lo:.{digits}f}, {hi:.{digits}f}]"
 
@@ -135,7 +128,7 @@ def _summary_rows(samples, methods, questions, dims, **where) -> list[dict[str, 
         kl_lo, kl_hi = bootstrap_mean_interval(kl)
         t_lo, t_hi = bootstrap_mean_interval(top1)
         rows.append({
-            "method": _label(dims, m), "method_id": m, **where,
+            "method": method_label(dims["methods"], m), "method_id": m, **where,
             "KL": float(np.mean(kl)) if kl else math.nan, "KL lo": kl_lo, "KL hi": kl_hi, "KL 95% CI": _fmt(kl_lo, kl_hi, 4),
             "top-1 %": float(np.mean(top1)) if top1 else math.nan, "top-1 lo": t_lo, "top-1 hi": t_hi,
             "top-1 95% CI": _fmt(t_lo, t_hi, 1),
@@ -174,7 +167,7 @@ def fidelity_board(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     """Mean KL and top-1 agreement with bootstrap intervals per (method, domain) and (method, task) at
     ``budget``, each table on the samples every method in it has, best (lowest KL) first."""
     dims = dims or q.dimensions(engine)
-    full_ids = _full_ids(dims)
+    full_ids = full_cache_ids(dims)
     data = load(engine, filters)
     samples, full_budget = at_budget(data, budget, full_ids)
     if not any(m not in full_ids for m in samples):
@@ -220,13 +213,13 @@ def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     of KL and top-1 agreement with bootstrap intervals, Wilcoxon's signed-rank p of the KL differences
     and its Holm adjustment over all the pairs in the table."""
     dims = dims or q.dimensions(engine)
-    samples, _ = at_budget(load(engine, filters), budget, _full_ids(dims))
+    samples, _ = at_budget(load(engine, filters), budget, full_cache_ids(dims))
     rows = []
     for domain, tasks in _domains(samples, dims).items():
-        methods = sorted(_present(samples, tasks), key=lambda m: (_label(dims, m), m))
+        methods = sorted(_present(samples, tasks), key=lambda m: (method_label(dims["methods"], m), m))
         for a, b in itertools.combinations(methods, 2):
             questions = common_questions(samples, [a, b], tasks)
-            rows.append({"domain": domain, "A": _label(dims, a), "B": _label(dims, b), **_paired(samples, a, b, questions)})
+            rows.append({"domain": domain, "A": method_label(dims["methods"], a), "B": method_label(dims["methods"], b), **_paired(samples, a, b, questions)})
     if not rows:
         return pd.DataFrame(columns=PAIR_COLUMNS)
     for r, adjusted in zip(rows, multiplicity.holm([r["p (Wilcoxon)"] for r in rows])):
@@ -242,7 +235,7 @@ def fidelity_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = No
     """Mean KL and top-1 agreement with bootstrap intervals per (method, domain, budget), full cache
     left out (0 and 100% by construction); each (domain, budget) on the samples its methods all have."""
     dims = dims or q.dimensions(engine)
-    full_ids = _full_ids(dims)
+    full_ids = full_cache_ids(dims)
     data = load(engine, filters)
     rows = []
     for budget in sorted({b for by_budget in data.values() for b in by_budget}):
@@ -262,9 +255,7 @@ SCORECARD_COLUMNS = ["domain", "budget", "method", "claim", "reference", "why fi
 def _full_accuracy(engine, filters: q.Filters, budget: int, dims: dict[str, Any], tasks: set[int]) -> float | None:
     """Full cache's accuracy (%) on the domain's questions from the generation rows, at its reference
     budget for ``budget``; None when it has none there."""
-    from dashboard.tables import full_reference_budget
-
-    full_ids = sorted(_full_ids(dims))
+    full_ids = sorted(full_cache_ids(dims))
     gen = replace(filters, measure=q.MEASURE_GENERATION)
     at = full_reference_budget(engine, gen, budget, full_ids) if full_ids else None
     if at is None:
@@ -283,11 +274,9 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
     its bootstrap interval and Wilcoxon's signed-rank p, Holm-adjusted over the table. Verdict as on the
     accuracy scorecard: replicates when p (Holm) < 0.05 with lower KL, does not replicate when p (Holm) <
     0.05 with higher KL, else inconclusive; fewer than ``stats.MIN_PROBLEMS`` samples: no verdict."""
-    from dashboard.tables import PAPER_BASELINES
-
     dims = dims or q.dimensions(engine)
     name = lambda m: dims["methods"].get(m, {}).get("name")  # noqa: E731
-    full_ids = _full_ids(dims)
+    full_ids = full_cache_ids(dims)
     data = load(engine, filters)
     rows = []
     for budget in sorted({b for m, by_budget in data.items() if name(m) in q.REFERENCE_FAMILY for b in by_budget}):
@@ -305,8 +294,8 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
             for f, b in itertools.product(family, baselines):
                 questions = common_questions(samples, [f, b], tasks)
                 p = _paired(samples, f, b, questions)
-                rows.append({"domain": domain, "budget": int(budget), "method": _label(dims, f),
-                             "claim": f"closer to full cache than {name(b)}", "reference": _label(dims, b), "why fidelity": why,
+                rows.append({"domain": domain, "budget": int(budget), "method": method_label(dims["methods"], f),
+                             "claim": f"closer to full cache than {name(b)}", "reference": method_label(dims["methods"], b), "why fidelity": why,
                              "KL": p["KL A"], "reference KL": p["KL B"], "Δ KL": p["Δ KL (A−B)"],
                              "Δ KL 95% CI": p["Δ KL 95% CI"], "samples": p["samples"], "test": "Wilcoxon signed-rank",
                              "p": p["p (Wilcoxon)"]})

@@ -44,7 +44,7 @@ def fmt_interval(lo: float, hi: float) -> str:
     return f"[{lo:.1f}, {hi:.1f}]"
 
 
-def _full_ids(dims: dict[str, Any]) -> list[int]:
+def full_cache_ids(dims: dict[str, Any]) -> list[int]:
     return [i for i, m in dims["methods"].items() if m["name"] == q.FULL]
 
 
@@ -85,7 +85,7 @@ class Leaderboard:
 def budget_results(engine, filters: q.Filters, budget: int, dims: dict[str, Any]) -> tuple[cs.Results, int | None, int | None]:
     """Every method's cells at ``budget`` (failed samples included), with full cache taken from its
     reference budget (:func:`full_reference_budget`) under one id. Returns ``(results, full id, full budget)``."""
-    full_ids = _full_ids(dims)
+    full_ids = full_cache_ids(dims)
     full_budget = full_reference_budget(engine, filters, budget, full_ids) if full_ids else None
     others = [i for i in dims["methods"] if i not in full_ids]
     results = cs.results_from_rows(q.question_cells(engine, filters, [budget], others)) if others else {}
@@ -97,7 +97,7 @@ def budget_results(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     return results, full_id, full_budget
 
 
-def _label(methods: dict[int, Any], method_id: int) -> str:
+def method_label(methods: dict[int, Any], method_id: int) -> str:
     return methods[method_id]["label"] if method_id in methods else f"#{method_id}"
 
 
@@ -109,7 +109,7 @@ def _group_rows(group: cs.CommonSet, methods: dict[int, Any], full_id: int | Non
         c = group.compare(m_id, full_id) if full_id is not None and m_id != full_id else None
         samples = group.total(m_id, "m")
         out.append({
-            "method": _label(methods, m_id), "method_id": m_id, "domain": domain, "task": task,
+            "method": method_label(methods, m_id), "method_id": m_id, "domain": domain, "task": task,
             "accuracy": pct(a.mean), "acc_lo": pct(a.lo), "acc_hi": pct(a.hi),
             "interval": fmt_interval(pct(a.lo), pct(a.hi)), "interval_method": a.method,
             "delta_full": pct(c.diff) if c else math.nan, "delta_lo": pct(c.lo) if c else math.nan,
@@ -173,7 +173,7 @@ def _wide(by_domain: pd.DataFrame, domains: list[str], overall: cs.CommonSet, me
     means = {m: pct(overall.accuracy(m).mean) for m in overall.methods} if overall.cells else {}
     rows = []
     for m_id, g in by_domain.groupby("method_id", sort=False):
-        r: dict[str, Any] = {"method": _label(methods, m_id)}
+        r: dict[str, Any] = {"method": method_label(methods, m_id)}
         fired = samples = 0.0
         for d in domains:
             sub = g[g["domain"] == d]
@@ -225,7 +225,7 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
     cells at the budget where it has the most samples (full cache does not depend on the budget)."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
-    full_ids = set(_full_ids(dims))
+    full_ids = set(full_cache_ids(dims))
     domain_of = _domain_of_cell(tasks)
     curves, full_rows = [], []
     full_best: dict[str, tuple] = {}
@@ -236,7 +236,7 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
                                   weighting=weighting)
             for m_id in group.methods:
                 a = group.accuracy(m_id)
-                curves.append({"method": _label(methods, m_id), "domain": d, "budget": int(b), "accuracy": pct(a.mean),
+                curves.append({"method": method_label(methods, m_id), "domain": d, "budget": int(b), "accuracy": pct(a.mean),
                                "acc_lo": pct(a.lo), "acc_hi": pct(a.hi), "problems": a.problems, "samples": a.samples,
                                "interval_method": a.method})
             for f in sorted(m for m in here if m in full_ids):
@@ -297,8 +297,8 @@ def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, A
                     p = stats.shifted_pvalue(c, threshold) if c.n else math.nan
                     comparisons.append((c, threshold))
                     rows.append({
-                        "domain": d, "budget": int(b), "method": _label(methods, f), "claim": claim,
-                        "reference": _label(methods, ref) if ref is not None else "-", "accuracy": pct(a.mean),
+                        "domain": d, "budget": int(b), "method": method_label(methods, f), "claim": claim,
+                        "reference": method_label(methods, ref) if ref is not None else "-", "accuracy": pct(a.mean),
                         "reference %": pct(group.accuracy(ref).mean) if ref is not None and c.n else math.nan,
                         "Δ": pct(c.diff), "Δ 95% CI": fmt_interval(pct(c.lo), pct(c.hi)), "problems": c.n,
                         "test": c.test if c.n else "-", "p": p,
@@ -354,7 +354,7 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
                         else "differs from the paper" if p_adj < stats.ALPHA else "consistent with the paper")
 
     cost = q.cost_rows(engine, replace(base), by_domain=True)
-    full_ids = set(_full_ids(dims))
+    full_ids = set(full_cache_ids(dims))
     family = {i for i, m in methods.items() if m["name"] in q.REFERENCE_FAMILY}
     full_cost = {(c["budget"], c["domain"]): c for c in cost if c["method_spec_id"] in full_ids}
     best_speed: tuple[float, str] | None = None
