@@ -45,8 +45,9 @@ import transformers  # noqa: E402
 
 from methods import available_methods, build_method  # noqa: E402
 from runner.engine import Engine  # noqa: E402
-from runner.protocol import GenerationSettings, Protocol  # noqa: E402
-from runner.tiny_model import make_tiny_model  # noqa: E402
+from runner.models import load_engine  # noqa: E402
+from runner.engine.protocol import GenerationSettings, Protocol  # noqa: E402
+from runner.models.tiny import make_tiny_model  # noqa: E402
 
 #: the paper cadence of methods that compress every N steps rather than every step
 BUFFERED = {"snapkv": 128, "rkv": 128}
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = args.model or str(
         make_tiny_model(args.arch, tempfile.mkdtemp(), layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
     )
-    engine = Engine.load(model)
+    engine = load_engine(model)
     engine.eos_ids = set()  # every run decodes exactly its number of steps
     params = sum(p.numel() for p in engine.model.parameters())
     generator = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 APP = Path(__file__).resolve().parent / "app.py"
 HOST = "127.0.0.1"

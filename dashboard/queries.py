@@ -33,7 +33,7 @@ from db.models import (
     TaskSpec,
 )
 from db.session import default_url
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 R = SampleResult.__table__
 T = TaskSpec.__table__

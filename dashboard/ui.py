@@ -19,7 +19,7 @@ import streamlit as st
 from dashboard import fidelity, head_to_head
 from dashboard import queries as q
 from dashboard import tables
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 PAGES = ("Leaderboard", "Budget curves", "Replication scorecard", "Cost", "Samples", "Provenance", "Signals")
 SLUGS = {p: p.lower().replace(" ", "-") for p in PAGES}

@@ -38,7 +38,7 @@ def cmd_db_export(args) -> int:
 
     from db.session import check_connection, display_url, get_engine
     from db.transfer import export
-    from runner.errors import KvleagueError
+    from runner.engine.errors import KvleagueError
 
     if not args.out.endswith(".jsonl.gz"):
         raise KvleagueError(f"--out: an export file ends in .jsonl.gz, got {args.out!r}")

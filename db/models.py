@@ -148,7 +148,7 @@ class ProtocolSpec(Base):
     recent: Mapped[int] = mapped_column(Integer)
     protect_prompt: Mapped[bool] = mapped_column(Boolean)
     prefill_chunk: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    #: protocol-preset fields (``runner/protocol.py``); NULL = the default (no cap / "error")
+    #: protocol-preset fields (``runner/engine/protocol.py``); NULL = the default (no cap / "error")
     recent_max_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
     prompt_over_budget: Mapped[str | None] = mapped_column(String(16), nullable=True)
 

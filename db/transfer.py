@@ -26,7 +26,7 @@ from sqlalchemy.engine import Engine
 
 from db.models import Base
 from db.session import current_revision, head_revision, known_revisions, upgrade
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 FORMAT = "kvleague-export/1"
 _CHUNK = 500

@@ -1,6 +1,6 @@
 """Eviction methods. Subclass :class:`EvictionMethod`, decorate with ``@register_method``."""
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import available_methods, build_method, method_class, register_method
 
 __all__ = [

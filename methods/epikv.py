@@ -13,9 +13,9 @@ from typing import Literal, Sequence
 
 import torch
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 #: added to the score of a ``value_reserve`` token: far above any z-score difference (|z| < sqrt(W))
 RESERVE_OFFSET = 1e9

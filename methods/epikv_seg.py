@@ -5,7 +5,7 @@ from typing import Literal
 
 import torch
 
-from methods.base import CacheView, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, Needs, Observation, SequenceInfo
 from methods.epikv import EpiKV, PositionTable
 from methods.registry import register_method
 from methods.thinkv_authors import segment_bounds, tertile_types, top_by_score_then_position
@@ -74,7 +74,7 @@ class EpiKVSeg(EpiKV):
       segment with the highest ``epikv`` score (z_A - z_B, frozen, same hyperparameters and defaults as
       ``epikv``) fill min(quota, generated slots in the segment, remaining); every other slot scores
       -inf, so the cache keeps **fewer than B** (the "keeping fewer than B" contract in
-      ``methods/base.py``) and refills before the next eviction.
+      ``runner/engine/contract.py``) and refills before the next eviction.
 
     Under ``protocol: epikv_paper`` kept positions and greedy tokens equal the authors' class
     (tests/test_baselines_authors.py, docs/methods.md). Deviations: equal scores inside a segment keep

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod
+from runner.engine.contract import CacheView, EvictionMethod
 from methods.registry import register_method
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import SequenceInfo
+from runner.engine.contract import SequenceInfo
 from methods.epikv import EpiKV
 from methods.registry import register_method
 

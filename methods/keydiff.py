@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from methods.base import CacheView, EvictionMethod, Needs
+from runner.engine.contract import CacheView, EvictionMethod, Needs
 from methods.registry import register_method
 
 

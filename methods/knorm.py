@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod, Needs
+from runner.engine.contract import CacheView, EvictionMethod, Needs
 from methods.registry import register_method
 
 

@@ -5,7 +5,7 @@ from typing import Literal
 
 import torch
 
-from methods.base import CacheView, EvictionMethod
+from runner.engine.contract import CacheView, EvictionMethod
 from methods.registry import register_method
 
 

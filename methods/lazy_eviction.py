@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.epikv import PositionTable
 from methods.registry import register_method
 

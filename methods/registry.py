@@ -11,8 +11,8 @@ from typing import Any, Callable, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from methods.base import EvictionMethod
-from runner.errors import KvleagueError
+from runner.engine.contract import EvictionMethod
+from runner.engine.errors import KvleagueError
 
 ENTRY_POINT_GROUP = "kvleague.methods"
 _BUILTIN_MODULES = (

@@ -6,7 +6,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
 from methods.snapkv import QueryWindow, check_window_kernel, window_importance
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
 from methods.snapkv import check_window_kernel
 from methods.thinkv_authors import last_query_row

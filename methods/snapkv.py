@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.h2o import per_kv_head
 from methods.registry import register_method
 

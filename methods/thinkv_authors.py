@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
 
 
@@ -50,7 +50,7 @@ class ThinKVAuthors(EvictionMethod):
     * segments in order, while budget remains (B - r to start): keep the min(quota, segment length,
       remaining) slots of highest last-layer attention (newest query, mean over heads), ``quotas`` =
       (R 64, E 32, T 8); every other slot scores -inf, so the cache keeps **fewer than B** (see the
-      "keeping fewer than B" contract in ``methods/base.py``) and refills before the next eviction.
+      "keeping fewer than B" contract in ``runner/engine/contract.py``) and refills before the next eviction.
 
     Stateless: every eviction re-types the segments from the current step's attention. One ``[T]`` score.
     Run it with ``protocol: {positions: compact}`` (the authors' harness: no ``position_ids``, prompt

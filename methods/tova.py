@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.base import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 @register_method("tova")

@@ -67,7 +67,7 @@ def cmd_store(args) -> int:
     from db.session import default_url, display_url
     from runner.bench.harness import read_report
     from runner.bench.storage import check_storable, store_report
-    from runner.errors import KvleagueError
+    from runner.engine.errors import KvleagueError
     from runner.sweep_config import clip
 
     for path in args.reports:

@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,8 +41,8 @@ _PROTOCOL_FLAGS = (
 
 
 def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--protocol PRESET`` or the protocol flags (``runner.protocol.Protocol``), the same in every command."""
-    from runner.protocol import PRESETS
+    """``--protocol PRESET`` or the protocol flags (``runner.engine.protocol.Protocol``), the same in every command."""
+    from runner.engine.protocol import PRESETS
 
     parser.add_argument("--protocol", default=None, metavar="PRESET",
                         help=f"a named protocol ({', '.join(PRESETS)}): every protocol field at once, so no other protocol flag")
@@ -54,7 +54,7 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
 def protocol_from_args(args: argparse.Namespace):
     """The Protocol the flags describe: the preset when ``--protocol`` is given (then any other protocol
     flag is an error), else Protocol's defaults with the flags given on top."""
-    from runner.protocol import Protocol
+    from runner.engine.protocol import Protocol
 
     given = {flag.removeprefix("--").replace("-", "_"): flag for flag, _ in _PROTOCOL_FLAGS}
     given = {dest: flag for dest, flag in given.items() if getattr(args, dest) not in (None, False)}
@@ -69,7 +69,7 @@ def protocol_from_args(args: argparse.Namespace):
 
 
 def cmd_make_tiny_model(args) -> int:
-    from runner.tiny_model import make_tiny_model
+    from runner.models.tiny import make_tiny_model
 
     out = make_tiny_model(
         args.arch, args.out, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed
@@ -94,8 +94,8 @@ def cmd_methods(args) -> int:
 
 def cmd_generate(args) -> int:
     from methods.registry import build_method
-    from runner.engine import Engine
-    from runner.protocol import GenerationSettings
+    from runner.models import load_engine
+    from runner.engine.protocol import GenerationSettings
 
     method = build_method(args.method, dict(_parse_param(p) for p in args.param))
     protocol = protocol_from_args(args)
@@ -103,7 +103,7 @@ def cmd_generate(args) -> int:
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, stop=tuple(args.stop)
     )
-    engine = Engine.load(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device)
+    engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device)
     prompt: str | list[int] = args.prompt
     tok = engine.tokenizer
     if args.chat == "on" and not getattr(tok, "chat_template", None):

@@ -27,10 +27,10 @@ from typing import Sequence
 
 import torch
 
-from methods.base import EvictionMethod
+from runner.engine.contract import EvictionMethod
 from runner.engine import Engine, GenerationResult
-from runner.errors import KvleagueError
-from runner.protocol import Protocol
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import Protocol
 
 Segment = tuple[list[int], bool]  # (token ids, scored)
 

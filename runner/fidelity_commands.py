@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from methods.registry import build_method
     from runner import fidelity
     from runner.cli import protocol_from_args
-    from runner.engine import Engine
+    from runner.models import load_engine
     from runner.reference_tasks import load_samples, reference_task, write_report
 
     if args.threads:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     protocol = protocol_from_args(args)
     for b in args.budget:
         protocol.check_budget(b)
-    engine = Engine.load(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
+    engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
     samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
     rows: list[dict] = []
     start = time.perf_counter()

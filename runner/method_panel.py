@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from methods.base import EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import EvictionMethod, Needs, Observation, SequenceInfo
 
 
 def union_needs(methods: Sequence[EvictionMethod]) -> Needs:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 def reference_task(name: str, options: list[str], why: str):

@@ -62,12 +62,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from runner.attention_probe import wrapper_name
+from runner.engine.probe import wrapper_name
 from runner.engine import Engine
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from runner.fidelity import Segment, truncate
 from runner.method_panel import MethodPanel
-from runner.protocol import Protocol
+from runner.engine.protocol import Protocol
 
 TRACES = ("reference", "greedy")
 #: per-layer signal families, in display order

@@ -16,7 +16,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 def register(subparsers) -> None:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from methods.registry import available_methods, build_method
-    from runner.engine import Engine
+    from runner.models import load_engine
     from runner.provenance import collect_environment
     from runner.reference_tasks import load_samples, reference_task, write_report
     from runner.signals import LABELS, filler_token, study_sample
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     task = reference_task(args.task, args.option, "to occlude against")
     names = list(dict.fromkeys(args.method or available_methods()))
     methods = {name: build_method(name, {}) for name in names}
-    engine = Engine.load(args.model, attn_implementation="eager", dtype=args.dtype)
+    engine = load_engine(args.model, attn_implementation="eager", dtype=args.dtype)
     samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
     random.Random(args.sample_seed).shuffle(samples)  # any prefix is a uniform random subset (--max-seconds)
     config = {

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from runner.errors import KvleagueError, first_line
+from runner.engine.errors import KvleagueError, first_line
 from runner.sweep_config import (
     SweepConfig,
     canonical_json,
@@ -265,7 +265,7 @@ def load_tokenizer(model_spec: str):
     """The tokenizer of a model spec (converting a GGUF model on first use; no weights loaded)."""
     from transformers import AutoTokenizer
 
-    from runner.model_source import resolve_model
+    from runner.models.source import resolve_model
 
     try:
         return AutoTokenizer.from_pretrained(resolve_model(model_spec))
@@ -349,13 +349,13 @@ class CellWorker:
     def _engine_for(self, model: dict[str, Any]):
         key = canonical_json(model)
         if key != self._engine_key:
-            from runner.engine import Engine
+            from runner.models import load_engine
 
             self._engine = None
             self._engine_key = None
             self._reference = None
             _free_accelerator_memory()
-            self._engine = Engine.load(model["resolved"], attn_implementation=model["attn_implementation"], dtype=model["dtype"])
+            self._engine = load_engine(model["resolved"], attn_implementation=model["attn_implementation"], dtype=model["dtype"])
             self._engine_key = key
         return self._engine
 
@@ -402,7 +402,7 @@ class CellWorker:
 
     def _run(self, cell: Cell) -> dict[str, Any]:
         from methods.registry import build_method
-        from runner.protocol import GenerationSettings, Protocol
+        from runner.engine.protocol import GenerationSettings, Protocol
 
         engine = self._engine_for(cell.model)
         task = self._task(cell.task, cell.task_options)

@@ -40,7 +40,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 DOMAINS = ("math", "code", "agentic", "longqa")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -142,9 +142,9 @@ class ProtocolConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _preset(cls, value: Any) -> Any:
-        """``protocol: epikv_paper`` is that preset's fields (``runner.protocol.PRESETS``)."""
+        """``protocol: epikv_paper`` is that preset's fields (``runner.engine.protocol.PRESETS``)."""
         if isinstance(value, str):
-            from runner.protocol import PRESETS
+            from runner.engine.protocol import PRESETS
 
             if value not in PRESETS:
                 raise ValueError(f"unknown preset {value!r}; allowed: {', '.join(PRESETS)}")
@@ -481,8 +481,8 @@ def editable_checkout() -> Path | None:
 
 def resolve_model_source(source: str, base_dir: Path | None = None) -> str:
     """Local paths made absolute (from the project directory); known names and Hub ids unchanged:
-    each worker resolves those on its own machine (``runner.model_source``)."""
-    from runner.model_source import absolute_spec
+    each worker resolves those on its own machine (``runner.models.source``)."""
+    from runner.models.source import absolute_spec
 
     return absolute_spec(source, base_dir or project_dir())
 
@@ -500,8 +500,8 @@ def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]
     """Semantic checks; returns warnings (skipped optional tasks). Raises KvleagueError."""
     from db.session import parse_url
     from methods.registry import available_methods, build_method
-    from runner.model_source import check_spec
-    from runner.protocol import Protocol
+    from runner.models.source import check_spec
+    from runner.engine.protocol import Protocol
     from tasks.registry import build_task, task_class
 
     base = base_dir or project_dir()

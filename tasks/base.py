@@ -150,7 +150,7 @@ class Task:
 
         samples = self.load_records(resolve_data_dir(data_dir))
         if limit is not None and limit < 0:
-            from runner.errors import KvleagueError
+            from runner.engine.errors import KvleagueError
 
             raise KvleagueError(f"limit: must be >= 0 or None, got {limit}")
         if limit is None or limit >= len(samples):
@@ -210,7 +210,7 @@ class Task:
         generation, then the reply to teacher-force (see ``runner/fidelity.py``)."""
         text = self.reference_continuation(sample)
         if not text:
-            from runner.errors import KvleagueError
+            from runner.engine.errors import KvleagueError
 
             raise KvleagueError(f"task {self.name}: sample {sample.sample_id} has no reference continuation")
         ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.base import DataSource, Sample, ScoreResult
 from tasks.data import iter_file
 from tasks.episode import (

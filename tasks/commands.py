@@ -1,7 +1,7 @@
 """``kvleague tasks`` and ``kvleague score``: subcommands contributed to the lead's CLI.
 
 ``register(subparsers)`` adds both; each parser sets ``func`` to a handler ``handler(args) -> int``
-(the exit code). Handlers raise :class:`runner.errors.KvleagueError` for bad input (one line).
+(the exit code). Handlers raise :class:`runner.engine.errors.KvleagueError` for bad input (one line).
 
 ``kvleague score --task NAME --completions FILE.jsonl [--data-dir DIR] [--option K=V ...] [--json]``
 reads lines ``{"sample_id": str, "completion": str}`` (several lines per sample are allowed: pass@k),
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 def register(subparsers: Any) -> None:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.base import DataSource
 
 DATA_DIR_ENV = "KVLEAGUE_DATA_DIR"

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.base import Sample, ScoreResult, Task
 
 TRANSCRIPT_FORMAT = "kvleague-episode/1"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.base import DataSource, Sample, ScoreResult, Task
 from tasks.registry import register_task_family
 

@@ -12,7 +12,7 @@ imported. Three ways to use it:
 * any script that imports ``tasks.lmeval_bridge`` before calling lm-eval's CLI.
 
 ``--model_args`` keys: ``pretrained`` (a known name such as ``smollm2-135m``, a ``.gguf`` file, a
-checkpoint dir or a Hub id; see ``runner/model_source.py``), ``method`` (a kvleague method,
+checkpoint dir or a Hub id; see ``runner/models/source.py``), ``method`` (a kvleague method,
 default ``full``), ``budget`` (default 1024), method hyperparameters as ``method.NAME=VALUE``, the
 protocol (``cadence``, ``positions``, ``sink``, ``recent``, ``protect_prompt``, ``prefill_chunk``),
 ``dtype``, ``device``, ``attn_implementation``, ``seed``, ``max_gen_toks`` (default when a task sets
@@ -34,7 +34,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class KvleagueLM(LM):
     ) -> None:
         super().__init__()
         from methods.registry import build_method
-        from runner.protocol import Protocol
+        from runner.engine.protocol import Protocol
 
         params: dict[str, Any] = {}
         for key, value in extra.items():
@@ -127,9 +127,9 @@ class KvleagueLM(LM):
             if pretrained is None:
                 raise KvleagueError("model_args: pretrained is required (a known name such as smollm2-135m, a .gguf file, "
                                     "a checkpoint directory or a Hub id)")
-            from runner.engine import Engine
+            from runner.models import load_engine
 
-            engine = Engine.load(str(pretrained), attn_implementation=attn_implementation, dtype=dtype, device=_device(device))
+            engine = load_engine(str(pretrained), attn_implementation=attn_implementation, dtype=dtype, device=_device(device))
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._device = engine.device
@@ -189,7 +189,7 @@ class KvleagueLM(LM):
     # -- one request ---------------------------------------------------------------------------------
     def settings(self, gen_kwargs: dict[str, Any] | None):
         """lm-eval generation kwargs -> kvleague ``GenerationSettings``."""
-        from runner.protocol import GenerationSettings
+        from runner.engine.protocol import GenerationSettings
 
         kwargs = dict(gen_kwargs or {})
         until = kwargs.get("until") or []

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.base import DataSource, Sample, ScoreResult, Task
 from tasks.data import load_records, local_path, missing_dataset_error
 from tasks.math import Gsm8k, parse_number

@@ -22,7 +22,7 @@ from typing import Any, Callable, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.base import DOMAINS, Task
 
 ENTRY_POINT_GROUP = "kvleague.tasks"

@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 MARKER_ENV = "KVLEAGUE_SANDBOX_ID"
 MODE_ENV = "KVLEAGUE_SANDBOX_MODE"

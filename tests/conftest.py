@@ -16,7 +16,7 @@ DATA_DIR = REPO.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One random-weight checkpoint per architecture (GQA: 4 query heads, 2 KV heads)."""
-    from runner.tiny_model import make_tiny_model
+    from runner.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(arch, root / arch, seed=i) for i, arch in enumerate(ARCHS)}
@@ -24,10 +24,10 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def engines(tiny_models):
-    from runner.engine import Engine
+    from runner.models import load_engine
 
     torch.set_num_threads(1)
-    return {arch: Engine.load(str(path)) for arch, path in tiny_models.items()}
+    return {arch: load_engine(str(path)) for arch, path in tiny_models.items()}
 
 
 @pytest.fixture(scope="session")

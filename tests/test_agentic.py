@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.protocol import GenerationSettings
-from runner.tiny_model import CHAT_TEMPLATE, byte_level_tokenizer
+from runner.engine.protocol import GenerationSettings
+from runner.models.tiny import CHAT_TEMPLATE, byte_level_tokenizer
 from tasks.episode import (
     ScriptedSession,
     ToolCall,
@@ -62,7 +62,7 @@ def test_parse_tool_calls_blocks_errors_and_truncation():
 
 
 def test_transcript_rejects_plain_text():
-    from runner.errors import KvleagueError
+    from runner.engine.errors import KvleagueError
 
     with pytest.raises(KvleagueError, match="transcript"):
         Transcript.parse("just an answer")
@@ -211,7 +211,7 @@ class _Recorder:
 
 def test_real_tiny_model_episode_on_one_session(engines):
     from methods.registry import build_method
-    from runner.protocol import Protocol
+    from runner.engine.protocol import Protocol
 
     engine = engines["llama"]
     task = build_task("kv_agent", {"n_episodes": 1, "n_lockers": 2, "n_queries": 1, "n_logs": 0})

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from methods import build_method
-from methods.base import EvictionMethod
-from runner.errors import KvleagueError
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.contract import EvictionMethod
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 from tests.test_epikv_reference import _prompt, _z, keep_only, kvleague_decode, oracle_decode
 

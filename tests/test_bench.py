@@ -11,7 +11,7 @@ import pytest
 
 from runner.bench import harness as h
 from runner.bench import storage
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 # -- the limit search ---------------------------------------------------------------------------

@@ -10,12 +10,12 @@ import torch
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import repeat_kv
 
-import runner.budgeted_cache as bc
+import runner.engine.cache as bc
 from methods import build_method
-from methods.base import Needs
-from runner.attention_probe import attention_rows
-from runner.budgeted_cache import BudgetedCache, SlabLayer
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.contract import Needs
+from runner.engine.probe import attention_rows
+from runner.engine.cache import BudgetedCache, SlabLayer
+from runner.engine.protocol import GenerationSettings, Protocol
 
 L, H, D = 3, 2, 4
 

@@ -128,11 +128,11 @@ README_CHECK = textwrap.dedent(
     import sys, torch
     from transformers import DynamicCache
     from methods import build_method
-    from runner.engine import Engine
-    from runner.protocol import Protocol
+    from runner.models import load_engine
+    from runner.engine.protocol import Protocol
     import value_norm  # the README's example, registered on import
 
-    engine = Engine.load(sys.argv[1])
+    engine = load_engine(sys.argv[1])
     ids = list(range(40, 120))
     with engine.session(build_method("value_norm", {"p": 1}), 30, Protocol()) as session:
         session.feed(ids)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from methods import build_method
-from runner.engine import Engine
-from runner.protocol import GenerationSettings, Protocol
+from runner.models import load_engine
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.test_engine import Recorder
 
 pytestmark = [
@@ -19,7 +19,7 @@ IMPLEMENTATIONS = ["sdpa", "eager"] + (["flash_attention_2"] if importlib.util.f
 
 @pytest.mark.parametrize("attn", IMPLEMENTATIONS)
 def test_full_cache_greedy_equals_generate_on_cuda(tiny_models, prompt_ids, attn):
-    engine = Engine.load(str(tiny_models["qwen3"]), attn_implementation=attn, dtype="bfloat16", device="cuda")
+    engine = load_engine(str(tiny_models["qwen3"]), attn_implementation=attn, dtype="bfloat16", device="cuda")
     result = engine.generate(prompt_ids, build_method("full"), 4096, settings=GenerationSettings(max_new_tokens=32))
     ref = engine.model.generate(
         torch.tensor([prompt_ids], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
@@ -32,7 +32,7 @@ def test_full_cache_greedy_equals_generate_on_cuda(tiny_models, prompt_ids, attn
 def test_attention_rows_match_eager_under_every_kernel(tiny_models, prompt_ids, attn):
     from transformers import AutoModelForCausalLM
 
-    engine = Engine.load(str(tiny_models["llama"]), attn_implementation=attn, dtype="bfloat16", device="cuda")
+    engine = load_engine(str(tiny_models["llama"]), attn_implementation=attn, dtype="bfloat16", device="cuda")
     method = Recorder()
     with engine.session(method, 4096, Protocol()) as session:
         session.feed(prompt_ids)
@@ -45,7 +45,7 @@ def test_attention_rows_match_eager_under_every_kernel(tiny_models, prompt_ids, 
 
 
 def test_eviction_frees_cuda_memory(tiny_models):
-    engine = Engine.load(str(tiny_models["llama"]), device="cuda", dtype="bfloat16")
+    engine = load_engine(str(tiny_models["llama"]), device="cuda", dtype="bfloat16")
     prompt = list(range(10, 250)) * 8
     full = engine.generate(prompt, build_method("full"), 1 << 20, settings=GenerationSettings(max_new_tokens=8))
     small = engine.generate(prompt, build_method("knorm"), 64, Protocol(prefill_chunk=64), GenerationSettings(max_new_tokens=8))

@@ -13,7 +13,7 @@ from dashboard import commands
 from dashboard import queries as q
 from dashboard.seed import Seeder
 from db.session import get_engine
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from dashboard.seed import RealisticSpec, Seeder, realistic_rows
 from db.session import get_engine, upgrade
 from db.transfer import export, import_
 from runner.cli import main
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 SMALL = RealisticSpec(tasks=(("math500", "math", 12, 0.7, 300), ("niah", "longqa", 8, 0.9, 40)),
                       budgets=(128, 256), methods=("full", "epikv", "h2o"), completion_chars=40, fail_rate=0.05)

@@ -7,9 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from methods import EvictionMethod, Needs, build_method
-from methods.base import CacheView, Observation
-from runner.errors import KvleagueError
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.contract import CacheView, Observation
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 from tests.naive_attention import decode_logits
 

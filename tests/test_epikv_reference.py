@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from methods import build_method
-from runner.errors import KvleagueError
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 
@@ -207,7 +207,7 @@ def test_epikv_paper_preset_is_one_line_in_a_sweep_and_is_stored(tmp_path):
     from db.models import ProtocolSpec
     from db.session import get_engine, upgrade
     from db.store import get_or_create
-    from runner.protocol import PRESETS
+    from runner.engine.protocol import PRESETS
     from runner.sweep_config import parse_config
 
     config = parse_config({

@@ -128,7 +128,7 @@ def test_a_database_that_stays_away_is_one_line_after_the_retry_window(tmp_path,
     from sqlalchemy.exc import OperationalError
 
     from db.session import retrying
-    from runner.errors import KvleagueError
+    from runner.engine.errors import KvleagueError
 
     with socket.socket() as s:  # a port with nothing behind it
         s.bind(("127.0.0.1", 0))

@@ -21,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
 from runner import cli
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from runner.sweep_config import INT32
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ NAMED = [("name",), ("methods", 0), ("methods", 1, "name"), ("tasks", 0, "name")
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    from runner.tiny_model import make_tiny_model
+    from runner.models.tiny import make_tiny_model
 
     return make_tiny_model("llama", tmp_path_factory.mktemp("fuzz") / "tiny-llama", seed=0)
 

@@ -7,8 +7,8 @@ import torch
 from methods.registry import build_method
 from runner import fidelity
 from runner.engine import Session
-from runner.errors import KvleagueError
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.naive_attention import decode_step
 
 ARCHS = ("llama", "qwen2", "qwen3")

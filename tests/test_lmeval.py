@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from methods.registry import build_method
-from runner.errors import KvleagueError
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import GenerationSettings, Protocol
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = ["2+2", "the capital of France", "3 x 7", "a color of the sky"]

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from methods import build_method
-from methods.base import CacheView, Observation, SequenceInfo
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.contract import CacheView, Observation, SequenceInfo
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from methods import available_methods, build_method
-from methods.base import EvictionMethod, Needs
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.contract import EvictionMethod, Needs
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 METHODS = sorted(available_methods())
@@ -73,7 +73,7 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
         assert alone.evictions == 0 and not shapes
     else:
         assert alone.evictions > 0 and shapes, "the cache never exceeded the budget: the cell tests nothing"
-        # a -inf score asks for the slot to go even below B (methods/base.py); otherwise exactly B stay
+        # a -inf score asks for the slot to go even below B (runner/engine/contract.py); otherwise exactly B stay
         asked_fewer = any(fewer for _, fewer in shapes)
         for layer in alone.kept_positions:  # [T] or [H][T]
             heads = layer if isinstance(layer[0], list) else [layer]
@@ -93,7 +93,7 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
 @pytest.mark.parametrize("k", [7, 24, 25, 26, 43], ids=lambda k: f"k{k}")
 def test_keep_mask_keeps_highest_scores_then_most_recent_whatever_the_slot_order(shape, k):
     """Both branches (2k below and above T) against a plain lexicographic sort on (score, position)."""
-    from runner.budgeted_cache import _keep_mask
+    from runner.engine.cache import _keep_mask
 
     gen = torch.Generator().manual_seed(k)
     scores = torch.randint(0, 4, shape, generator=gen).double()  # many exact ties

@@ -4,7 +4,7 @@ kvpress ranks with ``scores.topk`` and leaves exact ties to it (on the CPU its c
 scores follows no rule); kvleague states one: on equal scores the more recent position stays. So the
 expected kept set is kvpress's own scores ranked by (score, position), and every test also checks
 that kvpress's raw ``topk`` choice differs from it only among slots whose score equals the boundary
-score. Both selection branches of ``runner/budgeted_cache.py`` are covered (budget below and above
+score. Both selection branches of ``runner/engine/cache.py`` are covered (budget below and above
 half the cache). kvpress's SnapKV/TOVA compute the window attention themselves from the attention
 module's ``q_proj`` and the hidden states that enter the attention block, captured here with a
 forward pre-hook on a plain full-cache forward.
@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from methods import build_method
-from runner.protocol import GenerationSettings, Protocol
+from runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 PRESSES = ["knorm", "streaming_llm", "snapkv", "tova", "keydiff"]

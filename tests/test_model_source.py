@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner import model_source
+from runner.models import source as model_source
 from runner.cli import main
-from runner.errors import KvleagueError
-from runner.model_source import KNOWN_MODELS, MARKER, resolve_model
+from runner.engine.errors import KvleagueError
+from runner.models.source import KNOWN_MODELS, MARKER, resolve_model
 
 def _available() -> bool:
     try:
@@ -151,14 +151,14 @@ def test_a_bad_model_spec_is_one_line_exit_2(spec, fragment, capsys, monkeypatch
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from runner.engine import Engine
+    from runner.models import load_engine
 
-    return Engine.load("smollm2-135m")
+    return load_engine("smollm2-135m")
 
 
 def test_engine_matches_model_generate_on_the_real_model(smollm2):
     from methods.registry import build_method
-    from runner.protocol import GenerationSettings
+    from runner.engine.protocol import GenerationSettings
 
     tok = smollm2.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],

@@ -17,11 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from methods.registry import build_method
 from runner.engine import Engine
+from runner.models import load_engine
 from runner.method_panel import MethodPanel
-from runner.protocol import Protocol
+from runner.engine.protocol import Protocol
 from runner.signal_stats import SampleBootstrap, pooled_spearman
 from runner.signals import SignalOptions, _full_pass, model_signals, occlusion_windows, study_sample, token_labels
-from runner.tiny_model import make_tiny_model
+from runner.models.tiny import make_tiny_model
 from tasks.base import ScoreResult
 from tests.naive_attention import _rope
 
@@ -54,7 +55,7 @@ class FixedSample:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = make_tiny_model("llama", tmp_path_factory.mktemp("signals") / "llama", layers=2, seed=3)
-    return path, Engine.load(str(path), attn_implementation="eager")
+    return path, load_engine(str(path), attn_implementation="eager")
 
 
 # -- the signals against a naive re-computation ------------------------------------------------------
@@ -291,7 +292,7 @@ def planted_fact_model(root) -> Engine:
         model.lm_head.weight[ANSWER] = 0.0
         model.lm_head.weight[ANSWER, 2] = 10.0
     model.save_pretrained(path)
-    return Engine.load(str(path), attn_implementation="eager")
+    return load_engine(str(path), attn_implementation="eager")
 
 
 def test_planted_fact_is_found_and_a_random_signal_is_not(tmp_path):

@@ -58,7 +58,7 @@ def ray_head(tmp_path_factory):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """A project directory holding artifacts/tiny-llama (the fast model of the sweep tests)."""
-    from runner.tiny_model import make_tiny_model
+    from runner.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("project")
     make_tiny_model("llama", root / "artifacts" / "tiny-llama", seed=0)

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    from runner.tiny_model import make_tiny_model
+    from runner.models.tiny import make_tiny_model
 
     return make_tiny_model("llama", tmp_path_factory.mktemp("sweep-cfg") / "tiny-llama", seed=0)
 

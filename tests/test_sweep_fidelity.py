@@ -94,7 +94,7 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
     # the independent path: the same samples measured here, one full-cache pass each, compared per row
     from methods.registry import build_method
     from runner import fidelity
-    from runner.protocol import Protocol
+    from runner.engine.protocol import Protocol
     from tasks.registry import build_task
 
     engine = engines["llama"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.commands import cmd_score, cmd_tasks, register, score_file
 from tasks.registry import build_task
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.longqa import (
     Niah,
     extract_choices,

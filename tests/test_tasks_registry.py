@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 
 import tasks.registry as registry
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 from tasks.base import DOMAINS, DataSource, Sample, ScoreResult, Task
 from tasks.data import DATA_DIR_ENV, resolve_data_dir
 from tasks.registry import available_tasks, build_task, register_task, register_task_family, task_class

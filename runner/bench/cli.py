@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure(engine, name: str, budget: int, prompt: list[int], steps: int, protocol, clock) -> dict:
     from methods import build_method
-    from runner.protocol import GenerationSettings
+    from runner.engine.protocol import GenerationSettings
 
     method = build_method(name)
     cache_budget = budget if not method.never_evicts else 1 << 40
@@ -84,8 +84,8 @@ def measure(engine, name: str, budget: int, prompt: list[int], steps: int, proto
 
 def run(args) -> dict:
     from runner.bench import harness as h
-    from runner.engine import Engine
-    from runner.protocol import Protocol
+    from runner.models import load_engine
+    from runner.engine.protocol import Protocol
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -93,7 +93,7 @@ def run(args) -> dict:
     budgets = args.budgets or ([256, 1024] if args.quick else [256, 1024, 4096])
     names = list(dict.fromkeys(["full", *(args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS))]))
     source = str(args.model or h.default_model())
-    engine = Engine.load(source)
+    engine = load_engine(source)
     engine.eos_ids = set()  # every run decodes exactly its number of tokens
     label = h.model_label(engine, args.model)
     protocol = Protocol(cadence=args.cadence, prefill_chunk=args.prefill_chunk)

@@ -77,7 +77,7 @@ def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None,
 
 def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str = "full", budget: int = 1 << 40, protocol=None) -> dict:
     from methods import build_method
-    from runner.protocol import GenerationSettings
+    from runner.engine.protocol import GenerationSettings
 
     start = clock.now()
     with engine.session(build_method(method), budget, protocol) as session:
@@ -92,6 +92,7 @@ def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str =
 def run(args) -> dict:
     from runner.bench import harness as h
     from runner.engine import Engine
+    from runner.models import load_engine
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -100,7 +101,7 @@ def run(args) -> dict:
     new_tokens = args.new_tokens or (128 if args.quick else 512)
     rounds = args.rounds or (3 if args.quick else 5)
     source = str(args.model or h.default_model())
-    engine = Engine.load(source)
+    engine = load_engine(source)
     engine.eos_ids = set()
     label = h.model_label(engine, args.model)
     prompt = h.random_prompt(prompt_tokens, seed=1)

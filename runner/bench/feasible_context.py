@@ -84,13 +84,13 @@ def run_probe(spec: dict) -> dict:
 
     from methods import build_method
     from runner.bench.harness import random_prompt
-    from runner.engine import Engine
-    from runner.protocol import GenerationSettings, Protocol
+    from runner.models import load_engine
+    from runner.engine.protocol import GenerationSettings, Protocol
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     out = {"tokens": spec["tokens"], "ok": False}
-    engine = Engine.load(spec["model"], attn_implementation=spec.get("attn_implementation", "sdpa"))
+    engine = load_engine(spec["model"], attn_implementation=spec.get("attn_implementation", "sdpa"))
     engine.eos_ids = set()
     cuda = engine.device.type == "cuda"
     out["rss_loaded_bytes"] = _status_kib("self", "VmRSS") * 1024

@@ -353,7 +353,7 @@ def default_model(root: str | os.PathLike[str] | None = None, **overrides: Any) 
     """A random-weight checkpoint built offline (cached by shape under ``root``, default a temp dir)."""
     import tempfile
 
-    from runner.tiny_model import make_tiny_model
+    from runner.models.tiny import make_tiny_model
 
     spec = {**DEFAULT_ARCH, **overrides}
     root = Path(root or os.environ.get("KVLEAGUE_BENCH_MODELS") or Path(tempfile.gettempdir()) / "kvleague-bench-models")

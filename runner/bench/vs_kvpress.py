@@ -94,7 +94,7 @@ def run(args) -> dict:
 
     from runner.bench import harness as h
     from runner.bench.engine_vs_generate import time_engine
-    from runner.engine import Engine
+    from runner.models import load_engine
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # "compression_ratio will be overridden" on every press
     started = time.perf_counter()
@@ -105,7 +105,7 @@ def run(args) -> dict:
     rounds = args.rounds or 3
     names = args.methods or list(METHODS)
     source = str(args.model or h.default_model())
-    engine = Engine.load(source)
+    engine = load_engine(source)
     engine.eos_ids = set()
     label = h.model_label(engine, args.model)
     env = h.environment()

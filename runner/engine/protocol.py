@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runner.errors import KvleagueError
+from runner.engine.errors import KvleagueError
 
 CADENCES = ("every_step", "buffer=N")
 POSITION_MODES = ("absolute", "compact")
@@ -33,7 +33,7 @@ class Protocol:
       sink and recent window share what the prompt leaves (most recent first), and a prompt >= B
       leaves nothing, so every generated token is dropped right after its own forward pass.
 
-    On equal scores the engine keeps the more recent position (``runner/budgeted_cache.py``); the
+    On equal scores the engine keeps the more recent position (``runner/engine/cache.py``); the
     protected tiers rank prompt > sink / recent window > any method score.
 
     Named presets (:data:`PRESETS`, ``protocol: <name>`` in a sweep YAML, ``--protocol <name>`` on the

@@ -8,7 +8,7 @@ Each forward pass: the new tokens go in with explicit ``position_ids`` (true pos
 cache-length positions under ``positions: compact``) and ``cache_position`` in storage coordinates
 (so the causal mask is right for a shrunken cache); the method observes what it declared in
 ``Needs``; then, when the cadence says so, the method scores the cache and the engine keeps the best
-slots among the evictable ones, moving the cache entries in place (``runner/budgeted_cache.py``).
+slots among the evictable ones, moving the cache entries in place (``runner/engine/cache.py``).
 """
 
 from __future__ import annotations
@@ -19,19 +19,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from methods.base import EvictionMethod, Observation, SequenceInfo
-from runner.attention_probe import INNER_IMPLEMENTATIONS, AttentionRecorder, recording, wrapper_name
-from runner.budgeted_cache import BudgetedCache
-from runner.errors import KvleagueError, first_line
-from runner.model_source import resolve_model
-from runner.protocol import GenerationSettings, Protocol
-from runner.resources import PeakMemory
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from runner.engine.contract import EvictionMethod, Observation, SequenceInfo
+from runner.engine.probe import AttentionRecorder, recording, wrapper_name
+from runner.engine.cache import BudgetedCache
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import GenerationSettings, Protocol
+from runner.engine.resources import PeakMemory
 
 @dataclass
 class DecodeOutput:
@@ -92,38 +86,6 @@ class Engine:
         eos = {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))}
         self.eos_ids = {e for e in eos if e is not None}
         model.set_attn_implementation(wrapper_name(attn_implementation))
-
-    @classmethod
-    def load(
-        cls,
-        model: str,
-        *,
-        attn_implementation: str = "sdpa",
-        dtype: str = "auto",
-        device: str = "auto",
-    ) -> "Engine":
-        """Load a model spec (a known name, a ``.gguf`` file, a checkpoint directory or a Hub id; see
-        ``runner.model_source``) through the same path for tiny test models and real ones."""
-        if attn_implementation not in INNER_IMPLEMENTATIONS:
-            raise KvleagueError(f"attn_implementation: unknown {attn_implementation!r}; allowed: {', '.join(INNER_IMPLEMENTATIONS)}")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if attn_implementation == "flash_attention_2":
-            _require_flash_attention(device)
-        if dtype == "auto":
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        if dtype not in DTYPES:
-            raise KvleagueError(f"dtype: unknown {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
-        source = resolve_model(model)
-        transformers.utils.logging.disable_progress_bar()
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=DTYPES[dtype], attn_implementation=attn_implementation
-            ).to(device)
-        except OSError as exc:
-            raise KvleagueError(f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}") from None
-        return cls(hf_model, tokenizer, attn_implementation)
 
     def session(self, method: EvictionMethod, budget: int, protocol: Protocol | None = None, seed: int = 0) -> "Session":
         return Session(self, method, budget, protocol or Protocol(), seed)
@@ -422,12 +384,3 @@ def _as_list(value) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple, set)) else [value]
-
-
-def _require_flash_attention(device: str) -> None:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        raise KvleagueError("attn_implementation: flash_attention_2 needs the flash-attn package (pip install 'kvleague[gpu]'); allowed here: sdpa, eager") from None
-    if not device.startswith("cuda"):
-        raise KvleagueError(f"attn_implementation: flash_attention_2 needs a CUDA device, got device={device!r}; allowed here: sdpa, eager")

@@ -1,0 +1,19 @@
+"""The ground floor: generation under a hard KV budget, and the contract eviction methods implement.
+
+Everything above (methods, tasks, the sweep, the database, the dashboard) builds on this package;
+it imports nothing from them. Its modules, one job each:
+
+* ``contract``  what a method is and sees (:class:`EvictionMethod`, :class:`Needs`, observations);
+* ``generation``  :class:`Engine` and :class:`Session`: prefill, decode, teacher forcing;
+* ``cache``  the budgeted KV cache: protection, top-k selection, moving entries;
+* ``probe``  the attention-weight recorder for methods that read attention;
+* ``protocol``  the budget rules (:class:`Protocol`) and decoding settings;
+* ``resources``  peak-memory measurement;
+* ``errors``  :class:`KvleagueError`, the one-line input error every layer raises.
+"""
+
+from runner.engine.errors import KvleagueError
+from runner.engine.generation import DecodeOutput, Engine, GenerationResult, Session
+from runner.engine.protocol import GenerationSettings, Protocol
+
+__all__ = ["DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]

@@ -1,0 +1,196 @@
+"""The contract between the generation engine and an eviction method.
+
+A method is a dataclass subclass of :class:`EvictionMethod`:
+
+* its **dataclass fields are its hyperparameters** (typed, with defaults); per-sequence state lives in
+  plain attributes set by :meth:`EvictionMethod.reset`, never in fields;
+* the class attribute ``needs`` (a :class:`Needs`) declares which observations the engine must
+  collect for it; the engine collects exactly those and nothing more;
+* :meth:`EvictionMethod.observe` is called after every forward pass (each prefill chunk and each
+  decode step) with an :class:`Observation`;
+* :meth:`EvictionMethod.score` is called only when the engine is about to evict, with a
+  :class:`CacheView` of the current cache, and returns scores where **higher means keep**.
+
+Score shapes (``T`` = current cache length, ``L`` = layers, ``H`` = KV heads):
+
+* ``[T]``        one score per cached token: the same positions are kept in every layer and head;
+* ``[L, T]``     per layer: each layer keeps its own set;
+* ``[L, H, T]``  per KV head: each KV head of each layer keeps its own set.
+
+The engine, not the method, applies the protocol: protected tokens (sinks, the recent window, the
+prompt) are always kept, the rest of the budget goes to the highest-scoring evictable slots, and the
+cache tensors are physically gathered. Methods therefore never see or enforce the budget rules
+themselves; this keeps every method under identical rules within a run.
+
+**Keeping fewer than B.** A score of ``-inf`` means "must drop": when the engine evicts (the cache
+is above B), it drops every unprotected slot scored ``-inf`` even if the cache then holds fewer than
+B, and fills the rest of B from the other slots as usual. Protected slots stay whatever their score.
+The cache refills to B before the next eviction. Every layer and KV head must then keep the same
+number of slots (a ``[T]`` score always does; ``[L, T]`` / ``[L, H, T]`` scores whose ``-inf`` counts
+leave different numbers are an error). A method that never returns ``-inf`` always keeps exactly B
+(or the protected tokens, when they alone exceed B under ``prompt_over_budget: keep``). Methods
+whose reference keeps only per-segment quotas (``thinkv_authors``, ``epikv_seg``) use this.
+
+Within each layer and KV head, slots are always in increasing absolute position (eviction keeps
+the order), so pooling over neighbouring slots or cutting the cache into position chunks is sound.
+A method that never relies on slot order (its scores are a function of each slot's own content and
+position, however the slots are arranged) may say so with ``Needs(ordered_slots=False)``: the
+engine then evicts by moving kept slots into the holes, O(evicted) instead of O(cache) per step,
+and its slots are in no particular order (results still report kept positions sorted).
+Slot indices are not stable across evictions: a method that keeps per-token state keys it by
+**absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a
+``CacheView`` are valid during the ``score`` call only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Sequence
+
+import torch
+
+Phase = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method needs the engine to observe. Everything defaults to "not needed"."""
+
+    #: hidden states of the layers returned by ``EvictionMethod.hidden_layers``, for the new tokens
+    hidden_states: bool = False
+    #: the new tokens' keys and values (post-RoPE keys, as stored in the cache), per layer
+    new_keys_values: bool = False
+    #: the new tokens' query states (post-RoPE), per layer
+    queries: bool = False
+    #: softmax attention rows of the last ``attention_window`` new queries over the whole cache,
+    #: computed from q and K (never the full n x n matrix), so they work under SDPA and FlashAttention
+    attention: bool = False
+    #: how many of the newest queries of a forward pass get attention rows (decode steps have one)
+    attention_window: int = 1
+    #: exact eager attention (the model runs with ``attn_implementation="eager"``); with ``attention``
+    #: the rows then come from the eager kernel's own weights, for every query of the pass
+    eager: bool = False
+    #: the method relies on slots being in increasing position order (the default contract); set
+    #: False for an order-free method to get the faster eviction path (see the module docstring)
+    ordered_slots: bool = True
+
+
+@dataclass
+class SequenceInfo:
+    """Facts about the model and the run, handed to :meth:`EvictionMethod.reset` once per sequence."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    budget: int
+    seed: int
+    device: torch.device
+    #: the model's dtype (attention rows arrive in float32; a method that reproduces code written
+    #: against HF's outputs casts them back to average in the same precision)
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class Observation:
+    """What one forward pass produced. Fields a method did not declare in ``Needs`` are ``None``.
+
+    Tensors have the batch dimension removed. ``cache_positions`` is always present.
+    """
+
+    phase: Phase
+    #: absolute positions of the new tokens, shape ``[C]``
+    new_positions: torch.Tensor
+    #: token ids of the new tokens, shape ``[C]``
+    new_token_ids: torch.Tensor
+    #: absolute position of every cache slot after this pass appended its tokens (before any
+    #: eviction), one ``[H, T]`` tensor per layer
+    cache_positions: list[torch.Tensor]
+    #: layer index -> ``[C, hidden]``: output of decoder layer ``l`` (HF ``hidden_states[l + 1]``
+    #: for every layer but the last, where HF applies the final norm)
+    hidden_states: dict[int, torch.Tensor] | None = None
+    #: per layer ``[H, C, d]``
+    new_keys: list[torch.Tensor] | None = None
+    new_values: list[torch.Tensor] | None = None
+    #: per layer ``[H_q, C, d]`` (post-RoPE)
+    queries: list[torch.Tensor] | None = None
+    #: per layer ``[H_q, w, T]`` float32 softmax rows of the last ``w`` new queries over all T slots
+    attention: list[torch.Tensor] | None = None
+
+
+@dataclass
+class CacheView:
+    """Read-only view of the cache at eviction time, handed to :meth:`EvictionMethod.score`."""
+
+    #: per layer ``[H, T, d]``
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    #: per layer ``[H, T]`` absolute positions of the slots
+    positions: list[torch.Tensor]
+    #: per layer ``[H, T]`` True where the slot holds a prompt (fed, not generated) token
+    is_prompt: list[torch.Tensor]
+    #: number of slots the engine will keep
+    budget: int
+    phase: Phase
+    #: absolute position of the newest token
+    current_position: int
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[-2]
+
+    @property
+    def token_positions(self) -> torch.Tensor:
+        """``[T]`` absolute positions, valid while all layers and heads hold the same tokens."""
+        return self.positions[0][0]
+
+
+@dataclass
+class EvictionMethod:
+    """Base class of every eviction method. See the module docstring for the contract."""
+
+    #: registry name, set by ``@register_method``
+    name: ClassVar[str] = ""
+    needs: ClassVar[Needs] = Needs()
+
+    def hidden_layers(self, n_layers: int) -> Sequence[int]:
+        """Decoder layers whose hidden states ``observe`` receives (only with ``needs.hidden_states``)."""
+        return range(n_layers)
+
+    def reset(self, info: SequenceInfo) -> None:
+        """Start a new sequence: drop all per-sequence state."""
+        self.info = info
+
+    def observe(self, obs: Observation) -> None:
+        """Called after every forward pass; the default ignores it."""
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        """Scores for every cache slot, higher = keep; shape ``[T]``, ``[L, T]`` or ``[L, H, T]``."""
+        raise NotImplementedError
+
+    # -- introspection used by the CLI, the registry and the database -------------------------
+
+    @classmethod
+    def hyperparameters(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.init]
+
+    def params(self) -> dict:
+        """Canonical hyperparameter dict (field order), JSON-serialisable."""
+        return {f.name: getattr(self, f.name) for f in self.hyperparameters()}
+
+    @property
+    def never_evicts(self) -> bool:
+        """True for methods that keep everything (the engine then skips scoring entirely)."""
+        return False
+
+
+__all__ = [
+    "CacheView",
+    "EvictionMethod",
+    "Needs",
+    "Observation",
+    "Phase",
+    "SequenceInfo",
+]
