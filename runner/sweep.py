@@ -403,6 +403,7 @@ class CellWorker:
     def _run(self, cell: Cell) -> dict[str, Any]:
         from methods.registry import build_method
         from runner.engine.protocol import GenerationSettings, Protocol
+        from runner.sample import run_sample
 
         engine = self._engine_for(cell.model)
         task = self._task(cell.task, cell.task_options)
@@ -414,34 +415,16 @@ class CellWorker:
         settings = GenerationSettings(
             max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"], stop=tuple(gen["stop"])
         )
-        details: dict[str, Any] = {}
-        if getattr(task, "episodic", False) or (cell.domain == "agentic" and hasattr(task, "run_episode")):
-            with engine.session(method, cell.budget, protocol, cell.gen_seed) as session:
-                episode = task.run_episode(cell.sample, session, engine.tokenizer, settings)
-                generation = episode.generation if episode.generation is not None else session.result()
-            score = episode.score
-            completion = episode.completion
-            summary = episode.to_dict()
-            details["episode"] = {k: summary[k] for k in ("fed_tokens", "generated_tokens", "steps") if k in summary}
-            details["episode"]["turns"] = len(episode.turns)
-            details["episode"]["terminated"] = episode.transcript.terminated
-        else:
-            prompt = task.build_prompt(cell.sample, engine.tokenizer)
-            with engine.session(method, cell.budget, protocol, cell.gen_seed) as session:
-                session.feed(prompt)
-                session.decode(settings)
-                generation = session.result()
-            completion = generation.completion
-            score = task.score(cell.sample, completion)
-        details["score"] = _jsonable(score.details)
+        run = run_sample(engine, task, cell.sample, method, cell.budget, protocol, settings, cell.gen_seed)
+        score, generation = run.score, run.generation
         return {
             "correct": bool(score.correct),
             "score": float(score.score),
             "extracted": None if score.extracted is None else str(score.extracted),
-            "completion": completion,
+            "completion": run.completion,
             "stop_reason": generation.stop_reason,
             **_instrumentation(generation, engine),
-            "details": details,
+            "details": run.details,
         }
 
     def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
@@ -496,15 +479,6 @@ def _instrumentation(generation, engine) -> dict[str, Any]:
         "attn_implementation": generation.attn_implementation,
         "model_revision": getattr(engine.model.config, "_commit_hash", None),
     }
-
-
-def _jsonable(value: Any) -> Any:
-    import json
-
-    try:
-        return json.loads(json.dumps(value, default=str))
-    except (TypeError, ValueError):
-        return {"repr": repr(value)[:2000]}
 
 
 def _free_accelerator_memory() -> None:

@@ -205,7 +205,7 @@ class EpisodicTask(Task):
     """A task whose samples are episodes. Subclasses implement :meth:`system_message`,
     :meth:`user_turns`, :meth:`make_environment` and :meth:`score_transcript`.
 
-    The runner checks ``task.episodic`` and calls :meth:`run_episode` with an open engine session
+    The runner (``runner.sample.run_sample``) calls :meth:`run_episode` of an instance of this class with an open engine session
     instead of feeding :meth:`build_prompt` and decoding once.
     """
 

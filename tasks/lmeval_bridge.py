@@ -14,7 +14,8 @@ imported. Three ways to use it:
 ``--model_args`` keys: ``pretrained`` (a known name such as ``smollm2-135m``, a ``.gguf`` file, a
 checkpoint dir or a Hub id; see ``runner/models/source.py``), ``method`` (a kvleague method,
 default ``full``), ``budget`` (default 1024), method hyperparameters as ``method.NAME=VALUE``, the
-protocol (``cadence``, ``positions``, ``sink``, ``recent``, ``protect_prompt``, ``prefill_chunk``),
+protocol (every field of ``runner.engine.protocol.Protocol``: ``cadence``, ``positions``, ``sink``,
+``recent``, ``protect_prompt``, ``prefill_chunk``, ``recent_max_fraction``, ``prompt_over_budget``),
 ``dtype``, ``device``, ``attn_implementation``, ``seed``, ``max_gen_toks`` (default when a task sets
 none) and ``add_special_tokens`` (how plain contexts are tokenized; default: the tokenizer's
 default). Every request runs on a fresh session (its own KV cache, a fresh method instance).
@@ -35,11 +36,11 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from runner.engine.errors import KvleagueError
+from runner.engine.protocol import Protocol, parse_bool, parse_optional, protocol_fields
 
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "kvleague"
-_PROTOCOL_KEYS = ("cadence", "positions", "sink", "recent", "protect_prompt", "prefill_chunk")
 _KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p"}
 _NOT_SUPPORTED = (
     "kvleague (lm-eval model 'kvleague') supports only generate_until tasks: it measures generation under "
@@ -61,12 +62,6 @@ def _device(device: str | None) -> str:
     return str(device)
 
 
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
-
-
 class KvleagueLM(LM):
     """An lm-eval ``LM`` whose ``generate_until`` runs kvleague's engine with an eviction method."""
 
@@ -75,12 +70,6 @@ class KvleagueLM(LM):
         pretrained: Any = None,
         method: str = "full",
         budget: int = 1024,
-        cadence: str = "every_step",
-        positions: str = "absolute",
-        sink: int = 0,
-        recent: int = 0,
-        protect_prompt: Any = False,
-        prefill_chunk: int | None = None,
         dtype: str = "auto",
         device: str | None = "auto",
         attn_implementation: str = "sdpa",
@@ -94,16 +83,18 @@ class KvleagueLM(LM):
     ) -> None:
         super().__init__()
         from methods.registry import build_method
-        from runner.engine.protocol import Protocol
-
+        protocol_keys = [f.name for f in protocol_fields()]
         params: dict[str, Any] = {}
+        protocol: dict[str, Any] = {}
         for key, value in extra.items():
             if key.startswith("method."):
                 params[key[len("method.") :]] = value
+            elif key in protocol_keys:
+                protocol[key] = value
             else:
                 allowed = (
                     "pretrained, method, budget, method.<hyperparameter>, "
-                    + ", ".join(_PROTOCOL_KEYS)
+                    + ", ".join(protocol_keys)
                     + (", dtype, device, attn_implementation, seed, max_gen_toks, add_special_tokens")
                 )
                 raise KvleagueError(f"model_args: unknown key {key!r}; allowed: {allowed}")
@@ -111,18 +102,11 @@ class KvleagueLM(LM):
         self.method_params = params
         build_method(self.method_name, params)  # validate names and values now, not mid-run
         self.budget = int(budget)
-        self.protocol = Protocol(
-            cadence=str(cadence),
-            positions=str(positions),
-            sink=int(sink),
-            recent=int(recent),
-            protect_prompt=_as_bool(protect_prompt),
-            prefill_chunk=None if prefill_chunk in (None, "", "None", "none") else int(prefill_chunk),
-        )
+        self.protocol = Protocol.from_text(protocol)
         self.protocol.check_budget(self.budget)
         self.seed = int(seed)
         self.max_gen_toks = int(max_gen_toks)
-        self.add_special_tokens = None if add_special_tokens in (None, "", "None", "none") else _as_bool(add_special_tokens)
+        self.add_special_tokens = parse_optional(parse_bool)(add_special_tokens)
         if engine is None:
             if pretrained is None:
                 raise KvleagueError("model_args: pretrained is required (a known name such as smollm2-135m, a .gguf file, "
@@ -182,7 +166,7 @@ class KvleagueLM(LM):
             "kvleague_method": self.method_name,
             "kvleague_method_params": dict(self.method_params),
             "kvleague_budget": self.budget,
-            "kvleague_protocol": {k: getattr(self.protocol, k) for k in _PROTOCOL_KEYS},
+            "kvleague_protocol": {f.name: getattr(self.protocol, f.name) for f in protocol_fields()},
             "kvleague_seed": self.seed,
         }
 
@@ -195,7 +179,7 @@ class KvleagueLM(LM):
         until = kwargs.get("until") or []
         if isinstance(until, str):
             until = [until]
-        do_sample = _as_bool(kwargs.get("do_sample", False))
+        do_sample = parse_bool(kwargs.get("do_sample", False))
         temperature = float(kwargs.get("temperature", 0.0) or 0.0)
         if not do_sample:
             temperature = 0.0
@@ -224,14 +208,11 @@ class KvleagueLM(LM):
 
         ids = self.encode(context)
         method = build_method(self.method_name, self.method_params)  # fresh per-sequence state
-        with self.engine.session(method, self.budget, self.protocol, self.seed) as session:
-            session.feed(ids)
-            out = session.decode(self.settings(gen_kwargs))
-            result = session.result()
+        result = self.engine.generate(ids, method, self.budget, self.protocol, self.settings(gen_kwargs), self.seed)
         info = result.to_dict()
         info.pop("kept_positions", None)
         self.generations.append(info)
-        return out.text
+        return result.completion
 
 
 if __name__ != "__main__":  # as a script, the canonical module imported below registers it

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Literal
 
 from runner.engine.errors import KvleagueError
 
 CADENCES = ("every_step", "buffer=N")
 POSITION_MODES = ("absolute", "compact")
 PROMPT_OVER_BUDGET = ("error", "keep")
+
+
+def parse_bool(value: Any) -> bool:
+    """A flag given as text ("true", "1", "yes", "on": true) or as a value."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def parse_optional(parse):
+    """``parse``, with the spellings of "not set" (empty, None, null) mapping to None."""
+    return lambda value: None if value in (None, "", "None", "none", "null") else parse(value)
 
 
 @dataclass(frozen=True)
@@ -45,15 +57,28 @@ class Protocol:
       each chunk, so the cache never holds more than B + chunk entries; ``None`` = whole prompt.
     """
 
-    cadence: str = "every_step"
-    positions: Literal["absolute", "compact"] = "absolute"
-    sink: int = 0
-    recent: int = 0
-    protect_prompt: bool = False
-    prefill_chunk: int | None = None
-    recent_max_fraction: float | None = None
-    prompt_over_budget: Literal["error", "keep"] = "error"
+    # Each field's metadata is what the CLI flags, the sweep YAML and the lm-eval bridge derive from
+    # it: ``help``, ``parse`` (text -> value, for flags and lm-eval's ``model_args``) and pydantic
+    # bounds (``ge``/``le``); see :func:`protocol_fields`.
+    cadence: str = field(default="every_step", metadata={"help": "every_step or buffer=N", "parse": str})
+    positions: Literal["absolute", "compact"] = field(
+        default="absolute", metadata={"help": "absolute or compact", "parse": str, "choices": POSITION_MODES})
+    sink: int = field(default=0, metadata={"help": "first tokens never evicted", "parse": int, "ge": 0})
+    recent: int = field(default=0, metadata={"help": "last tokens never evicted", "parse": int, "ge": 0})
+    protect_prompt: bool = field(default=False, metadata={"help": "never evict prompt tokens", "parse": parse_bool})
+    prefill_chunk: int | None = field(default=None, metadata={
+        "help": "prefill in chunks of this many tokens (default: the whole prompt)", "parse": parse_optional(int), "ge": 1})
+    recent_max_fraction: float | None = field(default=None, metadata={
+        "help": "cap the recent window at this fraction of the budget", "parse": parse_optional(float), "ge": 0, "le": 1})
+    prompt_over_budget: Literal["error", "keep"] = field(default="error", metadata={
+        "help": "with protect_prompt, a prompt over the budget: error or keep", "parse": str, "choices": PROMPT_OVER_BUDGET})
     buffer: int = field(init=False, default=0)
+
+    @classmethod
+    def from_text(cls, values: dict[str, Any]) -> "Protocol":
+        """A protocol from values given as text (lm-eval ``model_args``), each parsed by its field."""
+        parsers = {f.name: f.metadata["parse"] for f in protocol_fields()}
+        return cls(**{k: parsers[k](v) for k, v in values.items()})
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "Protocol":
@@ -104,6 +129,13 @@ class Protocol:
                 f"budget: {budget} leaves no evictable slot after sink ({self.sink}) + recent ({recent}); "
                 f"use a budget > {self.sink + recent}"
             )
+
+
+def protocol_fields() -> tuple[Field, ...]:
+    """The settable fields of :class:`Protocol`, in order: the one list the CLI flags
+    (``runner.protocol_args``), the sweep YAML (``runner.sweep_config``), the lm-eval bridge's
+    ``model_args`` and the database's ``protocols`` table follow."""
+    return tuple(f for f in fields(Protocol) if f.init)
 
 
 #: named protocols; each value is a complete set of :class:`Protocol` fields

@@ -1,0 +1,56 @@
+"""One sample's run (prompt -> engine session -> score): the one path the sweep's cells, and anything
+else that runs a task's sample under a method, take.
+
+A plain task's prompt is generated once by :meth:`Engine.generate` (the engine's own one-prompt
+path, which the lm-eval bridge and ``kvleague generate`` use too) and scored by the task. An
+episodic task (:class:`tasks.episode.EpisodicTask`: a conversation with tool calls) drives an open
+session itself through :meth:`~tasks.episode.EpisodicTask.run_episode`, and is scored on its
+transcript.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.episode import EpisodicTask
+
+
+@dataclass
+class SampleRun:
+    """What one sample's run produced: the engine's record, the completion (an episode's transcript
+    for an episodic task), its score, and details for the stored row (scorer details, episode summary)."""
+
+    generation: Any  # runner.engine.GenerationResult
+    completion: Any
+    score: Any  # tasks.base.ScoreResult
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def run_sample(engine, task, sample, method, budget: int, protocol, settings, seed: int) -> SampleRun:
+    """Run ``sample`` of ``task`` under ``method`` at ``budget`` and score it."""
+    details: dict[str, Any] = {}
+    if isinstance(task, EpisodicTask):
+        with engine.session(method, budget, protocol, seed) as session:
+            episode = task.run_episode(sample, session, engine.tokenizer, settings)
+            generation = episode.generation if episode.generation is not None else session.result()
+        score, completion = episode.score, episode.completion
+        summary = episode.to_dict()
+        details["episode"] = {k: summary[k] for k in ("fed_tokens", "generated_tokens", "steps") if k in summary}
+        details["episode"]["turns"] = len(episode.turns)
+        details["episode"]["terminated"] = episode.transcript.terminated
+    else:
+        generation = engine.generate(task.build_prompt(sample, engine.tokenizer), method, budget, protocol, settings, seed)
+        completion = generation.completion
+        score = task.score(sample, completion)
+    details["score"] = _jsonable(score.details)
+    return SampleRun(generation=generation, completion=completion, score=score, details=details)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON would store it (unknown objects as strings; unencodable: their repr)."""
+    try:
+        return json.loads(json.dumps(value, default=str))
+    except (TypeError, ValueError):
+        return {"repr": repr(value)[:2000]}
