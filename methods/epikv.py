@@ -1,7 +1,8 @@
 """EpiKV (EpiKV-Flat): evict the tokens where the residual stream "settles" between two depths.
 
 Also home of the machinery shared by the EpiKV family (``epikv_bands``, ``epikv_seg``): the
-per-token hidden-state change signal, the causal rolling z-score and the frozen per-position table.
+per-token hidden-state change signal and the causal rolling z-score (the frozen per-position table is
+``methods.kernels.PositionTable``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Literal, Sequence
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.kernels import PositionTable
 from methods.registry import register_method
 from runner.engine.errors import KvleagueError
 
@@ -88,32 +90,6 @@ class _RollingZ:
         z = rolling_zscore(self.values, new, self.window)
         self.values.extend(float(v) for v in new[-self.window :])
         return z
-
-
-class PositionTable:
-    """A float64 value per absolute position, growing by doubling (O(1) amortised appends)."""
-
-    def __init__(self, fill: float = 0.0):
-        self.fill = fill
-        self.data = torch.full((1024,), fill, dtype=torch.float64)
-
-    def _grow(self, positions: torch.Tensor) -> None:
-        top = int(positions.max()) + 1
-        if top > self.data.shape[0]:
-            grown = torch.full((max(top, 2 * self.data.shape[0]),), self.fill, dtype=torch.float64)
-            grown[: self.data.shape[0]] = self.data
-            self.data = grown
-
-    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        self._grow(positions)
-        self.data[positions.cpu()] = values.to(torch.float64).cpu()
-
-    def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        self._grow(positions)
-        self.data.index_add_(0, positions.cpu(), values.to(torch.float64).cpu())
-
-    def read(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.data[positions.cpu()]
 
 
 def value_range(cache: CacheView) -> torch.Tensor:

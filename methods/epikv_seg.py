@@ -6,9 +6,16 @@ from typing import Literal
 import torch
 
 from runner.engine.contract import CacheView, Needs, Observation, SequenceInfo
-from methods.epikv import EpiKV, PositionTable
+from methods.epikv import EpiKV
+from methods.kernels import (
+    PositionTable,
+    rank_in_unit,
+    rank_within,
+    segment_bounds,
+    tertile_types,
+    top_by_score_then_position,
+)
 from methods.registry import register_method
-from methods.thinkv_authors import segment_bounds, tertile_types, top_by_score_then_position
 
 #: score tiers (added to a value in [0, 1) that orders tokens inside a tier)
 TIER_RECENT, TIER_QUOTA, TIER_FILL = 2.0, 1.0, 0.0
@@ -31,26 +38,6 @@ def tertile_quotas(segment_variance: torch.Tensor, quotas: tuple[int, int, int])
     rank[order] = torch.arange(s)
     tier = (3 * rank) // max(s, 1)
     return torch.tensor(quotas, dtype=torch.long)[tier]
-
-
-def rank_within(groups: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Rank (0 = highest score; ties by slot order) of each element inside its group ``0..G-1``."""
-    order = torch.argsort(-scores, stable=True)
-    order = order[torch.argsort(groups[order], stable=True)]
-    counts = torch.bincount(groups)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.shape[0]) - starts[groups[order]]
-    return rank
-
-
-def rank_in_unit(x: torch.Tensor) -> torch.Tensor:
-    """Order-preserving map of float64 ``x`` into [0, 1) (rank / T), so tiers never overlap."""
-    t = x.shape[0]
-    order = torch.argsort(x, stable=True)
-    out = torch.empty(t, dtype=torch.float64)
-    out[order] = torch.arange(t, dtype=torch.float64) / max(t, 1)
-    return out
 
 
 @register_method("epikv_seg")

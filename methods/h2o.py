@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.kernels import per_kv_head
 from methods.registry import register_method
 
 
@@ -23,12 +24,6 @@ def carry(values: torch.Tensor, old_positions: torch.Tensor, new_positions: torc
     index = torch.searchsorted(old_positions.contiguous(), new_positions.contiguous()).clamp_max(t_old - 1)
     found = old_positions.gather(-1, index) == new_positions
     return torch.where(found, values.gather(-1, index), torch.zeros((), dtype=values.dtype, device=values.device))
-
-
-def per_kv_head(rows: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """``[H_q, T]`` -> ``[H_kv, T]``: mean over the query heads of each GQA group."""
-    h_q, t = rows.shape
-    return rows.view(n_kv_heads, h_q // n_kv_heads, t).mean(dim=1)
 
 
 @register_method("h2o")

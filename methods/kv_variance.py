@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.epikv import PositionTable
+from methods.kernels import PositionTable
 from methods.registry import register_method
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.epikv import PositionTable
+from methods.kernels import PositionTable
 from methods.registry import register_method
 
 

@@ -6,7 +6,7 @@ import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
-from methods.thinkv_authors import last_query_row
+from methods.kernels import last_query_row
 
 
 @register_method("longflow_authors")

@@ -5,9 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.epikv import PositionTable
+from methods.kernels import PositionTable, last_query_row
 from methods.registry import register_method
-from methods.thinkv_authors import last_query_row
 
 
 @register_method("raas_authors")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
-from methods.snapkv import QueryWindow, check_window_kernel, window_importance
+from methods.kernels import QueryWindow, check_window_kernel, window_importance
 
 
 def redundancy(keys: torch.Tensor) -> torch.Tensor:

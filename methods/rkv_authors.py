@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from methods.registry import register_method
-from methods.snapkv import check_window_kernel
-from methods.thinkv_authors import last_query_row
+from methods.kernels import check_window_kernel, last_query_row
 
 
 def standardise(x: torch.Tensor) -> torch.Tensor:

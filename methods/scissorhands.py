@@ -5,9 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.h2o import per_kv_head
+from methods.kernels import QueryWindow, per_kv_head
 from methods.registry import register_method
-from methods.snapkv import QueryWindow
 
 
 @register_method("scissorhands")

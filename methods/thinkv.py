@@ -5,8 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.epikv import PositionTable
-from methods.epikv_seg import rank_in_unit, rank_within
+from methods.kernels import PositionTable, rank_in_unit, rank_within
 from methods.registry import register_method
 
 REASONING, EXECUTION, TRANSITION = "R", "E", "T"

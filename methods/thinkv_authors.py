@@ -5,25 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from methods.kernels import last_query_row, segment_bounds, tertile_types, top_by_score_then_position
 from methods.registry import register_method
-
-
-def last_query_row(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[1, H, 1, T]``: the newest query's attention row of one layer in the layout and ``dtype`` (the
-    model's) of HF's eager ``attentions``, so reductions over it round as code written against HF does
-    (the eager kernel's weights are in the model dtype; the engine hands them over as float32, exactly)."""
-    return rows[:, -1:][None].to(dtype)
-
-
-def top_by_score_then_position(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` highest ``scores``; equal scores: the larger position first (deterministic)."""
-    order = sorted(range(scores.shape[0]), key=lambda i: (float(scores[i]), int(positions[i])), reverse=True)
-    return torch.tensor(order[:k], dtype=torch.long)
-
-
-def segment_bounds(length: int, segment: int) -> list[tuple[int, int]]:
-    """Consecutive ``[start, end)`` runs of ``segment`` slots covering ``0..length``; the last may be shorter."""
-    return [(start, min(start + segment, length)) for start in range(0, length, segment)]
 
 
 def attention_entropy(row: torch.Tensor) -> float:
@@ -119,17 +102,3 @@ class ThinKVAuthors(EvictionMethod):
         return scores
 
 
-def tertile_types(values: list[float], descending: bool = False) -> list[int]:
-    """Type 0 (R), 1 (E) or 2 (T) of each value by tertile thresholds of the sorted values.
-
-    t_low = sorted[S // 3], t_high = sorted[2S // 3]. Ascending (ThinKV, entropy): v <= t_low -> 0,
-    v <= t_high -> 1, else 2. Descending (EpiKV-Seg, key variance): v >= t_high -> 0, v >= t_low -> 1,
-    else 2. One value: type 0."""
-    n = len(values)
-    if n <= 1:
-        return [0] * n
-    ordered = sorted(values)
-    low, high = ordered[n // 3], ordered[(2 * n) // 3]
-    if descending:
-        return [0 if v >= high else (1 if v >= low else 2) for v in values]
-    return [0 if v <= low else (1 if v <= high else 2) for v in values]

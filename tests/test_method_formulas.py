@@ -315,7 +315,7 @@ def test_h2o_accumulation_survives_per_head_eviction(engines, prompt_ids):
 
 
 def test_snapkv_window_attention_equals_eager_rows(engines, tiny_models, prompt_ids):
-    from methods.snapkv import QueryWindow
+    from methods.kernels import QueryWindow
 
     engine = engines["llama"]
     method = build_method("snapkv", {"window": 8})

@@ -63,10 +63,50 @@ class AttentionRecorder:
                 self.rows[layer] = attention_rows(query[0, :, -self.window :], key[0], scaling)
 
 
-def attention_rows(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal softmax rows of the newest ``w`` queries ``[H_q, w, d]`` over keys ``[H_kv, T, d]``.
+class BatchAttentionRecorder(AttentionRecorder):
+    """The recorder of a batched decode step (one new token per row; runner/engine/batch.py).
 
-    Query i of the window sits at storage slot ``T - w + i`` and sees slots ``<= T - w + i``.
+    Row i's cache holds ``lengths[i]`` slots after the step appended its token at slot
+    ``lengths[i] - 1``; the slots beyond are padding. :meth:`row` cuts row i's observations out of
+    the batched tensors exactly as :class:`AttentionRecorder` cuts a single sequence's, so a
+    method sees the same tensors at any batch size."""
+
+    lengths: list = field(default_factory=list)
+    raw: list = field(default_factory=list)
+
+    def start_batch(self, lengths: list[int]) -> None:
+        self.start(1)
+        self.lengths = lengths
+        self.raw = [None] * self.n_layers
+
+    def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
+        self.raw[layer] = (query, key, value, weights, scaling)
+
+    def row(self, i: int, queries: bool, new_keys_values: bool, attention: bool) -> dict:
+        """Row i's ``queries`` / ``new_keys`` / ``new_values`` / ``attention`` (per layer; ``None`` unless asked)."""
+        n = self.lengths[i]
+        out = {"queries": None, "new_keys": None, "new_values": None, "attention": None}
+        if queries:
+            out["queries"] = [q[i] for q, _, _, _, _ in self.raw]
+        if new_keys_values:
+            out["new_keys"] = [k[i, :, n - 1 : n] for _, k, _, _, _ in self.raw]
+            out["new_values"] = [v[i, :, n - 1 : n] for _, _, v, _, _ in self.raw]
+        if attention:
+            out["attention"] = [
+                w[i, :, :, :n].float() if w is not None else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
+                for q, k, _, w, scaling in self.raw
+            ]
+        return out
+
+
+def attention_rows(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, future: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal softmax rows of ``w`` queries ``[H_q, w, d]`` over keys ``[H_kv, T, d]``.
+
+    By default the queries are the newest: query i of the window sits at storage slot ``T - w + i``
+    and sees slots ``<= T - w + i``. ``future`` (bool, broadcastable to ``[H_kv, group, w, T]``, True =
+    hidden) replaces that rule, e.g. causality by absolute position for queries kept from earlier steps.
     Returns float32 ``[H_q, w, T]``. The query heads of each GQA group share one matmul against
     their KV head (``[H_kv, group * w, d] @ [H_kv, d, T]``), so K is never repeated per query head.
     """
@@ -76,7 +116,9 @@ def attention_rows(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> t
     k = keys if keys.dtype == torch.float32 else keys.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).view(h_q, w, t)
     scores.mul_(scaling)
-    if w > 1:
+    if future is not None:
+        scores.view(h_kv, h_q // h_kv, w, t).masked_fill_(future, float("-inf"))
+    elif w > 1:
         slots = torch.arange(t, device=scores.device)
         last_visible = torch.arange(t - w, t, device=scores.device)
         scores.masked_fill_(slots[None, :] > last_visible[:, None], float("-inf"))

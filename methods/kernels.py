@@ -1,0 +1,176 @@
+"""Kernels shared by several methods: per-position state, GQA reduction, the observation window of
+queries and its attention, segment and rank helpers. A method's own formula stays in its file; what
+two or more methods compute the same way is defined here once."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from runner.engine.contract import CacheView, Observation
+from runner.engine.probe import attention_rows
+
+
+class PositionTable:
+    """A float64 value per absolute position, growing by doubling (O(1) amortised appends)."""
+
+    def __init__(self, fill: float = 0.0):
+        self.fill = fill
+        self.data = torch.full((1024,), fill, dtype=torch.float64)
+
+    def _grow(self, positions: torch.Tensor) -> None:
+        top = int(positions.max()) + 1
+        if top > self.data.shape[0]:
+            grown = torch.full((max(top, 2 * self.data.shape[0]),), self.fill, dtype=torch.float64)
+            grown[: self.data.shape[0]] = self.data
+            self.data = grown
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self._grow(positions)
+        self.data[positions.cpu()] = values.to(torch.float64).cpu()
+
+    def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self._grow(positions)
+        self.data.index_add_(0, positions.cpu(), values.to(torch.float64).cpu())
+
+    def read(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.data[positions.cpu()]
+
+
+def per_kv_head(rows: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """``[H_q, T]`` -> ``[H_kv, T]``: mean over the query heads of each GQA group."""
+    h_q, t = rows.shape
+    return rows.view(n_kv_heads, h_q // n_kv_heads, t).mean(dim=1)
+
+
+def last_query_row(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, H, 1, T]``: the newest query's attention row of one layer in the layout and ``dtype`` (the
+    model's) of HF's eager ``attentions``, so reductions over it round as code written against HF does
+    (the eager kernel's weights are in the model dtype; the engine hands them over as float32, exactly)."""
+    return rows[:, -1:][None].to(dtype)
+
+
+class QueryWindow:
+    """The last ``window`` post-RoPE queries of every layer, with their absolute positions.
+
+    Queries are kept across prefill chunks and decode steps, so "the last ``window`` queries" is
+    always well defined, whatever the phase and the cadence.
+    """
+
+    def __init__(self, window: int, head_dim: int):
+        self.window = window
+        self.scaling = 1.0 / math.sqrt(head_dim)
+        self.queries: list[torch.Tensor] | None = None
+        self.positions: torch.Tensor | None = None
+
+    def push(self, obs: Observation) -> None:
+        w = self.window
+        new = [q[:, -w:] for q in obs.queries]
+        pos = obs.new_positions[-w:]
+        if self.queries is None or pos.shape[0] >= w:
+            self.queries, self.positions = new, pos
+        else:
+            self.queries = [torch.cat([old, q], dim=1)[:, -w:] for old, q in zip(self.queries, new)]
+            self.positions = torch.cat([self.positions, pos])[-w:]
+
+    def attention(self, layer: int, keys: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """Softmax attention ``[H_q, w, T]`` (float32) of the window's queries over ``keys`` ``[H_kv, T, d]``.
+
+        Causal by absolute position: a query at position p sees the cached keys at positions <= p.
+        """
+        future = key_positions[:, None, None, :] > self.positions.to(key_positions.device)[None, None, :, None]
+        return attention_rows(self.queries[layer], keys, self.scaling, future)
+
+    def in_window(self, key_positions: torch.Tensor) -> torch.Tensor:
+        """``[H, T]`` True for the slots holding the window's own tokens."""
+        return key_positions >= int(self.positions[0])
+
+
+def pool(scores: torch.Tensor, kernel: int, how: str = "avg") -> torch.Tensor:
+    """Stride-1 pooling along the last dim of ``[N, T]`` with zero padding ``kernel // 2`` at each end.
+
+    ``avg`` counts the padding (as ``F.avg_pool1d`` does by default); ``max`` pads with zeros too
+    (scores are non-negative, so this equals ignoring the padding).
+    """
+    if kernel <= 1:
+        return scores
+    if how == "avg":
+        return F.avg_pool1d(scores[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+    return F.max_pool1d(scores[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
+def window_importance(
+    window: QueryWindow, cache: CacheView, kernel: int, how: str = "avg"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SnapKV's importance ``[L, H_kv, T]`` and the ``[L, H_kv, T]`` mask of the window's own slots.
+
+    Per layer: mean over the window's queries of their attention, the window's own slots set to 0,
+    pooled along the slots, then averaged over each GQA group.
+    """
+    scores, masks = [], []
+    for layer, (keys, positions) in enumerate(zip(cache.keys, cache.positions)):
+        attn = window.attention(layer, keys, positions).mean(dim=1)  # [H_q, T]
+        own = window.in_window(positions)
+        group = attn.shape[0] // keys.shape[0]
+        attn = attn.masked_fill(own.repeat_interleave(group, dim=0), 0.0)
+        scores.append(per_kv_head(pool(attn, kernel, how), keys.shape[0]))
+        masks.append(own)
+    return torch.stack(scores), torch.stack(masks)
+
+
+def check_window_kernel(window: int, kernel: int) -> None:
+    """The observation window (>= 1 queries) and the pooling kernel (odd, so it centres on a token) of
+    the SnapKV-style methods."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be a positive odd integer, got {kernel}")
+
+
+def top_by_score_then_position(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest ``scores``; equal scores: the larger position first (deterministic)."""
+    order = sorted(range(scores.shape[0]), key=lambda i: (float(scores[i]), int(positions[i])), reverse=True)
+    return torch.tensor(order[:k], dtype=torch.long)
+
+
+def segment_bounds(length: int, segment: int) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` runs of ``segment`` slots covering ``0..length``; the last may be shorter."""
+    return [(start, min(start + segment, length)) for start in range(0, length, segment)]
+
+
+def tertile_types(values: list[float], descending: bool = False) -> list[int]:
+    """Type 0 (R), 1 (E) or 2 (T) of each value by tertile thresholds of the sorted values.
+
+    t_low = sorted[S // 3], t_high = sorted[2S // 3]. Ascending (ThinKV, entropy): v <= t_low -> 0,
+    v <= t_high -> 1, else 2. Descending (EpiKV-Seg, key variance): v >= t_high -> 0, v >= t_low -> 1,
+    else 2. One value: type 0."""
+    n = len(values)
+    if n <= 1:
+        return [0] * n
+    ordered = sorted(values)
+    low, high = ordered[n // 3], ordered[(2 * n) // 3]
+    if descending:
+        return [0 if v >= high else (1 if v >= low else 2) for v in values]
+    return [0 if v <= low else (1 if v <= high else 2) for v in values]
+
+
+def rank_within(groups: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Rank (0 = highest score; ties by slot order) of each element inside its group ``0..G-1``."""
+    order = torch.argsort(-scores, stable=True)
+    order = order[torch.argsort(groups[order], stable=True)]
+    counts = torch.bincount(groups)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0]) - starts[groups[order]]
+    return rank
+
+
+def rank_in_unit(x: torch.Tensor) -> torch.Tensor:
+    """Order-preserving map of float64 ``x`` into [0, 1) (rank / T), so tiers never overlap."""
+    t = x.shape[0]
+    order = torch.argsort(x, stable=True)
+    out = torch.empty(t, dtype=torch.float64)
+    out[order] = torch.arange(t, dtype=torch.float64) / max(t, 1)
+    return out
