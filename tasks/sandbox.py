@@ -29,9 +29,9 @@ and at the end every process of the run is killed: the supervisor kills its proc
 kills the session and then sweeps ``/proc`` for any process carrying the run's random marker in its
 environment (this catches processes that escaped with ``setsid``), and the directory is removed.
 
-The supervisor is a fresh ``python -I -S -B``; the program runs in a child forked from it after the
-limits are applied (site-packages are put on ``sys.path`` without running ``.pth`` hooks). The
-program runs with ``__name__ == "__sandbox__"`` (``if __name__ == "__main__":`` demo blocks in a
+The supervisor is :mod:`tasks.sandbox_supervisor`, run by path in a fresh ``python -I -S -B``; the
+program runs in a child forked from it after the limits are applied (site-packages are put on
+``sys.path`` without running ``.pth`` hooks). The program runs with ``__name__ == "__sandbox__"`` (``if __name__ == "__main__":`` demo blocks in a
 completion do not run), and passes only if it runs to its end: an exception, ``sys.exit()`` of any
 code, a signal or a timeout is a failure. ``KVLEAGUE_SANDBOX_MODE=plain`` disables the namespace
 layer (for debugging); ``namespaces`` makes its absence an error.
@@ -56,14 +56,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from runner.engine.errors import KvleagueError
+from tasks.sandbox_supervisor import EXIT_SUPERVISOR_ERROR, EXIT_TIMEOUT, INFO_TAG
 
 MARKER_ENV = "KVLEAGUE_SANDBOX_ID"
 MODE_ENV = "KVLEAGUE_SANDBOX_MODE"
 
-# exit codes the supervisor uses besides the program's own
-EXIT_TIMEOUT = 124
-EXIT_SUPERVISOR_ERROR = 125
-EXIT_PROGRAM_EXIT = 3  # the program called sys.exit()/exit()
+#: the supervisor, run by path in a fresh interpreter (stdlib only; see its docstring)
+SUPERVISOR = Path(__file__).resolve().with_name("sandbox_supervisor.py")
 
 
 @dataclass(frozen=True)
@@ -106,280 +105,6 @@ class SandboxResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# ------------------------------------------------------------------------------------------------
-# The supervisor runs in the sandbox's own fresh interpreter (PID 1 of the new PID namespace in
-# namespace mode). It reads the program from stdin, prepares the working directory, forks the
-# program's process (new session, limits, uid drop, Landlock, then RUNNER), waits for it under the
-# wall-clock timeout, kills whatever is left and exits with the status.
-# It must only use the standard library.
-_SUPERVISOR = r'''
-import ctypes, json, os, resource, select, signal, sys, time
-cfg = json.loads(sys.argv[1])
-program = sys.stdin.buffer.read()
-libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 1, 2, 4, 8, 32, 1024, 2048, 4096
-MS_MOVE, MS_REC, MS_RELATIME, MS_STRICTATIME = 8192, 16384, 1 << 21, 1 << 24
-OPT = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-       "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
-uid = cfg["uid"]
-applied = {}
-
-def mount(src, target, fstype, flags, data):
-    r = libc.mount(src, target.encode(), fstype, ctypes.c_ulong(flags), data)
-    if r != 0:
-        raise OSError(ctypes.get_errno(), "mount %s" % target)
-
-def unescape(p):
-    return p.encode().decode("unicode_escape").encode("latin-1").decode()
-
-def setup():
-    global workdir, writable
-    if cfg["namespaces"]:
-        points = []
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                parts = line.split()
-                points.append((unescape(parts[4]), parts[5]))
-        ro = 0
-        for point, opts in points:
-            if point == "/proc" or point.startswith(("/proc/", "/sys", "/dev")) and point != "/dev/shm":
-                continue
-            flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-            for o in opts.split(","):
-                flags |= OPT.get(o, 0)
-            if libc.mount(None, point.encode(), None, ctypes.c_ulong(flags), None) == 0:
-                ro += 1
-        applied["readonly_mounts"] = ro
-        owner = "uid=%d,gid=%d," % (uid, uid) if uid is not None else ""
-        for point in ("/tmp", "/dev/shm"):
-            if os.path.isdir(point) and not os.path.islink(point):
-                mount(b"tmpfs", point, b"tmpfs", MS_NOSUID | MS_NODEV,
-                      ("size=%dm,mode=0700,%s" % (cfg["tmpfs_mb"], owner)).encode())
-        if uid is not None:
-            # Directories the sandbox user may not traverse (e.g. /root holding the interpreter) are
-            # hidden behind an empty tmpfs, and only the interpreter's own trees are bound back, read-only.
-            hidden = {}
-            for path in cfg["expose"]:
-                acc = ""
-                for part in path.strip("/").split("/"):
-                    acc += "/" + part
-                    if not os.stat(acc).st_mode & 0o001:
-                        hidden.setdefault(acc, []).append(path)
-                        break
-            stage_no = 0
-            for top, paths in sorted(hidden.items()):
-                staged = []
-                for path in sorted(set(paths)):
-                    stage = "/tmp/.kvleague-stage-%d" % stage_no
-                    stage_no += 1
-                    os.mkdir(stage)
-                    mount(path.encode(), stage, None, MS_BIND | MS_REC, None)
-                    staged.append((stage, path))
-                mount(b"tmpfs", top, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755")
-                for stage, path in staged:
-                    os.makedirs(path, mode=0o755, exist_ok=True)
-                    mount(stage.encode(), path, None, MS_MOVE, None)
-                    os.rmdir(stage)
-                    libc.mount(None, path.encode(), None, ctypes.c_ulong(MS_REMOUNT | MS_BIND | MS_RDONLY), None)
-                libc.mount(None, top.encode(), None, ctypes.c_ulong(MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV), None)
-            applied["hidden"] = sorted(hidden)
-        workdir = "/tmp/work"
-        os.mkdir(workdir, 0o700)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        writable = [workdir]
-    else:
-        workdir = cfg["workdir"]
-        writable = [workdir]
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-    main = os.path.join(workdir, "main.py")
-    with open(main, "wb") as fh:
-        fh.write(program)
-    if uid is not None:
-        os.chown(main, uid, uid)
-
-
-try:
-    setup()
-except BaseException as exc:
-    os.write(2, ("sandbox: setup failed: %r\n" % (exc,)).encode())
-    os._exit(125)
-
-
-def landlock():
-    SYS_CREATE, SYS_ADD, SYS_RESTRICT = 444, 445, 446
-    libc.syscall.restype = ctypes.c_long
-    abi = libc.syscall(SYS_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    if abi < 1:
-        return 0
-    fs = (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << i for i in range(6, 13))
-    if abi >= 2:
-        fs |= 1 << 13
-    if abi >= 3:
-        fs |= 1 << 14
-    net = 3 if abi >= 4 else 0
-    scoped = 3 if abi >= 6 else 0
-    class Attr(ctypes.Structure):
-        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
-    attr = Attr(fs, net, scoped)
-    size = 8 if abi < 4 else (16 if abi < 6 else 24)
-    rs = libc.syscall(SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if rs < 0:
-        return 0
-    file_rights = (1 << 1) | ((1 << 14) if abi >= 3 else 0)
-    for path, rights in [(p, fs) for p in writable] + [("/dev/null", file_rights)]:
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            continue
-        rule = PathBeneath(rights, fd)
-        libc.syscall(SYS_ADD, ctypes.c_int(rs), ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0))
-        os.close(fd)
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-    ok = libc.syscall(SYS_RESTRICT, ctypes.c_int(rs), ctypes.c_uint32(0)) == 0
-    os.close(rs)
-    return abi if ok else 0
-
-if not cfg["namespaces"]:
-    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back to us
-
-RUNNER = cfg["runner"]
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    try:
-        os.close(r)
-        os.setsid()
-        fd = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(fd, 0)
-        os.chdir(workdir)
-        cpu = cfg["cpu_s"]
-        lim = [(resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (cfg["as_bytes"],) * 2),
-               (resource.RLIMIT_FSIZE, (cfg["fsize_bytes"],) * 2), (resource.RLIMIT_NOFILE, (cfg["nofile"],) * 2),
-               (resource.RLIMIT_CORE, (0, 0)), (resource.RLIMIT_NPROC, (cfg["nproc"],) * 2)]
-        for what, value in lim:
-            resource.setrlimit(what, value)
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        info = dict(applied, landlock_abi=landlock(), uid=os.getuid())
-        os.write(w, json.dumps(info).encode())
-        os.close(w)
-        # The program runs in this forked child of the fresh ``python -I -S -B`` supervisor (an
-        # exec of yet another interpreter would double the start-up cost of every sample).
-        sys.argv = ["main.py"]
-        sys.path.extend(p for p in cfg["site_paths"] if p not in sys.path)
-        exec(compile(RUNNER, "<kvleague-sandbox>", "exec"), {"__name__": "__kvleague_sandbox__"})
-        os._exit(125)
-    except BaseException as exc:
-        try:
-            os.write(2, ("sandbox: child setup failed: %r\n" % (exc,)).encode())
-        finally:
-            os._exit(125)
-os.close(w)
-info = b""
-while True:
-    chunk = os.read(r, 4096)
-    if not chunk:
-        break
-    info += chunk
-os.close(r)
-deadline = time.monotonic() + cfg["timeout_s"]
-status = None
-try:
-    pfd = os.pidfd_open(pid)
-except (AttributeError, OSError):
-    pfd = None
-while status is None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        break
-    if pfd is not None:
-        select.select([pfd], [], [], left)
-    else:
-        time.sleep(min(left, 0.01))
-    got, st = os.waitpid(pid, os.WNOHANG)
-    if got == pid:
-        status = st
-
-def kill_all():
-    for _ in range(50):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        kids = set()
-        for t in os.listdir("/proc/self/task"):
-            try:
-                with open("/proc/self/task/%s/children" % t) as fh:
-                    kids.update(int(x) for x in fh.read().split())
-            except OSError:
-                pass
-        for k in kids:
-            try:
-                os.kill(k, signal.SIGKILL)
-            except OSError:
-                pass
-        while True:
-            try:
-                got, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if got == 0:
-                break
-        time.sleep(0.002)
-
-timed_out = status is None
-if not cfg["namespaces"]:
-    kill_all()  # in namespace mode our exit tears the whole PID namespace down
-elif timed_out:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-os.write(2, b"\n@@KVLEAGUE_SANDBOX@@" + info + b"\n")
-if timed_out:
-    os._exit(124)
-if os.WIFSIGNALED(status):
-    os._exit(128 + os.WTERMSIG(status))
-os._exit(os.WEXITSTATUS(status))
-'''
-
-# Runs the program file with __name__ == "__sandbox__"; only reaching its end is success.
-_RUNNER = r'''
-import os, sys
-def _end(code):
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os._exit(code)
-try:
-    with open("main.py", encoding="utf-8") as fh:
-        src = fh.read()
-    code = compile(src, "main.py", "exec")
-    exec(code, {"__name__": "__sandbox__", "__file__": "main.py", "__builtins__": __builtins__})
-except SystemExit as exc:
-    try:
-        sys.stderr.write("program called exit(%r)\n" % (exc.code,))
-    finally:
-        _end(3)
-except BaseException:
-    try:
-        import traceback
-        traceback.print_exc()
-    finally:
-        _end(1)
-_end(0)
-'''
 
 
 # ------------------------------------------------------------------------------------------------
@@ -578,12 +303,11 @@ def _run(program: str, limits: SandboxLimits, prefix: list[str]) -> SandboxResul
         "nproc": nproc,
         "tmpfs_mb": limits.tmpfs_mb,
         "env": env,
-        "runner": _RUNNER,
         "expose": _interpreter_paths(),
         "site_paths": _site_paths(),
     }
-    cmd = [*prefix, "--", sys.executable, "-I", "-S", "-B", "-c", _SUPERVISOR, json.dumps(cfg)] if prefix else \
-        [sys.executable, "-I", "-S", "-B", "-c", _SUPERVISOR, json.dumps(cfg)]
+    supervisor = [sys.executable, "-I", "-S", "-B", str(SUPERVISOR), json.dumps(cfg)]
+    cmd = [*prefix, "--", *supervisor] if prefix else supervisor
     out_path, err_path = host_dir / "stdout", host_dir / "stderr"
     start = time.monotonic()
     returncode: int | None = None
@@ -615,7 +339,7 @@ def _run(program: str, limits: SandboxLimits, prefix: list[str]) -> SandboxResul
     finally:
         _rmtree(host_dir)
     info: dict[str, Any] = {}
-    tag = "\n@@KVLEAGUE_SANDBOX@@"
+    tag = INFO_TAG.decode()
     if tag in stderr:
         stderr, _, rest = stderr.rpartition(tag)
         try:

@@ -74,6 +74,27 @@ def test_plain_programs_pass_and_fail():
     assert syntax.status == "failed" and "SyntaxError" in syntax.stderr
 
 
+def test_the_supervisor_is_a_module_run_by_path_and_importing_it_runs_nothing(monkeypatch):
+    import subprocess
+
+    import tasks.sandbox_supervisor as supervisor
+    from tasks.sandbox import SUPERVISOR
+
+    assert SUPERVISOR == Path(supervisor.__file__).resolve() and SUPERVISOR.is_file()
+    forks = []
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or 0)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: forks.append(2))
+    import importlib
+
+    importlib.reload(supervisor)  # module body again: definitions only, no fork, no program
+    assert forks == []
+    monkeypatch.undo()
+    # a failing program's traceback passes through the supervisor's own file, by its path
+    bad = run_python("raise ValueError('from the program')\n", LIMITS)
+    assert bad.status == "failed" and "ValueError: from the program" in bad.stderr
+    assert f'File "{SUPERVISOR}"' in bad.stderr and 'File "main.py", line 1' in bad.stderr
+
+
 def test_exit_is_failure_and_main_block_does_not_run():
     for code in ("import sys\nsys.exit(0)\n", "exit()\n", "raise SystemExit\n"):
         assert run_python(code, LIMITS).status == "failed", code
