@@ -29,7 +29,8 @@ A task is a dataclass subclass of :class:`Task`, registered with
   :meth:`Task.aggregate` reduces many results to per-task metrics.
 
 Data directory resolution (:func:`tasks.data.resolve_data_dir`): the explicit ``data_dir``
-argument, else ``$KVLEAGUE_DATA_DIR``, else none (the Hugging Face Hub).
+argument, else ``$KVLEAGUE_DATA_DIR``, else none (the Hugging Face Hub). :class:`DataSource` lives in
+:mod:`tasks.data` (re-exported here); ``base`` imports ``data``, never the reverse.
 """
 
 from __future__ import annotations
@@ -40,35 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
+from runner.engine.errors import KvleagueError
+from tasks.data import DataSource, resolve_data_dir
+
+__all__ = ["DOMAINS", "DataSource", "Domain", "Sample", "ScoreResult", "Task"]
+
 Domain = Literal["math", "code", "agentic", "longqa"]
 DOMAINS: tuple[str, ...] = ("math", "code", "agentic", "longqa")
-
-
-@dataclass(frozen=True)
-class DataSource:
-    """Where a task's data comes from.
-
-    ``local_path`` is relative to the data directory (a file or a folder); ``hub_id``/``revision``
-    (+ ``hub_config``, ``hub_split``) are what :func:`datasets.load_dataset` gets when the data
-    directory does not have the local copy. For Hub repositories that only hold raw files (L-Eval,
-    LongBench: their loading scripts no longer run under ``datasets>=4``) ``hub_file`` names the file
-    inside the repository (``"data.zip!data/qasper.jsonl"`` for a member of an archive); it is
-    downloaded with ``huggingface_hub`` and read like a local copy. ``hub_id`` is ``None`` for data
-    that is not on the Hub (then ``url`` says where to get it).
-    """
-
-    dataset: str
-    hub_id: str | None
-    revision: str | None
-    local_path: str | None
-    license: str
-    hub_config: str | None = None
-    hub_split: str = "test"
-    hub_file: str | None = None
-    url: str | None = None
-
-    def describe(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -146,12 +125,8 @@ class Task:
         Without ``limit`` (or with ``limit >= size``) every sample in dataset order; with a smaller
         ``limit`` a uniform random subset drawn with ``random.Random(seed)``, sorted by ``sample_id``.
         """
-        from tasks.data import resolve_data_dir
-
         samples = self.load_records(resolve_data_dir(data_dir))
         if limit is not None and limit < 0:
-            from runner.engine.errors import KvleagueError
-
             raise KvleagueError(f"limit: must be >= 0 or None, got {limit}")
         if limit is None or limit >= len(samples):
             return samples
@@ -210,8 +185,6 @@ class Task:
         generation, then the reply to teacher-force (see ``runner/fidelity.py``)."""
         text = self.reference_continuation(sample)
         if not text:
-            from runner.engine.errors import KvleagueError
-
             raise KvleagueError(f"task {self.name}: sample {sample.sample_id} has no reference continuation")
         ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
         if tokenizer.eos_token_id is not None:  # the reply ends the turn, as the model's would

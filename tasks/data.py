@@ -6,16 +6,44 @@ Data directory: the ``data_dir`` argument (``--data-dir``), else ``$KVLEAGUE_DAT
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from runner.engine.errors import KvleagueError
-from tasks.base import DataSource
 
 DATA_DIR_ENV = "KVLEAGUE_DATA_DIR"
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where a task's data comes from.
+
+    ``local_path`` is relative to the data directory (a file or a folder); ``hub_id``/``revision``
+    (+ ``hub_config``, ``hub_split``) are what :func:`datasets.load_dataset` gets when the data
+    directory does not have the local copy. For Hub repositories that only hold raw files (L-Eval,
+    LongBench: their loading scripts no longer run under ``datasets>=4``) ``hub_file`` names the file
+    inside the repository (``"data.zip!data/qasper.jsonl"`` for a member of an archive); it is
+    downloaded with ``huggingface_hub`` and read like a local copy. ``hub_id`` is ``None`` for data
+    that is not on the Hub (then ``url`` says where to get it).
+    """
+
+    dataset: str
+    hub_id: str | None
+    revision: str | None
+    local_path: str | None
+    license: str
+    hub_config: str | None = None
+    hub_split: str = "test"
+    hub_file: str | None = None
+    url: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path | None:
