@@ -116,7 +116,7 @@ def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from tasks.lmeval_bridge import KvleagueLM
+    from runner.lm_eval_model import KvleagueLM
 
     root, completions = local_task
     lm = KvleagueLM.create_from_arg_string(
@@ -134,7 +134,7 @@ def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task):
 
 
 def test_kvleague_lm_rejects_loglikelihood_and_bad_args(engines):
-    from tasks.lmeval_bridge import KvleagueLM
+    from runner.lm_eval_model import KvleagueLM
 
     lm = KvleagueLM(engine=engines["llama"], method="full", budget=64)
     with pytest.raises(NotImplementedError, match="generate_until"):
@@ -148,11 +148,26 @@ def test_kvleague_lm_rejects_loglikelihood_and_bad_args(engines):
     assert lm.settings({"temperature": 0.7}).temperature == 0.0  # lm-eval: greedy unless do_sample
 
 
+def test_console_script_and_lm_eval_registration_point_at_the_model():
+    """pyproject's ``kvleague-lm-eval`` resolves to the adapter's ``main``, and importing the adapter
+    registers ``kvleague`` with lm-eval (the name users pass as ``--model``)."""
+    import importlib
+
+    from lm_eval.api.registry import get_model
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, attr = scripts["kvleague-lm-eval"].partition(":")
+    adapter = importlib.import_module(module)
+    assert callable(getattr(adapter, attr)) and module == "runner.lm_eval_model"
+    assert get_model("kvleague") is adapter.KvleagueLM
+
+
 @pytest.mark.slow
 def test_lm_eval_cli_with_kvleague_model(tiny_models, local_task, tmp_path):
     root, _ = local_task
     cmd = [
-        sys.executable, "-m", "tasks.lmeval_bridge", "run", "--model", "kvleague",
+        sys.executable, "-m", "runner.lm_eval_model", "run", "--model", "kvleague",
         "--model_args", f"pretrained={tiny_models['llama']},method={METHOD},budget={BUDGET},method.n_sink={PARAMS['n_sink']}",
         "--tasks", "kvl_echo", "--include_path", str(root), "--output_path", str(tmp_path / "out"),
     ]  # fmt: skip

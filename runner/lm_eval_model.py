@@ -5,11 +5,11 @@ imported. Three ways to use it:
 
 * the command line, with exactly the ``lm_eval`` arguments::
 
-      python -m tasks.lmeval_bridge run --model kvleague \\
+      python -m runner.lm_eval_model run --model kvleague \\
           --model_args pretrained=DIR,method=streaming_llm,budget=1024,method.n_sink=4 --tasks gsm8k
 
-* Python: ``import tasks.lmeval_bridge`` then ``lm_eval.simple_evaluate(model="kvleague", ...)``;
-* any script that imports ``tasks.lmeval_bridge`` before calling lm-eval's CLI.
+* Python: ``import runner.lm_eval_model`` then ``lm_eval.simple_evaluate(model="kvleague", ...)``;
+* any script that imports ``runner.lm_eval_model`` before calling lm-eval's CLI.
 
 ``--model_args`` keys: ``pretrained`` (a known name such as ``smollm2-135m``, a ``.gguf`` file, a
 checkpoint dir or a Hub id; see ``runner/models/source.py``), ``method`` (a kvleague method,
@@ -220,7 +220,7 @@ if __name__ != "__main__":  # as a script, the canonical module imported below r
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tasks.lmeval_bridge ARGS`` is ``lm_eval ARGS`` with the ``kvleague`` model registered."""
+    """``python -m runner.lm_eval_model ARGS`` is ``lm_eval ARGS`` with the ``kvleague`` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
@@ -229,6 +229,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from tasks.lmeval_bridge import main as _main
+    from runner.lm_eval_model import main as _main
 
     _main()
