@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import pytest
 
+import runner.engine.registry as generic
 import tasks.registry as registry
 from runner.engine.errors import KvleagueError
 from tasks.base import DOMAINS, DataSource, Sample, ScoreResult, Task
@@ -30,8 +31,8 @@ MINE = {
 @pytest.fixture
 def isolated_registry(monkeypatch):
     available_tasks()  # load the built-ins first
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
+    monkeypatch.setattr(registry.TASKS, "classes", dict(registry.TASKS.classes))
+    monkeypatch.setattr(registry.TASKS, "families", dict(registry.TASKS.families))
     return registry
 
 
@@ -133,8 +134,8 @@ def test_entry_point_plugins_are_discovered(isolated_registry, monkeypatch):
         seen.append(group)
         return [FakeEntryPoint()]
 
-    monkeypatch.setattr(registry, "entry_points", fake_entry_points)
-    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(generic, "entry_points", fake_entry_points)
+    monkeypatch.setattr(registry.TASKS, "loaded", False)
     tasks = available_tasks()
     assert seen == ["kvleague.tasks"]
     assert tasks["toy_plugin"] is toy and toy.name == "toy_plugin"
@@ -152,8 +153,8 @@ def test_broken_plugin_is_one_line(isolated_registry, monkeypatch):
         def load(self):
             raise ImportError("No module named 'nowhere'")
 
-    monkeypatch.setattr(registry, "entry_points", lambda group: [Broken()])
-    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(generic, "entry_points", lambda group: [Broken()])
+    monkeypatch.setattr(registry.TASKS, "loaded", False)
     with pytest.raises(KvleagueError, match=r"entry point broken=nowhere:Nothing in group kvleague.tasks failed"):
         available_tasks()
 

@@ -9,6 +9,7 @@ it imports nothing from them. Its modules, one job each:
 * ``probe``  the attention-weight recorder for methods that read attention;
 * ``protocol``  the budget rules (:class:`Protocol`) and decoding settings;
 * ``resources``  peak-memory measurement;
+* ``registry``  the one registry implementation behind methods and tasks (decorator, package modules, entry points);
 * ``errors``  :class:`KvleagueError`, the one-line input error every layer raises.
 """
 
