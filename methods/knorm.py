@@ -20,4 +20,9 @@ class KeyNorm(EvictionMethod):
     needs = Needs(ordered_slots=False)
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        return torch.stack([-torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32) for k in cache.keys])
+        return torch.stack([_neg_norm(k) for k in cache.keys])
+
+
+def _neg_norm(keys: torch.Tensor) -> torch.Tensor:
+    """-||k|| over the last dim, in float32 at least (float64 keys stay float64)."""
+    return -torch.linalg.vector_norm(keys, dim=-1, dtype=torch.promote_types(keys.dtype, torch.float32))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runner.bench import decode_speed, engine_vs_generate, feasible_context, vs_kvpress
+from runner.bench import batch, decode_speed, engine_vs_generate, feasible_context, vs_kvpress
 from runner.bench.cli import add_common, finish
 
 BENCHES = {
@@ -18,6 +18,7 @@ BENCHES = {
     "speed": (decode_speed, "decode tokens/s per method at budgets 256/1024/4096 beside full cache"),
     "kvpress": (vs_kvpress, "engine vs kvpress DecodingPress at equal method and budget"),
     "generate": (engine_vs_generate, "engine vs model.generate with no eviction"),
+    "batch": (batch, "batched decoding: tokens/s at batch 1/4/8/16 per method beside model.generate"),
 }
 
 

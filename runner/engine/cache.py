@@ -138,6 +138,19 @@ class SlabLayer(DynamicLayer):
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k, self._v
 
+    def bind(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Adopt ``keys`` / ``values`` (``[1, H, capacity, d]``, e.g. one row of a batched slab) as the
+        buffers, holding ``length`` slots; writes go to the caller's tensors from now on."""
+        self._k, self._v = keys, values
+        self.set_length(length)
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def set_length(self, length: int) -> None:
+        """The buffers hold ``length`` slots (someone else, the batched cache, wrote the new ones)."""
+        self._nk = self._nv = length
+        self._refresh()
+
 
 def slab_cache(config, reserve: int | None) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`SlabLayer`\\ s."""
@@ -163,6 +176,8 @@ class BudgetedCache:
         self._views: tuple[list, list] | None = None
         self._scratch: torch.Tensor | None = None
         self.bytes_per_slot = 0
+        #: the slabs are rows of a batched slab (runner/engine/batch.py): never reallocate them
+        self.pinned = False
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -382,6 +397,8 @@ class BudgetedCache:
 
     def _shrink(self, budget: int) -> None:
         """Give memory back after a long prompt was compressed: slabs far above the reserve shrink."""
+        if self.pinned:
+            return
         target = max(self.reserve or budget, budget)
         for layer in self.cache.layers:
             if isinstance(layer, SlabLayer) and layer.capacity > 2 * target:

@@ -40,13 +40,21 @@ and its slots are in no particular order (results still report kept positions so
 Slot indices are not stable across evictions: a method that keeps per-token state keys it by
 **absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a
 ``CacheView`` are valid during the ``score`` call only.
+
+**Batches** (``Engine.generate_batch``, ``runner/engine/batch.py``). Every sequence of a batch has
+its own method instance, reset with its own :class:`SequenceInfo`; the engine calls the classmethods
+:meth:`EvictionMethod.observe_batch` and :meth:`EvictionMethod.score_batch` once per method class
+with the instances of the sequences concerned. Their defaults call ``observe`` / ``score`` of each
+instance, so a method written for one sequence runs batched unchanged. A method may override them
+to vectorise over the batch; it must then return, for each sequence, what ``score`` would return
+for that sequence alone (``tests/test_batch.py`` checks every built-in method this way).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Sequence
+from typing import Callable, ClassVar, Literal, Sequence
 
 import torch
 
@@ -147,6 +155,41 @@ class CacheView:
         return self.positions[0][0]
 
 
+class BatchCacheView:
+    """The caches of the sequences of a batch that evict now (one method class), for ``score_batch``.
+
+    ``views[i]`` is sequence i's own :class:`CacheView` (what ``score`` gets). ``keys`` / ``values``
+    are the same entries as one padded tensor per layer, ``[N, H, S, d]`` with ``S`` = the longest
+    cache: row i holds ``lengths[i]`` slots, the rest is padding a method must ignore. They are
+    built on first use (a view of the batched slab when the rows are contiguous, else a copy)."""
+
+    def __init__(self, views: list[CacheView], padded: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]):
+        self.views = views
+        self.lengths = [v.length for v in views]
+        self._padded = padded
+        self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    @property
+    def equal_lengths(self) -> bool:
+        """Every sequence holds the same number of slots (then ``keys`` has no padding)."""
+        return len(set(self.lengths)) == 1
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        if self._kv is None:
+            self._kv = self._padded()
+        return self._kv[0]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        if self._kv is None:
+            self._kv = self._padded()
+        return self._kv[1]
+
+
 @dataclass
 class EvictionMethod:
     """Base class of every eviction method. See the module docstring for the contract."""
@@ -170,6 +213,19 @@ class EvictionMethod:
         """Scores for every cache slot, higher = keep; shape ``[T]``, ``[L, T]`` or ``[L, H, T]``."""
         raise NotImplementedError
 
+    # -- batches: one instance per sequence; override to vectorise (see the module docstring) --
+
+    @classmethod
+    def observe_batch(cls, methods: Sequence["EvictionMethod"], observations: Sequence[Observation]) -> None:
+        """``methods[i].observe(observations[i])`` for every sequence of a batch."""
+        for method, obs in zip(methods, observations):
+            method.observe(obs)
+
+    @classmethod
+    def score_batch(cls, methods: Sequence["EvictionMethod"], caches: BatchCacheView) -> list[torch.Tensor]:
+        """``methods[i].score(caches.views[i])`` for every sequence of a batch that evicts now."""
+        return [method.score(view) for method, view in zip(methods, caches.views)]
+
     # -- introspection used by the CLI, the registry and the database -------------------------
 
     @classmethod
@@ -187,6 +243,7 @@ class EvictionMethod:
 
 
 __all__ = [
+    "BatchCacheView",
     "CacheView",
     "EvictionMethod",
     "Needs",

@@ -1,4 +1,5 @@
-"""Generation under a hard KV budget, one sequence at a time.
+"""Generation under a hard KV budget, one sequence at a time (``Engine.generate_batch``, in
+``runner/engine/batch.py``, decodes many such sequences together).
 
 ``Engine`` holds a loaded HF causal LM. ``Engine.session`` opens one sequence with one KV cache; a
 session can be fed and decoded repeatedly (multi-turn episodes keep the same cache, so an eviction
@@ -104,6 +105,25 @@ class Engine:
             session.feed(ids)
             session.decode(settings or GenerationSettings())
             return session.result()
+
+
+    def generate_batch(
+        self,
+        prompts: list[str | list[int]],
+        methods: list[EvictionMethod],
+        budget: int,
+        protocol: Protocol | None = None,
+        settings: GenerationSettings | None = None,
+        seeds: list[int] | None = None,
+        batch_size: int | None = None,
+    ) -> list[GenerationResult]:
+        """:meth:`generate` for many prompts, decoded ``batch_size`` at a time (``None``: what fits in
+        memory). ``methods[i]`` is prompt i's own instance, ``seeds[i]`` its seed (default 0).
+        Result i equals ``generate(prompts[i], methods[i], budget, protocol, settings, seeds[i])`` in
+        tokens and kept positions; see ``runner/engine/batch.py``."""
+        from runner.engine.batch import generate_batch
+
+        return generate_batch(self, prompts, methods, budget, protocol, settings, seeds, batch_size)
 
 
 class Session:

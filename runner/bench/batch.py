@@ -1,0 +1,152 @@
+"""Batched decoding: engine tokens/s at batch 1, 4, 8, 16 per method, beside ``model.generate``.
+
+For each method (default full, epikv, h2o) and batch size b, ``Engine.generate_batch`` decodes b
+equal-length random prompts together (EOS ignored, greedy) under a budget below the prompt length,
+so every method except ``full`` evicts after prefill and at every decode step; ``model.generate``
+decodes the same prompts as one batch with a full cache. Throughput = b x (new tokens - 1) forward
+passes over the decode time (first generated token to last: the engine's step times, a streamer for
+``model.generate``), so both count the same passes and exclude prefill. All runs alternate round by
+round, so every ratio compares runs made side by side under the same machine load.
+
+Targets (2 CPU cores): batch 8 / batch 1 >= 3.0 for full and >= 2.5 for epikv; engine (full) /
+``model.generate`` >= 0.9 at every batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+#: targets of the batch-8 / batch-1 speed-up per method, and of engine / generate
+SPEEDUP_TARGETS = {"full": 3.0, "epikv": 2.5}
+GENERATE_TARGET = 0.9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 400 (quick 64)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (quick 16)")
+    p.add_argument("--budget", type=int, default=None, help="KV budget of the evicting methods (default prompt // 2)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,4,8,16; quick 1,4)")
+    p.add_argument("--methods", default="full,epikv,h2o", help="comma-separated method names")
+    p.add_argument("--rounds", type=int, default=1, help="alternating rounds (the median is reported)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default="wall")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, or 1 with the cpu clock)")
+
+
+def time_engine(engine, prompts: list[list[int]], method: str, budget: int, new_tokens: int) -> dict:
+    from methods import build_method
+    from runner.engine.protocol import GenerationSettings, Protocol
+
+    results = engine.generate_batch(
+        prompts, [build_method(method) for _ in prompts], budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens),
+        batch_size=len(prompts),
+    )
+    # every sequence saw the same step times (they decode together); the first step only samples
+    decode = results[0].decode_seconds_mean * results[0].generated_tokens
+    return {"decode_tps": len(prompts) * (new_tokens - 1) / decode, "evictions": results[0].evictions,
+            "tokens": [r.token_ids for r in results]}
+
+
+def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> dict:
+    import torch
+
+    from runner.bench.engine_vs_generate import StepClock, plain_attention
+
+    streamer = StepClock(clock)
+    with plain_attention(engine) as model, torch.inference_mode():
+        ids = torch.tensor(prompts, device=engine.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer)
+    return {"decode_tps": len(prompts) * (new_tokens - 1) / streamer.decode_seconds(),
+            "tokens": out[:, len(prompts[0]) :].tolist()}
+
+
+def run(args) -> dict:
+    from runner.bench import harness as h
+    from runner.models import load_engine
+
+    started = time.perf_counter()
+    clock = h.Clock(args.clock)
+    threads = h.set_threads(clock, args.threads)
+    prompt_tokens = args.prompt_tokens or (64 if args.quick else 400)
+    new_tokens = args.new_tokens or (16 if args.quick else 64)
+    budget = args.budget or prompt_tokens // 2
+    sizes = [int(x) for x in (args.batch_sizes or ("1,4" if args.quick else "1,4,8,16")).split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    source = str(args.model or h.default_model())
+    engine = load_engine(source)
+    engine.eos_ids = set()
+    label = h.model_label(engine, args.model)
+    prompts = [h.random_prompt(prompt_tokens, seed=i) for i in range(max(sizes))]
+    env = h.environment()
+    print(f"batched decoding: {label}; prompts of {prompt_tokens}, {new_tokens} new tokens, budget {budget}, batch sizes "
+          f"{sizes}, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
+    runs = {}
+    for b in sizes:
+        for m in methods:
+            runs[(m, b)] = lambda m=m, b=b: time_engine(engine, prompts[:b], m, budget, new_tokens)
+        runs[("generate", b)] = lambda b=b: time_generate(engine, prompts[:b], new_tokens, clock)
+    results = h.alternate(runs, args.rounds, warmup=0)
+    rows = []
+    tps = {}
+    for (m, b), out in results.items():
+        tps[(m, b)] = h.median(r["decode_tps"] for r in out)
+        rows.append({"method": m, "batch_size": b, "decode_tokens_per_second": tps[(m, b)],
+                     "speedup_vs_batch_1": h.ratio(tps[(m, b)], tps.get((m, sizes[0]))) if sizes[0] == 1 else None,
+                     "per_round_tps": [r["decode_tps"] for r in out]})
+    for row in rows:  # batch 1 may come after the others in the dict
+        row["speedup_vs_batch_1"] = h.ratio(row["decode_tokens_per_second"], tps.get((row["method"], 1)))
+    common = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens, budget=budget)
+    figures = [h.figure("decode_tokens_per_second", row["decode_tokens_per_second"], "tokens/s", method=row["method"],
+                        batch_size=row["batch_size"], **common) for row in rows]
+    summary: dict = {"speedup_batch_8": {}, "engine_over_generate": {}}
+    for m in methods + ["generate"]:
+        value = h.ratio(tps.get((m, 8)), tps.get((m, 1)))
+        summary["speedup_batch_8"][m] = value
+        if value is not None:
+            figures.append(h.figure("batch_speedup", value, "x", method=m, batch_size=8, reference="batch_1",
+                                    target=SPEEDUP_TARGETS.get(m), **common))
+    if "full" in methods:
+        for b in sizes:
+            value = h.ratio(tps.get(("full", b)), tps.get(("generate", b)))
+            same = results[("full", b)][0]["tokens"] == results[("generate", b)][0]["tokens"]
+            summary["engine_over_generate"][b] = value
+            figures.append(h.figure("speed_ratio", value, "x", method="engine", reference="generate", batch_size=b,
+                                    target=GENERATE_TARGET, same_tokens=same, **common))
+    summary["targets"] = {"speedup_batch_8": SPEEDUP_TARGETS, "engine_over_generate": GENERATE_TARGET}
+    config = {"model": source, "model_label": label, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+              "budget": budget, "batch_sizes": sizes, "methods": methods, "rounds": args.rounds, "clock": args.clock,
+              "threads": threads, "quick": args.quick}
+    report = h.make_report("batch", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
+    print_report(report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    from runner.bench import harness as h
+
+    print("\nbatched decoding, decode only (tokens/s summed over the batch)")
+    print(h.table(report["rows"], [("method", "runner", ""), ("batch_size", "batch", "d"),
+                                   ("decode_tokens_per_second", "tok/s", ".2f"), ("speedup_vs_batch_1", "x batch 1", ".2f")]))
+    s = report["summary"]
+    for m, v in s["speedup_batch_8"].items():
+        target = SPEEDUP_TARGETS.get(m)
+        if v is not None:
+            print(f"{m}: batch 8 / batch 1 = {v:.2f}" + (f" (target >= {target})" if target else ""))
+    for b, v in s["engine_over_generate"].items():
+        if v is not None:
+            print(f"engine (full) / model.generate at batch {b}: {v:.3f} (target >= {GENERATE_TARGET})")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from runner.bench.cli import common_parser, finish
+
+    parser = common_parser(__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return finish(run(args), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Batched generation (``Engine.generate_batch``) against the single-sequence engine, the oracle.
+
+Every built-in method on tiny llama / qwen2 / qwen3 in float64: each sequence of a batch of 8
+prompts of different lengths must produce the same tokens, kept positions and eviction counts as
+``Engine.generate`` gives it alone. Each architecture runs under a different protocol, so sinks,
+the recent window, prompt protection (kept whole beyond B), ``positions: compact``, a buffered
+cadence, chunked prefill and seeded sampling are all exercised per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from methods import available_methods, build_method
+from runner.engine.batch import auto_batch_size
+from runner.engine.contract import CacheView, EvictionMethod
+from runner.engine.errors import KvleagueError
+from runner.engine.protocol import GenerationSettings, Protocol
+from tests.conftest import ARCHS
+from tests.test_engine import Recorder
+
+METHODS = sorted(available_methods())
+BUDGET = 16
+NEW_TOKENS = 12
+LENGTHS = (5, 8, 11, 14, 17, 20, 24, 28)  # below, at and above the budget
+PROTOCOLS = {
+    "llama": Protocol(sink=2, recent=3),
+    # the prompt is kept whole even beyond B: long prompts drop every generated token at once
+    "qwen2": Protocol(positions="compact", cadence="buffer=3", recent=2, protect_prompt=True, prompt_over_budget="keep"),
+    "qwen3": Protocol(sink=1, prefill_chunk=7),
+}
+SETTINGS = {
+    "llama": GenerationSettings(max_new_tokens=NEW_TOKENS),
+    "qwen2": GenerationSettings(max_new_tokens=NEW_TOKENS),
+    "qwen3": GenerationSettings(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9),  # per-sequence generators
+}
+
+
+@pytest.fixture(scope="module")
+def engines64(tiny_models):
+    from runner.models import load_engine
+
+    torch.set_num_threads(1)
+    out = {}
+    for arch, path in tiny_models.items():
+        engine = load_engine(str(path))
+        engine.model.double()
+        engine.eos_ids = set()  # every sequence decodes NEW_TOKENS: the stop test below sets its own
+        out[arch] = engine
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(engines64) -> list[list[int]]:
+    text = "Once the cache is full, every new token costs an old one; which one goes is the whole question. " * 2
+    ids = engines64["llama"].tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [ids[3 * i : 3 * i + n] for i, n in enumerate(LENGTHS)]
+
+
+def _same(single, batched) -> None:
+    assert batched.token_ids == single.token_ids
+    assert batched.kept_positions == single.kept_positions
+    for name in ("evictions", "evicted_tokens", "peak_cache_entries", "prompt_tokens", "generated_tokens", "stop_reason",
+                 "completion", "attn_implementation", "method", "params", "budget"):
+        assert getattr(batched, name) == getattr(single, name), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", METHODS)
+def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch):
+    engine, protocol, settings = engines64[arch], PROTOCOLS[arch], SETTINGS[arch]
+    seeds = list(range(10, 10 + len(prompts)))
+    alone = [engine.generate(p, build_method(name), BUDGET, protocol, settings, seed=s) for p, s in zip(prompts, seeds)]
+    batched = engine.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, seeds)
+    assert len(batched) == len(prompts)
+    for single, result in zip(alone, batched):
+        _same(single, result)
+    if not build_method(name).never_evicts:  # sequences evict from different steps on (the shortest never)
+        evictions = [r.evictions for r in alone]
+        assert sum(e > 0 for e in evictions) >= 6 and len(set(evictions)) > 3
+
+
+def test_a_batch_mixes_methods_kernels_and_finishing_times(engines64, prompts, monkeypatch):
+    """One batch, eight methods (eager h2o with SDPA ones), EOS ending sequences at different steps."""
+    engine = engines64["llama"]
+    names = ["h2o", "knorm", "epikv", "tova", "snapkv", "streaming_llm", "full", "keydiff"]
+    protocol, settings = Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=24)
+    free = [engine.generate(p, build_method(n), BUDGET, protocol, settings) for p, n in zip(prompts, names)]
+    counts = torch.bincount(torch.tensor([t for r in free for t in r.token_ids[2:]]))
+    monkeypatch.setattr(engine, "eos_ids", {int(counts.argmax())})  # the commonest token ends sequences early
+    alone = [engine.generate(p, build_method(n), BUDGET, protocol, settings) for p, n in zip(prompts, names)]
+    assert {r.stop_reason for r in alone} == {"eos", "length"} and len({r.generated_tokens for r in alone}) > 2
+    batched = engine.generate_batch(prompts, [build_method(n) for n in names], BUDGET, protocol, settings, batch_size=8)
+    for single, result in zip(alone, batched):
+        _same(single, result)
+
+
+class _Copying(Recorder):
+    """Keeps a copy of each observation (its tensors are the engine's, valid during ``observe`` only)."""
+
+    def observe(self, obs) -> None:
+        copy = lambda x: [t.clone() for t in x] if isinstance(x, list) else x
+        super().observe(type(obs)(**{k: copy(v) for k, v in vars(obs).items()}))
+
+
+def test_batch_size_splits_and_observations_equal_the_single_ones(engines64, prompts):
+    """A method that records what it observes sees the same tensors batched (attention rows, queries,
+    new keys and values, hidden states), whatever batch it is in."""
+    engine = engines64["qwen3"]
+    protocol, settings = Protocol(sink=1), GenerationSettings(max_new_tokens=10)
+    alone = []
+    for p in prompts[:5]:
+        method = _Copying()
+        engine.generate(p, method, BUDGET, protocol, settings)
+        alone.append(method.observations)
+    methods = [_Copying() for _ in prompts[:5]]
+    engine.generate_batch(prompts[:5], methods, BUDGET, protocol, settings, batch_size=3)  # batches of 3 and 2
+    for single, method in zip(alone, methods):
+        assert len(method.observations) == len(single)
+        for a, b in zip(single, method.observations):
+            assert (a.phase, a.new_positions.tolist(), a.new_token_ids.tolist()) == (b.phase, b.new_positions.tolist(), b.new_token_ids.tolist())
+            for field in ("cache_positions", "new_keys", "new_values", "queries", "attention"):
+                for x, y in zip(getattr(a, field), getattr(b, field)):
+                    torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-12)
+            for layer in a.hidden_states:
+                torch.testing.assert_close(b.hidden_states[layer], a.hidden_states[layer], rtol=1e-12, atol=1e-12)
+
+
+@dataclass
+class _PaddedKeyNorm(EvictionMethod):
+    """Scores from ``BatchCacheView.keys`` (the padded batch), checked against each sequence's own view."""
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        return torch.stack([-k.norm(dim=-1) for k in cache.keys])
+
+    @classmethod
+    def score_batch(cls, methods, caches):
+        for i, view in enumerate(caches.views):
+            for padded, own in zip(caches.keys, view.keys):
+                assert torch.equal(padded[i, :, : view.length], own)
+            for padded, own in zip(caches.values, view.values):
+                assert torch.equal(padded[i, :, : view.length], own)
+        cls.calls = getattr(cls, "calls", 0) + 1
+        return [torch.stack([-k[i, :, : n].norm(dim=-1) for k in caches.keys]) for i, n in enumerate(caches.lengths)]
+
+
+def test_score_batch_override_sees_the_padded_caches_of_the_evicting_sequences(engines64, prompts):
+    engine = engines64["llama"]
+    protocol, settings = Protocol(sink=1), GenerationSettings(max_new_tokens=12)
+    alone = [engine.generate(p, _PaddedKeyNorm(), BUDGET, protocol, settings) for p in prompts]
+    batched = engine.generate_batch(prompts, [_PaddedKeyNorm() for _ in prompts], BUDGET, protocol, settings)
+    assert _PaddedKeyNorm.calls > 0
+    for single, result in zip(alone, batched):
+        _same(single, result)
+
+
+def test_bad_batches_are_refused_with_one_line(engines64, prompts):
+    engine = engines64["llama"]
+    method = build_method("knorm")
+    cases = [
+        (dict(prompts=prompts[:2], methods=[build_method("knorm")]), "methods: 1 methods for 2 prompts"),
+        (dict(prompts=prompts[:2], methods=[method, method]), "the same instance appears twice"),
+        (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], seeds=[1]), "seeds: 1 seeds"),
+        (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], batch_size=0), "batch_size"),
+        (dict(prompts=[prompts[0], []], methods=[build_method("knorm") for _ in range(2)]), "prompt 1 is an empty"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(KvleagueError, match=message):
+            engine.generate_batch(budget=BUDGET, **kwargs)
+
+
+def test_auto_batch_size_fits_the_memory_it_is_given(engines64):
+    engine = engines64["llama"]
+    per_slot = 2 * engine.n_layers * engine.n_kv_heads * engine.head_dim * 8  # float64
+    prompts = [100] * 40
+    assert auto_batch_size(engine, prompts, 50, 64, available_bytes=1) == 1
+    assert auto_batch_size(engine, prompts, 50, 64, available_bytes=1 << 40) == 40  # capped by the prompts
+    assert auto_batch_size(engine, [100] * 500, 50, 64, available_bytes=1 << 40) == 64
+    # a budget below the prompt: the cache holds the prompt (100 slots); no eviction: prompt + new tokens
+    evicting = auto_batch_size(engine, prompts, 50, 64, available_bytes=30 * per_slot * 150)
+    full = auto_batch_size(engine, prompts, 50, 64, never_evicts=True, available_bytes=30 * per_slot * 150)
+    assert full < evicting <= 40
+    assert evicting * per_slot * 100 <= 0.8 * 30 * per_slot * 150
