@@ -202,18 +202,58 @@ class EpiKVFamily(EvictionMethod):
     def observe(self, obs: Observation) -> None:
         hidden = obs.hidden_states
         if self.series == "all" or obs.phase == "decode":
-            d_a = self._change(self.group_a, hidden)
-            d_b = self._change(self.group_b, hidden)
-            w_a, w_b = self.weights()
-            z_a, z_b = self.z_a.push(d_a), self.z_b.push(d_b)
-            if self.arithmetic == "reference":
-                score = torch.tensor([w_a * a - w_b * b for a, b in zip(z_a.tolist(), z_b.tolist())])  # float32
-            else:
-                score = w_a * z_a - w_b * z_b
-            self.table.write(obs.new_positions, score)
+            self._push(obs.new_positions, self._change(self.group_a, hidden), self._change(self.group_b, hidden))
+        self._remember(hidden)
+
+    def _push(self, positions: torch.Tensor, d_a: torch.Tensor, d_b: torch.Tensor) -> None:
+        """z-score the group signals of the new tokens and freeze their scores."""
+        w_a, w_b = self.weights()
+        z_a, z_b = self.z_a.push(d_a), self.z_b.push(d_b)
+        if self.arithmetic == "reference":
+            score = torch.tensor([w_a * a - w_b * b for a, b in zip(z_a.tolist(), z_b.tolist())])  # float32
+        else:
+            score = w_a * z_a - w_b * z_b
+        self.table.write(positions, score)
+
+    def _remember(self, hidden: dict[int, torch.Tensor]) -> None:
         n = self.info.n_layers
         for layer in set(self.group_a) | set(self.group_b):
             self.previous[layer] = hidden[self._hook(layer, n)][-1]
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        """Decode steps of instances with equal hyperparameters: d^l of every sequence in one tensor
+        operation per layer (the same elementwise arithmetic as ``_change``); the z-scores stay per
+        sequence (each has its own series)."""
+        first = methods[0]
+        if (
+            len(methods) < 2
+            or cls.observe is not EpiKVFamily.observe
+            or any(o.phase != "decode" or o.new_positions.shape[0] != 1 for o in observations)
+            or any(m.params() != first.params() or len(m.previous) < len(set(first.group_a) | set(first.group_b)) for m in methods)
+        ):
+            return super().observe_batch(methods, observations)
+        n = first.info.n_layers
+        reference = first.arithmetic == "reference"
+        distance: dict[int, torch.Tensor] = {}
+        for layer in set(first.group_a) | set(first.group_b):
+            h = torch.stack([o.hidden_states[first._hook(layer, n)][0] for o in observations])
+            prev = torch.stack([m.previous[layer] for m in methods])
+            distance[layer] = (h - prev).norm(dim=-1) if reference else torch.linalg.vector_norm(h.float() - prev.float(), dim=-1)
+        lists = {layer: d.tolist() for layer, d in distance.items()} if reference else None
+
+        def change(layers: list[int], i: int) -> torch.Tensor:
+            if reference:  # as _change: a Python sum in layer order
+                return torch.tensor([sum(lists[layer][i] for layer in layers) / len(layers)], dtype=torch.float64)
+            total = None
+            for layer in layers:
+                d = distance[layer][i : i + 1]
+                total = d if total is None else total + d
+            return (total / len(layers)).double().cpu()
+
+        for i, (method, obs) in enumerate(zip(methods, observations)):
+            method._push(obs.new_positions, change(first.group_a, i), change(first.group_b, i))
+            method._remember(obs.hidden_states)
 
     def token_scores(self, cache: CacheView) -> torch.Tensor:
         """The frozen scores of the cached tokens, float64 ``[T]`` on the CPU."""

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
 from methods.kernels import per_kv_head
 from methods.registry import register_method
 
@@ -72,6 +72,38 @@ class H2O(EvictionMethod):
                 received = received + carry(self.acc[layer], self.acc_positions[layer], positions)
             new_acc.append(received)
         self.acc, self.acc_positions = new_acc, list(obs.cache_positions)
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        """Sequences holding equal numbers of slots before and after the step: each layer's accumulation
+        for all of them in one operation (``carry`` and the GQA mean work on a leading batch dimension)."""
+        if cls.observe is not H2O.observe:
+            return super().observe_batch(methods, observations)
+        keys = [(o.cache_positions[0].shape[-1], None if m.acc is None else tuple(a.shape[-1] for a in m.acc))
+                for m, o in zip(methods, observations)]
+        for members in groups_by(keys):
+            if len(members) == 1:
+                methods[members[0]].observe(observations[members[0]])
+            else:
+                cls._observe_together([methods[i] for i in members], [observations[i] for i in members])
+
+    @classmethod
+    def _observe_together(cls, methods, observations) -> None:
+        n, n_kv = len(methods), methods[0].info.n_kv_heads
+        new_acc: list[list[torch.Tensor]] = [[] for _ in methods]
+        for layer in range(len(observations[0].attention)):
+            rows = torch.stack([o.attention[layer] for o in observations]).sum(dim=2)  # [N, H_q, T]
+            received = rows.view(n, n_kv, rows.shape[1] // n_kv, rows.shape[-1]).mean(dim=2)  # [N, H_kv, T]
+            if methods[0].acc is not None:
+                received = received + carry(
+                    torch.stack([m.acc[layer] for m in methods]),
+                    torch.stack([m.acc_positions[layer] for m in methods]),
+                    torch.stack([o.cache_positions[layer] for o in observations]),
+                )
+            for i in range(n):
+                new_acc[i].append(received[i])
+        for method, acc, obs in zip(methods, new_acc, observations):
+            method.acc, method.acc_positions = acc, list(obs.cache_positions)
 
     def accumulated(self, cache: CacheView) -> torch.Tensor:
         """``[L, H_kv, T]`` accumulated attention of the cached slots."""

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs
+from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
 from methods.registry import register_method
 
 
@@ -28,9 +28,24 @@ class KeyDiff(EvictionMethod):
     needs = Needs(ordered_slots=False)
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        out = []
-        for k in cache.keys:
-            k = k.float()
-            anchor = F.normalize(k, p=2, dim=-1).mean(dim=-2, keepdim=True)
-            out.append(-F.cosine_similarity(k, anchor, dim=-1))
-        return torch.stack(out)
+        return torch.stack([_dissimilarity(k) for k in cache.keys])
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Sequences holding equal numbers of slots (the steady state: all at B) in one computation per
+        layer; the anchor is a mean over the slots, so it never runs over padding."""
+        out: list = [None] * len(caches)
+        for members in groups_by(caches.lengths):
+            n = caches.lengths[members[0]]
+            keys = [k[members, :, :n] if len(members) < len(caches) else k[:, :, :n] for k in caches.keys]
+            scores = torch.stack([_dissimilarity(k) for k in keys])  # [L, n, H, T]
+            for j, i in enumerate(members):
+                out[i] = scores[:, j]
+        return out
+
+
+def _dissimilarity(keys: torch.Tensor) -> torch.Tensor:
+    """``[..., T]``: -cos(k_t, mean normalised key) over the slots of ``keys`` ``[..., T, d]``, float32."""
+    k = keys.float()
+    anchor = F.normalize(k, p=2, dim=-1).mean(dim=-2, keepdim=True)
+    return -F.cosine_similarity(k, anchor, dim=-1)

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs
+from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs
 from methods.registry import register_method
 
 
@@ -21,6 +21,12 @@ class KeyNorm(EvictionMethod):
 
     def score(self, cache: CacheView) -> torch.Tensor:
         return torch.stack([_neg_norm(k) for k in cache.keys])
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """One norm over the padded batch per layer (each row's norm is the same operation)."""
+        norms = torch.stack([_neg_norm(k) for k in caches.keys])  # [L, N, H, S]
+        return [norms[:, i, :, :n] for i, n in enumerate(caches.lengths)]
 
 
 def _neg_norm(keys: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs
+from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
 from methods.registry import register_method
 
 
@@ -34,3 +34,17 @@ class StreamingLLM(EvictionMethod):
         scores = positions.clone()
         scores[sinks] = float("inf")
         return scores
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Sequences holding equal numbers of slots: the ``n_sink`` lowest positions of each row at once."""
+        out: list = [None] * len(caches)
+        for members in groups_by(caches.lengths):
+            positions = torch.stack([caches.views[i].token_positions for i in members]).to(torch.float32)  # [n, T]
+            order = torch.argsort(positions, dim=-1)
+            n_sink = torch.tensor([methods[i].n_sink for i in members], device=positions.device)[:, None]
+            sink = torch.arange(positions.shape[-1], device=positions.device)[None, :] < n_sink  # in sorted order
+            scores = positions.scatter(1, order, torch.where(sink, float("inf"), positions.gather(1, order)))
+            for j, i in enumerate(members):
+                out[i] = scores[j]
+        return out

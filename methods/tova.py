@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
 from methods.registry import register_method
 from runner.engine.errors import KvleagueError
 
@@ -34,6 +34,19 @@ class TOVA(EvictionMethod):
 
     def observe(self, obs: Observation) -> None:
         self.last = torch.stack([rows[:, -1, :].mean(dim=0) for rows in obs.attention])
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        """Sequences holding equal numbers of slots: the head mean of their newest rows in one operation
+        per layer."""
+        if cls.observe is not TOVA.observe:
+            return super().observe_batch(methods, observations)
+        for members in groups_by([o.attention[0].shape[-1] for o in observations]):
+            rows = [observations[i].attention for i in members]
+            per_layer = [torch.stack([r[l][:, -1, :] for r in rows]).mean(dim=1) for l in range(len(rows[0]))]
+            last = torch.stack(per_layer, dim=1)  # [n, L, T]
+            for j, i in enumerate(members):
+                methods[i].last = last[j]
 
     def score(self, cache: CacheView) -> torch.Tensor:
         if self.last is None or self.last.shape[-1] != cache.length:

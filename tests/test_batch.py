@@ -83,6 +83,36 @@ def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch
         assert sum(e > 0 for e in evictions) >= 6 and len(set(evictions)) > 3
 
 
+#: the built-ins that vectorise: (observe_batch, score_batch) replace per-sequence calls on equal-length rows
+VECTORISED = {"epikv": ("observe",), "epikv_bands": ("observe",), "h2o": ("observe",), "tova": ("observe",),
+              "knorm": ("score",), "keydiff": ("score",), "streaming_llm": ("score",)}
+
+
+@pytest.mark.parametrize("name", sorted(VECTORISED))
+def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64, prompts, name):
+    """Equal-length prompts (different tokens) put every row at B together: the vectorised paths run
+    (no per-sequence ``observe`` / ``score`` call while decoding) and still match the oracle."""
+    engine, protocol, settings = engines64["llama"], Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=10)
+    same_length = [p[-14:] for p in prompts[4:]] + [list(reversed(p[-14:])) for p in prompts[4:]]
+    alone = [engine.generate(p, build_method(name), 12, protocol, settings) for p in same_length]
+    methods = [build_method(name) for _ in same_length]
+    calls = []
+    for m in methods:
+        for hook in VECTORISED[name]:
+            original = getattr(m, hook)
+
+            def spy(arg, original=original, hook=hook):
+                if arg.phase == "decode":
+                    calls.append(hook)
+                return original(arg)
+
+            setattr(m, hook, spy)
+    batched = engine.generate_batch(same_length, methods, 12, protocol, settings)
+    assert not calls, f"per-sequence {calls[0]} called: the vectorised path did not run"
+    for single, result in zip(alone, batched):
+        _same(single, result)
+
+
 def test_a_batch_mixes_methods_kernels_and_finishing_times(engines64, prompts, monkeypatch):
     """One batch, eight methods (eager h2o with SDPA ones), EOS ending sequences at different steps."""
     engine = engines64["llama"]

@@ -8,6 +8,9 @@ passes over the decode time (first generated token to last: the engine's step ti
 ``model.generate``), so both count the same passes and exclude prefill. All runs alternate round by
 round, so every ratio compares runs made side by side under the same machine load.
 
+``<method>/single`` rows are ``Engine.generate`` (the single-sequence path) on the first prompt, so
+the batched path at batch 1 is compared with it.
+
 Targets (2 CPU cores): batch 8 / batch 1 >= 3.0 for full and >= 2.5 for epikv; engine (full) /
 ``model.generate`` >= 0.9 at every batch size.
 """
@@ -48,6 +51,16 @@ def time_engine(engine, prompts: list[list[int]], method: str, budget: int, new_
             "tokens": [r.token_ids for r in results]}
 
 
+def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens: int) -> dict:
+    """``Engine.generate`` (the single-sequence path), for the batch-1 comparison."""
+    from methods import build_method
+    from runner.engine.protocol import GenerationSettings, Protocol
+
+    result = engine.generate(prompt, build_method(method), budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens))
+    decode = result.decode_seconds_mean * result.generated_tokens
+    return {"decode_tps": (new_tokens - 1) / decode, "tokens": [result.token_ids]}
+
+
 def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> dict:
     import torch
 
@@ -82,7 +95,7 @@ def run(args) -> dict:
     env = h.environment()
     print(f"batched decoding: {label}; prompts of {prompt_tokens}, {new_tokens} new tokens, budget {budget}, batch sizes "
           f"{sizes}, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
-    runs = {}
+    runs = {(f"{m}/single", 1): (lambda m=m: time_single(engine, prompts[0], m, budget, new_tokens)) for m in methods}
     for b in sizes:
         for m in methods:
             runs[(m, b)] = lambda m=m, b=b: time_engine(engine, prompts[:b], m, budget, new_tokens)
@@ -100,7 +113,11 @@ def run(args) -> dict:
     common = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens, budget=budget)
     figures = [h.figure("decode_tokens_per_second", row["decode_tokens_per_second"], "tokens/s", method=row["method"],
                         batch_size=row["batch_size"], **common) for row in rows]
-    summary: dict = {"speedup_batch_8": {}, "engine_over_generate": {}}
+    summary: dict = {"speedup_batch_8": {}, "engine_over_generate": {}, "batch_1_over_single": {}}
+    for m in methods:
+        value = h.ratio(tps.get((m, 1)), tps.get((f"{m}/single", 1)))
+        summary["batch_1_over_single"][m] = value
+        figures.append(h.figure("batch_1_over_single", value, "x", method=m, batch_size=1, reference="Engine.generate", **common))
     for m in methods + ["generate"]:
         value = h.ratio(tps.get((m, 8)), tps.get((m, 1)))
         summary["speedup_batch_8"][m] = value
@@ -134,6 +151,9 @@ def print_report(report: dict) -> None:
         target = SPEEDUP_TARGETS.get(m)
         if v is not None:
             print(f"{m}: batch 8 / batch 1 = {v:.2f}" + (f" (target >= {target})" if target else ""))
+    for m, v in s["batch_1_over_single"].items():
+        if v is not None:
+            print(f"{m}: generate_batch at batch 1 / Engine.generate = {v:.3f}")
     for b, v in s["engine_over_generate"].items():
         if v is not None:
             print(f"engine (full) / model.generate at batch {b}: {v:.3f} (target >= {GENERATE_TARGET})")

@@ -109,10 +109,15 @@ def generate_batch(
         for start in range(0, len(members), size):
             chunk = members[start : start + size]
             sessions = [Session(engine, methods[i], budget, protocol, seeds[i]) for i in chunk]
-            for session, i in zip(sessions, chunk):
-                with session:
-                    session.feed(ids[i])
-            _BatchDecode(engine, sessions, settings).run()
+            if len(chunk) == 1:  # a batch of one is the single path itself
+                with sessions[0] as session:
+                    session.feed(ids[chunk[0]])
+                    session.decode(settings)
+            else:
+                for session, i in zip(sessions, chunk):
+                    with session:
+                        session.feed(ids[i])
+                _BatchDecode(engine, sessions, settings).run()
             for session, i in zip(sessions, chunk):
                 results[i] = session.result()
     return results

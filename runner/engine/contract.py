@@ -155,6 +155,15 @@ class CacheView:
         return self.positions[0][0]
 
 
+def groups_by(keys: Sequence) -> list[list[int]]:
+    """Indices ``0..N-1`` grouped by equal ``keys[i]`` (first-seen order): the sequences of a batch a
+    method can process as one tensor (e.g. those holding the same number of slots)."""
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
 class BatchCacheView:
     """The caches of the sequences of a batch that evict now (one method class), for ``score_batch``.
 
@@ -245,6 +254,7 @@ class EvictionMethod:
 __all__ = [
     "BatchCacheView",
     "CacheView",
+    "groups_by",
     "EvictionMethod",
     "Needs",
     "Observation",
