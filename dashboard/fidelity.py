@@ -30,7 +30,8 @@ from scipy.stats import bootstrap, wilcoxon
 from dashboard import common_set as cs
 from dashboard import multiplicity, stats
 from dashboard import queries as q
-from dashboard.tables import PAPER_BASELINES, full_cache_ids, full_reference_budget, method_label
+from dashboard.paper import PAPER_BASELINES, REFERENCE_FAMILY
+from dashboard.tables import full_cache_ids, full_reference_budget, method_label
 
 LEVEL = stats.LEVEL
 N_RESAMPLES = 2000
@@ -279,11 +280,11 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
     full_ids = full_cache_ids(dims)
     data = load(engine, filters)
     rows = []
-    for budget in sorted({b for m, by_budget in data.items() if name(m) in q.REFERENCE_FAMILY for b in by_budget}):
+    for budget in sorted({b for m, by_budget in data.items() if name(m) in REFERENCE_FAMILY for b in by_budget}):
         samples, _ = at_budget(data, budget, full_ids)
         for domain, tasks in _domains(samples, dims).items():
             methods = _present(samples, tasks)
-            family = [m for m in methods if name(m) in q.REFERENCE_FAMILY]
+            family = [m for m in methods if name(m) in REFERENCE_FAMILY]
             baselines = [m for m in methods if name(m) in PAPER_BASELINES]
             if not family or not baselines:
                 continue

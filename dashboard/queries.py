@@ -47,8 +47,6 @@ B = BenchmarkResult.__table__
 
 
 FULL = "full"
-REFERENCE_FAMILY = ("epikv", "epikv_bands", "epikv_seg", "lag_kv")
-ATTENTION_BASELINES = ("h2o", "tova", "snapkv", "rkv", "thinkv")
 DECODINGS = ("greedy", "sampled")
 
 

@@ -22,6 +22,7 @@ import pandas as pd
 from sqlalchemy import case, distinct, func, select
 
 from dashboard import fidelity as fid
+from dashboard import paper
 from dashboard import queries as q
 from dashboard import tables
 from dashboard.head_to_head import head_to_head
@@ -31,9 +32,7 @@ from db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
 R = SampleResult.__table__
 REPORT = "replication.md"
 FIGURES = "replication_figures"
-EPIKV = "epikv"
-#: the baselines that score tokens by attention: the paper's question is whether EpiKV matches them
-ATTENTION_BASELINES = ("h2o", "h2o_authors", "tova", "snapkv", "thinkv", "thinkv_authors", "rkv", "rkv_authors")
+EPIKV = paper.REFERENCE_METHOD
 ALPHA = 0.05
 
 
@@ -160,7 +159,7 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
             continue
         first = row["A"] == label
         other = row["B"] if first else row["A"]
-        if name_of.get(other, other) not in ATTENTION_BASELINES:
+        if name_of.get(other, other) not in paper.ATTENTION_SCORING:
             continue
         d = row[delta] if first else -row[delta]
         kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("better" if (d < 0) == lower_is_better else "worse")
@@ -236,7 +235,7 @@ class _Writer:
         self.engine, self.out = engine, out
         self.name_of = method_names(dims)
         # the EpiKV family is drawn solid in the figures, every other method dashed
-        self.family = {label for label, name in self.name_of.items() if name in q.REFERENCE_FAMILY}
+        self.family = {label for label, name in self.name_of.items() if name in paper.REFERENCE_FAMILY}
         self.figures = out / FIGURES
         self.lines: list[str] = []
         self.findings: list[str] = []
@@ -338,7 +337,8 @@ def _signals(w: _Writer) -> None:
     w.add("## Signal studies", "",
           "Spearman's rho between per-token signals and importance by occlusion (the increase in the reference "
           "continuation's NLL when a window is occluded), pooled over samples as the EpiKV authors pool, with 95% "
-          "bootstrap intervals over samples. The paper's bands: positive at 22-41% of depth, negative at 56-78%.", "",
+          "bootstrap intervals over samples. The paper's bands: positive at "
+          f"{paper.band_text(paper.POSITIVE_LAYERS)} of depth, negative at {paper.band_text(paper.NEGATIVE_LAYERS)}.", "",
           signals.markdown(df), "")
     for _, v in signals.band_verdicts(signals.depth_table(df)).iterrows():
         w.findings.append(

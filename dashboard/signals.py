@@ -13,7 +13,7 @@ import sys
 import pandas as pd
 from sqlalchemy import inspect, select
 
-from dashboard.signals_reference import NEGATIVE_BAND, POSITIVE_BAND, PUBLISHED_LAYER_RHO, N_LAYERS
+from dashboard.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBLISHED_LAYER_RHO
 
 #: the paper's per-layer signal
 DEPTH_FAMILY = "hs_l2_diff_rolling64"
@@ -104,7 +104,7 @@ def signal_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
 
 
 def reference_series() -> pd.DataFrame:
-    """The authors' published per-layer rho (dashboard/signals_reference.py) at depth = layer / 32."""
+    """The authors' published per-layer rho (dashboard/paper.yaml) at depth = layer / 32."""
     rows = [{"dataset": name, "layer": i, "depth": i / N_LAYERS, "rho": rho, "source": source}
             for name, (source, _, values) in PUBLISHED_LAYER_RHO.items() for i, rho in enumerate(values)]
     return pd.DataFrame(rows)

@@ -17,20 +17,9 @@ import pandas as pd
 from dashboard import common_set as cs
 from dashboard import queries as q
 from dashboard import multiplicity, score_tests, stats
+# the paper's claims and method families are data (dashboard/paper.yaml)
+from dashboard.paper import ACCURACY_CLAIMS, CONTEXT_VS_ATTENTION, PAPER_BASELINES, REFERENCE_FAMILY, SPEEDUP_VS_FULL
 
-#: the published claims the scorecard sets measurements against (accuracy in %)
-PAPER_ACCURACY_CLAIMS = (
-    # (task, budget, who, paper value, label)
-    ("math500", 4096, ("epikv",), 72.0, "EpiKV"),
-    ("math500", 4096, ("thinkv",), 71.0, "ThinKV"),
-    ("math500", 4096, ("h2o",), 67.0, "H2O"),
-    ("math500", 4096, (q.FULL,), 75.0, "full cache"),
-    ("aime24", 8192, ("lag_kv",), 37.0, "lag-normalised KV"),
-    ("aime24", 8192, ("thinkv",), 33.0, "best attention baseline (ThinKV, fixed in advance)"),
-    ("aime24", 8192, (q.FULL,), 43.0, "full cache"),
-)
-PAPER_SPEEDUP = 2.8
-PAPER_CONTEXT = 16.0
 NOT_MEASURED = stats.NOT_MEASURED
 
 
@@ -257,8 +246,6 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
 # Replication scorecard
 # ------------------------------------------------------------------------------------------------
 
-#: the baselines the paper compares EpiKV with, fixed in advance (never the best one on the same data)
-PAPER_BASELINES = ("h2o", "thinkv")
 SCORECARD_COLUMNS = ["domain", "budget", "method", "claim", "reference", "accuracy", "reference %", "Δ", "Δ 95% CI",
                      "problems", "test", "p", "p (Holm)", "verdict"]
 
@@ -274,7 +261,7 @@ def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, A
     name = lambda i: methods.get(i, {}).get("name")  # noqa: E731
     domain_of = _domain_of_cell(tasks)
     family_budgets = sorted({int(b) for b, n in q.method_budgets(
-        engine, filters, [i for i in methods if name(i) in q.REFERENCE_FAMILY]).items() if n})
+        engine, filters, [i for i in methods if name(i) in REFERENCE_FAMILY]).items() if n})
     if filters.budgets is not None:
         family_budgets = [b for b in family_budgets if b in filters.budgets]
     rows: list[dict[str, Any]] = []
@@ -283,7 +270,7 @@ def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, A
         results, full_id, _ = budget_results(engine, filters, b, dims)
         for d in sorted({domain_of(c) for cells in results.values() for c in cells}):
             here = sorted(m for m in results if any(domain_of(c) == d for c in results[m]))
-            family = [m for m in here if name(m) in q.REFERENCE_FAMILY]
+            family = [m for m in here if name(m) in REFERENCE_FAMILY]
             if not family:
                 continue
             refs = [m for m in here if name(m) in PAPER_BASELINES] + ([full_id] if full_id in here else [])
@@ -335,7 +322,7 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
     methods, tasks = dims["methods"], dims["tasks"]
     base = replace(filters, domains=None, tasks=None, budgets=None)
     rows = []
-    for task_name, budget, who, value, label in PAPER_ACCURACY_CLAIMS:
+    for task_name, budget, who, value, label in ACCURACY_CLAIMS:
         task_ids = tuple(t for t, v in tasks.items() if v["name"] == task_name)
         specs = [i for i, m in methods.items() if m["name"] in who]
         found = _own_accuracy(engine, replace(base, tasks=task_ids), specs, budget) if task_ids and specs else None
@@ -355,7 +342,7 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
 
     cost = q.cost_rows(engine, replace(base), by_domain=True)
     full_ids = set(full_cache_ids(dims))
-    family = {i for i, m in methods.items() if m["name"] in q.REFERENCE_FAMILY}
+    family = {i for i, m in methods.items() if m["name"] in REFERENCE_FAMILY}
     full_cost = {(c["budget"], c["domain"]): c for c in cost if c["method_spec_id"] in full_ids}
     best_speed: tuple[float, str] | None = None
     best_ctx: tuple[float, str] | None = None
@@ -379,10 +366,10 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
             if best_ctx is None or x > best_ctx[0]:
                 best_ctx = (x, where)
     no_test = {"p vs paper": math.nan, "p vs paper (Holm)": math.nan, "verdict": "-", "problems": 0}
-    rows.append({"claim": "decoding speed vs full cache (tokens/s), best setting", "paper": f"up to {PAPER_SPEEDUP:g}x",
+    rows.append({"claim": "decoding speed vs full cache (tokens/s), best setting", "paper": f"up to {SPEEDUP_VS_FULL:g}x",
                  "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]})" if best_speed else NOT_MEASURED, **no_test})
     rows.append({"claim": "feasible context in the same KV memory (full / method peak cache entries)",
-                 "paper": f"{PAPER_CONTEXT:g}x", "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
+                 "paper": f"{CONTEXT_VS_ATTENTION:g}x", "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
                  **no_test})
     rows += [{**r, **no_test} for r in _systems_claims(latest_benchmark_runs(q.benchmark_rows(engine)))]
     return pd.DataFrame(rows, columns=["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"])
@@ -398,9 +385,9 @@ def _ratio_text(fig: dict[str, Any]) -> str:
 def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The claims row for each systems-benchmark ratio (epikv over a reference), from the latest run:
     the largest ratio over the budgets measured."""
-    claims = (("decoding speed epikv / full", "speed_ratio", "full", f"up to {PAPER_SPEEDUP:g}x"),
+    claims = (("decoding speed epikv / full", "speed_ratio", "full", f"up to {SPEEDUP_VS_FULL:g}x"),
               ("decoding speed epikv / h2o", "speed_ratio", "h2o", "-"),
-              ("feasible context epikv / h2o", "feasible_context_ratio", "h2o", f"{PAPER_CONTEXT:g}x"))
+              ("feasible context epikv / h2o", "feasible_context_ratio", "h2o", f"{CONTEXT_VS_ATTENTION:g}x"))
     rows = []
     for label, metric, reference, paper in claims:
         found = [f for f in figures if (f["metric"], f["method"], f["reference"]) == (metric, "epikv", reference)

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dashboard.signals_reference import PUBLISHED_LAYER_RHO  # noqa: E402
+from dashboard.paper import PUBLISHED_LAYER_RHO  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 N_LAYERS = 32

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import fidelity
-from dashboard import queries as q
-from dashboard import stats, tables
+from dashboard import fidelity, paper, stats
 from dashboard.views.common import empty, pick_weighting, styled
 
 
 def render(ctx) -> None:
     st.title("Replication scorecard")
     st.caption(
-        f"Reference family: {', '.join(q.REFERENCE_FAMILY)}. Baselines: {', '.join(tables.PAPER_BASELINES)}, the ones the "
+        f"Reference family: {', '.join(paper.REFERENCE_FAMILY)}. Baselines: {', '.join(paper.PAPER_BASELINES)}, the ones the "
         "paper compares with, fixed in advance (never the best one on the same data). One row per claim: *better than* a "
         "baseline (score test of Δ = 0) and *within the margin of full cache* (score test of Δ = -margin). Each (domain, "
         "budget) uses the problem cells every method in it has, failed samples counted as wrong, questions as the unit. "

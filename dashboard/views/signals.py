@@ -9,7 +9,15 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import signals as sig
-from dashboard.signals_reference import NEGATIVE_BAND, POSITIVE_BAND, SOURCE_COMMIT, SOURCE_REPOSITORY
+from dashboard.paper import (
+    N_LAYERS,
+    NEGATIVE_BAND,
+    NEGATIVE_LAYERS,
+    POSITIVE_BAND,
+    POSITIVE_LAYERS,
+    SOURCE_COMMIT,
+    SOURCE_REPOSITORY,
+)
 from dashboard.views.common import INT
 
 RHO = st.column_config.NumberColumn(format="%+.3f")
@@ -24,8 +32,11 @@ def _rows(url: str) -> pd.DataFrame:
 
 def depth_chart(depth: pd.DataFrame, reference: pd.DataFrame) -> alt.LayerChart:
     """One line per domain (with its interval band), the authors' series dashed, the paper's bands shaded."""
-    bands = pd.DataFrame([{"from": POSITIVE_BAND[0], "to": POSITIVE_BAND[1], "band": "paper: positive band (layers 7-13 of 32)"},
-                          {"from": NEGATIVE_BAND[0], "to": NEGATIVE_BAND[1], "band": "paper: negative band (layers 18-25 of 32)"}])
+    bands = pd.DataFrame([
+        {"from": POSITIVE_BAND[0], "to": POSITIVE_BAND[1],
+         "band": f"paper: positive band (layers {POSITIVE_LAYERS[0]}-{POSITIVE_LAYERS[1]} of {N_LAYERS})"},
+        {"from": NEGATIVE_BAND[0], "to": NEGATIVE_BAND[1],
+         "band": f"paper: negative band (layers {NEGATIVE_LAYERS[0]}-{NEGATIVE_LAYERS[1]} of {N_LAYERS})"}])
     shade = alt.Chart(bands).mark_rect(opacity=0.12).encode(
         x=alt.X("from:Q"), x2="to:Q", color=alt.Color("band:N", scale=alt.Scale(range=["#2a9d8f", "#e63946"]), title=None))
     base = alt.Chart(depth).encode(x=alt.X("depth:Q", title="layer depth (layer / layers)", scale=alt.Scale(domain=[0, 1])))

@@ -22,10 +22,11 @@ import argparse
 import sys
 import time
 
+from dashboard import paper
+
 DEFAULT_METHODS = ("full", "epikv", "h2o")
 QUICK_METHODS = ("full", "epikv")
 SEGMENTS = 16
-PAPER_SPEEDUP = 2.8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,7 +138,7 @@ def run(args) -> dict:
         ]
         if r["method"] != "full":
             figures.append(h.figure("speed_ratio", r["speed_vs_full"], "x", reference="full",
-                                    paper_claim=PAPER_SPEEDUP if r["method"] == "epikv" else None, **common))
+                                    paper_claim=paper.SPEEDUP_VS_FULL if r["method"] == paper.REFERENCE_METHOD else None, **common))
     by_key = {(r["method"], r["budget"]): r for r in rows}
     for budget in budgets:
         for a, b in (("epikv", "h2o"), ("epikv", "full")):
@@ -150,7 +151,7 @@ def run(args) -> dict:
               "cadence": args.cadence, "prefill_chunk": args.prefill_chunk, "rounds": args.rounds, "clock": args.clock,
               "threads": threads, "segments": SEGMENTS, "quick": args.quick}
     report = h.make_report("decode_speed", config=config, rows=rows, figures=figures,
-                           summary={"ratios": ratios, "paper_claim_speedup": PAPER_SPEEDUP}, env=env, started=started)
+                           summary={"ratios": ratios, "paper_claim_speedup": paper.SPEEDUP_VS_FULL}, env=env, started=started)
     print_report(report)
     return report
 

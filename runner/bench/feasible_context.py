@@ -35,9 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from dashboard import paper
+
 ATTENTION_FREE = ("epikv", "lag_kv", "knorm", "streaming_llm")
 ATTENTION_BASED = ("h2o", "snapkv", "tova")
-PAPER_RATIO = 16.0
 PROBE_MARK = "KVLEAGUE_PROBE "
 GIB = 1 << 30
 
@@ -258,12 +259,12 @@ def run(args) -> dict:
     for q in ratios:
         figures.append(h.figure("feasible_context_ratio", q["ratio"], "x", method=q["numerator"], budget=args.budget,
                                 reference=q["denominator"], at_least=q["at_least"], undetermined=q["undetermined"],
-                                paper_claim=PAPER_RATIO if q["numerator"] == "epikv" else None))
+                                paper_claim=paper.CONTEXT_VS_ATTENTION if q["numerator"] == paper.REFERENCE_METHOD else None))
     config = {"model": model, "memory_cap_bytes": cap, "memory_source": source, "max_tokens": max_tokens, "start": args.start,
               "resolution": args.resolution, "relative": args.relative, "budget": args.budget, "prefill_chunk": args.prefill_chunk,
               "chunk_attention_based": args.chunk_attention_based, "attention_based_impl": args.attention_based_impl,
               "decode_steps": args.decode_steps, "probe_timeout": args.probe_timeout, "threads": args.threads, "quick": args.quick}
-    summary = {"ratios": ratios, "paper_claim_epikv_over_attention_based": PAPER_RATIO}
+    summary = {"ratios": ratios, "paper_claim_epikv_over_attention_based": paper.CONTEXT_VS_ATTENTION}
     report = h.make_report("feasible_context", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
     print_report(report)
     return report
