@@ -1,7 +1,7 @@
 """Simulated leaderboards with a known truth, to measure how the statistics behave: the rejection rate
 of each test under a true null and the coverage of each interval, per number of questions and
 samples per question. Used by tests/test_stats_calibration.py (asserted) and
-benchmarks/stats_calibration.py (the table in docs/statistics.md).
+runner/bench/stats_calibration.py (the table in docs/statistics.md).
 
 A question has a latent solve rate ``p ~ Beta(a, b)``; each method draws ``k ~ Binomial(m, p')`` with
 ``p' = p`` for the reference and ``p' = clip(p + shift)`` for the method, independently. ``m = 1`` is

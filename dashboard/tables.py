@@ -1,6 +1,6 @@
 """The data behind each page: SQL aggregates (:mod:`dashboard.queries`) turned into tables with
 intervals and tests (:mod:`dashboard.stats`). Pure functions of an engine and filters, so the pages,
-the tests and ``benchmarks/dashboard_load.py`` all compute the same numbers.
+the tests and ``runner/bench/dashboard_load.py`` all compute the same numbers.
 
 Percentages are on the 0-100 scale; differences are percentage points (method minus reference).
 """

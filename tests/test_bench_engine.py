@@ -1,5 +1,5 @@
 """The engine's fast paths (slab cache layers, in-place eviction, grouped attention probe) against
-plain reference computations. Timing is never asserted here; ``benchmarks/`` measures it."""
+plain reference computations. Timing is never asserted here; ``runner/bench/`` measures it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The simulation harness of issue 15: under a true null each test rejects about 5% of the time and
 each 95% interval covers the truth about 95% of the time, at n = 10, 30, 100 questions with 1 and 3
 samples per question (asserted within 1.5 points on the anti-conservative side; conservative is
-allowed, as it must be for discrete data). n = 5 is measured by benchmarks/stats_calibration.py and
+allowed, as it must be for discrete data). n = 5 is measured by runner/bench/stats_calibration.py and
 flagged "too few problems" on the pages. Fixed seeds; 3,000 replicates per cell (Monte Carlo
 standard error ~0.4 points), so this is a tripwire for a broken procedure, and docs/statistics.md
 has the 4,000-replicate table."""

@@ -4,7 +4,7 @@ For every layer it tracks, slot by slot, the absolute position of the token held
 that token was fed (prompt) or generated. Eviction selects per layer and KV head and **physically
 removes** the dropped slots, so memory really shrinks.
 
-Speed (see ``benchmarks/decode_speed.py``): each layer keeps its keys and values in a preallocated
+Speed (see ``runner/bench/decode_speed.py``): each layer keeps its keys and values in a preallocated
 slab (:class:`SlabLayer`) whose capacity covers the budget plus what one forward pass can add, so a
 decode step writes the new entry in place instead of concatenating a new copy of the whole cache,
 and an eviction moves only what it must:

@@ -6,7 +6,7 @@ times, without Streamlit's cache, what the Leaderboard page computes on a first 
 options and the leaderboard (per-cell rows, the common problem set of each table, Wilson and Tango
 score intervals and tests, rank intervals from all pairwise tests). Best and median of ``--repeats`` runs.
 
-    python benchmarks/dashboard_load.py [--rows 200000] [--n-samples 1] [--completion-chars 300] [--db URL] [--json OUT]
+    python -m runner.bench.dashboard_load [--rows 200000] [--n-samples 1] [--completion-chars 300] [--db URL] [--json OUT]
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dashboard import queries as q  # noqa: E402
 from dashboard import tables  # noqa: E402

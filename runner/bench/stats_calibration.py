@@ -3,20 +3,17 @@ the rejection rate of the test under a true null (nominal 5%) and the coverage o
 on simulated data with a known truth (:mod:`dashboard.calibration`). The measured table is in
 docs/statistics.md.
 
-    python benchmarks/stats_calibration.py [--reps 4000] [--seed 0] [--json OUT]
+    python -m runner.bench.stats_calibration [--reps 4000] [--seed 0] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dashboard import calibration  # noqa: E402
+from dashboard import calibration
 
 NS = (5, 10, 30, 100)
 SAMPLES = (1, 3)

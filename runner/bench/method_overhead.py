@@ -20,8 +20,8 @@ The default clock is the process CPU time with one torch thread: on a shared mac
 mostly measures the other tenants; CPU time of a single-threaded run does not (``--clock wall`` for
 wall time with torch's default threads).
 
-    python benchmarks/method_overhead.py [--quick] [--budgets 256 1024 4096] [--methods epikv h2o ...]
-                                         [--clock cpu|wall] [--json method_overhead.json]
+    python -m runner.bench.method_overhead [--quick] [--budgets 256 1024 4096] [--methods epikv h2o ...]
+                                           [--clock cpu|wall] [--json method_overhead.json]
 
 The default run (8 layers, hidden 768: 41M parameters; 3 budgets; every registered method) takes
 about 10 minutes on an idle 2-core machine; ``--quick`` (budgets 256 and 1024, 16 steps, buffer
