@@ -58,7 +58,7 @@ def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens:
 
     result = engine.generate(prompt, build_method(method), budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens))
     decode = result.decode_seconds_mean * result.generated_tokens
-    return {"decode_tps": (new_tokens - 1) / decode, "tokens": [result.token_ids]}
+    return {"decode_tps": (new_tokens - 1) / decode, "evictions": result.evictions, "tokens": [result.token_ids]}
 
 
 def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> dict:
@@ -107,7 +107,7 @@ def run(args) -> dict:
         tps[(m, b)] = h.median(r["decode_tps"] for r in out)
         rows.append({"method": m, "batch_size": b, "decode_tokens_per_second": tps[(m, b)],
                      "speedup_vs_batch_1": h.ratio(tps[(m, b)], tps.get((m, sizes[0]))) if sizes[0] == 1 else None,
-                     "per_round_tps": [r["decode_tps"] for r in out]})
+                     "evictions": out[0].get("evictions"), "per_round_tps": [r["decode_tps"] for r in out]})
     for row in rows:  # batch 1 may come after the others in the dict
         row["speedup_vs_batch_1"] = h.ratio(row["decode_tokens_per_second"], tps.get((row["method"], 1)))
     common = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens, budget=budget)

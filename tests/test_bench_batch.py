@@ -1,0 +1,25 @@
+"""``kvleague bench batch`` end to end on a tiny model: the report's structure and its token checks,
+never its speed (speed targets live in the benchmark's own output)."""
+
+from __future__ import annotations
+
+from runner.bench import harness as h
+from tests.test_bench import _cli
+
+
+def test_bench_batch_reports_every_method_and_batch_size_beside_generate(tiny_models, tmp_path, capsys):
+    _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "24", "--new-tokens", "6",
+          "--batch-sizes", "1,2,8", "--methods", "full,epikv", "--threads", "1", "--json", str(tmp_path / "b.json")])
+    report = h.read_report(tmp_path / "b.json")
+    assert report["benchmark"] == "batch"
+    rows = {(r["method"], r["batch_size"]): r for r in report["rows"]}
+    assert set(rows) == {("full/single", 1), ("epikv/single", 1)} | {
+        (m, b) for m in ("full", "epikv", "generate") for b in (1, 2, 8)}
+    assert all(r["decode_tokens_per_second"] > 0 for r in report["rows"])
+    assert all(rows[("epikv", b)]["evictions"] > 0 for b in (1, 2, 8)) and rows[("full", 8)]["evictions"] == 0
+    assert set(report["summary"]["speedup_batch_8"]) == {"full", "epikv", "generate"}
+    # no eviction and equal-length prompts: the batched engine decodes exactly what model.generate does
+    same = [f for f in report["figures"] if f["metric"] == "speed_ratio"]
+    assert [f["details"]["batch_size"] for f in same] == [1, 2, 8] and all(f["details"]["same_tokens"] for f in same)
+    assert {f["metric"] for f in report["figures"]} >= {"decode_tokens_per_second", "batch_speedup", "batch_1_over_single"}
+    assert "batch 8 / batch 1" in capsys.readouterr().out
