@@ -187,6 +187,21 @@ def test_score_batch_override_sees_the_padded_caches_of_the_evicting_sequences(e
         _same(single, result)
 
 
+def test_slabs_that_must_grow_keep_every_row(engines64, prompts, monkeypatch):
+    """Slabs that start with one free slot per row grow as the rows do, every row intact."""
+    from runner.engine import batch
+
+    monkeypatch.setattr(batch._BatchDecode, "_initial_capacity", lambda self: max(s.cache.length for s in self.sessions) + 1)
+    engine = engines64["qwen2"]
+    names = ["full", "knorm"] * 4
+    settings = [GenerationSettings(max_new_tokens=n) for n in (12, 20)]
+    for setting in settings:
+        alone = [engine.generate(p, build_method(n), BUDGET, Protocol(sink=1), setting) for p, n in zip(prompts, names)]
+        batched = engine.generate_batch(prompts, [build_method(n) for n in names], BUDGET, Protocol(sink=1), setting)
+        for single, result in zip(alone, batched):
+            _same(single, result)
+
+
 def test_bad_batches_are_refused_with_one_line(engines64, prompts):
     engine = engines64["llama"]
     method = build_method("knorm")

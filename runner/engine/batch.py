@@ -233,13 +233,7 @@ class _BatchDecode:
         self.active = list(range(len(sessions)))  # slab row r holds sessions[active[r]]
         self.rows = _Rows()
         self.logits = torch.stack([s.logits for s in sessions])
-        evicting = [s for s in sessions if not s.method.never_evicts]
-        longest = max(s.cache.length for s in sessions)
-        if evicting and len(evicting) == len(sessions):
-            capacity = max(longest, max(s.budget + s.protocol.buffer for s in sessions)) + 1
-        else:
-            capacity = longest + settings.max_new_tokens
-        self._build_slabs(capacity)
+        self._build_slabs(self._initial_capacity())
         # what the batch must observe: the union of what its methods need
         needs = [s.method.needs for s in sessions if not s.method.never_evicts]
         self.hidden_layers = sorted({layer for s in sessions if not s.method.never_evicts for layer in s.hidden_layers})
@@ -249,6 +243,14 @@ class _BatchDecode:
         self.stop_window = 4 * max((len(x) for x in settings.stop), default=0) + 8
 
     # -- the batched slabs ------------------------------------------------------------------------
+
+    def _initial_capacity(self) -> int:
+        """Slots per row: what the longest row can reach (evicting: B + buffer + the step's token;
+        otherwise every new token), so the slabs never grow in the usual case."""
+        longest = max(s.cache.length for s in self.sessions)
+        if all(not s.method.never_evicts for s in self.sessions):
+            return max(longest, max(s.budget + s.protocol.buffer for s in self.sessions)) + 1
+        return longest + self.settings.max_new_tokens
 
     def _build_slabs(self, capacity: int) -> None:
         n = len(self.active)
