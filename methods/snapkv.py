@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import QueryWindow, check_window_kernel, window_importance
+from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
+from methods.kernels import QueryWindow, check_window_kernel, pool, window_importance
 from methods.registry import register_method
 
 
@@ -55,3 +55,42 @@ class SnapKV(EvictionMethod):
     def score(self, cache: CacheView) -> torch.Tensor:
         scores, own = window_importance(self.queries, cache, self.kernel, "avg")
         return scores.masked_fill(own, float("inf"))
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Sequences with equal slot counts, window fill and kernel: the window attention of each layer
+        for all of them in one batched matmul, then the same per-row softmax, mean, pooling and GQA mean
+        as :func:`window_importance`."""
+        if cls.score is not SnapKV.score:
+            return super().score_batch(methods, caches)
+        out: list = [None] * len(caches)
+        keys = [(n, m.queries.positions.shape[0], m.kernel) for n, m in zip(caches.lengths, methods)]
+        for members in groups_by(keys):
+            if len(members) == 1:
+                out[members[0]] = methods[members[0]].score(caches.views[members[0]])
+                continue
+            views = [caches.views[i] for i in members]
+            windows = [methods[i].queries for i in members]
+            scores, owns = [], []
+            for layer in range(len(views[0].keys)):
+                q = torch.stack([w.queries[layer] for w in windows])  # [n, H_q, w, d]
+                k = torch.stack([v.keys[layer] for v in views])  # [n, H_kv, T, d]
+                key_pos = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
+                query_pos = torch.stack([w.positions for w in windows]).to(key_pos.device)  # [n, w]
+                n, h_q, w, d = q.shape
+                h_kv, t = k.shape[1], k.shape[2]
+                group = h_q // h_kv
+                logits = torch.matmul(q.float().reshape(n, h_kv, group * w, d), k.float().transpose(-1, -2)).view(n, h_q, w, t)
+                logits.mul_(windows[0].scaling)
+                future = key_pos[:, :, None, None, :] > query_pos[:, None, None, :, None]
+                logits.view(n, h_kv, group, w, t).masked_fill_(future, float("-inf"))
+                attn = torch.softmax(logits, dim=-1).mean(dim=2)  # [n, H_q, T]
+                own = key_pos >= query_pos[:, :1, None]  # the window's own slots
+                attn = attn.masked_fill(own.repeat_interleave(group, dim=1), 0.0)
+                pooled = pool(attn.reshape(n * h_q, t), methods[members[0]].kernel, "avg")
+                scores.append(pooled.view(n, h_kv, group, t).mean(dim=2))
+                owns.append(own)
+            batch = torch.stack(scores, dim=1).masked_fill(torch.stack(owns, dim=1), float("inf"))  # [n, L, H_kv, T]
+            for j, i in enumerate(members):
+                out[i] = batch[j]
+        return out
