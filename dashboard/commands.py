@@ -1,7 +1,7 @@
 """``kvleague dashboard [--db URL] [--port P]``: serve the Streamlit leaderboard on 127.0.0.1; ``kvleague report``:
 the replication report (markdown + figures) of a database or an export.
 
-Added to the CLI through ``runner.cli._COMMAND_MODULES`` (``register(subparsers)``).
+One of ``runner.cli.COMMAND_GROUPS`` (``register(subparsers)``).
 """
 
 from __future__ import annotations

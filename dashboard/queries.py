@@ -20,6 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from db.models import (
     MEASURE_FIDELITY,
     MEASURE_GENERATION,
+    METRIC_COLUMNS,
     STATUS_FAILED,
     STATUS_OK,
     BenchmarkResult,
@@ -350,6 +351,7 @@ def cost_rows(engine: Engine, filters: Filters, by_domain: bool = False) -> list
             func.max(R.c.peak_memory_bytes).label("peak_memory_bytes_max"),
             func.avg(R.c.method_seconds).label("method_seconds"),
             func.sum(R.c.method_seconds).label("method_seconds_sum"),
+            func.avg(R.c.selection_seconds).label("selection_seconds"),
             func.sum(func.coalesce(R.c.prefill_seconds, 0) + func.coalesce(decode_total, 0)).label("model_seconds_sum"),
             func.avg(R.c.wall_seconds).label("wall_seconds"),
             _int(func.sum(_correct_int())).label("correct"),
@@ -399,8 +401,7 @@ def problem_ids(engine: Engine, filters: Filters, task_id: int, budget: int | No
 
 SAMPLE_COLUMNS = (
     "id", "method_spec_id", "model_id", "protocol_id", "generation_id", "sweep_id", "budget", "sample_index", "seed",
-    "status", "error", "correct", "score", "extracted", "completion", "stop_reason", "prompt_tokens",
-    "generated_tokens", "evictions", "evicted_tokens", "peak_cache_entries", "tokens_per_second",
+    "status", "error", "correct", "score", "extracted", "completion", "stop_reason", *METRIC_COLUMNS,
 )
 
 

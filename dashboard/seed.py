@@ -13,8 +13,6 @@ method-specific robustness, timings and memory that scale with the budget.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import random
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -30,10 +28,11 @@ from db.models import (
     ProtocolSpec,
     TaskSpec,
 )
+from runner.spec_hash import canonical_json, spec_hash
 
 
 def _hash(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+    return spec_hash(value, spaced=True)
 
 
 class Seeder:
@@ -62,7 +61,7 @@ class Seeder:
         params = dict(params or {})
         h = _hash({"name": name, "params": params})
         return store.get_or_create(self.engine, MethodSpec, {"spec_hash": h, "name": name, "params": params,
-                                                            "params_json": json.dumps(params, sort_keys=True, separators=(",", ":"))})
+                                                            "params_json": canonical_json(params)})
 
     def task(self, name: str, domain: str, metric: str = "accuracy") -> int:
         spec = {"name": name, "domain": domain, "options": {}, "dataset": name, "source": f"hub/{name}", "revision": None,

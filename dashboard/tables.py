@@ -475,6 +475,7 @@ def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.D
             "peak memory MiB (max)": _f(r["peak_memory_bytes_max"], 1 / 2**20),
             "peak cache entries": _f(r["peak_cache_entries"]),
             "method ms/sample": _f(r["method_seconds"], 1000),
+            "selection ms/sample": _f(r["selection_seconds"], 1000),
             "method overhead %": 100 * float(r["method_seconds_sum"]) / model_s if r["method_seconds_sum"] is not None and model_s > 0 else math.nan,
         })
     df = pd.DataFrame(out)
@@ -528,9 +529,8 @@ def samples(engine, filters: q.Filters, task_id: int, sample_id: str, budget: in
         out.append({
             "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),
             "budget": r["budget"], "sample_index": r["sample_index"], "seed": r["seed"], "status": r["status"],
-            "correct": r["correct"], "extracted": r["extracted"], "generated_tokens": r["generated_tokens"],
-            "prompt_tokens": r["prompt_tokens"], "evictions": r["evictions"], "evicted_tokens": r["evicted_tokens"],
-            "peak_cache_entries": r["peak_cache_entries"], "stop_reason": r["stop_reason"], "flag": failure_flag(r),
+            "correct": r["correct"], "extracted": r["extracted"], "stop_reason": r["stop_reason"], "flag": failure_flag(r),
+            **{c: r[c] for c in q.METRIC_COLUMNS},  # the engine's per-sample metrics, as stored
             "completion": r["completion"], "error": r["error"], "sweep_id": r["sweep_id"], "id": r["id"],
         })
     return pd.DataFrame(out)

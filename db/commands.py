@@ -1,4 +1,4 @@
-"""``kvleague db upgrade|status|export|import`` (added to the CLI through ``runner.cli._COMMAND_MODULES``)."""
+"""``kvleague db upgrade|status|export|import`` (one of ``runner.cli.COMMAND_GROUPS``)."""
 
 from __future__ import annotations
 

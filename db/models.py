@@ -202,6 +202,8 @@ class SampleResult(Base):
     decode_seconds_p95: Mapped[float | None] = mapped_column(Float, nullable=True)
     tokens_per_second: Mapped[float | None] = mapped_column(Float, nullable=True)
     method_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: the engine's share of method_seconds (protection, top-k, moving the cache entries)
+    selection_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     wall_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     evictions: Mapped[int | None] = mapped_column(Integer, nullable=True)
     evicted_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -293,3 +295,14 @@ class SignalCorrelation(Base):
 
 
 TABLES = [t.name for t in Base.metadata.sorted_tables]
+
+#: the sample_results columns that hold the engine's per-sample metrics: the fields of
+#: ``GenerationResult`` that ``runner.metrics.METRIC_FIELDS`` keeps (a test holds the two equal; the
+#: database cannot import the engine, which needs torch)
+METRIC_COLUMNS = (
+    "prompt_tokens", "generated_tokens", "attn_implementation", "prefill_seconds", "decode_seconds_mean",
+    "decode_seconds_p50", "decode_seconds_p95", "tokens_per_second", "method_seconds", "selection_seconds", "evictions",
+    "evicted_tokens", "peak_cache_entries", "peak_kv_bytes", "peak_memory_bytes", "peak_memory_source",
+)
+#: the protocols columns that hold a protocol's fields (``runner.engine.protocol.protocol_fields``; a test holds them equal)
+PROTOCOL_COLUMNS = tuple(c.name for c in ProtocolSpec.__table__.columns if c.name not in ("id", "spec_hash"))

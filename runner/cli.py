@@ -1,177 +1,37 @@
-"""The ``kvleague`` command line. Bad input exits with code 2 and one line on stderr."""
+"""The ``kvleague`` command line. Bad input exits with code 2 and one line on stderr.
+
+One module per command group, each with ``register(subparsers)``; this file only puts them together.
+"""
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
 import os
 import sys
 
-import yaml
-
-from runner.engine.errors import KvleagueError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage over several lines by default
-        raise KvleagueError(f"{self.prog}: {message}")
-
-
-def _parse_param(text: str) -> tuple[str, object]:
-    if "=" not in text:
-        raise KvleagueError(f"--param: expected NAME=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    try:  # YAML scalars: 3 -> int, 0.5 -> float, true -> bool, [1, 2] -> list; else the string
-        parsed = yaml.safe_load(value) if value else value
-    except yaml.YAMLError:
-        parsed = value
-    return key.strip(), parsed
-
-
-#: the protocol flags: (flag, argparse keywords); their defaults are Protocol's own
-_PROTOCOL_FLAGS = (
-    ("--cadence", {"help": "every_step or buffer=N"}),
-    ("--positions", {"choices": ["absolute", "compact"]}),
-    ("--sink", {"type": int, "help": "first tokens never evicted"}),
-    ("--recent", {"type": int, "help": "last tokens never evicted"}),
-    ("--protect-prompt", {"action": "store_true", "help": "never evict prompt tokens"}),
-    ("--prefill-chunk", {"type": int, "help": "prefill in chunks of this many tokens (default: the whole prompt)"}),
+from dashboard import commands as dashboard_commands
+from db import commands as db_commands
+from runner import (
+    bench_commands,
+    fidelity_commands,
+    generate_commands,
+    signals_commands,
+    sweep,
 )
+from runner.cli_args import OneLineParser, add_protocol_arguments, protocol_from_args  # noqa: F401 - importable from here
+from runner.engine.errors import KvleagueError
+from tasks import commands as task_commands
+
+#: the command groups, in the order ``kvleague --help`` lists them
+COMMAND_GROUPS = (generate_commands, task_commands, sweep, db_commands, dashboard_commands, bench_commands,
+                  fidelity_commands, signals_commands)
 
 
-def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--protocol PRESET`` or the protocol flags (``runner.engine.protocol.Protocol``), the same in every command."""
-    from runner.engine.protocol import PRESETS
-
-    parser.add_argument("--protocol", default=None, metavar="PRESET",
-                        help=f"a named protocol ({', '.join(PRESETS)}): every protocol field at once, so no other protocol flag")
-    for flag, kwargs in _PROTOCOL_FLAGS:
-        # default None (not given): Protocol's own default applies, and a preset can tell a flag was given
-        parser.add_argument(flag, **({} if kwargs.get("action") == "store_true" else {"default": None}), **kwargs)
-
-
-def protocol_from_args(args: argparse.Namespace):
-    """The Protocol the flags describe: the preset when ``--protocol`` is given (then any other protocol
-    flag is an error), else Protocol's defaults with the flags given on top."""
-    from runner.engine.protocol import Protocol
-
-    given = {flag.removeprefix("--").replace("-", "_"): flag for flag, _ in _PROTOCOL_FLAGS}
-    given = {dest: flag for dest, flag in given.items() if getattr(args, dest) not in (None, False)}
-    if args.protocol:
-        if given:
-            raise KvleagueError(f"--protocol: the preset {args.protocol} sets every protocol field; drop {', '.join(given.values())}")
-        try:
-            return Protocol.preset(args.protocol)
-        except KvleagueError as exc:
-            raise KvleagueError(f"--{exc}") from None
-    return Protocol(**{dest: getattr(args, dest) for dest in given})
-
-
-def cmd_make_tiny_model(args) -> int:
-    from runner.models.tiny import make_tiny_model
-
-    out = make_tiny_model(
-        args.arch, args.out, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed
-    )
-    print(out)
-    return 0
-
-
-def cmd_methods(args) -> int:
-    from methods.registry import available_methods, describe
-
-    described = [describe(cls) for cls in available_methods().values()]
-    if args.json:
-        print(json.dumps(described, indent=2, default=str))
-        return 0
-    for d in described:
-        params = ", ".join(f"{p['name']}: {p['type']} = {p['default']!r}" for p in d["hyperparameters"]) or "-"
-        needs = ", ".join(k for k, v in d["needs"].items() if v and k != "attention_window") or "cache only"
-        print(f"{d['name']:<16} {d['summary']}\n{'':<16} params: {params}\n{'':<16} needs: {needs}")
-    return 0
-
-
-def cmd_generate(args) -> int:
-    from methods.registry import build_method
-    from runner.models import load_engine
-    from runner.engine.protocol import GenerationSettings
-
-    method = build_method(args.method, dict(_parse_param(p) for p in args.param))
-    protocol = protocol_from_args(args)
-    protocol.check_budget(args.budget)
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, stop=tuple(args.stop)
-    )
-    engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device)
-    prompt: str | list[int] = args.prompt
-    tok = engine.tokenizer
-    if args.chat == "on" and not getattr(tok, "chat_template", None):
-        raise KvleagueError("--chat: on, but the model's tokenizer has no chat template; allowed here: auto, off")
-    if args.chat != "off" and getattr(tok, "chat_template", None):
-        # instruct models answer a bare prompt with an empty completion: send it as a user turn
-        out = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
-        prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
-    result = engine.generate(prompt, method, args.budget, protocol, settings, seed=args.seed)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-        return 0
-    print(result.completion)
-    print("---", file=sys.stderr)
-    for key, value in result.to_dict().items():
-        if key not in ("completion", "token_ids", "kept_positions"):
-            print(f"{key}: {value}", file=sys.stderr)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvleague", description="Benchmark KV-cache eviction methods.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    p = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint with an offline tokenizer")
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
-    p.add_argument("--out", required=True)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_make_tiny_model)
-
-    p = sub.add_parser("methods", help="list registered eviction methods")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_methods)
-
-    p = sub.add_parser("generate", help="generate one completion under a KV budget")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="known name (default smollm2-135m), .gguf file, checkpoint directory or HF id")
-    p.add_argument("--method", required=True)
-    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method hyperparameter")
-    p.add_argument("--budget", type=int, required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
-                   help="wrap the prompt as one user turn in the tokenizer's chat template (auto: when it has one)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--seed", type=int, default=0)
-    add_protocol_arguments(p)
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_generate)
-
-    for module in _COMMAND_MODULES:
-        importlib.import_module(module).register(sub)
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="kvleague", description="Benchmark KV-cache eviction methods.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for group in COMMAND_GROUPS:
+        group.register(sub)
     return parser
-
-
-# Subcommands contributed by other packages: each module has ``register(subparsers)``.
-_COMMAND_MODULES: tuple[str, ...] = ("tasks.commands", "runner.sweep_commands", "db.commands", "dashboard.commands",
-                                       "runner.bench_commands", "runner.fidelity_commands",
-                                       "runner.signals_commands")
 
 
 def main(argv: list[str] | None = None) -> int:

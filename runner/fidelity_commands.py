@@ -12,7 +12,7 @@ import numpy as np
 
 
 def register(subparsers) -> None:
-    from runner.cli import add_protocol_arguments
+    from runner.cli_args import add_protocol_arguments
 
     p = subparsers.add_parser("fidelity", help="KL to the full cache, delta NLL and top-1 agreement on reference continuations")
     p.add_argument("--model", default="smollm2-135m")
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     from methods.registry import build_method
     from runner import fidelity
-    from runner.cli import protocol_from_args
+    from runner.cli_args import protocol_from_args
     from runner.models import load_engine
     from runner.reference_tasks import load_samples, reference_task, write_report
 

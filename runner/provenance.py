@@ -7,8 +7,6 @@ the checkout ``path`` lies in, or ``"unknown"`` outside git (or in a repository 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import importlib.metadata
 import os
 import platform
@@ -17,6 +15,8 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from runner.spec_hash import spec_hash
 
 GIT_COMMIT_ENV = "KVLEAGUE_GIT_COMMIT"
 GIT_DIRTY_ENV = "KVLEAGUE_GIT_DIRTY"  # "1" / "0", with GIT_COMMIT_ENV
@@ -109,4 +109,4 @@ def collect_environment(git_path: str | os.PathLike[str] | None = None, git: tup
 
 def environment_hash(env: dict) -> str:
     body = {k: v for k, v in env.items() if k != "spec_hash"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+    return spec_hash(body, spaced=True)

@@ -14,10 +14,10 @@ from runner.engine.errors import KvleagueError
 def reference_task(name: str, options: list[str], why: str):
     """Task ``name`` with ``NAME=VALUE`` ``options``; a one-line error when it has no reference
     continuation (``why``: what the reference is needed for)."""
-    from runner.cli import _parse_param
+    from runner.cli_args import parse_assignment
     from tasks.registry import build_task
 
-    task = build_task(name, dict(_parse_param(o) for o in options))
+    task = build_task(name, dict(parse_assignment(o, "--option") for o in options))
     if not task.has_reference():
         raise KvleagueError(f"task: {name} has no reference continuation {why}")
     return task

@@ -29,23 +29,21 @@ Layout (see ``sweeps/demo.yaml``)::
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from runner.engine.errors import KvleagueError
+from runner.spec_hash import spec_hash
 
 DOMAINS = ("math", "code", "agentic", "longqa")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("sdpa", "eager", "flash_attention_2")
-PROJECT_DIR_ENV = "KVLEAGUE_PROJECT_DIR"
 #: integers stored in INTEGER columns (budgets, seeds, token counts) must fit in 32 bits (PostgreSQL)
 INT32 = 2**31 - 1
 
@@ -128,17 +126,25 @@ class TaskConfig(_Strict):
         return ("generation", "fidelity") if self.measure == "both" else (self.measure,)
 
 
-class ProtocolConfig(_Strict):
-    cadence: str = "every_step"
-    positions: Literal["absolute", "compact"] = "absolute"
-    sink: int = Field(default=0, ge=0, le=INT32)
-    recent: int = Field(default=0, ge=0, le=INT32)
-    #: ``null``: the task's own default (``Task.protect_prompt``)
-    protect_prompt: bool | None = None
-    prefill_chunk: int | None = Field(default=None, ge=1, le=INT32)
-    recent_max_fraction: float | None = Field(default=None, ge=0, le=1)
-    prompt_over_budget: Literal["error", "keep"] = "error"
+def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
+    """A pydantic model of :class:`runner.engine.protocol.Protocol`'s fields (types, defaults and bounds
+    from the dataclass; integers capped at ``INT32``). ``protect_prompt`` may be null (the task's own
+    default, ``Task.protect_prompt``); with ``overrides`` every field may be null (not overridden)."""
+    from runner.engine.protocol import Protocol, protocol_fields
 
+    hints = get_type_hints(Protocol)
+    fields: dict[str, Any] = {}
+    for f in protocol_fields():
+        bounds = {k: f.metadata[k] for k in ("ge", "le") if k in f.metadata}
+        if hints[f.name] in (int, int | None):
+            bounds.setdefault("le", INT32)
+        nullable = overrides or f.name == "protect_prompt"
+        annotation = hints[f.name] | None if nullable else hints[f.name]
+        fields[f.name] = (annotation, Field(default=None if nullable else f.default, **bounds))
+    return create_model(name, __base__=_Strict, **fields)
+
+
+class ProtocolConfig(_protocol_model("ProtocolConfig", overrides=False)):
     @model_validator(mode="before")
     @classmethod
     def _preset(cls, value: Any) -> Any:
@@ -152,15 +158,7 @@ class ProtocolConfig(_Strict):
         return value
 
 
-class ProtocolOverride(_Strict):
-    cadence: str | None = None
-    positions: Literal["absolute", "compact"] | None = None
-    sink: int | None = Field(default=None, ge=0, le=INT32)
-    recent: int | None = Field(default=None, ge=0, le=INT32)
-    protect_prompt: bool | None = None
-    prefill_chunk: int | None = Field(default=None, ge=1, le=INT32)
-    recent_max_fraction: float | None = Field(default=None, ge=0, le=1)
-    prompt_over_budget: Literal["error", "keep"] | None = None
+ProtocolOverride = _protocol_model("ProtocolOverride", overrides=True)
 
 
 class GenerationConfig(_Strict):
@@ -225,6 +223,10 @@ class SweepConfig(_Strict):
     fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    #: what :func:`check_config` found, and for which config and project directory: a config is
+    #: checked once, at the edge (the CLI, or ``expand`` for one built in code), however many
+    #: callers ask
+    _checked: tuple[str, str, list[str]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -236,28 +238,18 @@ class SweepConfig(_Strict):
             value = {**value, "methods": list(available_methods())}
         return value
 
-    @field_validator("budgets")
+    @field_validator("budgets", "seeds")
     @classmethod
-    def _budgets(cls, value: list[int]) -> list[int]:
-        for b in value:
-            if b < 1:
-                raise ValueError(f"must be positive integers, got {b}")
-            if b > INT32:
-                raise ValueError(f"must be at most {INT32}, got {b}")
+    def _distinct_int32(cls, value: list[int], info) -> list[int]:
+        """Budgets are positive, seeds >= 0; both fit an INTEGER column and are listed once."""
+        least, too_small = (1, "must be positive integers") if info.field_name == "budgets" else (0, "must be >= 0")
+        for v in value:
+            if v < least:
+                raise ValueError(f"{too_small}, got {v}")
+            if v > INT32:
+                raise ValueError(f"must be at most {INT32}, got {v}")
         if len(set(value)) != len(value):
-            raise ValueError(f"duplicate budget in {value}")
-        return value
-
-    @field_validator("seeds")
-    @classmethod
-    def _seeds(cls, value: list[int]) -> list[int]:
-        for s in value:
-            if s < 0:
-                raise ValueError(f"must be >= 0, got {s}")
-            if s > INT32:
-                raise ValueError(f"must be at most {INT32}, got {s}")
-        if len(set(value)) != len(value):
-            raise ValueError(f"duplicate seed in {value}")
+            raise ValueError(f"duplicate {info.field_name[:-1]} in {value}")
         return value
 
     def canonical(self) -> dict[str, Any]:
@@ -274,7 +266,7 @@ class SweepConfig(_Strict):
     def config_hash(self) -> str:
         """What the sweep computes: everything but where results go."""
         data = {k: v for k, v in self.canonical().items() if k != "database"}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+        return spec_hash(data, spaced=True)
 
     def resolved_protocol(self, domain: str, task_protect_prompt: bool) -> dict[str, Any]:
         """The protocol fields for a task of ``domain`` (base, then the domain's overrides)."""
@@ -424,170 +416,11 @@ def load_config(path: str | os.PathLike[str], *, check: bool = True, base_dir: P
     try:
         config = parse_config(data)
         if check:
+            from runner.sweeping.checks import check_config
+
             check_config(config, base_dir=base_dir)
     except KvleagueError as exc:
         raise KvleagueError(clip(f"config {p}: {exc}")) from None
     except RecursionError:
         raise KvleagueError(f"config {p}: nested too deeply to be a sweep config") from None
     return config
-
-
-# ------------------------------------------------------------------------------------------------
-# Semantic checks (registries, URLs, paths)
-# ------------------------------------------------------------------------------------------------
-
-
-def project_dir() -> Path:
-    """Where relative paths in a config (model directories, SQLite files, data_dir) resolve.
-
-    ``$KVLEAGUE_PROJECT_DIR`` if set; inside a Ray job whose working directory was uploaded
-    (``ray job submit --working-dir .``), the kvleague checkout the installed package points at
-    (an editable install), since the uploaded copy leaves ignored files such as ``artifacts/``
-    behind; else the current directory."""
-    env = os.environ.get(PROJECT_DIR_ENV)
-    if env:
-        return Path(env).expanduser().resolve()
-    cwd = Path(os.getcwd())
-    if "runtime_resources" in cwd.parts or any(part.startswith("_ray_pkg_") for part in cwd.parts):
-        checkout = editable_checkout()
-        if checkout is not None:
-            return checkout
-    return cwd
-
-
-def editable_checkout() -> Path | None:
-    """The source directory of an editable ``pip install -e`` of kvleague, if that is how it is installed."""
-    from importlib import metadata
-
-    from urllib.parse import unquote, urlparse
-
-    # several may be found (a source tree's *.egg-info when it is on sys.path): the installed one
-    # is the one with direct_url.json
-    for dist in metadata.distributions(name="kvleague"):
-        text = dist.read_text("direct_url.json")
-        if not text:
-            continue
-        try:
-            info = json.loads(text)
-        except ValueError:
-            continue
-        url = info.get("url", "")
-        if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
-            path = Path(unquote(urlparse(url).path))
-            if path.is_dir():
-                return path
-    return None
-
-
-def resolve_model_source(source: str, base_dir: Path | None = None) -> str:
-    """Local paths made absolute (from the project directory); known names and Hub ids unchanged:
-    each worker resolves those on its own machine (``runner.models.source``)."""
-    from runner.models.source import absolute_spec
-
-    return absolute_spec(source, base_dir or project_dir())
-
-
-def resolve_data_dir(config: SweepConfig, base_dir: Path | None = None) -> str | None:
-    if not config.data_dir:
-        return None
-    path = Path(config.data_dir).expanduser()
-    if not path.is_absolute():
-        path = (base_dir or project_dir()) / path
-    return str(path)
-
-
-def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]:
-    """Semantic checks; returns warnings (skipped optional tasks). Raises KvleagueError."""
-    from db.session import parse_url
-    from methods.registry import available_methods, build_method
-    from runner.models.source import check_spec
-    from runner.engine.protocol import Protocol
-    from tasks.registry import build_task, task_class
-
-    base = base_dir or project_dir()
-    warnings: list[str] = []
-    parse_url(config.database, base)
-
-    for i, model in enumerate(config.models):
-        try:
-            check_spec(resolve_model_source(model.source, base))
-        except KvleagueError as exc:
-            raise KvleagueError(f"models[{i}].source: {str(exc).removeprefix('model: ')}") from None
-    labels = [m.label for m in config.models]
-    if len(set(labels)) != len(labels):
-        raise KvleagueError(f"models: duplicate model name in {labels}; give each a distinct name")
-
-    known = available_methods()
-    seen_methods: set[str] = set()
-    for i, method in enumerate(config.methods):
-        if method.name not in known:
-            raise KvleagueError(f"methods[{i}].name: unknown {method.name!r}; valid names: {', '.join(known)}")
-        for point in method.points():
-            try:
-                built = build_method(method.name, point)
-            except KvleagueError as exc:
-                raise KvleagueError(f"methods[{i}]: {exc}") from None
-            key = method_key(method.name, built.params())
-            if key in seen_methods:
-                raise KvleagueError(f"methods[{i}]: {method.name} with {json.dumps(built.params(), sort_keys=True)} is listed twice")
-            seen_methods.add(key)
-
-    seen_tasks: set[str] = set()
-    n_tasks = 0
-    for i, entry in enumerate(config.tasks):
-        try:
-            cls = task_class(entry.name)
-        except KvleagueError as exc:
-            if entry.optional:
-                warnings.append(f"tasks[{i}]: {entry.name!r} is not registered; skipped (optional)")
-                continue
-            raise KvleagueError(f"tasks[{i}].name: {str(exc).removeprefix('task: ')}") from None
-        try:
-            task = build_task(entry.name, entry.options)
-        except KvleagueError as exc:
-            raise KvleagueError(f"tasks[{i}].options: {exc}") from None
-        if entry.measure != "generation" and not cls.has_reference():
-            raise KvleagueError(f"tasks[{i}].measure: {entry.name} has no reference continuation, so {entry.measure!r} "
-                                "cannot be measured; allowed for it: generation")
-        key = json.dumps([entry.name, task.option_values()], sort_keys=True, default=str)
-        if key in seen_tasks:
-            raise KvleagueError(f"tasks[{i}]: {entry.name} with the same options is listed twice")
-        seen_tasks.add(key)
-        n_tasks += 1
-        fields = config.resolved_protocol(cls.domain, cls.protect_prompt)
-        where = f"protocol_by_domain.{cls.domain}" if cls.domain in config.protocol_by_domain else "protocol"
-        try:
-            protocol = Protocol(**fields)
-        except KvleagueError as exc:
-            raise KvleagueError(f"{where}.{exc}") from None
-        for budget in config.budgets:
-            try:
-                protocol.check_budget(budget)
-            except KvleagueError as exc:
-                raise KvleagueError(f"budgets: {str(exc).removeprefix('budget: ')} (protocol for {cls.domain})") from None
-    if n_tasks == 0:
-        raise KvleagueError("tasks: none of the listed tasks is registered")
-    try:  # the base protocol must be valid even when every domain overrides it
-        base_protocol = Protocol(**{**config.protocol.model_dump(), "protect_prompt": bool(config.protocol.protect_prompt)})
-        for budget in config.budgets:
-            base_protocol.check_budget(budget)
-    except KvleagueError as exc:
-        msg = str(exc)
-        raise KvleagueError(msg if msg.startswith("budget") else f"protocol.{msg}") from None
-    if config.data_dir:
-        path = Path(resolve_data_dir(config, base) or "")
-        if not path.is_dir():
-            raise KvleagueError(f"data_dir: {str(path)!r} is not a directory")
-    return warnings
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def sha256(value: Any) -> str:
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
-
-
-def method_key(name: str, params: dict[str, Any]) -> str:
-    return sha256({"name": name, "params": params})

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.cli_args import parse_assignment
 from runner.engine.errors import KvleagueError
 
 
@@ -51,20 +52,6 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         size = "?" if d["size"] is None else str(d["size"])
         print(f"{d['name']:<28} {d['domain']:<8} {size:>6}  {_source_text(d['source'])}")
     return 0
-
-
-def parse_option(text: str) -> tuple[str, Any]:
-    """``NAME=VALUE`` with the value read as a YAML scalar (``3`` -> int, ``0.5`` -> float, ``null``)."""
-    import yaml
-
-    if "=" not in text:
-        raise KvleagueError(f"--option: expected NAME=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    try:
-        parsed = yaml.safe_load(value) if value else value
-    except yaml.YAMLError:
-        parsed = value
-    return key.strip(), parsed
 
 
 COMPLETION_FIELDS = ("sample_id", "completion")
@@ -151,7 +138,7 @@ def score_file(task_name: str, completions: str | Path, data_dir: str | None = N
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    options = dict(parse_option(o) for o in getattr(args, "option", []) or [])
+    options = dict(parse_assignment(o, "--option") for o in getattr(args, "option", []) or [])
     report = score_file(args.task, args.completions, data_dir=args.data_dir, options=options)
     if getattr(args, "json", False):
         print(json.dumps(report, default=str))

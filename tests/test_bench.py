@@ -155,10 +155,10 @@ def _cli(argv):
     import argparse
 
     from runner import bench_commands
-    from runner.cli import _Parser
+    from runner.cli_args import OneLineParser
 
-    parser = _Parser(prog="kvleague")
-    bench_commands.register(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    parser = OneLineParser(prog="kvleague")
+    bench_commands.register(parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser))
     args = parser.parse_args(argv)
     assert args.func(args) == 0
 

@@ -159,3 +159,16 @@ def test_db_upgrade_bad_url_is_one_line(url, expected, capsys):
     assert main(["db", "upgrade", "--db", url]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
+
+
+def test_metric_and_protocol_columns_are_the_engines_fields():
+    """One definition each: the stored per-sample metrics are GenerationResult's metric fields
+    (runner.metrics), the protocols table's columns are Protocol's fields."""
+    from db.models import METRIC_COLUMNS, PROTOCOL_COLUMNS, ProtocolSpec
+    from runner.engine.protocol import protocol_fields
+    from runner.metrics import METRIC_FIELDS
+
+    assert sorted(METRIC_FIELDS) == sorted(METRIC_COLUMNS) and "selection_seconds" in METRIC_FIELDS
+    assert set(METRIC_COLUMNS) <= set(SampleResult.__table__.columns.keys())
+    assert PROTOCOL_COLUMNS == tuple(f.name for f in protocol_fields())
+    assert set(ProtocolSpec.__table__.columns.keys()) == {"id", "spec_hash", *PROTOCOL_COLUMNS}

@@ -170,12 +170,12 @@ def test_fuzzed_sweep_configs(tiny_llama, tmp_path, capsys, monkeypatch):
     """240 mutants of a valid sweep YAML through `kvleague sweep --config`: each one line, exit 2, no
     traceback, and no database file (so no row). Ray is disabled: a mutant that validated would
     reach it, and fail the test with a different message."""
-    from runner.sweep import SweepRunner
+    from runner.sweeping.scheduler import Scheduler
 
     def no_ray(self):
         raise KvleagueError("ray: not in this test (a mutant was accepted)")
 
-    monkeypatch.setattr(SweepRunner, "_init_ray", no_ray)
+    monkeypatch.setattr(Scheduler, "init_ray", no_ray)
     db = tmp_path / "fuzz.db"
     cfg = base_config(tiny_llama, db)
     path = tmp_path / "sweep.yaml"

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from runner.sweep import expand, main as sweep_main
-from runner.sweep_config import load_config, parse_config, project_dir
+from runner.sweep_config import load_config, parse_config
+from runner.sweeping.checks import project_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,7 +217,7 @@ def test_optional_unregistered_task_is_skipped_with_a_warning(tiny_llama, tmp_pa
 
 def test_project_dir_inside_an_uploaded_ray_working_dir(tmp_path, monkeypatch):
     """A Ray job's cwd is an uploaded copy without ignored files: relative paths go to the checkout."""
-    from runner.sweep_config import editable_checkout
+    from runner.sweeping.checks import editable_checkout
 
     checkout = editable_checkout()
     if checkout is None:
@@ -276,11 +277,11 @@ def test_summary_keeps_task_specs_of_one_name_apart(capsys):
 
 def test_no_progress_still_prints_a_heartbeat(monkeypatch, capsys):
     """--no-progress (bar=False) prints a status line every 60 s, even while no cell finishes."""
-    from runner import sweep
+    from runner.sweeping import progress as sweep_progress
 
     clock = [1000.0]
-    monkeypatch.setattr(sweep.time, "monotonic", lambda: clock[0])
-    progress = sweep.Progress(10, "demo", bar=False)
+    monkeypatch.setattr(sweep_progress.time, "monotonic", lambda: clock[0])
+    progress = sweep_progress.Progress(10, "demo", bar=False)
     progress.update(0, 0)
     clock[0] += 59
     progress.update(0, 0)
@@ -317,3 +318,48 @@ def test_fidelity_cells_never_share_a_key_with_generation_cells(tiny_llama, tmp_
     # the cap on scored tokens is part of what a fidelity cell computes
     capped = expand(parse_config({**_set(cfg, "tasks.0.measure", "fidelity"), "fidelity": {"max_scored_tokens": 16}})).cells
     assert not {c.key for c in capped} & {c.key for c in fidelity_only}
+
+
+def test_a_cells_row_carries_every_engine_metric_to_the_database(tiny_llama, tmp_path):
+    """A cell run by the Ray-free worker, written by the store and read back: every metric of the engine's
+    GenerationResult (runner.metrics) reaches its column, selection_seconds included; the figures that are
+    not timings equal those of a direct Engine.generate run of the same cell."""
+    from sqlalchemy import select
+
+    from dashboard.seed import Seeder
+    from db import store
+    from db.models import METRIC_COLUMNS, SampleResult
+    from db.session import get_engine
+    from methods.registry import build_method
+    from runner.engine.protocol import GenerationSettings, Protocol
+    from runner.sweeping.cell import CellWorker
+    from tasks.registry import build_task
+
+    cfg = {**base_config(tiny_llama, tmp_path), "methods": ["streaming_llm"], "budgets": [32],
+           "tasks": [{"name": "niah", "limit": 1, "options": {"context_length": 96}}]}
+    config = parse_config(cfg)
+    grid = expand(config)
+    cell = grid.cells[0]
+    worker = CellWorker(torch_threads=1)
+    row = worker.run(cell)
+    assert row["status"] == "ok", row.get("error")
+    engine = get_engine(config.database)
+    seeder = Seeder(engine)  # migrates
+    ids = {f"{dim}_id": store.get_or_create(engine, store.DIMENSIONS[dim], next(iter(rows.values())))
+           for dim, rows in grid.dims.items()}
+    ids["method_spec_id"] = ids.pop("method_id")
+    row.pop("environment"), row.pop("model_revision")
+    store.write_results(engine, [{**row, **ids, "sweep_id": seeder.sweep("t"), "budget": cell.budget,
+                                  "sample_id": cell.sample_id, "sample_index": 0, "seed": 0, "attempts": 1}])
+    with engine.connect() as conn:
+        stored = conn.execute(select(*[SampleResult.__table__.c[c] for c in METRIC_COLUMNS])).one()._mapping
+    assert dict(stored) == {c: row[c] for c in METRIC_COLUMNS}
+    model = worker._engine_for(cell.model)
+    direct = model.generate(task_prompt := build_task(cell.task, cell.task_options).build_prompt(cell.sample, model.tokenizer),
+                            build_method(cell.method, cell.params), cell.budget, Protocol(**cell.protocol),
+                            GenerationSettings(max_new_tokens=cell.generation["max_new_tokens"], stop=tuple(cell.generation["stop"])),
+                            seed=cell.gen_seed)
+    assert len(task_prompt) == stored["prompt_tokens"]
+    for name in ("generated_tokens", "evictions", "evicted_tokens", "peak_cache_entries", "peak_kv_bytes", "attn_implementation"):
+        assert stored[name] == getattr(direct, name), name
+    assert direct.evictions > 0 and stored["selection_seconds"] > 0

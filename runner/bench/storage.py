@@ -7,12 +7,11 @@ twice adds nothing (rows are unique on a hash of their content and run id).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from datetime import datetime
 from typing import Any
 
 from runner.bench.harness import validate_report
+from runner.spec_hash import spec_hash
 
 
 def _insert(engine, table):
@@ -25,7 +24,7 @@ def _insert(engine, table):
 
 def row_key(report: dict[str, Any], fig: dict[str, Any]) -> str:
     body = [report["run_id"], report["benchmark"], fig["method"], fig["budget"], fig["metric"], fig["reference"], fig["details"]]
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+    return spec_hash(body, spaced=True)
 
 
 def check_storable(report: dict[str, Any]) -> None:

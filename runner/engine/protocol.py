@@ -21,7 +21,11 @@ def parse_bool(value: Any) -> bool:
 
 def parse_optional(parse):
     """``parse``, with the spellings of "not set" (empty, None, null) mapping to None."""
-    return lambda value: None if value in (None, "", "None", "none", "null") else parse(value)
+    def parsed(value: Any) -> Any:
+        return None if value in (None, "", "None", "none", "null") else parse(value)
+
+    parsed.__name__ = parse.__name__  # argparse names the type in its error: "invalid int value"
+    return parsed
 
 
 @dataclass(frozen=True)

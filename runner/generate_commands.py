@@ -1,0 +1,104 @@
+"""``kvleague make-tiny-model``, ``kvleague methods`` and ``kvleague generate``: make a model, list the
+methods, generate one completion under a KV budget."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from runner.cli_args import add_protocol_arguments, parse_assignment, protocol_from_args
+from runner.engine.errors import KvleagueError
+
+
+def cmd_make_tiny_model(args) -> int:
+    from runner.models.tiny import make_tiny_model
+
+    out = make_tiny_model(
+        args.arch, args.out, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed
+    )
+    print(out)
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from methods.registry import available_methods, describe
+
+    described = [describe(cls) for cls in available_methods().values()]
+    if args.json:
+        print(json.dumps(described, indent=2, default=str))
+        return 0
+    for d in described:
+        params = ", ".join(f"{p['name']}: {p['type']} = {p['default']!r}" for p in d["hyperparameters"]) or "-"
+        needs = ", ".join(k for k, v in d["needs"].items() if v and k != "attention_window") or "cache only"
+        print(f"{d['name']:<16} {d['summary']}\n{'':<16} params: {params}\n{'':<16} needs: {needs}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from methods.registry import build_method
+    from runner.models import load_engine
+    from runner.engine.protocol import GenerationSettings
+
+    method = build_method(args.method, dict(parse_assignment(p, "--param") for p in args.param))
+    protocol = protocol_from_args(args)
+    protocol.check_budget(args.budget)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, stop=tuple(args.stop)
+    )
+    engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device)
+    prompt: str | list[int] = args.prompt
+    tok = engine.tokenizer
+    if args.chat == "on" and not getattr(tok, "chat_template", None):
+        raise KvleagueError("--chat: on, but the model's tokenizer has no chat template; allowed here: auto, off")
+    if args.chat != "off" and getattr(tok, "chat_template", None):
+        # instruct models answer a bare prompt with an empty completion: send it as a user turn
+        out = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+        prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
+    result = engine.generate(prompt, method, args.budget, protocol, settings, seed=args.seed)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(result.completion)
+    print("---", file=sys.stderr)
+    for key, value in result.to_dict().items():
+        if key not in ("completion", "token_ids", "kept_positions"):
+            print(f"{key}: {value}", file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint with an offline tokenizer")
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("methods", help="list registered eviction methods")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("generate", help="generate one completion under a KV budget")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known name (default smollm2-135m), .gguf file, checkpoint directory or HF id")
+    p.add_argument("--method", required=True)
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method hyperparameter")
+    p.add_argument("--budget", type=int, required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
+                   help="wrap the prompt as one user turn in the tokenizer's chat template (auto: when it has one)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--seed", type=int, default=0)
+    add_protocol_arguments(p)
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+

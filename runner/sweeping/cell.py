@@ -1,0 +1,222 @@
+"""Run one cell, without Ray: :class:`CellWorker` loads a model once (per model spec), runs cells on
+it and returns each cell's row. The scheduler (``runner.sweeping.scheduler``) wraps it in a Ray
+actor; tests call it directly.
+
+A cell that raises (bad output, a prompt longer than a protected budget) is a failed row with the
+error; one that runs out of memory (CUDA, or the CPU cap ``memory_limit_gb``) is a failed row "out of
+memory" and the worker goes on. A fidelity cell keeps the last sample's full-cache pass, so one pass
+serves all of a sample's methods and budgets.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from runner.spec_hash import canonical_json
+from runner.sweeping.grid import Cell
+
+
+#: keys of an injected-failure rule that say what happens (the others select cells)
+INJECTED_ACTIONS = ("message", "hang_seconds", "allocate_mb")
+
+
+def _matches(cell: Cell, rule: dict[str, Any]) -> bool:
+    values = {"method": cell.method, "budget": cell.budget, "task": cell.task, "sample_id": cell.sample_id,
+              "seed": cell.seed, "sample_index": cell.sample_index, "model": cell.model["name"], "key": cell.key}
+    return all(k in INJECTED_ACTIONS or values.get(k) == v for k, v in rule.items())
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CPU (MemoryError, torch's allocator under a memory cap) or accelerator (torch.OutOfMemoryError)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def _cap_address_space(limit_gb: float) -> None:
+    """RLIMIT_AS = what this process has mapped now + ``limit_gb``: an allocation beyond it fails
+    (MemoryError) in this worker instead of the kernel's OOM killer taking the node's processes."""
+    import resource
+
+    with open("/proc/self/statm") as fh:
+        mapped = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = mapped + int(limit_gb * 1024**3)
+    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" (at {Path(last.filename).name}:{last.lineno} in {last.name})"
+    return text[:4000]
+
+
+class CellWorker:
+    """Loads a model once (per model spec) and runs cells on it."""
+
+    def __init__(self, torch_threads: int | None = None, inject_failures: list[dict[str, Any]] | None = None,
+                 memory_limit_gb: float | None = None):
+        import torch
+
+        from runner.provenance import collect_environment
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        if memory_limit_gb:
+            _cap_address_space(memory_limit_gb)
+        self.inject_failures = list(inject_failures or [])
+        self.env = collect_environment()
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self._engine_key: str | None = None
+        self._engine = None
+        self._tasks: dict[str, Any] = {}
+        #: the last sample's full-cache pass ``(key, (log-probabilities, targets), seconds)``: a
+        #: sample's fidelity cells run back to back, so one pass serves all its methods and budgets
+        self._reference: tuple[str, Any, float] | None = None
+
+    def ping(self) -> str:
+        return self.worker
+
+    def environment(self) -> dict[str, Any]:
+        return self.env
+
+    def _engine_for(self, model: dict[str, Any]):
+        key = canonical_json(model)
+        if key != self._engine_key:
+            from runner.models import load_engine
+
+            self._engine = None
+            self._engine_key = None
+            self._reference = None
+            free_accelerator_memory()
+            self._engine = load_engine(model["resolved"], attn_implementation=model["attn_implementation"], dtype=model["dtype"])
+            self._engine_key = key
+        return self._engine
+
+    def _task(self, name: str, options: dict[str, Any]):
+        key = canonical_json([name, options])
+        if key not in self._tasks:
+            from tasks.registry import build_task
+
+            self._tasks[key] = build_task(name, options)
+        return self._tasks[key]
+
+    def run(self, cell: Cell) -> dict[str, Any]:
+        """Run one cell; never raises for a cell's own failure (the failure is the result)."""
+        start = time.perf_counter()
+        row: dict[str, Any] = {"cell_key": cell.key, "worker": self.worker, "environment": self.env}
+        oom = False
+        try:
+            for rule in self.inject_failures:
+                if _matches(cell, rule):
+                    self._inject(cell, rule)
+            row.update(self._run(cell))
+            row["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - a failed cell is data, not a crash
+            oom = is_out_of_memory(exc)
+            row.update(status="failed", error=("out of memory: " if oom else "") + error_text(exc))
+        if oom:  # here, not in the except block, whose traceback still holds the failed cell's tensors
+            free_accelerator_memory()
+        row["wall_seconds"] = time.perf_counter() - start
+        return row
+
+    def _inject(self, cell: Cell, rule: dict[str, Any]) -> None:
+        """Test hooks (``--inject-failure``): hang, allocate (on the model's device), or raise."""
+        if "hang_seconds" in rule:
+            time.sleep(float(rule["hang_seconds"]))
+        if "allocate_mb" in rule:
+            import torch
+
+            engine = self._engine_for(cell.model)
+            device = next(engine.model.parameters()).device
+            block = torch.empty(int(rule["allocate_mb"]) * 1024**2, dtype=torch.uint8, device=device)
+            del block
+        if "message" in rule or ("allocate_mb" not in rule and "hang_seconds" not in rule):
+            raise RuntimeError(rule.get("message") or f"injected failure for cell {cell.describe()}")
+
+    def _run(self, cell: Cell) -> dict[str, Any]:
+        from methods.registry import build_method
+        from runner.engine.protocol import GenerationSettings, Protocol
+        from runner.sample import run_sample
+
+        engine = self._engine_for(cell.model)
+        task = self._task(cell.task, cell.task_options)
+        method = build_method(cell.method, cell.params)
+        protocol = Protocol(**cell.protocol)
+        if cell.measure == "fidelity":
+            return self._run_fidelity(cell, engine, task, method, protocol)
+        gen = cell.generation
+        settings = GenerationSettings(
+            max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"], stop=tuple(gen["stop"])
+        )
+        run = run_sample(engine, task, cell.sample, method, cell.budget, protocol, settings, cell.gen_seed)
+        score, generation = run.score, run.generation
+        return {
+            "correct": bool(score.correct),
+            "score": float(score.score),
+            "extracted": None if score.extracted is None else str(score.extracted),
+            "completion": run.completion,
+            "stop_reason": generation.stop_reason,
+            **_instrumentation(generation, engine),
+            "details": run.details,
+        }
+
+    def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
+        """Teacher-force the sample's reference continuation under the method and compare every scored
+        token with the full cache (``runner.fidelity.measure``)."""
+        from runner import fidelity
+
+        segments = fidelity.truncate(task.fidelity_segments(cell.sample, engine.tokenizer), cell.generation["max_new_tokens"])
+        key = canonical_json([self._engine_key, cell.task, cell.task_options, cell.sample_id, segments])
+        shared = self._reference is not None and self._reference[0] == key
+        if not shared:
+            self._reference = None  # free the previous sample's before computing the next
+            start = time.perf_counter()
+            reference = fidelity.full_cache_logprobs(engine, segments)
+            self._reference = (key, reference, time.perf_counter() - start)
+        _, reference, reference_seconds = self._reference
+        r = fidelity.measure(engine, segments, method, cell.budget, protocol, seed=cell.gen_seed, reference=reference)
+        return {
+            "measure": "fidelity",
+            "kl_mean": r.kl_mean,
+            "delta_nll_mean": r.delta_nll_mean,
+            "top1_agreement": r.top1_agreement,
+            "scored_tokens": r.tokens,
+            **_instrumentation(r.generation, engine),
+            "details": {"fidelity": {
+                "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
+                "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
+                # the full-cache pass: its time, and whether an earlier cell of this sample paid it
+                "reference_seconds": reference_seconds, "reference_shared": shared,
+            }},
+        }
+
+
+def _instrumentation(generation, engine) -> dict[str, Any]:
+    """A cell's cost and cache figures (``runner.metrics``), the same for generation and fidelity rows,
+    and the Hub commit the checkpoint was loaded from (None for a local directory)."""
+    from runner.metrics import metrics  # imports torch: only where a cell runs
+
+    return {**metrics(generation), "model_revision": getattr(engine.model.config, "_commit_hash", None)}
+
+
+def free_accelerator_memory() -> None:
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
