@@ -160,3 +160,26 @@ def test_readme_method_example_runs(tmp_path, tiny_models):
         [sys.executable, str(tmp_path / "check.py"), str(tiny_models["qwen3"])], capture_output=True, text=True, env=env, timeout=180
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_every_protocol_field_is_a_flag_and_a_model_arg():
+    """The protocol's flags, the sweep YAML's protocol and lm-eval's model_args come from one field list:
+    each field set by its flag gives the Protocol with that field, and text values parse the same way."""
+    from runner.cli import build_parser
+    from runner.cli_args import protocol_from_args
+    from runner.engine.protocol import Protocol, protocol_fields
+    from runner.sweep_config import ProtocolConfig, ProtocolOverride
+
+    given = {"cadence": "buffer=8", "positions": "compact", "sink": "4", "recent": "16", "protect_prompt": "true",
+             "prefill_chunk": "32", "recent_max_fraction": "0.25", "prompt_over_budget": "keep"}
+    assert set(given) == {f.name for f in protocol_fields()} == set(ProtocolConfig.model_fields) == set(ProtocolOverride.model_fields)
+    expected = Protocol(cadence="buffer=8", positions="compact", sink=4, recent=16, protect_prompt=True, prefill_chunk=32,
+                        recent_max_fraction=0.25, prompt_over_budget="keep")
+    argv = ["generate", "--method", "full", "--budget", "64", "--prompt", "x"]
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if name == "protect_prompt" else [flag, value]
+    assert protocol_from_args(build_parser().parse_args(argv)) == expected
+    assert Protocol.from_text(given) == expected
+    assert Protocol(**ProtocolConfig.model_validate({k: v for k, v in given.items()}).model_dump()) == expected
+    assert Protocol.from_text({"prefill_chunk": "None", "protect_prompt": "0"}) == Protocol()

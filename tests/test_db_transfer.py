@@ -161,3 +161,46 @@ def test_a_sweep_exported_while_running_and_again_after_is_one_sweep(tmp_path):
     with target.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM sweeps")).scalar() == 1
     assert content(target) == content(source)
+
+
+def test_the_one_spec_hash_reproduces_every_hash_in_the_committed_results():
+    """runner.spec_hash is the one hash; the hashes the results export was written with (by the code
+    before it) are reproduced from the stored rows: dimension rows (compact JSON), environments and
+    sweep config hashes (json.dumps's default separators), so db import keeps matching them."""
+    from pathlib import Path
+
+    from runner.provenance import environment_hash
+    from runner.spec_hash import spec_hash
+    from runner.sweep_config import SweepConfig
+
+    path = Path(__file__).resolve().parent.parent / "results" / "replication.jsonl.gz"
+    with gzip.open(path, "rt") as fh:
+        columns = json.loads(fh.readline())["columns"]
+        rows = [json.loads(line) for line in fh]
+    by_table: dict[str, list[dict]] = {}
+    for table, values in rows:
+        by_table.setdefault(table, []).append(dict(zip(columns[table], values)))
+    spec = {
+        "models": lambda r: {k: r[k] for k in ("source", "dtype", "attn_implementation")},
+        "method_specs": lambda r: {"name": r["name"], "params": r["params"]},
+        "generation_settings": lambda r: {k: r[k] for k in ("max_new_tokens", "temperature", "top_p", "stop")},
+        # preset fields at their defaults are left out of a protocol's spec (stored as NULL)
+        "protocols": lambda r: {k: v for k, v in r.items() if k not in ("id", "spec_hash")
+                                and not (k in ("recent_max_fraction", "prompt_over_budget") and v is None)},
+    }
+    checked = 0
+    for table, of in spec.items():
+        for r in by_table[table]:
+            assert spec_hash(of(r)) == r["spec_hash"], (table, r)
+            checked += 1
+    for r in by_table["environments"]:
+        assert environment_hash({k: v for k, v in r.items() if k not in ("id", "created_at")}) == r["spec_hash"], r
+        checked += 1
+    for r in by_table["sweeps"]:  # the config as stored (from the config model of its day), where results go left out
+        assert spec_hash({k: v for k, v in r["config"].items() if k != "database"}, spaced=True) == r["config_hash"], r["id"]
+        checked += 1
+    current = [r for r in by_table["sweeps"] if set(r["config"]) == set(SweepConfig.model_fields)]
+    assert current  # sweeps written by today's config model: SweepConfig.config_hash gives their stored hash
+    for r in current:
+        assert SweepConfig.model_validate(r["config"]).config_hash() == r["config_hash"], r["id"]
+    assert checked > 20
