@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from types import ModuleType
 
 from runner.engine.errors import KvleagueError
 
@@ -19,6 +21,15 @@ def common_parser(doc: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
     add_common(parser)
     return parser
+
+
+def run_script(module: ModuleType, argv: list[str] | None = None) -> dict:
+    """``python -m runner.bench.NAME``: the options and report handling of ``kvleague bench``, for a
+    module with ``add_arguments(parser)`` and ``run(args) -> report``."""
+    parser = common_parser(module.__doc__)
+    module.add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return finish(module.run(args), args)
 
 
 def finish(report: dict, args) -> dict:

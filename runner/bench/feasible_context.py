@@ -292,12 +292,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         argv = sys.argv[1:]
     if argv[:1] == ["--probe"]:
         sys.exit(probe_main(argv[1]))
-    from runner.bench.cli import common_parser, finish
+    from runner.bench.cli import run_script
 
-    parser = common_parser(__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return finish(run(args), args)
+    return run_script(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -165,12 +165,9 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runner.bench.cli import common_parser, finish
+    from runner.bench.cli import run_script
 
-    parser = common_parser(__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return finish(run(args), args)
+    return run_script(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
