@@ -9,13 +9,13 @@ import pytest
 
 from runner.engine.errors import KvleagueError
 from tasks.longqa import (
-    Niah,
     extract_choices,
     longbench_qa_f1,
     longbench_score,
     normalize_squad,
     token_f1,
 )
+from tasks.niah import Niah
 from tasks.registry import available_tasks, build_task
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
