@@ -29,14 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.base import DataSource, Sample, ScoreResult
-from tasks.episode import (
-    TOOL_CALL_OPEN,
-    EpisodicTask,
-    ToolCall,
-    Transcript,
-    format_tool_call,
-    tools_system_prompt,
-)
+from tasks.episode import EpisodicTask, Transcript
+from tasks.tool_calls import TOOL_CALL_OPEN, ToolCall, format_tool_call, tools_system_prompt
 from tasks.registry import register_task
 
 SOURCE = DataSource(

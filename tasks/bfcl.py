@@ -37,13 +37,8 @@ from typing import Any
 from runner.engine.errors import KvleagueError
 from tasks.base import DataSource, Sample, ScoreResult
 from tasks.data import iter_file
-from tasks.episode import (
-    EpisodicTask,
-    ToolCall,
-    Transcript,
-    format_tool_call,
-    tools_system_prompt,
-)
+from tasks.episode import EpisodicTask, Transcript
+from tasks.tool_calls import ToolCall, format_tool_call, tools_system_prompt
 from tasks.registry import register_task
 
 BFCL_EVAL_VERSION = "2026.3.23"

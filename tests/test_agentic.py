@@ -10,13 +10,8 @@ import pytest
 
 from runner.engine.protocol import GenerationSettings
 from runner.models.tiny import CHAT_TEMPLATE, byte_level_tokenizer
-from tasks.episode import (
-    ScriptedSession,
-    ToolCall,
-    Transcript,
-    format_tool_call,
-    parse_tool_calls,
-)
+from tasks.episode import ScriptedSession, Transcript
+from tasks.tool_calls import ToolCall, format_tool_call, parse_tool_calls
 from tasks.registry import build_task
 from tests.conftest import DATA_DIR
 
