@@ -23,18 +23,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from dashboard import queries as q  # noqa: E402
 from dashboard import tables  # noqa: E402
-from dashboard.seed import METHODS, ROBUSTNESS, RealisticSpec, Seeder, realistic_rows  # noqa: E402
+from dashboard.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows  # noqa: E402
 
 TARGET_S = 2.0
 BUDGETS = (1024, 2048, 4096, 8192)
-#: (task, domain, share of problems, full-cache accuracy, typical generated tokens)
-TASK_MIX = (
-    ("math500", "math", 0.30, 0.75, 3000),
-    ("aime24", "math", 0.10, 0.43, 9000),
-    ("humaneval", "code", 0.20, 0.62, 600),
-    ("kv_agent", "agentic", 0.20, 0.55, 900),
-    ("niah", "longqa", 0.20, 0.9, 40),
-)
+#: share of the problems per task
+SHARES = {"math500": 0.30, "aime24": 0.10, "humaneval": 0.20, "kv_agent": 0.20, "niah": 0.20}
+#: (task, domain, share of problems, full-cache accuracy, typical generated tokens): the seeder's tasks
+TASK_MIX = tuple((name, domain, SHARES[name], acc, typical) for name, domain, _, acc, typical in TASKS)
 
 
 def spec_for(rows: int, n_samples: int, completion_chars: int) -> RealisticSpec:
