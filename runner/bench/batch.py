@@ -100,7 +100,15 @@ def run(args) -> dict:
         for m in methods:
             runs[(m, b)] = lambda m=m, b=b: time_engine(engine, prompts[:b], m, budget, new_tokens)
         runs[("generate", b)] = lambda b=b: time_generate(engine, prompts[:b], new_tokens, clock)
-    results = h.alternate(runs, args.rounds, warmup=0)
+    def announced(key, run):
+        def call():
+            out = run()
+            print(f"  {key[0]} batch {key[1]}: {out['decode_tps']:.2f} tokens/s", flush=True)
+            return out
+
+        return call
+
+    results = h.alternate({key: announced(key, run) for key, run in runs.items()}, args.rounds, warmup=0)
     rows = []
     tps = {}
     for (m, b), out in results.items():
