@@ -28,7 +28,7 @@ from db.models import (
     ProtocolSpec,
     TaskSpec,
 )
-from runner.spec_hash import canonical_json, spec_hash
+from db.spec_hash import canonical_json, spec_hash
 
 
 def _hash(value: Any) -> str:

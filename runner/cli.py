@@ -16,10 +16,10 @@ from runner import (
     generate_commands,
     signals_commands,
     sweep,
+    task_commands,
 )
 from runner.cli_args import OneLineParser, add_protocol_arguments, protocol_from_args  # noqa: F401 - importable from here
 from runner.engine.errors import KvleagueError
-from tasks import commands as task_commands
 
 #: the command groups, in the order ``kvleague --help`` lists them
 COMMAND_GROUPS = (generate_commands, task_commands, sweep, db_commands, dashboard_commands, bench_commands,

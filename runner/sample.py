@@ -42,10 +42,26 @@ def run_sample(engine, task, sample, method, budget: int, protocol, settings, se
         details["episode"]["terminated"] = episode.transcript.terminated
     else:
         generation = engine.generate(task.build_prompt(sample, engine.tokenizer), method, budget, protocol, settings, seed)
-        completion = generation.completion
-        score = task.score(sample, completion)
+        return _scored(task, sample, generation)
     details["score"] = _jsonable(score.details)
     return SampleRun(generation=generation, completion=completion, score=score, details=details)
+
+
+def run_samples(engine, task, samples, methods, budget: int, protocol, settings, seeds) -> list[SampleRun]:
+    """:func:`run_sample` for several samples of a plain (not episodic) task, decoded together by
+    :meth:`Engine.generate_batch` (``methods[i]`` and ``seeds[i]`` are sample i's); each sequence
+    decodes as it would alone."""
+    if isinstance(task, EpisodicTask):
+        raise TypeError(f"task {task.name!r} is episodic: its samples run one at a time (run_sample)")
+    prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
+    generations = engine.generate_batch(prompts, list(methods), budget, protocol, settings, list(seeds))
+    return [_scored(task, sample, generation) for sample, generation in zip(samples, generations)]
+
+
+def _scored(task, sample, generation) -> SampleRun:
+    score = task.score(sample, generation.completion)
+    return SampleRun(generation=generation, completion=generation.completion, score=score,
+                     details={"score": _jsonable(score.details)})
 
 
 def _jsonable(value: Any) -> Any:

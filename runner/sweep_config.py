@@ -39,7 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from runner.engine.errors import KvleagueError
-from runner.spec_hash import spec_hash
+from db.spec_hash import spec_hash
 
 DOMAINS = ("math", "code", "agentic", "longqa")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -208,6 +208,10 @@ class ResourcesConfig(_Strict):
     db_retry_seconds: float = Field(default=600.0, gt=0)
 
 
+#: the largest ``batch_size`` a sweep may ask for
+MAX_BATCH_SIZE = 256
+
+
 class SweepConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200)
     description: str | None = None
@@ -223,6 +227,18 @@ class SweepConfig(_Strict):
     fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    #: how many generation cells (samples of one task under one model, method, budget, protocol and
+    #: settings) decode together (``Engine.generate_batch``); ``auto``: up to 16, as many as fit in
+    #: memory. Fidelity cells and multi-turn episodes run one at a time. Not part of the config hash:
+    #: each sequence of a batch decodes as it would alone (docs/batching.md).
+    batch_size: int | Literal["auto"] = "auto"
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_BATCH_SIZE):
+            return value
+        raise ValueError(f"got {value!r}; allowed: auto or an integer 1..{MAX_BATCH_SIZE}")
     #: what :func:`check_config` found, and for which config and project directory: a config is
     #: checked once, at the edge (the CLI, or ``expand`` for one built in code), however many
     #: callers ask
@@ -265,7 +281,7 @@ class SweepConfig(_Strict):
 
     def config_hash(self) -> str:
         """What the sweep computes: everything but where results go."""
-        data = {k: v for k, v in self.canonical().items() if k != "database"}
+        data = {k: v for k, v in self.canonical().items() if k not in ("database", "batch_size")}
         return spec_hash(data, spaced=True)
 
     def resolved_protocol(self, domain: str, task_protect_prompt: bool) -> dict[str, Any]:

@@ -164,13 +164,13 @@ def test_a_sweep_exported_while_running_and_again_after_is_one_sweep(tmp_path):
 
 
 def test_the_one_spec_hash_reproduces_every_hash_in_the_committed_results():
-    """runner.spec_hash is the one hash; the hashes the results export was written with (by the code
+    """db.spec_hash is the one hash; the hashes the results export was written with (by the code
     before it) are reproduced from the stored rows: dimension rows (compact JSON), environments and
     sweep config hashes (json.dumps's default separators), so db import keeps matching them."""
     from pathlib import Path
 
     from runner.provenance import environment_hash
-    from runner.spec_hash import spec_hash
+    from db.spec_hash import spec_hash
     from runner.sweep_config import SweepConfig
 
     path = Path(__file__).resolve().parent.parent / "results" / "replication.jsonl.gz"

@@ -159,6 +159,7 @@ def test_hung_cell_and_out_of_memory_cell(ray_head, project, tmp_path):
     url = f"sqlite:///{tmp_path / 'faults.db'}"
     cfg = small_config(project, url, methods=["full", "knorm"], budgets=[64])
     cfg["resources"].update(workers=1, cell_timeout_seconds=20, memory_limit_gb=1.5, in_flight_per_worker=2)
+    cfg["batch_size"] = 1  # which worker ran which cell is asserted below; grouped cells: tests/test_sweep_batching.py
     cells = expand(parse_config(cfg)).cells
     assert len(cells) >= 5
     oom, hung = cells[0].key, cells[3].key

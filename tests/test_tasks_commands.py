@@ -1,4 +1,4 @@
-"""Handlers of ``kvleague tasks`` and ``kvleague score`` (tasks.commands), called directly."""
+"""Handlers of ``kvleague tasks`` and ``kvleague score`` (runner.task_commands), called directly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.engine.errors import KvleagueError
-from tasks.commands import cmd_score, cmd_tasks, register, score_file
+from runner.task_commands import cmd_score, cmd_tasks, register, score_file
 from tasks.registry import build_task
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from runner.bench.harness import validate_report
-from runner.spec_hash import spec_hash
+from db.spec_hash import spec_hash
 
 
 def _insert(engine, table):

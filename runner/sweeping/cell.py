@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from runner.spec_hash import canonical_json
+from db.spec_hash import canonical_json
 from runner.sweeping.grid import Cell
 
 
@@ -129,6 +129,35 @@ class CellWorker:
         row["wall_seconds"] = time.perf_counter() - start
         return row
 
+    def run_group(self, cells: list[Cell]) -> list[dict[str, Any]]:
+        """Run cells that decode together (``grid.batches``) in batches that fit in memory
+        (``Engine.generate_batch``); one row per cell, in order. A group of one, one with an injected
+        failure, or one whose batch raised runs cell by cell, so every failure lands on its own cell."""
+        if len(cells) == 1 or any(_matches(c, rule) for c in cells for rule in self.inject_failures):
+            return [self.run(c) for c in cells]
+        start = time.perf_counter()
+        try:
+            rows = self._run_batch(cells)
+        except Exception:  # noqa: BLE001 - retried cell by cell, where each failure is recorded alone
+            free_accelerator_memory()
+            return [self.run(c) for c in cells]
+        share = (time.perf_counter() - start) / len(cells)  # the batch's wall time, split evenly
+        return [{"cell_key": c.key, "worker": self.worker, "environment": self.env, **row, "status": "ok",
+                 "wall_seconds": share} for c, row in zip(cells, rows)]
+
+    def _run_batch(self, cells: list[Cell]) -> list[dict[str, Any]]:
+        from methods.registry import build_method
+        from runner.engine.protocol import Protocol
+        from runner.sample import run_samples
+
+        first = cells[0]
+        engine = self._engine_for(first.model)
+        runs = run_samples(engine, self._task(first.task, first.task_options), [c.sample for c in cells],
+                           [build_method(c.method, c.params) for c in cells], first.budget,
+                           Protocol(**first.protocol), _settings(first), [c.gen_seed for c in cells])
+        return [_generation_row(run.score, run.generation, run.completion, {**run.details, "batch": {"cells": len(cells)}}, engine)
+                for run in runs]
+
     def _inject(self, cell: Cell, rule: dict[str, Any]) -> None:
         """Test hooks (``--inject-failure``): hang, allocate (on the model's device), or raise."""
         if "hang_seconds" in rule:
@@ -145,7 +174,7 @@ class CellWorker:
 
     def _run(self, cell: Cell) -> dict[str, Any]:
         from methods.registry import build_method
-        from runner.engine.protocol import GenerationSettings, Protocol
+        from runner.engine.protocol import Protocol
         from runner.sample import run_sample
 
         engine = self._engine_for(cell.model)
@@ -154,21 +183,8 @@ class CellWorker:
         protocol = Protocol(**cell.protocol)
         if cell.measure == "fidelity":
             return self._run_fidelity(cell, engine, task, method, protocol)
-        gen = cell.generation
-        settings = GenerationSettings(
-            max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"], stop=tuple(gen["stop"])
-        )
-        run = run_sample(engine, task, cell.sample, method, cell.budget, protocol, settings, cell.gen_seed)
-        score, generation = run.score, run.generation
-        return {
-            "correct": bool(score.correct),
-            "score": float(score.score),
-            "extracted": None if score.extracted is None else str(score.extracted),
-            "completion": run.completion,
-            "stop_reason": generation.stop_reason,
-            **_instrumentation(generation, engine),
-            "details": run.details,
-        }
+        run = run_sample(engine, task, cell.sample, method, cell.budget, protocol, _settings(cell), cell.gen_seed)
+        return _generation_row(run.score, run.generation, run.completion, run.details, engine)
 
     def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
         """Teacher-force the sample's reference continuation under the method and compare every scored
@@ -199,6 +215,27 @@ class CellWorker:
                 "reference_seconds": reference_seconds, "reference_shared": shared,
             }},
         }
+
+
+def _settings(cell: Cell):
+    from runner.engine.protocol import GenerationSettings
+
+    gen = cell.generation
+    return GenerationSettings(max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"],
+                              stop=tuple(gen["stop"]))
+
+
+def _generation_row(score, generation, completion, details: dict[str, Any], engine) -> dict[str, Any]:
+    """A generation cell's stored fields: its score, completion, cost and cache figures, details."""
+    return {
+        "correct": bool(score.correct),
+        "score": float(score.score),
+        "extracted": None if score.extracted is None else str(score.extracted),
+        "completion": completion,
+        "stop_reason": generation.stop_reason,
+        **_instrumentation(generation, engine),
+        "details": details,
+    }
 
 
 def _instrumentation(generation, engine) -> dict[str, Any]:

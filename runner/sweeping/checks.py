@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.engine.errors import KvleagueError
-from runner.spec_hash import spec_hash
+from db.spec_hash import spec_hash
 from runner.sweep_config import SweepConfig
 
 PROJECT_DIR_ENV = "KVLEAGUE_PROJECT_DIR"

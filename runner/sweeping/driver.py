@@ -17,7 +17,7 @@ from typing import Any, Callable
 from runner.engine.errors import KvleagueError
 from runner.sweep_config import SweepConfig
 from runner.sweeping.checks import project_dir
-from runner.sweeping.grid import Cell, expand
+from runner.sweeping.grid import Cell, batches, expand
 from runner.sweeping.progress import Progress
 from runner.sweeping.scheduler import Scheduler
 from runner.sweeping.writer import ResultWriter, display
@@ -179,7 +179,7 @@ class SweepRunner:
             progress.update(counts["ok"] + counts["failed"], counts["failed"])
 
         try:
-            self.scheduler.run(pending, record, tick)
+            self.scheduler.run(batches(pending, self.config.batch_size), record, tick)
         finally:
             writer.flush(force=True)
             progress.close()

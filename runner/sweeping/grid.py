@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.engine.errors import KvleagueError, first_line
-from runner.spec_hash import canonical_json, spec_hash
+from db.spec_hash import canonical_json, spec_hash
 from runner.sweep_config import SweepConfig
 from runner.sweeping.checks import check_config, project_dir, resolve_data_dir, resolve_model_source
 
@@ -205,3 +205,38 @@ def load_tokenizer(model_spec: str):
         return AutoTokenizer.from_pretrained(resolve_model(model_spec))
     except OSError as exc:
         raise KvleagueError(f"models: cannot load the tokenizer of {model_spec!r}: {first_line(exc)}") from None
+
+
+#: the most cells one batch takes under ``batch_size: auto`` (the worker then fits it to memory)
+AUTO_BATCH_LIMIT = 16
+
+
+def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
+    """``cells`` as the groups a worker decodes together (``CellWorker.run_group``).
+
+    A group is generation cells of one plain task under one model, method (and hyperparameters),
+    budget, protocol, generation settings and seed, at most ``batch_size`` of them (``auto``:
+    :data:`AUTO_BATCH_LIMIT`). Fidelity cells stay alone and in their order (a sample's cells run
+    back to back, so one full-cache pass serves them all), as do episodes (multi-turn: batch 1). Each
+    group stands where its first cell stood."""
+    from tasks.episode import EpisodicTask
+    from tasks.registry import task_class
+
+    limit = AUTO_BATCH_LIMIT if batch_size == "auto" else int(batch_size)
+    groups: list[list[Cell]] = []
+    open_groups: dict[str, list[Cell]] = {}
+    episodic: dict[str, bool] = {}
+    for cell in cells:
+        if cell.task not in episodic:
+            episodic[cell.task] = issubclass(task_class(cell.task), EpisodicTask)
+        if limit == 1 or cell.measure != "generation" or episodic[cell.task]:
+            groups.append([cell])
+            continue
+        key = canonical_json([cell.model, cell.method, cell.params, cell.budget, cell.task, cell.task_options,
+                              cell.protocol, cell.generation, cell.seed])
+        group = open_groups.get(key)
+        if group is None or len(group) >= limit:
+            group = open_groups[key] = []
+            groups.append(group)
+        group.append(cell)
+    return groups

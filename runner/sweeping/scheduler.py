@@ -148,14 +148,16 @@ class Scheduler:
 
     # -- run ------------------------------------------------------------------------------------
 
-    def run(self, pending: list[Cell], record: Callable[[Cell, dict[str, Any]], None], tick: Callable[[], None]) -> None:
-        """Run every cell of ``pending``; ``record(cell, row)`` for each result, ``tick()`` about once a second."""
+    def run(self, groups: list[list[Cell]], record: Callable[[Cell, dict[str, Any]], None], tick: Callable[[], None]) -> None:
+        """Run every group of cells (``grid.batches``: cells that decode together) on one actor;
+        ``record(cell, row)`` for each result, ``tick()`` about once a second. A group whose actor died
+        comes back as single cells, so a cell that kills its worker is found and fails alone."""
         self.init_ray()  # first: it sets the environment Ray reads once, at import
         import ray
 
         died_errors, task_error = ray_exceptions()
         res = self.res
-        n_workers, self.cpus_per, gpus_per = self.plan_workers(len(pending))
+        n_workers, self.cpus_per, gpus_per = self.plan_workers(len(groups))
         self.options = self.actor_options(self.cpus_per, gpus_per)
         self.actors = [self.new_actor() for _ in range(n_workers)]
         # a ping per new actor: the cell time limit counts from when it is up (not while Ray starts
@@ -166,23 +168,23 @@ class Scheduler:
             print("warning: resources.memory_limit_gb applies to CPU workers only; GPU workers run without it "
                   "(CUDA out of memory is still a failed row)", file=sys.stderr, flush=True)
 
-        queue: collections.deque[Cell] = collections.deque(pending)
-        inflight: dict[Any, tuple[int, Cell]] = {}  # ref -> (actor slot, cell)
-        # per slot, its cells' refs in the order the actor runs them (one at a time): the first is
+        queue: collections.deque[list[Cell]] = collections.deque(groups)
+        inflight: dict[Any, tuple[int, list[Cell]]] = {}  # ref -> (actor slot, group)
+        # per slot, its groups' refs in the order the actor runs them (one at a time): the first is
         # running, since about when the one before it ended
         running: list[collections.deque] = [collections.deque() for _ in range(n_workers)]
         since = [0.0] * n_workers
         max_replacements = 2 * n_workers + 2
 
-        def replace(slot: int, cell: Cell) -> None:
-            """A fresh actor for the slot; the cells queued behind ``cell`` on the old one go back to the queue."""
+        def replace(slot: int, group: list[Cell]) -> None:
+            """A fresh actor for the slot; the groups queued behind ``group`` on the old one go back to the queue."""
             try:
                 ray.kill(self.actors[slot], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
             for ref in [r for r, (s, _) in inflight.items() if s == slot]:
                 other = inflight.pop(ref)[1]
-                if other is not cell:
+                if other is not group:
                     queue.appendleft(other)
             running[slot].clear()
             self.actors[slot] = self.new_actor()
@@ -194,9 +196,9 @@ class Scheduler:
         while queue or inflight:
             for slot in range(n_workers):
                 while queue and len(running[slot]) < res.in_flight_per_worker:
-                    cell = queue.popleft()
-                    ref = self.actors[slot].run.remote(cell)
-                    inflight[ref] = (slot, cell)
+                    group = queue.popleft()
+                    ref = self.actors[slot].run_group.remote(group)
+                    inflight[ref] = (slot, group)
                     if not running[slot]:
                         since[slot] = time.monotonic()
                     running[slot].append(ref)
@@ -208,7 +210,7 @@ class Scheduler:
             for ref in ready:
                 if ref not in inflight:  # queued on an actor replaced meanwhile: its cell is back in the queue
                     continue
-                slot, cell = inflight.pop(ref)
+                slot, group = inflight.pop(ref)
                 if ref in running[slot]:
                     running[slot].remove(ref)
                     since[slot] = time.monotonic()
@@ -216,22 +218,25 @@ class Scheduler:
                     out = ray.get(ref)
                 except died_errors as exc:
                     # Ray's restarts and retries are spent, or the actor is gone for good
-                    cell.attempts += 1
-                    if cell.attempts >= res.max_cell_attempts:
-                        failed(cell, f"worker died {cell.attempts} times running this cell; last: {error_text(exc)}")
-                    else:
-                        queue.appendleft(cell)
+                    for cell in reversed(group):
+                        cell.attempts += 1
+                        if cell.attempts >= res.max_cell_attempts:
+                            failed(cell, f"worker died {cell.attempts} times running this cell; last: {error_text(exc)}")
+                        else:
+                            queue.appendleft([cell])
                     if self.replacements >= max_replacements:
                         raise KvleagueError(f"ray: workers keep dying ({self.replacements} replaced); last: {error_text(exc)}") from None
                     self.replacements += 1
-                    replace(slot, cell)
+                    replace(slot, group)
                     print(f"worker {slot} died; replaced it ({self.replacements}/{max_replacements})", file=sys.stderr, flush=True)
                     continue
                 except task_error as exc:  # run() catches cell errors, so this is the worker itself
-                    failed(cell, error_text(exc))
+                    for cell in group:
+                        failed(cell, error_text(exc))
                     continue
-                cell.attempts += 1
-                record(cell, out)
+                for cell, row in zip(group, out):
+                    cell.attempts += 1
+                    record(cell, row)
             if res.cell_timeout_seconds:
                 now = time.monotonic()
                 for slot in range(n_workers):
@@ -239,12 +244,19 @@ class Scheduler:
                         if not ray.wait([starting[slot]], timeout=0)[0]:
                             continue
                         starting[slot], since[slot] = None, max(since[slot], now)
-                    if running[slot] and now - since[slot] > res.cell_timeout_seconds:
-                        cell = inflight[running[slot][0]][1]
-                        cell.attempts += 1
-                        failed(cell, f"timed out after {res.cell_timeout_seconds:g}s (resources.cell_timeout_seconds); "
-                                     "its worker was replaced")
-                        replace(slot, cell)
-                        print(f"worker {slot}: {cell.describe()} timed out after {res.cell_timeout_seconds:g}s; "
-                              "replaced the worker", file=sys.stderr, flush=True)
+                    # a group of n cells has n cells' time; past it, which cell hung is unknown, so the
+                    # group's cells go back to the queue one by one and only a cell that hangs alone fails
+                    group = inflight[running[slot][0]][1] if running[slot] else []
+                    limit = res.cell_timeout_seconds * len(group)
+                    if group and now - since[slot] > limit:
+                        for cell in reversed(group):
+                            cell.attempts += 1
+                            if len(group) == 1:
+                                failed(cell, f"timed out after {res.cell_timeout_seconds:g}s (resources.cell_timeout_seconds); "
+                                             "its worker was replaced")
+                            else:
+                                queue.appendleft([cell])
+                        replace(slot, group)
+                        what = group[0].describe() if len(group) == 1 else f"a batch of {len(group)} cells (requeued one by one)"
+                        print(f"worker {slot}: {what} timed out after {limit:g}s; replaced the worker", file=sys.stderr, flush=True)
             tick()

@@ -1,0 +1,80 @@
+"""Sweeps decode a cell's samples together (``batch_size``; issue 18): which cells group, and that a
+group's rows equal the rows of its cells run one by one (the single path is the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.engine.errors import KvleagueError
+from runner.sweep_config import parse_config
+from runner.sweeping.cell import CellWorker
+from runner.sweeping.grid import AUTO_BATCH_LIMIT, batches, expand
+
+
+def config(model, tmp_path, **over) -> dict:
+    return {
+        "name": "batching",
+        "database": f"sqlite:///{tmp_path / 'b.db'}",
+        "models": [{"source": str(model), "dtype": "float32"}],
+        "methods": ["full", "h2o", {"name": "streaming_llm", "grid": {"n_sink": [2, 4]}}],
+        "budgets": [24],
+        "tasks": [{"name": "gsm8k", "limit": 5}, {"name": "kv_agent", "limit": 2, "measure": "both"}],
+        "protocol": {"sink": 2, "recent": 4, "protect_prompt": False},
+        "generation": {"max_new_tokens": 12},
+        **over,
+    }
+
+
+def test_batches_group_a_cells_samples_and_keep_fidelity_and_episodes_alone(tiny_models, tmp_path):
+    cells = expand(parse_config(config(tiny_models["llama"], tmp_path))).cells
+    groups = batches(cells, 3)
+    assert sorted(c.key for g in groups for c in g) == sorted(c.key for c in cells)  # each cell once
+    for g in groups:
+        assert 1 <= len(g) <= 3
+        if len(g) > 1:  # one plain task's generation cells under one method spec, budget and seed
+            assert {c.measure for c in g} == {"generation"} and {c.task for c in g} == {"gsm8k"}
+            assert len({(c.method, str(c.params), c.budget, c.seed, str(c.protocol)) for c in g}) == 1
+            assert len({c.sample_id for c in g}) == len(g)
+    # 4 method specs x 5 gsm8k samples in groups of 3: 2 groups each
+    assert sum(len(g) > 1 for g in groups) == 4 * 2
+    # episodes (kv_agent) and fidelity cells run alone, fidelity cells in their grid order
+    alone = [g[0] for g in groups if g[0].task == "kv_agent"]
+    assert all(len(g) == 1 for g in groups if g[0].task == "kv_agent")
+    fidelity = [c.key for c in alone if c.measure == "fidelity"]
+    assert fidelity == [c.key for c in cells if c.measure == "fidelity"]
+    assert all(len(g) == 1 for g in batches(cells, 1))
+    assert max(len(g) for g in batches(cells, "auto")) == min(5, AUTO_BATCH_LIMIT)
+
+
+def test_batch_size_is_checked_at_the_edge_and_not_hashed(tiny_models, tmp_path):
+    base = config(tiny_models["llama"], tmp_path)
+    for bad in (0, -1, "big", True, 257):
+        with pytest.raises(KvleagueError, match=r"batch_size: got .*; allowed: auto or an integer 1\.\.256"):
+            parse_config({**base, "batch_size": bad})
+    # how cells are grouped does not change what the sweep computes, so not its hash
+    assert parse_config({**base, "batch_size": 4}).config_hash() == parse_config(base).config_hash()
+
+
+def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, tmp_path):
+    cells = [c for c in expand(parse_config(config(tiny_models["llama"], tmp_path))).cells if c.task == "gsm8k"]
+    group = next(g for g in batches(cells, 4) if g[0].method == "h2o")
+    assert len(group) == 4
+    worker = CellWorker(torch_threads=1)
+    together = worker.run_group(group)
+    alone = [worker.run(c) for c in group]
+    for t, a, cell in zip(together, alone, group):
+        assert t["cell_key"] == a["cell_key"] == cell.key and t["status"] == a["status"] == "ok", (t.get("error"), a.get("error"))
+        assert t["details"]["batch"] == {"cells": 4} and "batch" not in a["details"]
+        for name in ("completion", "score", "correct", "extracted", "stop_reason", "generated_tokens", "prompt_tokens",
+                     "evictions", "evicted_tokens", "peak_cache_entries"):
+            assert t[name] == a[name], (name, cell.describe())
+    assert sum(r["evictions"] for r in together) > 0
+
+
+def test_an_injected_failure_in_a_group_fails_only_its_cell(tiny_models, tmp_path):
+    cells = [c for c in expand(parse_config(config(tiny_models["llama"], tmp_path))).cells if c.task == "gsm8k"]
+    group = next(g for g in batches(cells, 3) if len(g) == 3)
+    worker = CellWorker(torch_threads=1, inject_failures=[{"key": group[1].key, "message": "boom"}])
+    rows = worker.run_group(group)
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
+    assert "boom" in rows[1]["error"] and [r["cell_key"] for r in rows] == [c.key for c in group]
