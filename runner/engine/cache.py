@@ -4,6 +4,10 @@ For every layer it tracks, slot by slot, the absolute position of the token held
 that token was fed (prompt) or generated. Eviction selects per layer and KV head and **physically
 removes** the dropped slots, so memory really shrinks.
 
+One module of ~550 lines on purpose: the slab layer, the protection rules and the top-k selection
+share the slot bookkeeping (positions, prompt flags, slot order) that each eviction path updates in
+place; split, each half would reach into the other's arrays.
+
 Speed (see ``runner/bench/decode_speed.py``): each layer keeps its keys and values in a preallocated
 slab (:class:`SlabLayer`) whose capacity covers the budget plus what one forward pass can add, so a
 decode step writes the new entry in place instead of concatenating a new copy of the whole cache,
