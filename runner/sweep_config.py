@@ -208,6 +208,8 @@ class ResourcesConfig(_Strict):
     db_retry_seconds: float = Field(default=600.0, gt=0)
 
 
+#: fields that say where results go or how cells are grouped, not what they compute: left out of the config hash
+UNHASHED_FIELDS = ("database", "batch_size")
 #: the largest ``batch_size`` a sweep may ask for
 MAX_BATCH_SIZE = 256
 
@@ -281,7 +283,7 @@ class SweepConfig(_Strict):
 
     def config_hash(self) -> str:
         """What the sweep computes: everything but where results go."""
-        data = {k: v for k, v in self.canonical().items() if k not in ("database", "batch_size")}
+        data = {k: v for k, v in self.canonical().items() if k not in UNHASHED_FIELDS}
         return spec_hash(data, spaced=True)
 
     def resolved_protocol(self, domain: str, task_protect_prompt: bool) -> dict[str, Any]:
