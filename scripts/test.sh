@@ -26,5 +26,5 @@ workers=${KVLEAGUE_TEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
   python -m pytest -q "$@"
 else
-  python -m pytest -q -n "$workers" --dist loadfile "$@"
+  python -m pytest -q -n "$workers" --dist loadfile --durations=25 "$@"
 fi

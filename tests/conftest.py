@@ -58,3 +58,15 @@ def db_url(request, tmp_path):
     url = create_database(request.getfixturevalue("pg_server"))
     yield url
     drop_database(url)
+
+
+#: the longest files (Ray jobs, killed workers, PostgreSQL restarts, a browser), first: with
+#: ``--dist loadfile`` each file runs whole on one worker, and a long file collected last leaves the
+#: other worker idle while it runs
+LONGEST_FIRST = ("test_faults.py", "test_sweep.py", "test_faults_input.py", "test_dashboard_browser.py",
+                 "test_sweep_fidelity.py", "test_db.py", "test_signals.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
