@@ -30,21 +30,18 @@ class SampleRun:
 
 def run_sample(engine, task, sample, method, budget: int, protocol, settings, seed: int) -> SampleRun:
     """Run ``sample`` of ``task`` under ``method`` at ``budget`` and score it."""
-    details: dict[str, Any] = {}
-    if isinstance(task, EpisodicTask):
-        with engine.session(method, budget, protocol, seed) as session:
-            episode = task.run_episode(sample, session, engine.tokenizer, settings)
-            generation = episode.generation if episode.generation is not None else session.result()
-        score, completion = episode.score, episode.completion
-        summary = episode.to_dict()
-        details["episode"] = {k: summary[k] for k in ("fed_tokens", "generated_tokens", "steps") if k in summary}
-        details["episode"]["turns"] = len(episode.turns)
-        details["episode"]["terminated"] = episode.transcript.terminated
-    else:
+    if not isinstance(task, EpisodicTask):
         generation = engine.generate(task.build_prompt(sample, engine.tokenizer), method, budget, protocol, settings, seed)
         return _scored(task, sample, generation)
-    details["score"] = _jsonable(score.details)
-    return SampleRun(generation=generation, completion=completion, score=score, details=details)
+    with engine.session(method, budget, protocol, seed) as session:
+        episode = task.run_episode(sample, session, engine.tokenizer, settings)
+        generation = episode.generation if episode.generation is not None else session.result()
+    summary = episode.to_dict()
+    details: dict[str, Any] = {"episode": {k: summary[k] for k in ("fed_tokens", "generated_tokens", "steps") if k in summary}}
+    details["episode"]["turns"] = len(episode.turns)
+    details["episode"]["terminated"] = episode.transcript.terminated
+    details["score"] = _jsonable(episode.score.details)
+    return SampleRun(generation=generation, completion=episode.completion, score=episode.score, details=details)
 
 
 def run_samples(engine, task, samples, methods, budget: int, protocol, settings, seeds) -> list[SampleRun]:

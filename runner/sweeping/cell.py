@@ -113,7 +113,7 @@ class CellWorker:
     def run(self, cell: Cell) -> dict[str, Any]:
         """Run one cell; never raises for a cell's own failure (the failure is the result)."""
         start = time.perf_counter()
-        row: dict[str, Any] = {"cell_key": cell.key, "worker": self.worker, "environment": self.env}
+        row = self._row(cell)
         oom = False
         try:
             for rule in self.inject_failures:
@@ -142,8 +142,11 @@ class CellWorker:
             free_accelerator_memory()
             return [self.run(c) for c in cells]
         share = (time.perf_counter() - start) / len(cells)  # the batch's wall time, split evenly
-        return [{"cell_key": c.key, "worker": self.worker, "environment": self.env, **row, "status": "ok",
-                 "wall_seconds": share} for c, row in zip(cells, rows)]
+        return [{**self._row(c), **row, "status": "ok", "wall_seconds": share} for c, row in zip(cells, rows)]
+
+    def _row(self, cell: Cell) -> dict[str, Any]:
+        """What every row of this worker starts with: the cell it is for and where it ran."""
+        return {"cell_key": cell.key, "worker": self.worker, "environment": self.env}
 
     def _run_batch(self, cells: list[Cell]) -> list[dict[str, Any]]:
         from methods.registry import build_method
