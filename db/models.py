@@ -290,6 +290,12 @@ class SignalCorrelation(Base):
     n_pairs: Mapped[int] = mapped_column(Integer)
     config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the rank partial correlation with `control` held fixed ("position"); None where not computed (migration 0007)
+    control: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    partial_rho: Mapped[float | None] = mapped_column(Float, nullable=True)
+    partial_lo: Mapped[float | None] = mapped_column(Float, nullable=True)
+    partial_hi: Mapped[float | None] = mapped_column(Float, nullable=True)
+    partial_p_value: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     __table_args__ = (Index("ix_signal_correlations_task_label", "task", "label"),)
 

@@ -18,6 +18,9 @@ from datetime import datetime, timezone
 
 from runner.engine.errors import KvleagueError
 
+#: the control signal (the token's absolute index in the context) that the partial rho holds fixed
+POSITION = "position"
+
 
 def register(subparsers) -> None:
     from runner.signals import TRACES
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_seconds is not None and args.max_seconds <= 0:
         raise KvleagueError(f"max-seconds: must be positive, got {args.max_seconds}")
 
+    import numpy as np
     import torch
 
     from methods.registry import available_methods, build_method
@@ -117,10 +121,17 @@ def run(args: argparse.Namespace) -> int:
             continue
         boot = SampleBootstrap([s.labels[label] for s in mine], args.bootstrap, args.seed)
         signals = list(dict.fromkeys(name for s in mine for name in s.signals))
+        position = [np.arange(s.context_tokens, dtype=np.float64) for s in mine]
         for name in signals:
-            c = boot.correlate([s.signals.get(name, _missing(s.context_tokens)) for s in mine],
-                               interval=args.all_intervals or _headline(name))
-            correlations.append({"label": label, "signal": name, **dataclasses.asdict(c)})
+            values = [s.signals.get(name, _missing(s.context_tokens)) for s in mine]
+            headline = _headline(name)
+            c = boot.correlate(values, interval=args.all_intervals or headline)
+            row = {"label": label, "signal": name, **dataclasses.asdict(c)}
+            if headline and name != POSITION:  # the headline signals with position held fixed
+                pc = boot.partial(values, position)
+                row.update(control=POSITION, partial_rho=pc.rho, partial_lo=pc.lo, partial_hi=pc.hi,
+                           partial_p_value=pc.p_value)
+            correlations.append(row)
     config["sample_ids"] = [s.sample_id for s in studied]
     config["samples_requested"] = len(samples)
     config["max_seconds"] = args.max_seconds
@@ -141,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _headline(signal: str) -> bool:
     """The signals that get bootstrap intervals by default: the paper's per-layer signal, the all-layer
-    signals, the position control and the methods (an interval costs a bootstrap; the other per-layer
+    signals, the position control and the methods; all but position also get the rho with position held
+    fixed (an interval costs a bootstrap; the other per-layer
     signals are many)."""
-    return signal.startswith(("hs_l2_diff_rolling64_l", "method:")) or signal.endswith("_mean") or signal == "position"
+    return signal.startswith(("hs_l2_diff_rolling64_l", "method:")) or signal.endswith("_mean") or signal == POSITION
 
 
 def _missing(n: int):
@@ -155,5 +167,7 @@ def _missing(n: int):
 def _print_summary(correlations: list[dict]) -> None:
     for c in correlations:
         if _headline(c["signal"]):
-            print(f"{c['label']:<14} {c['signal']:<32} rho {c['rho']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]  "
+            partial = (f"  | {c['control']} fixed {c['partial_rho']:+.3f} [{c['partial_lo']:+.3f}, {c['partial_hi']:+.3f}]"
+                       if "control" in c else "")
+            print(f"{c['label']:<14} {c['signal']:<32} rho {c['rho']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]{partial}  "
                   f"n={c['n_samples']} pairs={c['n_pairs']}")

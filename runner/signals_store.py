@@ -1,5 +1,7 @@
 """A signal study's correlations into the results database (``signal_correlations``), with provenance:
-the environment row (git commit, library versions, machine) and the run's options in ``config``."""
+the environment row (git commit, library versions, machine) and the run's options in ``config``. A row
+also holds the partial rho with ``control`` (the position) held fixed, where the run computed one (NULL
+in rows written before migration 0007 and for signals without it)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,11 @@ def store_correlations(report: dict[str, Any], url: str | None = None) -> int:
             "label": c["label"], "signal": c["signal"], "family": family, "layer": layer,
             "n_layers": config["n_layers"], "rho": _finite(c["rho"]), "rho_lo": _finite(c["lo"]),
             "rho_hi": _finite(c["hi"]), "p_value": _finite(c["p_value"]), "n_samples": c["n_samples"],
-            "n_pairs": c["n_pairs"], "config": config,
+            "n_pairs": c["n_pairs"], "config": config, "control": c.get("control"),
+            "partial_rho": _finite(c.get("partial_rho", float("nan"))),
+            "partial_lo": _finite(c.get("partial_lo", float("nan"))),
+            "partial_hi": _finite(c.get("partial_hi", float("nan"))),
+            "partial_p_value": _finite(c.get("partial_p_value", float("nan"))),
         })
     if not rows:
         return 0

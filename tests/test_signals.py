@@ -20,8 +20,8 @@ from runner.engine import Engine
 from runner.models import load_engine
 from runner.method_panel import MethodPanel
 from runner.engine.protocol import Protocol
-from runner.signal_stats import SampleBootstrap, pooled_spearman
-from runner.signals import SignalOptions, _full_pass, model_signals, occlusion_windows, study_sample, token_labels
+from runner.signal_stats import SampleBootstrap, pooled_partial_spearman, pooled_spearman
+from runner.signals import MEAN_FAMILIES, SignalOptions, _full_pass, model_signals, occlusion_windows, study_sample, token_labels
 from runner.models.tiny import make_tiny_model
 from tasks.base import ScoreResult
 from tests.naive_attention import _rope
@@ -223,6 +223,23 @@ def test_token_labels_and_windows_naive():
 # -- the statistics ----------------------------------------------------------------------------------
 
 
+def _spy_statistic(run):
+    """Run ``run()`` and return (its result, the statistic it handed scipy.stats.bootstrap)."""
+    captured = {}
+    original = stats.bootstrap
+
+    def spy(data, statistic, **kwargs):
+        captured["statistic"] = statistic
+        return original(data, statistic, **kwargs)
+
+    stats.bootstrap = spy
+    try:
+        result = run()
+    finally:
+        stats.bootstrap = original
+    return result, captured["statistic"]
+
+
 def test_pooled_rho_and_bootstrap_resamples_equal_scipy_on_explicit_resamples():
     rng = np.random.default_rng(0)
     label = [np.round(rng.normal(size=n), 1) for n in (12, 30, 7, 19)]  # rounded: ties inside and across samples
@@ -231,24 +248,59 @@ def test_pooled_rho_and_bootstrap_resamples_equal_scipy_on_explicit_resamples():
     expected = stats.spearmanr(np.concatenate(signal), np.concatenate(label))
     assert (rho, p, pairs) == pytest.approx((expected.statistic, expected.pvalue, 68))
     boot = SampleBootstrap(label, n_resamples=200, seed=3)
-    captured = {}
-    original = stats.bootstrap
-
-    def spy(data, statistic, **kwargs):
-        captured["statistic"] = statistic
-        return original(data, statistic, **kwargs)
-
-    stats.bootstrap, saved = spy, stats.bootstrap
-    try:
-        c = boot.correlate(signal)
-    finally:
-        stats.bootstrap = saved
+    c, statistic = _spy_statistic(lambda: boot.correlate(signal))
     resamples = np.array([[0, 0, 3, 1], [2, 2, 2, 1], [3, 1, 0, 2]])
-    ours = captured["statistic"](resamples)
+    ours = statistic(resamples)
     for row, value in zip(resamples, ours):
         explicit = stats.spearmanr(np.concatenate([signal[i] for i in row]), np.concatenate([label[i] for i in row]))
         assert value == pytest.approx(explicit.statistic, abs=1e-12)
     assert c.lo < c.rho < c.hi and c.n_samples == 4
+
+
+def residual_partial_rho(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> float:
+    """The naive partial Spearman: rank each pooled array, regress x's and y's ranks on z's ranks (least
+    squares with an intercept), Pearson's r of the residuals."""
+    rx, ry, rz = (stats.rankdata(v) for v in (x, y, z))
+    design = np.column_stack([np.ones_like(rz), rz])
+    ex = rx - design @ np.linalg.lstsq(design, rx, rcond=None)[0]
+    ey = ry - design @ np.linalg.lstsq(design, ry, rcond=None)[0]
+    return float(stats.pearsonr(ex, ey).statistic)
+
+
+def test_partial_rho_and_its_resamples_equal_the_residual_recomputation():
+    rng = np.random.default_rng(1)
+    sizes = (14, 31, 9, 22, 17)
+    position = [np.arange(n, dtype=float) for n in sizes]
+    label = [np.round(-0.05 * z + rng.normal(size=len(z)), 1) for z in position]  # ties; drifts with position
+    signal = [np.round(0.04 * z + 0.5 * y + rng.normal(size=len(z)), 1) for z, y in zip(position, label)]
+    rho, p, pairs = pooled_partial_spearman(signal, label, position)
+    cat = [np.concatenate(v) for v in (signal, label, position)]
+    assert rho == pytest.approx(residual_partial_rho(*cat), abs=1e-12) and pairs == sum(sizes)
+    assert 0 < p < 1e-3
+    boot = SampleBootstrap(label, n_resamples=200, seed=3)
+    c, statistic = _spy_statistic(lambda: boot.partial(signal, position))
+    resamples = np.array([[0, 0, 3, 1, 4], [2, 2, 2, 1, 0], [4, 1, 0, 2, 4]])
+    for row, value in zip(resamples, statistic(resamples)):
+        explicit = [np.concatenate([v[i] for i in row]) for v in (signal, label, position)]
+        assert value == pytest.approx(residual_partial_rho(*explicit), abs=1e-10)
+    assert c.rho == rho and c.lo < c.rho < c.hi and c.n_samples == 5
+
+
+def test_position_plus_noise_has_no_partial_rho_and_a_planted_signal_keeps_its_rho():
+    rng = np.random.default_rng(5)
+    position = [np.arange(n, dtype=float) for n in rng.integers(60, 120, 20)]
+    planted = [rng.normal(size=len(z)) for z in position]  # the content that matters, independent of position
+    label = [x - 0.03 * z + 0.5 * rng.normal(size=len(z)) for x, z in zip(planted, position)]
+    position_like = [-z + 10 * rng.normal(size=len(z)) for z in position]  # position plus noise
+    boot = SampleBootstrap(label, n_resamples=500, seed=0)
+    raw_pos, partial_pos = boot.correlate(position_like), boot.partial(position_like, position)
+    raw_planted, partial_planted = boot.correlate(planted), boot.partial(planted, position)
+    print(f"position-like raw {raw_pos.rho:+.3f}, partial {partial_pos.rho:+.3f} [{partial_pos.lo:+.3f}, "
+          f"{partial_pos.hi:+.3f}]; planted raw {raw_planted.rho:+.3f}, partial {partial_planted.rho:+.3f}")
+    assert raw_pos.rho > 0.3 and raw_pos.lo > 0  # position alone looks like a signal ...
+    assert abs(partial_pos.rho) < 0.05 and partial_pos.lo < 0 < partial_pos.hi  # ... and is none with position fixed
+    assert raw_planted.rho > 0.3 and partial_planted.lo > 0.3
+    assert partial_planted.rho >= raw_planted.rho - 0.02  # holding position fixed removes nothing from it
 
 
 # -- a planted fact: importance known by construction ------------------------------------------------
@@ -390,6 +442,17 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
     assert row["rho_lo"] is None and row["rho_hi"] is None
     for name in ("hs_l2_diff_rolling64_l0", "h2o_mean", "position", "method:h2o"):
         assert stored[("occlusion_nll", name)]["rho_lo"] < stored[("occlusion_nll", name)]["rho_hi"], name
+    # and, but for position itself, the rho with position held fixed, as the JSON report has it
+    partial = {(c["label"], c["signal"]): c for c in report["correlations"] if "control" in c}
+    assert {s for _, s in partial} == {"hs_l2_diff_rolling64_l0", "hs_l2_diff_rolling64_l1", "method:h2o",
+                                       "method:random"} | {f"{f}_mean" for f in MEAN_FAMILIES}
+    for key, r in stored.items():
+        if key in partial:
+            c = partial[key]
+            assert r["control"] == "position" and r["partial_rho"] == pytest.approx(c["partial_rho"])
+            assert r["partial_lo"] < r["partial_hi"], key  # (two samples: a resample is one of three)
+        else:
+            assert r["control"] is None and r["partial_rho"] is None, key
     assert env["git_commit"] and env["torch_version"] == torch.__version__
     assert main(argv[:-2] + ["--db", url, "--no-store"]) == 0  # (a second run, not stored: the table is unchanged)
     with get_engine(url).connect() as conn:
