@@ -1,6 +1,7 @@
 """Tables of the signal studies (``kvleague signals``, table ``signal_correlations``) for the Signals page
 and docs/signals.md: rho against layer depth per domain, rho per method per domain, and whether the
-paper's sign pattern holds in its bands, judged by the per-layer intervals.
+paper's sign pattern holds in its bands, judged by the per-layer intervals; each both raw and with the
+token's position held fixed (the rank partial rho, ``partial_*`` columns; runs stored before it have none).
 
 Run ``python -m dashboard.signals --db URL`` for the Markdown tables of a database.
 """
@@ -18,7 +19,9 @@ from dashboard.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBLISHED_LA
 #: the paper's per-layer signal
 DEPTH_FAMILY = "hs_l2_diff_rolling64"
 COLUMNS = ["run_id", "model", "task", "domain", "label", "signal", "family", "layer", "n_layers", "rho", "rho_lo",
-           "rho_hi", "p_value", "n_samples", "n_pairs", "created_at"]
+           "rho_hi", "p_value", "n_samples", "n_pairs", "created_at", "control", "partial_rho", "partial_lo", "partial_hi"]
+#: the two kinds of rho: as measured, and with the control (the token's position) held fixed
+RAW, PARTIAL = "raw", "position held fixed"
 
 
 def read_correlations(engine) -> pd.DataFrame:
@@ -28,12 +31,23 @@ def read_correlations(engine) -> pd.DataFrame:
     if "signal_correlations" not in inspect(engine).get_table_names():
         return pd.DataFrame(columns=COLUMNS)
     t = SignalCorrelation.__table__
+    present = {c["name"] for c in inspect(engine).get_columns("signal_correlations")}  # a database not yet at 0007
     with engine.connect() as conn:
-        df = pd.DataFrame([dict(r._mapping) for r in conn.execute(select(*[t.c[c] for c in COLUMNS]))], columns=COLUMNS)
+        rows = conn.execute(select(*[t.c[c] for c in COLUMNS if c in present]))
+        df = pd.DataFrame([dict(r._mapping) for r in rows], columns=COLUMNS)
     if df.empty:
         return df
     latest = df.sort_values("created_at").groupby(["model", "task", "label"])["run_id"].last()
     return df[df["run_id"].isin(set(latest))].reset_index(drop=True)
+
+
+def position_held_fixed(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with rho and its interval replaced by the partial rho given position (NaN where none), so
+    every table below can show either."""
+    out = df.copy()
+    for raw, partial in (("rho", "partial_rho"), ("rho_lo", "partial_lo"), ("rho_hi", "partial_hi")):
+        out[raw] = pd.to_numeric(out[partial], errors="coerce")
+    return out
 
 
 def depth_table(df: pd.DataFrame, family: str = DEPTH_FAMILY, label: str = "occlusion_nll") -> pd.DataFrame:
@@ -77,6 +91,20 @@ def band_verdicts(depth: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def verdict_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame:
+    """The band verdicts on the raw rho and on the rho with position held fixed, one row each per
+    (model, domain, task); a run without partial rho gets only its raw rows."""
+    parts = []
+    for kind, rows in ((RAW, df), (PARTIAL, position_held_fixed(df))):
+        depth = depth_table(rows, label=label).dropna(subset=["rho"])
+        if not depth.empty:
+            parts.append(band_verdicts(depth).assign(rho=kind))
+    if not parts:
+        return pd.DataFrame()
+    out = pd.concat(parts, ignore_index=True)
+    return out[["rho", *[c for c in out.columns if c != "rho"]]]
+
+
 def _verdict(p_up: int, p_down: int, p_n: int, n_up: int, n_down: int, n_n: int) -> str:
     early = "positive" if p_up > p_n / 2 and not p_down else "negative" if p_down > p_n / 2 and not p_up else "unclear"
     late = "negative" if n_down > n_n / 2 and not n_up else "positive" if n_up > n_n / 2 and not n_down else "unclear"
@@ -91,7 +119,8 @@ def method_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
     """Per method and (model, domain, task): rho of the method's own score with its interval."""
     sel = df[(df["family"] == "method") & (df["label"] == label)].copy()
     sel["method"] = sel["signal"].str.removeprefix("method:")
-    cols = ["method", "model", "domain", "task", "rho", "rho_lo", "rho_hi", "n_samples", "n_pairs"]
+    cols = ["method", "model", "domain", "task", "rho", "rho_lo", "rho_hi", "partial_rho", "partial_lo", "partial_hi",
+            "n_samples", "n_pairs"]
     return sel[cols].sort_values(["domain", "rho"], ascending=[True, False], na_position="last").reset_index(drop=True)
 
 
@@ -99,7 +128,8 @@ def signal_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
     """The all-layer signals (the authors' kv and attention signals) and the position control per
     (model, domain, task)."""
     sel = df[(df["label"] == label) & (df["signal"].str.endswith("_mean") | (df["signal"] == "position"))]
-    cols = ["signal", "model", "domain", "task", "rho", "rho_lo", "rho_hi", "n_samples", "n_pairs"]
+    cols = ["signal", "model", "domain", "task", "rho", "rho_lo", "rho_hi", "partial_rho", "partial_lo", "partial_hi",
+            "n_samples", "n_pairs"]
     return sel[cols].sort_values(["domain", "signal"]).reset_index(drop=True)
 
 
@@ -125,37 +155,50 @@ def _interval(row) -> str:
     return f"{row['rho']:+.3f} [{row['rho_lo']:+.3f}, {row['rho_hi']:+.3f}]"
 
 
-def markdown(df: pd.DataFrame) -> str:
-    """The depth table (one column per task), the band verdicts and the method table, in Markdown."""
-    depth = depth_table(df)
+def _wide(table: pd.DataFrame, index: str) -> pd.DataFrame:
+    """``index`` by task (domain order), each cell rho [lo, hi]."""
+    table = table.assign(rho_interval=table.apply(_interval, axis=1))
+    wide = table.pivot_table(index=index, columns="task", values="rho_interval", aggfunc="first")
+    return wide[list(dict.fromkeys(table.sort_values("domain", key=_domain_order)["task"]))]
+
+
+def _depth_markdown(depth: pd.DataFrame, model: str, label: str, kind: str) -> list[str]:
+    tasks = list(dict.fromkeys(depth.sort_values("domain", key=_domain_order)["task"]))
+    n = {t: int(depth[depth["task"] == t]["n_samples"].max()) for t in tasks}
+    header = "| layer | depth | band | " + " | ".join(f"{t} ({depth[depth['task'] == t]['domain'].iloc[0]}, n={n[t]})" for t in tasks) + " |"
+    what = "rho" if kind == RAW else "partial rho with the token's position held fixed"
+    out = [f"### {model}: {what} of {DEPTH_FAMILY} against {label}, 95% interval", "", header, "|" + "---|" * (3 + len(tasks))]
+    for layer, lg in depth.groupby("layer"):
+        cells = [_interval(lg[lg["task"] == t].iloc[0]) if (lg["task"] == t).any() else "—" for t in tasks]
+        out.append(f"| {layer} | {lg['depth'].iloc[0]:.2f} | {lg['band'].iloc[0]} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
+    """For ``label``: the depth tables (one column per task; raw, then with position held fixed), the band
+    verdicts on both, the method table and the all-layer signals (raw and with position held fixed)."""
     out = []
-    for model, g in depth.groupby("model"):
-        tasks = list(dict.fromkeys(g.sort_values("domain", key=_domain_order)["task"]))
-        n = {t: int(g[g["task"] == t]["n_samples"].max()) for t in tasks}
-        header = "| layer | depth | band | " + " | ".join(f"{t} ({g[g['task'] == t]['domain'].iloc[0]}, n={n[t]})" for t in tasks) + " |"
-        out += [f"### {model}: rho of {DEPTH_FAMILY} against occlusion_nll, 95% interval", "", header,
-                "|" + "---|" * (3 + len(tasks))]
-        for layer, lg in g.groupby("layer"):
-            cells = [_interval(lg[lg["task"] == t].iloc[0]) if (lg["task"] == t).any() else "—" for t in tasks]
-            out.append(f"| {layer} | {lg['depth'].iloc[0]:.2f} | {lg['band'].iloc[0]} | " + " | ".join(cells) + " |")
-        out.append("")
-    verdicts = band_verdicts(depth)
+    for kind, rows in ((RAW, df), (PARTIAL, position_held_fixed(df))):
+        depth = depth_table(rows, label=label).dropna(subset=["rho"]) if kind == PARTIAL else depth_table(rows, label=label)
+        for model, g in depth.groupby("model"):
+            out += _depth_markdown(g, model, label, kind)
+    verdicts = verdict_table(df, label)
     if not verdicts.empty:
-        verdicts = verdicts.sort_values("domain", key=_domain_order)
-        out += ["### The paper's sign pattern per domain", "", verdicts.to_markdown(index=False, floatfmt="+.3f"), ""]
-    methods = method_table(df)
-    if not methods.empty:
-        methods = methods.assign(rho_interval=methods.apply(_interval, axis=1))
-        wide = methods.pivot_table(index="method", columns="task", values="rho_interval", aggfunc="first")
-        wide = wide[list(dict.fromkeys(methods.sort_values("domain", key=_domain_order)["task"]))]
-        out += ["### Each method's own score against occlusion_nll (rho, 95% interval; — : constant on the context)", "",
-                wide.to_markdown(), ""]
-    signals = signal_table(df)
-    if not signals.empty:
-        signals = signals.assign(rho_interval=signals.apply(_interval, axis=1))
-        wide = signals.pivot_table(index="signal", columns="task", values="rho_interval", aggfunc="first")
-        wide = wide[list(dict.fromkeys(signals.sort_values("domain", key=_domain_order)["task"]))]
-        out += ["### All-layer signals and the position control against occlusion_nll", "", wide.to_markdown(), ""]
+        verdicts = verdicts.sort_values("domain", key=_domain_order, kind="stable")
+        out += [f"### The paper's sign pattern per domain ({label}; raw rho and with position held fixed)", "",
+                verdicts.to_markdown(index=False, floatfmt="+.3f"), ""]
+    for kind, rows in ((RAW, df), (PARTIAL, position_held_fixed(df))):
+        methods = method_table(rows, label)
+        if not methods.empty and (kind == RAW or methods["rho"].notna().any()):
+            what = "rho" if kind == RAW else "partial rho, position held fixed"
+            out += [f"### Each method's own score against {label} ({what}, 95% interval; — : constant on the context)", "",
+                    _wide(methods, "method").to_markdown(), ""]
+        signals = signal_table(rows, label)
+        if kind == PARTIAL:
+            signals = signals[signals["signal"] != "position"]
+        if not signals.empty and (kind == RAW or signals["rho"].notna().any()):
+            what = "and the position control" if kind == RAW else "with position held fixed"
+            out += [f"### All-layer signals {what} against {label}", "", _wide(signals, "signal").to_markdown(), ""]
     return "\n".join(out)
 
 
@@ -164,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m dashboard.signals", description=__doc__.splitlines()[0])
     p.add_argument("--db", required=True, metavar="URL")
+    p.add_argument("--label", action="append", default=None, help="importance label(s) (default: every label stored)")
     args = p.parse_args(argv)
-    print(markdown(read_correlations(get_engine(args.db))))
+    df = read_correlations(get_engine(args.db))
+    for label in args.label or [x for x in ("occlusion_nll", "answer_flip") if (df["label"] == x).any()]:
+        print(markdown(df, label))
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 
@@ -21,12 +22,18 @@ ENV = {"spec_hash": "e" * 64, "hostname": "h", "platform": "p", "python_version"
        "kvleague_version": "0", "ray_version": "r", "git_commit": "c" * 40, "git_dirty": False}
 
 
-def report(run_id: str, task: str, domain: str, rho_of_layer, created: str, n: int = 30) -> dict:
+def report(run_id: str, task: str, domain: str, rho_of_layer, created: str, n: int = 30, partial_of_layer=None) -> dict:
+    """A stored report; with ``partial_of_layer``, the per-layer rows also carry the partial rho given position
+    (without it, a run as written before the partial rho existed)."""
     correlations = []
     for layer in range(N_LAYERS):
         rho = rho_of_layer(layer)
         correlations.append({"label": "occlusion_nll", "signal": f"hs_l2_diff_rolling64_l{layer}", "rho": rho,
                              "lo": rho - 0.05, "hi": rho + 0.05, "p_value": 0.01, "n_samples": n, "n_pairs": 100 * n})
+        if partial_of_layer is not None:
+            partial = partial_of_layer(layer)
+            correlations[-1].update(control="position", partial_rho=partial, partial_lo=partial - 0.05,
+                                    partial_hi=partial + 0.05, partial_p_value=0.01)
     correlations += [
         {"label": "occlusion_nll", "signal": "method:snapkv", "rho": 0.2, "lo": 0.1, "hi": 0.3, "p_value": 0.01, "n_samples": n, "n_pairs": 100 * n},
         {"label": "occlusion_nll", "signal": "method:epikv", "rho": float("nan"), "lo": float("nan"), "hi": float("nan"),
@@ -48,7 +55,8 @@ def signals_db(tmp_path, monkeypatch):
 
     url = f"sqlite:///{tmp_path / 'signals.db'}"
     store_correlations(report("old", "math500", "math", lambda layer: -0.5, "2026-01-01T00:00:00+00:00"), url)
-    store_correlations(report("new", "math500", "math", paper_like, "2026-02-01T00:00:00+00:00"), url)
+    store_correlations(report("new", "math500", "math", paper_like, "2026-02-01T00:00:00+00:00",
+                              partial_of_layer=lambda layer: -paper_like(layer)), url)
     store_correlations(report("code", "humaneval", "code", lambda layer: 0.0, "2026-02-01T00:00:00+00:00", n=12), url)
     monkeypatch.setenv("KVLEAGUE_DB", url)
     return url
@@ -61,7 +69,13 @@ def test_signals_page_shows_the_latest_runs_bands_and_methods(signals_db):
     assert not at.exception, at.exception
     assert at.title[0].value == "Signals"
     assert len(at.dataframe) == 4  # bands, every layer, methods, all-layer signals
-    bands = at.dataframe[0].value.set_index("task")
+    verdicts = at.dataframe[0].value
+    # with position held fixed the math run's pattern is reversed; the code run has no partial rho (stored before it)
+    assert sorted(zip(verdicts["task"], verdicts["rho"])) == [("humaneval", "raw"), ("math500", "position held fixed"),
+                                                              ("math500", "raw")]
+    partial = verdicts[verdicts["rho"] == "position held fixed"].iloc[0]
+    assert partial["verdict"] == "does not hold as stated: early band negative, late band positive"
+    bands = verdicts[verdicts["rho"] == "raw"].set_index("task")
     math = bands.loc["math500"]  # the newer run only: the old one (all -0.5) is superseded
     early = [layer for layer in range(N_LAYERS) if 7 / 32 <= layer / 32 <= 13 / 32]
     late = [layer for layer in range(N_LAYERS) if 18 / 32 <= layer / 32 <= 25 / 32]
@@ -91,6 +105,41 @@ def test_signals_page_shows_the_latest_runs_bands_and_methods(signals_db):
     ours = next(f for f in frames if "rho_lo" in f.columns)
     math_rows = ours[ours["task"] == "math500"].sort_values("layer")
     assert list(zip(math_rows["layer"], math_rows["rho"])) == [(layer, paper_like(layer)) for layer in range(N_LAYERS)]
+
+    at.radio(key="sig_kind").set_value("position held fixed").run()  # the chart and the layer table, partial rho
+    assert not at.exception, at.exception
+    depth = at.dataframe[1].value
+    assert set(depth["task"]) == {"math500"}  # the code run has none
+    assert depth.sort_values("layer")["rho"].tolist() == [-paper_like(layer) for layer in range(N_LAYERS)]
+
+
+def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
+    """A database at revision 0006 (no partial columns) reads, and after the upgrade its rows have no partial rho."""
+    from db.session import get_engine, upgrade
+    from dashboard.signals import markdown, read_correlations
+    from runner.signals_store import store_correlations
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = get_engine(url)
+    upgrade(engine, "0006")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO signal_correlations (row_key, run_id, model, task, domain, label, signal, family, layer, n_layers,"
+            " rho, rho_lo, rho_hi, p_value, n_samples, n_pairs, created_at) VALUES ('k', 'old', 'tiny', 'math500', 'math',"
+            " 'occlusion_nll', 'hs_l2_diff_rolling64_l9', 'hs_l2_diff_rolling64', 9, 32, 0.3, 0.2, 0.4, 0.01, 30, 3000,"
+            " '2026-01-01 00:00:00')")
+    before = read_correlations(engine)
+    assert before["rho"].tolist() == [0.3] and before["partial_rho"].isna().all()
+    store_correlations(report("new", "humaneval", "code", paper_like, "2026-02-01T00:00:00+00:00",
+                              partial_of_layer=lambda layer: 0.0), url)  # upgrades to head on the way
+    after = read_correlations(get_engine(url))
+    old = after[after["run_id"] == "old"].iloc[0]
+    assert old["rho"] == 0.3 and pd.isna(old["partial_rho"]) and old["control"] is None
+    new = after[(after["run_id"] == "new") & (after["layer"] == 9)].iloc[0]
+    assert (new["control"], new["partial_rho"], new["partial_hi"]) == ("position", 0.0, 0.05)
+    text = markdown(after)
+    assert "partial rho with the token's position held fixed of hs_l2_diff_rolling64" in text
+    assert "| 9 | 0.28 | positive | +0.300 [+0.200, +0.400] | +0.200 [+0.150, +0.250] |" in text  # math (raw only), code
 
 
 def test_reference_series_are_the_authors_csv_figures():

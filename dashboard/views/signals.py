@@ -1,6 +1,7 @@
 """Signals: which per-token signals predict occlusion importance (``kvleague signals``, issue 21). Rho of
 the smoothed hidden-state change against layer depth per domain, with the paper's bands and the
-authors' published figures; each method's own score per domain; the all-layer signals."""
+authors' published figures; each method's own score per domain; the all-layer signals; each raw or with
+the token's position held fixed."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dashboard.paper import (
 from dashboard.views.common import INT
 
 RHO = st.column_config.NumberColumn(format="%+.3f")
+RHOS = {c: RHO for c in ("rho", "rho_lo", "rho_hi", "partial_rho", "partial_lo", "partial_hi")}
 
 
 @st.cache_data(show_spinner=False, ttl=3)
@@ -70,22 +72,30 @@ def render(ctx) -> None:
         "Spearman rho over every context token of every sample (the EpiKV authors' pooling), with a 95% percentile "
         "bootstrap interval that resamples samples. The latest run of each task is shown.")
 
-    depth = sig.depth_table(rows, label=label)
+    kind = st.radio("Rho", [sig.RAW, sig.PARTIAL], horizontal=True, key="sig_kind",
+                    help="position held fixed: the rank partial correlation given the token's index in the context "
+                         "(labels and smoothed signals both drift with position)")
+    depth = sig.depth_table(rows, label=label) if kind == sig.RAW else \
+        sig.depth_table(sig.position_held_fixed(rows), label=label).dropna(subset=["rho"])
     st.subheader("Rho of the smoothed hidden-state change against layer depth")
     reference = sig.reference_series()
     shown = st.multiselect("Authors' published series (DeepSeek-R1-Distill-Llama-8B, answer-flip labels)",
                            sorted(reference["dataset"].unique()), default=["math500"], key="sig_reference")
     if depth.empty:
-        st.info(f"No per-layer rows for the label {label}.")
+        st.info(f"No per-layer rows for the label {label}" + ("." if kind == sig.RAW else " with position held fixed (runs before it have none)."))
     else:
         st.altair_chart(depth_chart(depth, reference[reference["dataset"].isin(shown)]), width="stretch")
         st.caption(f"Signal `{sig.DEPTH_FAMILY}_l{{layer}}`: the L2 change of layer l's hidden state from the previous "
                    "token, averaged over the trailing 64 tokens. Dashed grey: the authors' figures, transcribed from "
                    f"`results_recovered/*_signal_ablation.csv` of {SOURCE_REPOSITORY} at {SOURCE_COMMIT[:12]}.")
-        st.markdown("**The paper's sign pattern per domain** (a layer counts only when its 95% interval excludes 0)")
-        st.dataframe(sig.band_verdicts(depth), hide_index=True, key="sig_bands",
+    verdicts = sig.verdict_table(rows, label)
+    if not verdicts.empty:
+        st.markdown("**The paper's sign pattern per domain**, on the raw rho and with position held fixed "
+                    "(a layer counts only when its 95% interval excludes 0)")
+        st.dataframe(verdicts, hide_index=True, key="sig_bands",
                      column_config={"mean rho early": RHO, "mean rho late": RHO, "samples": INT})
-        with st.expander("Every layer"):
+    if not depth.empty:
+        with st.expander(f"Every layer ({kind})"):
             st.dataframe(depth, hide_index=True, key="sig_depth",
                          column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "depth": st.column_config.NumberColumn(format="%.2f")})
 
@@ -98,7 +108,8 @@ def render(ctx) -> None:
                    "of the trace (layers and heads averaged). An empty rho: the method scores every context token the same "
                    "(methods that never evict prompt tokens score them all +inf).")
         st.dataframe(methods, hide_index=True, key="sig_methods", placeholder="—",
-                     column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "n_samples": INT, "n_pairs": INT})
+                     column_config={**RHOS, "n_samples": INT, "n_pairs": INT})
     st.subheader("All-layer signals and the position control")
     st.dataframe(sig.signal_table(rows, label), hide_index=True, key="sig_all_layer", placeholder="—",
-                 column_config={"rho": RHO, "rho_lo": RHO, "rho_hi": RHO, "n_samples": INT, "n_pairs": INT})
+                 column_config={**RHOS, "n_samples": INT, "n_pairs": INT})
+    st.caption("partial_*: the rank partial rho with the token's position held fixed, with its interval on the same resamples.")
