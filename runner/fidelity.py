@@ -97,6 +97,39 @@ def full_cache_logprobs(engine: Engine, segments: Sequence[Segment]) -> tuple[to
     return torch.log_softmax(out.logits[0].double(), dim=-1), torch.tensor(targets)
 
 
+class _Comparison:
+    """Collects one sequence's per-token figures against the full cache's log-probabilities."""
+
+    def __init__(self, reference: tuple[torch.Tensor, torch.Tensor]):
+        self.full_lp, self.targets = reference
+        self.kl: list[float] = []
+        self.dnll: list[float] = []
+        self.top1: list[float] = []
+        self.nll_full: list[float] = []
+        self.nll_method: list[float] = []
+
+    def on_logits(self, logits: torch.Tensor, token: int) -> None:
+        p_log = self.full_lp[len(self.kl)]
+        q_log = torch.log_softmax(logits.double(), dim=-1)
+        self.kl.append(float((p_log.exp() * (p_log - q_log)).sum()))
+        self.nll_full.append(-float(p_log[token]))
+        self.nll_method.append(-float(q_log[token]))
+        self.dnll.append(self.nll_method[-1] - self.nll_full[-1])
+        self.top1.append(float(int(p_log.argmax()) == int(q_log.argmax())))
+
+    def result(self, seconds: float, reference_seconds: float, generation: GenerationResult, per_token: bool) -> FidelityResult:
+        if len(self.kl) != len(self.targets):  # the two passes must have walked the same tokens
+            raise AssertionError(f"fidelity: {len(self.kl)} scored tokens teacher-forced, {len(self.targets)} in the reference")
+        n = len(self.kl)
+        return FidelityResult(
+            tokens=n, kl_mean=sum(self.kl) / n, kl_max=max(self.kl), delta_nll_mean=sum(self.dnll) / n,
+            top1_agreement=sum(self.top1) / n, nll_full_mean=sum(self.nll_full) / n,
+            nll_method_mean=sum(self.nll_method) / n, seconds=seconds, reference_seconds=reference_seconds,
+            generation=generation,
+            per_token={"kl": self.kl, "delta_nll": self.dnll, "top1": self.top1} if per_token else {},
+        )
+
+
 def measure(
     engine: Engine,
     segments: Sequence[Segment],
@@ -112,37 +145,90 @@ def measure(
     pass it to reuse one full-cache pass across methods and budgets)."""
     check_segments(segments)
     start = time.perf_counter()
-    full_lp, targets = reference if reference is not None else full_cache_logprobs(engine, segments)
+    comparison = _Comparison(reference if reference is not None else full_cache_logprobs(engine, segments))
     reference_seconds = time.perf_counter() - start if reference is None else 0.0
-    kl, dnll, top1, nll_full, nll_method = [], [], [], [], []
-    step = 0
-
-    def on_logits(logits: torch.Tensor, token: int) -> None:
-        nonlocal step
-        p_log = full_lp[step]
-        q_log = torch.log_softmax(logits.double(), dim=-1)
-        kl.append(float((p_log.exp() * (p_log - q_log)).sum()))
-        nll_full.append(-float(p_log[token]))
-        nll_method.append(-float(q_log[token]))
-        dnll.append(nll_method[-1] - nll_full[-1])
-        top1.append(float(int(p_log.argmax()) == int(q_log.argmax())))
-        step += 1
-
     start = time.perf_counter()
     with engine.session(method, budget, protocol or Protocol(), seed) as session:
         for ids, scored in segments:
             if scored:
-                session.teacher_force(ids, on_logits)
+                session.teacher_force(ids, comparison.on_logits)
             else:
                 session.feed(ids)
         generation = session.result()
-    seconds = time.perf_counter() - start
-    if step != len(targets):  # the two passes must have walked the same tokens
-        raise AssertionError(f"fidelity: {step} scored tokens teacher-forced, {len(targets)} in the reference")
-    n = len(kl)
-    return FidelityResult(
-        tokens=n, kl_mean=sum(kl) / n, kl_max=max(kl), delta_nll_mean=sum(dnll) / n, top1_agreement=sum(top1) / n,
-        nll_full_mean=sum(nll_full) / n, nll_method_mean=sum(nll_method) / n, seconds=seconds,
-        reference_seconds=reference_seconds, generation=generation,
-        per_token={"kl": kl, "delta_nll": dnll, "top1": top1} if per_token else {},
+    return comparison.result(time.perf_counter() - start, reference_seconds, generation, per_token)
+
+
+def single_answer(segments: Sequence[Segment]) -> bool:
+    """Whether the scored tokens are one final segment after the unscored ones (a prompt and its
+    answer), the shape :func:`measure_batch` forces together; multi-turn samples alternate."""
+    return bool(segments) and segments[-1][1] and not any(scored for _, scored in segments[:-1])
+
+
+def measure_batch(
+    engine: Engine,
+    samples: Sequence[Sequence[Segment]],
+    methods: Sequence[EvictionMethod],
+    budgets: Sequence[int],
+    protocol: Protocol | None = None,
+    seeds: Sequence[int] | None = None,
+    references: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    batch_size: int | None = None,
+    per_token: bool = False,
+) -> list[FidelityResult]:
+    """``measure(engine, samples[i], methods[i], budgets[i], protocol, seeds[i], references[i])`` for
+    every i, the answers teacher-forced ``batch_size`` sequences at a time
+    (:func:`runner.engine.batch.teacher_force_batch`; ``None``: what fits in memory). Each sequence is
+    fed its prompt alone, as at batch 1, and sees the logits it would see alone, up to float rounding
+    of the batched kernels. Multi-turn samples (scored turns between unscored observations) run at
+    batch 1: their later segments are fed after earlier teacher-forced ones, per sequence.
+
+    ``seconds`` of a batched result: its own prompt feed plus the batch's teacher-forced wall time
+    split evenly over its sequences (their throughput, not the latency one sequence saw)."""
+    from runner.engine.batch import auto_batch_size, teacher_force_batch
+    from runner.engine.generation import Session
+
+    n = len(samples)
+    if not (len(methods) == len(budgets) == n):
+        raise KvleagueError(f"fidelity: {n} samples, {len(methods)} methods and {len(budgets)} budgets; give one of each per sequence")
+    if len({id(m) for m in methods}) != n:
+        raise KvleagueError("methods: the same instance appears twice; give each sequence its own instance (it holds per-sequence state)")
+    if batch_size is not None and batch_size < 1:
+        raise KvleagueError(f"batch_size: must be a positive integer or None (automatic), got {batch_size}")
+    protocol = protocol or Protocol()
+    seeds = [0] * n if seeds is None else list(seeds)
+    results: list[FidelityResult | None] = [None] * n
+    comparisons: list[_Comparison | None] = [None] * n
+    reference_seconds = [0.0] * n
+    batched: list[int] = []
+    for i, segments in enumerate(samples):
+        check_segments(segments)
+        protocol.check_budget(budgets[i])
+        start = time.perf_counter()
+        reference = references[i] if references is not None else full_cache_logprobs(engine, segments)
+        reference_seconds[i] = 0.0 if references is not None else time.perf_counter() - start
+        if single_answer(segments):
+            comparisons[i] = _Comparison(reference)
+            batched.append(i)
+        else:
+            results[i] = measure(engine, segments, methods[i], budgets[i], protocol, seeds[i], reference, per_token)
+            results[i].reference_seconds = reference_seconds[i]
+    size = batch_size or auto_batch_size(
+        engine, [sum(len(ids) for ids, _ in samples[i]) for i in batched], max((len(samples[i][-1][0]) for i in batched), default=1),
+        max((budgets[i] for i in batched), default=1), protocol, never_evicts=all(methods[i].never_evicts for i in batched),
     )
+    for at in range(0, len(batched), size):
+        chunk = batched[at : at + size]
+        sessions = [Session(engine, methods[i], budgets[i], protocol, seeds[i]) for i in chunk]
+        fed = []
+        for session, i in zip(sessions, chunk):
+            start = time.perf_counter()
+            with session:
+                for ids, _ in samples[i][:-1]:
+                    session.feed(ids)
+            fed.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        teacher_force_batch(engine, sessions, [samples[i][-1][0] for i in chunk], [comparisons[i].on_logits for i in chunk])
+        share = (time.perf_counter() - start) / len(chunk)
+        for session, i, feed_seconds in zip(sessions, chunk, fed):
+            results[i] = comparisons[i].result(feed_seconds + share, reference_seconds[i], session.result(), per_token)
+    return results

@@ -78,3 +78,29 @@ def test_an_injected_failure_in_a_group_fails_only_its_cell(tiny_models, tmp_pat
     rows = worker.run_group(group)
     assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
     assert "boom" in rows[1]["error"] and [r["cell_key"] for r in rows] == [c.key for c in group]
+
+
+def test_a_samples_fidelity_cells_group_and_equal_their_cells_one_by_one(tiny_models, tmp_path):
+    """Fidelity groups are one sample's methods and budgets: one full-cache pass, answers forced together."""
+    cfg = config(tiny_models["llama"], tmp_path, budgets=[16, 24],
+                 tasks=[{"name": "gsm8k", "limit": 2, "measure": "fidelity"}], fidelity={"max_scored_tokens": 20})
+    cells = expand(parse_config(cfg)).cells
+    groups = batches(cells, 8)
+    assert sorted(c.key for g in groups for c in g) == sorted(c.key for c in cells)
+    for g in groups:  # one sample per group, its methods and budgets
+        assert len({c.sample_id for c in g}) == 1 and {c.measure for c in g} == {"fidelity"}
+    group = max(groups, key=len)
+    assert len(group) >= 6 and len({c.budget for c in group}) == 2 and len({c.method for c in group}) == 3
+    worker = CellWorker(torch_threads=1)
+    together = worker.run_group(group)
+    alone = [worker.run(c) for c in group]
+    for t, a, cell in zip(together, alone, group):
+        assert t["status"] == a["status"] == "ok", (t.get("error"), a.get("error"))
+        assert t["details"]["batch"] == {"cells": len(group)}
+        for name in ("scored_tokens", "evictions", "evicted_tokens", "peak_cache_entries", "prompt_tokens"):
+            assert t[name] == a[name], (name, cell.describe())
+        for name in ("kl_mean", "delta_nll_mean", "top1_agreement"):
+            assert t[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), (name, cell.describe())
+    # the group paid one full-cache pass: every row after the first says it was shared
+    assert [r["details"]["fidelity"]["reference_shared"] for r in together][1:] == [True] * (len(group) - 1)
+    assert sum(r["evictions"] for r in together) > 0

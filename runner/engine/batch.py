@@ -28,6 +28,10 @@ How a batch runs:
 * Sequences whose methods need eager attention (``Needs.eager``) and the others run as separate
   batches, so each runs under the kernel it would use alone.
 
+Teacher forcing (:func:`teacher_force_batch`, the batched ``Session.teacher_force`` that fidelity uses)
+is the same loop with each row's next token taken from its script instead of sampled; a script ends
+only where it ends (no EOS or stop string).
+
 Multi-turn (agentic) episodes stay at batch 1 (``Engine.session``): each turn's length depends on
 the previous turn's tool output, so the sequences of a batch would wait on each other's tools and a
 batch would be as slow as its slowest episode at every turn.
@@ -43,7 +47,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 import torch
@@ -121,6 +125,39 @@ def generate_batch(
             for session, i in zip(sessions, chunk):
                 results[i] = session.result()
     return results
+
+
+def teacher_force_batch(
+    engine,
+    sessions: Sequence[Session],
+    token_ids: Sequence[list[int]],
+    on_logits: Sequence[Callable[[torch.Tensor, int], None]],
+) -> None:
+    """``sessions[i].teacher_force(token_ids[i], on_logits[i])`` for every i, decoded together: each
+    session sees the same logits and observes and evicts at the same steps as alone. Every session
+    must have been fed (and be outside its ``with`` block); sessions whose methods need eager
+    attention and the others are forced as separate batches, as in :func:`generate_batch`."""
+    if not (len(sessions) == len(token_ids) == len(on_logits)):
+        raise KvleagueError(f"teacher_force_batch: {len(sessions)} sessions, {len(token_ids)} token lists and "
+                            f"{len(on_logits)} callbacks; give one of each per sequence")
+    groups: dict[bool, list[int]] = defaultdict(list)
+    for i, s in enumerate(sessions):
+        if s.logits is None:
+            raise KvleagueError(f"teacher_force_batch: session {i} has not been fed a prompt")
+        if s.pending:  # the previous decode's last token, which no forward pass has seen yet
+            with s:
+                s._flush_pending()
+        if token_ids[i]:
+            groups[s.method.needs.eager].append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            i = members[0]
+            with sessions[i] as s:
+                s.teacher_force(token_ids[i], on_logits[i])
+            continue
+        longest = max(len(token_ids[i]) for i in members)
+        forced = [(token_ids[i], on_logits[i]) for i in members]
+        _BatchDecode(engine, [sessions[i] for i in members], GenerationSettings(max_new_tokens=longest), forced).run()
 
 
 def auto_batch_size(
@@ -221,8 +258,12 @@ class BatchSlabLayer(DynamicLayer):
 class _BatchDecode:
     """Decodes prefilled sessions together until each one stops (see the module docstring)."""
 
-    def __init__(self, engine, sessions: list[Session], settings: GenerationSettings):
+    def __init__(self, engine, sessions: list[Session], settings: GenerationSettings,
+                 forced: list[tuple[list[int], Callable[[torch.Tensor, int], None]]] | None = None):
         self.engine, self.sessions, self.settings = engine, sessions, settings
+        #: teacher forcing: per session, the tokens fed in place of sampled ones and the callback that
+        #: sees each token's predicting logits (``Session.teacher_force``)
+        self.forced = forced
         self.device = engine.device
         protocol = sessions[0].protocol
         self.positions_absolute = protocol.positions == "absolute"
@@ -326,7 +367,14 @@ class _BatchDecode:
         tokens: dict[int, list[int]] = {i: [] for i in self.active}
         while self.active:
             step_start = time.perf_counter()
-            if settings.greedy:
+            if self.forced is not None:
+                chosen = []
+                for r, i in enumerate(self.active):
+                    script, on_logits = self.forced[i]
+                    token = script[len(tokens[i])]
+                    on_logits(self.logits[r], token)
+                    chosen.append(token)
+            elif settings.greedy:
                 chosen = self.logits.argmax(dim=-1).tolist()
             else:
                 chosen = [self.sessions[i]._next_token(self.logits[r], settings) for r, i in enumerate(self.active)]
@@ -334,6 +382,12 @@ class _BatchDecode:
             for r, i in enumerate(self.active):
                 own = tokens[i]
                 own.append(chosen[r])
+                if self.forced is not None:  # a forced script ends only where it ends (no EOS, no stop string)
+                    if len(own) < len(self.forced[i][0]):
+                        keep_rows.append(r)
+                        continue
+                    self._finish(i, own, step_start)
+                    continue
                 reason = "length"
                 if chosen[r] in eos:
                     reason = "eos"
@@ -342,14 +396,11 @@ class _BatchDecode:
                 if reason == "length" and len(own) < settings.max_new_tokens:
                     keep_rows.append(r)
                     continue
-                session = self.sessions[i]
-                session.pending = [chosen[r]]
-                session.step_seconds.append(time.perf_counter() - step_start)
-                session.generated.extend(own)
+                self._finish(i, own, step_start)
                 text = tokenizer.decode(own, skip_special_tokens=True)
                 if reason == "stop":
                     text = text[: min(text.find(x) for x in settings.stop if x in text)]
-                session.outputs.append(DecodeOutput(own, text, reason))
+                self.sessions[i].outputs.append(DecodeOutput(own, text, reason))
             if not keep_rows:
                 break
             if len(keep_rows) < len(self.active):
@@ -359,6 +410,13 @@ class _BatchDecode:
             took = time.perf_counter() - step_start
             for i in self.active:
                 self.sessions[i].step_seconds.append(took)
+
+    def _finish(self, i: int, own: list[int], step_start: float) -> None:
+        """Sequence i is done: its last token stays pending (as the single path leaves it)."""
+        session = self.sessions[i]
+        session.pending = [own[-1]]
+        session.step_seconds.append(time.perf_counter() - step_start)
+        session.generated.extend(own)
 
     def _forward(self, token_ids: list[int]) -> None:
         engine, device = self.engine, self.device

@@ -155,6 +155,8 @@ class CellWorker:
 
         first = cells[0]
         engine = self._engine_for(first.model)
+        if first.measure == "fidelity":
+            return self._run_fidelity_batch(cells, engine)
         runs = run_samples(engine, self._task(first.task, first.task_options), [c.sample for c in cells],
                            [build_method(c.method, c.params) for c in cells], first.budget,
                            Protocol(**first.protocol), _settings(first), [c.gen_seed for c in cells])
@@ -194,6 +196,35 @@ class CellWorker:
         token with the full cache (``runner.fidelity.measure``)."""
         from runner import fidelity
 
+        segments, reference, reference_seconds, shared = self._fidelity_reference(cell, engine, task)
+        r = fidelity.measure(engine, segments, method, cell.budget, protocol, seed=cell.gen_seed, reference=reference)
+        return _fidelity_row(r, segments, reference_seconds, shared, engine)
+
+    def _run_fidelity_batch(self, cells: list[Cell], engine) -> list[dict[str, Any]]:
+        """One sample's fidelity cells (methods x budgets), one full-cache pass, the answers
+        teacher-forced together (``runner.fidelity.measure_batch``)."""
+        from methods.registry import build_method
+        from runner import fidelity
+        from runner.engine.protocol import Protocol
+
+        first = cells[0]
+        segments, reference, reference_seconds, shared = self._fidelity_reference(first, engine, self._task(first.task, first.task_options))
+        results = fidelity.measure_batch(
+            engine, [segments] * len(cells), [build_method(c.method, c.params) for c in cells], [c.budget for c in cells],
+            Protocol(**first.protocol), [c.gen_seed for c in cells], [reference] * len(cells),
+        )
+        rows = []
+        for i, r in enumerate(results):  # the first cell of the group paid the full-cache pass, if any did
+            row = _fidelity_row(r, segments, reference_seconds, shared or i > 0, engine)
+            row["details"]["batch"] = {"cells": len(cells)}
+            rows.append(row)
+        return rows
+
+    def _fidelity_reference(self, cell: Cell, engine, task):
+        """``(segments, full-cache log-probabilities, their seconds, shared)`` of the cell's sample;
+        ``shared``: an earlier cell of the sample computed them (the last sample's pass is kept)."""
+        from runner import fidelity
+
         segments = fidelity.truncate(task.fidelity_segments(cell.sample, engine.tokenizer), cell.generation["max_new_tokens"])
         key = canonical_json([self._engine_key, cell.task, cell.task_options, cell.sample_id, segments])
         shared = self._reference is not None and self._reference[0] == key
@@ -203,21 +234,7 @@ class CellWorker:
             reference = fidelity.full_cache_logprobs(engine, segments)
             self._reference = (key, reference, time.perf_counter() - start)
         _, reference, reference_seconds = self._reference
-        r = fidelity.measure(engine, segments, method, cell.budget, protocol, seed=cell.gen_seed, reference=reference)
-        return {
-            "measure": "fidelity",
-            "kl_mean": r.kl_mean,
-            "delta_nll_mean": r.delta_nll_mean,
-            "top1_agreement": r.top1_agreement,
-            "scored_tokens": r.tokens,
-            **_instrumentation(r.generation, engine),
-            "details": {"fidelity": {
-                "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
-                "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
-                # the full-cache pass: its time, and whether an earlier cell of this sample paid it
-                "reference_seconds": reference_seconds, "reference_shared": shared,
-            }},
-        }
+        return segments, reference, reference_seconds, shared
 
 
 def _settings(cell: Cell):
@@ -226,6 +243,24 @@ def _settings(cell: Cell):
     gen = cell.generation
     return GenerationSettings(max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"],
                               stop=tuple(gen["stop"]))
+
+
+def _fidelity_row(r, segments, reference_seconds: float, shared: bool, engine) -> dict[str, Any]:
+    """A fidelity cell's stored fields: KL, delta NLL and top-1 agreement, cost and cache figures."""
+    return {
+        "measure": "fidelity",
+        "kl_mean": r.kl_mean,
+        "delta_nll_mean": r.delta_nll_mean,
+        "top1_agreement": r.top1_agreement,
+        "scored_tokens": r.tokens,
+        **_instrumentation(r.generation, engine),
+        "details": {"fidelity": {
+            "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
+            "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
+            # the full-cache pass: its time, and whether an earlier cell of this sample paid it
+            "reference_seconds": reference_seconds, "reference_shared": shared,
+        }},
+    }
 
 
 def _generation_row(score, generation, completion, details: dict[str, Any], engine) -> dict[str, Any]:

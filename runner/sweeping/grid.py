@@ -214,11 +214,12 @@ AUTO_BATCH_LIMIT = 16
 def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     """``cells`` as the groups a worker decodes together (``CellWorker.run_group``).
 
-    A group is generation cells of one plain task under one model, method (and hyperparameters),
-    budget, protocol, generation settings and seed, at most ``batch_size`` of them (``auto``:
-    :data:`AUTO_BATCH_LIMIT`). Fidelity cells stay alone and in their order (a sample's cells run
-    back to back, so one full-cache pass serves them all), as do episodes (multi-turn: batch 1). Each
-    group stands where its first cell stood."""
+    A generation group is cells of one plain task under one model, method (and hyperparameters),
+    budget, protocol, generation settings and seed: different samples. A fidelity group is cells of
+    one sample under one model, protocol, token cap and seed: different methods and budgets, so one
+    full-cache pass serves the group and its answers are teacher-forced together. At most
+    ``batch_size`` cells a group (``auto``: :data:`AUTO_BATCH_LIMIT`). Episodes stay alone
+    (multi-turn: batch 1). Each group stands where its first cell stood."""
     from tasks.episode import EpisodicTask
     from tasks.registry import task_class
 
@@ -229,11 +230,15 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     for cell in cells:
         if cell.task not in episodic:
             episodic[cell.task] = issubclass(task_class(cell.task), EpisodicTask)
-        if limit == 1 or cell.measure != "generation" or episodic[cell.task]:
+        if limit == 1 or episodic[cell.task]:
             groups.append([cell])
             continue
-        key = canonical_json([cell.model, cell.method, cell.params, cell.budget, cell.task, cell.task_options,
-                              cell.protocol, cell.generation, cell.seed])
+        if cell.measure == "fidelity":
+            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, cell.sample_id, cell.protocol,
+                                  cell.generation, cell.seed])
+        else:
+            key = canonical_json([cell.model, cell.method, cell.params, cell.budget, cell.task, cell.task_options,
+                                  cell.protocol, cell.generation, cell.seed])
         group = open_groups.get(key)
         if group is None or len(group) >= limit:
             group = open_groups[key] = []
