@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 
+from runner.engine.errors import KvleagueError
+
 
 def register(subparsers) -> None:
     from runner.cli_args import add_protocol_arguments
@@ -28,6 +30,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="a sample's methods x budgets teacher-forced together (default: what fits in memory; 1: one at a time)")
     p.add_argument("--json", default=None, metavar="OUT", help="write per-sample and summary figures to OUT ('-': stdout)")
     p.set_defaults(func=run)
 
@@ -48,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     protocol = protocol_from_args(args)
     for b in args.budget:
         protocol.check_budget(b)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise KvleagueError(f"--batch-size: must be a positive integer (or omitted: what fits in memory), got {args.batch_size}")
     engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
     samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
     rows: list[dict] = []
@@ -63,12 +69,15 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         reference = fidelity.full_cache_logprobs(engine, segments)
         ref_seconds = time.perf_counter() - t0
-        for name, method in methods.items():
-            for budget in (args.budget[:1] if method.never_evicts else args.budget):  # full is the same at every budget
-                r = fidelity.measure(engine, segments, method, budget, protocol, reference=reference)
-                rows.append({"sample_id": sample.sample_id, "method": name, "budget": budget,
-                             "prompt_tokens": r.generation.prompt_tokens, "evictions": r.generation.evictions,
-                             "reference_seconds": ref_seconds, **r.to_dict()})
+        # full is the same at every budget
+        runs = [(name, b) for name, m in methods.items() for b in (args.budget[:1] if m.never_evicts else args.budget)]
+        results = fidelity.measure_batch(engine, [segments] * len(runs), [build_method(name, {}) for name, _ in runs],
+                                         [b for _, b in runs], protocol, references=[reference] * len(runs),
+                                         batch_size=args.batch_size)
+        for (name, budget), r in zip(runs, results):
+            rows.append({"sample_id": sample.sample_id, "method": name, "budget": budget,
+                         "prompt_tokens": r.generation.prompt_tokens, "evictions": r.generation.evictions,
+                         "reference_seconds": ref_seconds, **r.to_dict()})
         print(f"[{args.task}] {si + 1}/{len(samples)} samples, {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
         if args.json and args.json != "-":  # after every sample, so a long run interrupted keeps what it measured
             write_report(args.json, report())

@@ -147,6 +147,15 @@ def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, c
     assert by[("full", 32)]["kl_mean"] < 1e-6 and by[("full", 32)]["top1"] == 1.0
     assert by[("streaming_llm", 32)]["kl_mean"] > by[("streaming_llm", 48)]["kl_mean"] > 0
     assert by[("streaming_llm", 32)]["kl_lo"] <= by[("streaming_llm", 32)]["kl_mean"] <= by[("streaming_llm", 32)]["kl_hi"]
+    # a sample's methods and budgets are forced together by default; one at a time gives the same rows
+    assert main(argv + ["--batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    single = __import__("json").loads(out[out.index("{"):])["samples"]
+    for a, b in zip(rows, single):
+        assert (a["sample_id"], a["method"], a["budget"], a["evictions"]) == (b["sample_id"], b["method"], b["budget"], b["evictions"])
+        assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-3, abs=1e-6)
+    assert main(argv + ["--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.strip().startswith("kvleague: error: --batch-size: must be a positive integer")
 
 
 # ---- one definition of the protocol flags --------------------------------------------------------
