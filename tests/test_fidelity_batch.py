@@ -10,29 +10,15 @@ alone. ``measure`` is itself checked against a naive re-computation in tests/tes
 from __future__ import annotations
 
 import pytest
-import torch
 
 from methods import available_methods, build_method
 from runner import fidelity
 from runner.engine.errors import KvleagueError
 from tests.conftest import ARCHS
-from tests.test_batch import PROTOCOLS
+from tests.test_batch import PROTOCOLS, engines64  # noqa: F401 - the float64 engines fixture
 
 METHODS = sorted(available_methods())
 BUDGETS = (12, 16, 20)
-
-
-@pytest.fixture(scope="module")
-def engines64(tiny_models):
-    from runner.models import load_engine
-
-    torch.set_num_threads(1)
-    out = {}
-    for arch, path in tiny_models.items():
-        engine = load_engine(str(path))
-        engine.model.double()
-        out[arch] = engine
-    return out
 
 
 def _samples(engine, n: int) -> list[list[fidelity.Segment]]:
