@@ -184,16 +184,13 @@ def measure_batch(
 
     ``seconds`` of a batched result: its own prompt feed plus the batch's teacher-forced wall time
     split evenly over its sequences (their throughput, not the latency one sequence saw)."""
-    from runner.engine.batch import auto_batch_size, teacher_force_batch
+    from runner.engine.batch import auto_batch_size, check_batch_arguments, teacher_force_batch
     from runner.engine.generation import Session
 
     n = len(samples)
     if not (len(methods) == len(budgets) == n):
         raise KvleagueError(f"fidelity: {n} samples, {len(methods)} methods and {len(budgets)} budgets; give one of each per sequence")
-    if len({id(m) for m in methods}) != n:
-        raise KvleagueError("methods: the same instance appears twice; give each sequence its own instance (it holds per-sequence state)")
-    if batch_size is not None and batch_size < 1:
-        raise KvleagueError(f"batch_size: must be a positive integer or None (automatic), got {batch_size}")
+    check_batch_arguments(methods, batch_size)
     protocol = protocol or Protocol()
     seeds = [0] * n if seeds is None else list(seeds)
     results: list[FidelityResult | None] = [None] * n

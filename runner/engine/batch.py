@@ -85,13 +85,10 @@ def generate_batch(
     n = len(prompts)
     if len(methods) != n:
         raise KvleagueError(f"methods: {len(methods)} methods for {n} prompts; give one method instance per prompt")
-    if len({id(m) for m in methods}) != n:
-        raise KvleagueError("methods: the same instance appears twice; give each prompt its own instance (it holds per-sequence state)")
+    check_batch_arguments(methods, batch_size)
     seeds = [0] * n if seeds is None else list(seeds)
     if len(seeds) != n:
         raise KvleagueError(f"seeds: {len(seeds)} seeds for {n} prompts; give one seed per prompt (or none)")
-    if batch_size is not None and batch_size < 1:
-        raise KvleagueError(f"batch_size: must be a positive integer or None (automatic), got {batch_size}")
     protocol = protocol or Protocol()
     settings = settings or GenerationSettings()
     protocol.check_budget(budget)
@@ -125,6 +122,15 @@ def generate_batch(
             for session, i in zip(sessions, chunk):
                 results[i] = session.result()
     return results
+
+
+def check_batch_arguments(methods: Sequence[EvictionMethod], batch_size: int | None) -> None:
+    """What every batched entry point requires: one method instance per sequence (each holds its
+    sequence's state) and a positive ``batch_size`` or ``None``."""
+    if len({id(m) for m in methods}) != len(methods):
+        raise KvleagueError("methods: the same instance appears twice; give each sequence its own instance (it holds per-sequence state)")
+    if batch_size is not None and batch_size < 1:
+        raise KvleagueError(f"batch_size: must be a positive integer or None (automatic), got {batch_size}")
 
 
 def teacher_force_batch(
