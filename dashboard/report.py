@@ -149,11 +149,11 @@ def _who(label: str) -> str:
 
 
 def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt,
-                       name_of: Mapping[str, str]) -> dict[str, list[str]]:
+                       name_of: Mapping[str, str]) -> dict[str, list[tuple[str, str]]]:
     """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
-    says at Holm-adjusted p < 0.05: "better", "worse" or "no different". ``delta``: the A−B column,
-    turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown."""
-    out: dict[str, list[str]] = {"better": [], "worse": [], "no different": []}
+    says at Holm-adjusted p < 0.05: "better", "worse" or "no different", each as (baseline, its figures).
+    ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown."""
+    out: dict[str, list[tuple[str, str]]] = {"better": [], "worse": [], "no different": []}
     for _, row in pairs.iterrows():
         if label not in (row["A"], row["B"]):
             continue
@@ -163,13 +163,34 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
             continue
         d = row[delta] if first else -row[delta]
         kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("better" if (d < 0) == lower_is_better else "worse")
-        out[kind].append(f"{other} ({fmt(row, d, first)}, p Holm {_p(row['p (Holm)'])})")
+        out[kind].append((other, f"{fmt(row, d, first)}, p Holm {_p(row['p (Holm)'])}"))
     return out
 
 
-def _said(groups: dict[str, list[str]], better: str, worse: str) -> str:
+def _said(groups: dict[str, list[tuple[str, str]]], better: str, worse: str) -> str:
     words = {"better": better, "worse": worse, "no different": "not significantly different from"}
-    return "; ".join(f"{words[kind]} {', '.join(items)}" for kind, items in groups.items() if items)
+    return "; ".join(f"{words[kind]} {', '.join(f'{name} ({figures})' for name, figures in items)}"
+                     for kind, items in groups.items() if items)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One sentence of the findings and its row of the at-a-glance table (``GLANCE`` columns)."""
+
+    text: str
+    glance: dict[str, Any]
+
+
+GLANCE = ["domain", "budget", "EpiKV spec", "measure", "EpiKV vs full cache", "baselines EpiKV beats",
+          "no significant difference", "baselines that beat EpiKV"]
+
+
+def _glance(domain: str, budget: int, label: str, measure: str, vs_full: str,
+            groups: dict[str, list[tuple[str, str]]]) -> dict[str, Any]:
+    names = {kind: ", ".join(name for name, _ in items) or "-" for kind, items in groups.items()}
+    return {"domain": domain, "budget": budget, "EpiKV spec": label, "measure": measure, "EpiKV vs full cache": vs_full,
+            "baselines EpiKV beats": names["better"], "no significant difference": names["no different"],
+            "baselines that beat EpiKV": names["worse"]}
 
 
 def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
@@ -178,20 +199,23 @@ def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
 
 
 def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int,
-                      name_of: Mapping[str, str]) -> list[str]:
+                      name_of: Mapping[str, str]) -> list[Finding]:
     """How close each EpiKV spec stays to the full cache, and whether it matches the attention
     baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
                 f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
-        said = _said(_against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of), "lower than", "higher than")
-        out.append(line + (f" Its KL is {said}." if said else ""))
+        groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of)
+        said = _said(groups, "lower than", "higher than")
+        vs_full = f"KL {e['KL']:.3f} {e['KL 95% CI']}, top-1 {e['top-1 %']:.1f}% ({int(e['samples'])} samples)"
+        out.append(Finding(line + (f" Its KL is {said}." if said else ""),
+                           _glance(domain, budget, e["method"], "fidelity (KL)", vs_full, groups)))
     return out
 
 
 def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int,
-                      name_of: Mapping[str, str]) -> list[str]:
+                      name_of: Mapping[str, str]) -> list[Finding]:
     """Each EpiKV spec's accuracy against full cache (score test) and against the attention baselines
     (the paired tests of the head-to-head table, Holm over its pairs), at one budget in one domain."""
     full = board[board["test"] == "reference"]
@@ -208,7 +232,10 @@ def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, bud
         groups = _against_baselines(pairs, e["method"], "Δ A−B (pts)", False, lambda row, d, _: f"Δ {d:+.1f} pts, {row['test']}",
                                     name_of)
         said = _said(groups, "above", "below")
-        out.append(line + (f" Against the attention baselines it is {said}." if said else ""))
+        vs_full = (f"{e['accuracy']:.1f}% vs {f['accuracy']:.1f}%, Δ {e['delta_full']:+.1f} pts "
+                   f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], p {_p(e['p_value'])} ({int(e['problems'])} problems)")
+        out.append(Finding(line + (f" Against the attention baselines it is {said}." if said else ""),
+                           _glance(domain, budget, e["method"], "accuracy", vs_full, groups)))
     return out
 
 
@@ -239,6 +266,11 @@ class _Writer:
         self.figures = out / FIGURES
         self.lines: list[str] = []
         self.findings: list[str] = []
+        self.glance: list[dict[str, Any]] = []
+
+    def found(self, s: Slice, findings: list[Finding]) -> None:
+        self.findings += [f.text for f in findings]
+        self.glance += [{"protocol": s.protocol.split(":")[0], **f.glance} for f in findings]
 
     def add(self, *lines: str) -> None:
         self.lines.extend(lines)
@@ -281,7 +313,7 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
             if not pairs.empty:
                 w.add("Paired accuracy tests against full cache and against EpiKV (Holm over all pairs in the domain):", "",
                       markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}), "")
-            w.findings += accuracy_findings(board, pairs, domain, b, w.name_of)
+            w.found(s, accuracy_findings(board, pairs, domain, b, w.name_of))
         if not fboard.empty:
             fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
             fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
@@ -292,7 +324,7 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
                 w.add("Paired fidelity tests against full cache and against EpiKV (Δ of per-sample means, bootstrap interval; "
                       "Wilcoxon signed-rank, Holm over all pairs in the domain):", "",
                       markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}), "")
-            w.findings += fidelity_findings(fpairs, fboard, domain, b, w.name_of)
+            w.found(s, fidelity_findings(fpairs, fboard, domain, b, w.name_of))
 
 
 def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> None:
@@ -393,12 +425,18 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
         "dashboard's own tables; intervals are 95%; p-values are two-sided, with Holm's adjustment over each table.", "",
         f"**Totals:** {every['cells']} cells ({every['fidelity_cells']} fidelity, {every['failed']} failed), "
         f"{every['samples']} samples, {every['tokens']:,} tokens through the model, {_hours(every['seconds'])} of cell time "
-        "(the sum of the cells' wall times, each cell on one CPU-bound worker).", "",
+        "(the sum of the cells' wall times, each cell on one CPU-bound worker; cells run as one batch share its wall time "
+        "equally).", "",
         *([preamble.strip(), ""] if preamble.strip() else []),
         "## Findings", "",
         "Each sentence restates a row of the tables below: a difference is called lower, higher, above or below only "
         "when its adjusted p is under 0.05.", "",
     ]
+    if w.glance:
+        head += ["At a glance: per protocol, domain and budget, how close each EpiKV spec stays to the full cache and which "
+                 "attention-scoring baselines it beats, matches or loses to (paired tests, Holm-adjusted p < 0.05; by KL "
+                 "for fidelity, by accuracy for accuracy):", "",
+                 markdown_table(pd.DataFrame(w.glance), ["protocol", *GLANCE]), ""]
     findings = [f"- {line}" for line in w.findings] or ["- No EpiKV results in this database: nothing to report."]
     text = "\n".join([*head, *findings, "", *w.lines]).rstrip() + "\n"
     path = out / REPORT

@@ -136,6 +136,14 @@ def test_findings_say_only_what_the_tests_support(report):
     for line in acc:  # same answers as full cache; right on every second of full's problems where h2o is wrong
         assert "not significantly different from full cache" in line and "above h2o (Δ +33.3 pts, exact McNemar" in line, line
         assert "not significantly different from tova" in line, line
+    # the at-a-glance table says the same per (domain, budget): h2o beaten, tova no different, nothing lost
+    glance = findings.split("At a glance")[1].split("\n- **")[0]
+    for _, domain in DOMAINS:
+        for b in BUDGETS:
+            for measure in ("fidelity (KL)", "accuracy"):
+                cells = next(c for c in ([x.strip() for x in line.strip().strip("|").split("|")] for line in glance.splitlines())
+                             if c[1:3] == [domain, str(b)] and c[4] == measure)
+                assert cells[6:] == ["h2o", "tova", "-"], cells
 
 
 def test_the_report_has_figures_totals_and_provenance(report):
@@ -204,7 +212,7 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
         pair("full", "epikv(series=all)", -0.1, -0.12, -0.08, 0.001),  # not a baseline
     ])
     name_of = {"epikv(series=all)": "epikv", "epikv(series=generated)": "epikv", "h2o": "h2o", "tova": "tova", "full": "full"}
-    all_, generated = fidelity_findings(pairs, board, "math", 96, name_of)
+    all_, generated = (f.text for f in fidelity_findings(pairs, board, "math", 96, name_of))
     assert "EpiKV (epikv(series=all))'s mean KL to the full cache is 0.100" in all_
     assert all_.endswith("Its KL is lower than h2o (Δ -0.050 [-0.070, -0.030], p Holm 0.001).")
     assert "higher than h2o (Δ +0.150 [+0.100, +0.200], p Holm 0.001)" in generated
