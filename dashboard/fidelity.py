@@ -229,6 +229,49 @@ def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     return df.sort_values(["domain", "p (Wilcoxon)", "A", "B"], kind="stable").reset_index(drop=True)
 
 
+ABLATION_COLUMNS = ["field", "A", "B", "domain", "budget", "method", "samples", "KL A", "KL B", "Δ KL (B−A)", "Δ KL 95% CI",
+                    "p (Wilcoxon)", "p (Holm)"]
+#: protocol columns that are not settings
+_NOT_SETTINGS = {"id", "spec_hash", "label"}
+
+
+def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any]], dims: dict[str, Any] | None = None) -> pd.DataFrame:
+    """What one protocol setting changes: for each pair of ``protocols`` (rows of the protocols table)
+    that differ in exactly one setting, each method spec (full cache left out) at each budget and in each
+    domain measured under both, its KL under A and under B on the samples both have, the paired mean
+    difference B−A with its bootstrap interval, Wilcoxon's signed-rank p and Holm over the table."""
+    dims = dims or q.dimensions(engine)
+    full_ids = set(full_cache_ids(dims))
+    protocols = sorted(protocols, key=lambda p: p["id"])
+    settings = [k for k in (protocols[0] if protocols else {}) if k not in _NOT_SETTINGS]
+    loaded: dict[int, Fidelity] = {}
+    rows = []
+    for a, b in itertools.combinations(protocols, 2):
+        changed = [k for k in settings if a[k] != b[k]]
+        if len(changed) != 1:
+            continue
+        da, db = (loaded.setdefault(p["id"], load(engine, replace(filters, protocols=(p["id"],)))) for p in (a, b))
+        for m in sorted(set(da) & set(db) - full_ids, key=lambda m: (method_label(dims["methods"], m), m)):
+            for budget in sorted(set(da[m]) & set(db[m])):
+                both = {0: {qn: v for qn, v in da[m][budget].items() if qn in db[m][budget]}}
+                for domain, tasks in _domains(both, dims).items():
+                    questions = sorted(qn for qn in both[0] if qn[0] in tasks)
+                    kl_a = [da[m][budget][qn].kl for qn in questions]
+                    kl_b = [db[m][budget][qn].kl for qn in questions]
+                    d = [y - x for x, y in zip(kl_a, kl_b)]
+                    lo, hi = bootstrap_mean_interval(d)
+                    rows.append({"field": changed[0], "A": f"#{a['id']}: {a[changed[0]]}", "B": f"#{b['id']}: {b[changed[0]]}",
+                                 "domain": domain, "budget": int(budget), "method": method_label(dims["methods"], m),
+                                 "samples": len(questions), "KL A": float(np.mean(kl_a)), "KL B": float(np.mean(kl_b)),
+                                 "Δ KL (B−A)": float(np.mean(d)), "Δ KL lo": lo, "Δ KL hi": hi, "Δ KL 95% CI": _fmt(lo, hi, 4),
+                                 "p (Wilcoxon)": wilcoxon_p(d)})
+    if not rows:
+        return pd.DataFrame(columns=ABLATION_COLUMNS + ["Δ KL lo", "Δ KL hi"])
+    for r, adjusted in zip(rows, multiplicity.holm([r["p (Wilcoxon)"] for r in rows])):
+        r["p (Holm)"] = adjusted
+    return pd.DataFrame(rows)[ABLATION_COLUMNS + ["Δ KL lo", "Δ KL hi"]]
+
+
 CURVE_COLUMNS = ["method", "domain", "budget", "KL", "KL lo", "KL hi", "top-1 %", "top-1 lo", "top-1 hi", "samples"]
 
 

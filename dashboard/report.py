@@ -260,6 +260,7 @@ def _slug(text: str) -> str:
 class _Writer:
     def __init__(self, engine, out: Path, dims: dict[str, Any]):
         self.engine, self.out = engine, out
+        self.dims = dims
         self.name_of = method_names(dims)
         # the EpiKV family is drawn solid in the figures, every other method dashed
         self.family = {label for label, name in self.name_of.items() if name in paper.REFERENCE_FAMILY}
@@ -358,6 +359,30 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
           markdown_table(paper, ["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"]), "")
 
 
+def _ablations(w: _Writer, opts: q.Options) -> None:
+    """Per model, the protocols that differ in one setting (``fidelity.protocol_ablations``): the table
+    and one finding per (setting, domain, budget) naming the methods whose KL the change moved."""
+    for model in opts.models:
+        df = fid.protocol_ablations(w.engine, q.Filters(models=(model["id"],)), opts.protocols, w.dims)
+        if df.empty:
+            continue
+        w.add(f"## Protocol ablations ({model['name']})", "",
+              "The same method, budget and samples under two protocols that differ in exactly one setting: mean KL to the "
+              "full cache under each, the paired difference B−A with its bootstrap interval, Wilcoxon signed-rank, Holm "
+              "over the table.", "",
+              markdown_table(df, fid.ABLATION_COLUMNS, {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4}), "")
+        for (field, a, b, domain, budget), g in df.groupby(["field", "A", "B", "domain", "budget"], sort=False):
+            groups: dict[str, list[str]] = {"lower": [], "higher": [], "not significantly different": []}
+            for _, r in g.iterrows():
+                kind = ("not significantly different" if not (r["p (Holm)"] < ALPHA) else
+                        "lower" if r["Δ KL (B−A)"] < 0 else "higher")
+                groups[kind].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {r['Δ KL (B−A)']:+.3f} "
+                                    f"[{r['Δ KL lo']:+.3f}, {r['Δ KL hi']:+.3f}], p Holm {_p(r['p (Holm)'])})")
+            said = "; ".join(f"{kind} for {', '.join(items)}" for kind, items in groups.items() if items)
+            w.findings.append(f"**{domain}, budget {budget}, protocol ablation** ({field} {a} → {b}, {int(g['samples'].max())} "
+                              f"samples, {model['name']}): KL to the full cache is {said}.")
+
+
 def _signals(w: _Writer) -> None:
     """The signal studies (``kvleague signals``), when the database has them: the tables of
     :mod:`dashboard.signals` and one finding per task on the paper's sign pattern."""
@@ -417,6 +442,7 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
     every = totals(engine)
     for i, s in enumerate(slices(engine, opts)):
         _slice_section(w, s, dims, i)
+    _ablations(w, opts)
     _signals(w)
     _provenance(w)
     head = [

@@ -32,6 +32,10 @@ def kl(method: str, budget: int, i: int) -> float:
             "tova": base + (0.004 if i % 2 else -0.004) * (1 + i % 3)}[method]
 
 
+ABLATION_SHIFT = {"h2o": lambda i: 0.02 + 0.001 * (i % 5), "tova": lambda i: (0.003 if i % 2 else -0.003) * (1 + i % 3)}
+ABLATION_ROWS = 2 * 2 * N  # two protocols x h2o and tova x N samples
+
+
 def seed(path: Path) -> None:
     engine = get_engine(f"sqlite:///{path}")
     s = Seeder(engine)
@@ -54,6 +58,18 @@ def seed(path: Path) -> None:
                     k = kl(m, b, i)
                     rows.append({**cell, "generation_id": forced, "measure": "fidelity", "kl_mean": k,
                                  "top1_agreement": 1.0 - min(0.9, 2 * k), "delta_nll_mean": k / 2, "scored_tokens": 32})
+    # an ablation: math at budget 64 again under protocol #2 (positions compact, nothing else changed),
+    # fidelity only, h2o and tova: h2o's KL is higher under #2 on every sample, tova's moves by a symmetric
+    # wiggle; protocol #3 differs from both in two settings or more, so it is no ablation of either
+    t = s.task("math500", "math")
+    for proto_id, shift in ((s.protocol(sink=4, recent=8, positions="compact"), ABLATION_SHIFT),
+                            (s.protocol(sink=0, recent=16, positions="compact"), {"h2o": lambda i: 0.5, "tova": lambda i: 0.5})):
+        for m, dkl in shift.items():
+            for i in range(N):
+                rows.append({"sweep_id": sweep, "model_id": model, "method_spec_id": ids[m], "task_id": t, "protocol_id": proto_id,
+                             "budget": 64, "sample_id": f"math500-{i:03d}", "sample_index": 0, "seed": 0, "prompt_tokens": 100,
+                             "wall_seconds": 2.0, "generation_id": forced, "measure": "fidelity", "kl_mean": kl(m, 64, i) + dkl(i),
+                             "top1_agreement": 0.5, "delta_nll_mean": 0.0, "scored_tokens": 32})
     s.write(rows)
     from db.models import SignalCorrelation
 
@@ -147,7 +163,7 @@ def test_findings_say_only_what_the_tests_support(report):
 
 
 def test_the_report_has_figures_totals_and_provenance(report):
-    assert "**Totals:** " in report and f"{2 * len(DOMAINS) * len(METHODS) * len(BUDGETS) * N} cells" in report
+    assert "**Totals:** " in report and f"{2 * len(DOMAINS) * len(METHODS) * len(BUDGETS) * N + ABLATION_ROWS} cells" in report
     assert f"{len(DOMAINS) * N} samples" in report
     for d in ("math", "code"):
         for kind in ("accuracy", "kl", "top1"):
@@ -155,6 +171,23 @@ def test_the_report_has_figures_totals_and_provenance(report):
     assert "## Environment and provenance" in report and "report-test" in report
     assert "### Scorecard of the paper's claims" in report
     assert "## Signal studies" in report and "| 3 | 0.30 | positive | +0.300 [+0.100, +0.500] |" in report
+
+
+def test_protocol_ablation_matches_scipy_and_names_what_moved(report):
+    block = section(report, "## Protocol ablations (tiny-test)")
+    # only #1 vs #2 differ in one setting (positions); #3 changes sink too, so it pairs with neither
+    assert "#3" not in block and block.count("| positions | #1: absolute | #2: compact | math | 64 |") == 2
+    # the differences as stored (B's KL minus A's, with its rounding, which breaks the shifts' ties)
+    diffs = {m: [(kl(m, 64, i) + ABLATION_SHIFT[m](i)) - kl(m, 64, i) for i in range(N)] for m in ("h2o", "tova")}
+    raw = {m: wilcoxon(d).pvalue for m, d in diffs.items()}
+    holm = dict(zip(raw, multipletests(list(raw.values()), method="holm")[1]))
+    for m in ("h2o", "tova"):
+        cells = next(c for c in ([x.strip() for x in line.strip().strip("|").split("|")] for line in block.splitlines()) if c[5:6] == [m])
+        assert float(cells[9]) == pytest.approx(np.mean(diffs[m]), abs=1e-4)
+        assert float(cells[-2]) == pytest.approx(raw[m], rel=0.05) and float(cells[-1]) == pytest.approx(holm[m], rel=0.05)
+    line = next(line for line in report.splitlines() if "protocol ablation" in line)
+    assert line.startswith("- **math, budget 64, protocol ablation** (positions #1: absolute → #2: compact, 30 samples"), line
+    assert "higher for h2o (" in line and "not significantly different for tova (" in line and "lower for" not in line, line
 
 
 def test_the_signal_study_finding_follows_its_intervals(report):
@@ -173,7 +206,7 @@ def test_report_regenerates_byte_for_byte_from_an_export(database, tmp_path):
         outs.append(out)
     assert "This is a **seeded** database.\n\n## Findings" in (outs[0] / "replication.md").read_text()
     files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
-    assert Path("replication.md") in files and sum(f.suffix == ".png" for f in files) == 6
+    assert Path("replication.md") in files and sum(f.suffix == ".png" for f in files) == 6 + 2 * 2  # + KL and top-1 of protocols #2 and #3
     for f in files:
         assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
     assert sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file()) == files
