@@ -190,6 +190,24 @@ def test_protocol_ablation_matches_scipy_and_names_what_moved(report):
     assert "higher for h2o (" in line and "not significantly different for tova (" in line and "lower for" not in line, line
 
 
+def test_the_dashboard_scorecard_shows_the_reports_ablations(database, report, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("KVLEAGUE_DB", f"sqlite:///{database}")
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py"), default_timeout=60)
+    at.query_params["page"] = "replication-scorecard"
+    at.run()
+    assert not at.exception, at.exception
+    shown = next(d.value for d in at.dataframe if "Δ KL (B−A)" in d.value.columns)
+    block = section(report, "## Protocol ablations (tiny-test)")
+    for _, r in shown.iterrows():
+        cells = next(c for c in ([x.strip() for x in line.strip().strip("|").split("|")] for line in block.splitlines())
+                     if c[5:6] == [r["method"]])
+        assert (r["field"], r["A"], r["B"], r["domain"], str(r["budget"])) == tuple(cells[:5])
+        assert f"{r['Δ KL (B−A)']:.4f}" == cells[9] and float(cells[-1]) == pytest.approx(r["p (Holm)"], rel=0.05)
+    assert sorted(shown["method"]) == ["h2o", "tova"]
+
+
 def test_the_signal_study_finding_follows_its_intervals(report):
     line = next(line for line in report.splitlines() if "signal study" in line)
     assert "holds" in line and "early band: 2 of 2 layers above 0, 0 below; late band: 2 of 2 below 0, 0 above" in line, line

@@ -45,6 +45,24 @@ def render(ctx) -> None:
         st.download_button("Download CSV", card.to_csv(index=False).encode(), file_name="kvleague-scorecard.csv",
                            mime="text/csv", key="sc_csv")
     fidelity_claims(ctx)
+    protocol_ablations(ctx)
+
+
+def protocol_ablations(ctx) -> None:
+    chosen = [p for p in ctx.opts.protocols if ctx.filters.protocols is None or p["id"] in ctx.filters.protocols]
+    table = ctx.data("protocol_ablations", ctx.filters, chosen)
+    if table.empty:
+        return
+    st.subheader("Protocol ablations")
+    st.caption(
+        "Two protocols that differ in exactly one setting (field: which one), the same method at the same budget on the "
+        "samples both have: mean KL(full || method) under A and under B, the paired mean difference B − A with its 95% "
+        "bootstrap interval over samples, the two-sided Wilcoxon signed-rank p of the differences and its Holm adjustment "
+        "over this table. It shows what the protocol, not the method, decides."
+    )
+    st.dataframe(styled(table.drop(columns=["Δ KL lo", "Δ KL hi"]), p=("p (Wilcoxon)", "p (Holm)"))
+                 .format({"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"}),
+                 hide_index=True, placeholder="—", key="sc_ablations")
 
 
 def fidelity_claims(ctx) -> None:
