@@ -124,6 +124,10 @@ class Task:
 
         Without ``limit`` (or with ``limit >= size``) every sample in dataset order; with a smaller
         ``limit`` a uniform random subset drawn with ``random.Random(seed)``, sorted by ``sample_id``.
+        Subsets of different limits are not always nested: ``random.sample`` switches algorithm with
+        the ratio of ``limit`` to size (on HumanEval's 164 items the subset of 20 is not inside the
+        subset of 30), so a sweep raised from one limit to another may run a few samples beside the
+        earlier ones. Kept so, because every stored result's sample set depends on it.
         """
         samples = self.load_records(resolve_data_dir(data_dir))
         if limit is not None and limit < 0:
