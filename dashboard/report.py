@@ -34,6 +34,9 @@ REPORT = "replication.md"
 FIGURES = "replication_figures"
 EPIKV = paper.REFERENCE_METHOD
 ALPHA = 0.05
+#: KL differences (nats/token) whose whole interval lies inside ±this are float rounding, not a choice of
+#: tokens: eager and SDPA attention round differently in float32 (~1e-6 here)
+KL_ROUNDING = 1e-4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -149,11 +152,13 @@ def _who(label: str) -> str:
 
 
 def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt,
-                       name_of: Mapping[str, str]) -> dict[str, list[tuple[str, str]]]:
+                       name_of: Mapping[str, str], rounding: float = 0.0) -> dict[str, list[tuple[str, str]]]:
     """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
     says at Holm-adjusted p < 0.05: "better", "worse" or "no different", each as (baseline, its figures).
-    ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown."""
-    out: dict[str, list[tuple[str, str]]] = {"better": [], "worse": [], "no different": []}
+    ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown.
+    ``rounding``: a difference whose whole interval lies within ±rounding is "the same" whatever its p
+    (two methods that keep the same tokens differ only by float rounding between attention kernels)."""
+    out: dict[str, list[tuple[str, str]]] = {"better": [], "worse": [], "no different": [], "same": []}
     for _, row in pairs.iterrows():
         if label not in (row["A"], row["B"]):
             continue
@@ -163,12 +168,15 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
             continue
         d = row[delta] if first else -row[delta]
         kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("better" if (d < 0) == lower_is_better else "worse")
+        if rounding and max(abs(row[f"{delta.split(' (')[0]} lo"]), abs(row[f"{delta.split(' (')[0]} hi"])) < rounding:
+            kind = "same"
         out[kind].append((other, f"{fmt(row, d, first)}, p Holm {_p(row['p (Holm)'])}"))
     return out
 
 
 def _said(groups: dict[str, list[tuple[str, str]]], better: str, worse: str) -> str:
-    words = {"better": better, "worse": worse, "no different": "not significantly different from"}
+    words = {"better": better, "worse": worse, "no different": "not significantly different from",
+             "same": f"the same within float32 rounding (interval inside ±{KL_ROUNDING:g} nats/token) as"}
     return "; ".join(f"{words[kind]} {', '.join(f'{name} ({figures})' for name, figures in items)}"
                      for kind, items in groups.items() if items)
 
@@ -187,15 +195,24 @@ GLANCE = ["domain", "budget", "EpiKV spec", "measure", "EpiKV vs full cache", "b
 
 def _glance(domain: str, budget: int, label: str, measure: str, vs_full: str,
             groups: dict[str, list[tuple[str, str]]]) -> dict[str, Any]:
-    names = {kind: ", ".join(name for name, _ in items) or "-" for kind, items in groups.items()}
+    def names(kind: str) -> list[str]:
+        return [name for name, _ in groups.get(kind, [])]
+
+    level = names("no different") + [f"{n} (same within rounding)" for n in names("same")]
     return {"domain": domain, "budget": budget, "EpiKV spec": label, "measure": measure, "EpiKV vs full cache": vs_full,
-            "baselines EpiKV beats": names["better"], "no significant difference": names["no different"],
-            "baselines that beat EpiKV": names["worse"]}
+            "baselines EpiKV beats": ", ".join(names("better")) or "-", "no significant difference": ", ".join(level) or "-",
+            "baselines that beat EpiKV": ", ".join(names("worse")) or "-"}
+
+
+def _signed(v: float) -> str:
+    """A KL difference: 3 decimals, or 2 significant digits below 0.0005 (a significant difference then
+    still shows its size and sign instead of +0.000)."""
+    return f"{v:+.3f}" if v == 0 or abs(v) >= 0.0005 else f"{v:+.1e}"
 
 
 def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
     lo, hi = (row["Δ KL lo"], row["Δ KL hi"]) if epikv_first else (-row["Δ KL hi"], -row["Δ KL lo"])
-    return f"Δ {d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    return f"Δ {_signed(d)} [{_signed(lo)}, {_signed(hi)}]"
 
 
 def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int,
@@ -206,7 +223,7 @@ def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, bud
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
                 f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
-        groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of)
+        groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, KL_ROUNDING)
         said = _said(groups, "lower than", "higher than")
         vs_full = f"KL {e['KL']:.3f} {e['KL 95% CI']}, top-1 {e['top-1 %']:.1f}% ({int(e['samples'])} samples)"
         out.append(Finding(line + (f" Its KL is {said}." if said else ""),
@@ -376,8 +393,8 @@ def _ablations(w: _Writer, opts: q.Options) -> None:
             for _, r in g.iterrows():
                 kind = ("not significantly different" if not (r["p (Holm)"] < ALPHA) else
                         "lower" if r["Δ KL (B−A)"] < 0 else "higher")
-                groups[kind].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {r['Δ KL (B−A)']:+.3f} "
-                                    f"[{r['Δ KL lo']:+.3f}, {r['Δ KL hi']:+.3f}], p Holm {_p(r['p (Holm)'])})")
+                groups[kind].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
+                                    f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}], p Holm {_p(r['p (Holm)'])})")
             said = "; ".join(f"{kind} for {', '.join(items)}" for kind, items in groups.items() if items)
             w.findings.append(f"**{domain}, budget {budget}, protocol ablation** ({field} {a} → {b}, {int(g['samples'].max())} "
                               f"samples, {model['name']}): KL to the full cache is {said}.")

@@ -271,6 +271,26 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
     assert "full" not in generated.split("Its KL is")[1] and "series=all" not in generated.split("Its KL is")[1]
 
 
+def test_a_significant_difference_of_float_rounding_is_called_the_same():
+    """Two methods that keep the same tokens but run different attention kernels differ by ~1e-6 nats,
+    consistently enough for Wilcoxon: the finding calls them the same, not better or worse."""
+    import pandas as pd
+
+    from dashboard.report import fidelity_findings
+
+    board = pd.DataFrame([{"method": "epikv", "KL": 5.2, "KL 95% CI": "[5.0, 5.4]", "top-1 %": 18.5, "top-1 95% CI": "[16, 21]",
+                           "samples": 13}])
+    pairs = pd.DataFrame([
+        {"A": "epikv", "B": "h2o", "Δ KL (A−B)": 9.4e-7, "Δ KL lo": 5.5e-7, "Δ KL hi": 1.3e-6, "p (Holm)": 0.034},
+        {"A": "epikv", "B": "tova", "Δ KL (A−B)": 0.02, "Δ KL lo": 0.01, "Δ KL hi": 0.03, "p (Holm)": 0.01},
+    ])
+    (finding,) = fidelity_findings(pairs, board, "code", 128, {"epikv": "epikv", "h2o": "h2o", "tova": "tova"})
+    assert "higher than tova (Δ +0.020" in finding.text and "higher than h2o" not in finding.text
+    assert "the same within float32 rounding (interval inside ±0.0001 nats/token) as h2o (Δ +9.4e-07" in finding.text
+    assert finding.glance["no significant difference"] == "h2o (same within rounding)"
+    assert finding.glance["baselines that beat EpiKV"] == "tova"
+
+
 def test_the_published_report_is_what_its_committed_export_gives(tmp_path):
     """docs/replication.md is generated, never edited: rebuilt from results/replication.jsonl.gz with the
     command it states, it is the same text (figures are compared in the seeded test above; their
