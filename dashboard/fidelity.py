@@ -245,12 +245,18 @@ def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any
     protocols = sorted(protocols, key=lambda p: p["id"])
     settings = [k for k in (protocols[0] if protocols else {}) if k not in _NOT_SETTINGS]
     loaded: dict[int, Fidelity] = {}
+
+    def fidelity_under(protocol: dict[str, Any]) -> Fidelity:
+        if protocol["id"] not in loaded:  # each protocol's rows read once, however many pairs it is in
+            loaded[protocol["id"]] = load(engine, replace(filters, protocols=(protocol["id"],)))
+        return loaded[protocol["id"]]
+
     rows = []
     for a, b in itertools.combinations(protocols, 2):
         changed = [k for k in settings if a[k] != b[k]]
         if len(changed) != 1:
             continue
-        da, db = (loaded.setdefault(p["id"], load(engine, replace(filters, protocols=(p["id"],)))) for p in (a, b))
+        da, db = fidelity_under(a), fidelity_under(b)
         for m in sorted(set(da) & set(db) - full_ids, key=lambda m: (method_label(dims["methods"], m), m)):
             for budget in sorted(set(da[m]) & set(db[m])):
                 both = {0: {qn: v for qn, v in da[m][budget].items() if qn in db[m][budget]}}

@@ -151,13 +151,22 @@ def _who(label: str) -> str:
     return "EpiKV" if label == EPIKV else f"EpiKV ({label})"
 
 
+def _direction(p_holm: float, d: float, lower_is_better: bool) -> str:
+    """What a paired test says of a difference ``d``: "no different" unless its Holm-adjusted p is under
+    ALPHA, else "better" or "worse" by the sign of ``d``."""
+    if not (p_holm < ALPHA):
+        return "no different"
+    return "better" if (d < 0) == lower_is_better else "worse"
+
+
 def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt,
-                       name_of: Mapping[str, str], rounding: float = 0.0) -> dict[str, list[tuple[str, str]]]:
+                       name_of: Mapping[str, str], interval: tuple[str, str] | None = None) -> dict[str, list[tuple[str, str]]]:
     """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
     says at Holm-adjusted p < 0.05: "better", "worse" or "no different", each as (baseline, its figures).
     ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown.
-    ``rounding``: a difference whose whole interval lies within ±rounding is "the same" whatever its p
-    (two methods that keep the same tokens differ only by float rounding between attention kernels)."""
+    ``interval``: the (lo, hi) columns of a KL difference; one whose whole interval lies inside
+    ±KL_ROUNDING is "the same" whatever its p (two methods that keep the same tokens differ only by
+    float rounding between attention kernels)."""
     out: dict[str, list[tuple[str, str]]] = {"better": [], "worse": [], "no different": [], "same": []}
     for _, row in pairs.iterrows():
         if label not in (row["A"], row["B"]):
@@ -167,8 +176,8 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
         if name_of.get(other, other) not in paper.ATTENTION_SCORING:
             continue
         d = row[delta] if first else -row[delta]
-        kind = "no different" if not (row["p (Holm)"] < ALPHA) else ("better" if (d < 0) == lower_is_better else "worse")
-        if rounding and max(abs(row[f"{delta.split(' (')[0]} lo"]), abs(row[f"{delta.split(' (')[0]} hi"])) < rounding:
+        kind = _direction(row["p (Holm)"], d, lower_is_better)
+        if interval and max(abs(row[interval[0]]), abs(row[interval[1]])) < KL_ROUNDING:
             kind = "same"
         out[kind].append((other, f"{fmt(row, d, first)}, p Holm {_p(row['p (Holm)'])}"))
     return out
@@ -223,7 +232,7 @@ def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, bud
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
                 f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
-        groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, KL_ROUNDING)
+        groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, ("Δ KL lo", "Δ KL hi"))
         said = _said(groups, "lower than", "higher than")
         vs_full = f"KL {e['KL']:.3f} {e['KL 95% CI']}, top-1 {e['top-1 %']:.1f}% ({int(e['samples'])} samples)"
         out.append(Finding(line + (f" Its KL is {said}." if said else ""),
@@ -288,7 +297,7 @@ class _Writer:
 
     def found(self, s: Slice, findings: list[Finding]) -> None:
         self.findings += [f.text for f in findings]
-        self.glance += [{"protocol": s.protocol.split(":")[0], **f.glance} for f in findings]
+        self.glance += [{"protocol": f"#{s.protocol_id}", **f.glance} for f in findings]
 
     def add(self, *lines: str) -> None:
         self.lines.extend(lines)
@@ -389,13 +398,12 @@ def _ablations(w: _Writer, opts: q.Options) -> None:
               "over the table.", "",
               markdown_table(df, fid.ABLATION_COLUMNS, {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4}), "")
         for (field, a, b, domain, budget), g in df.groupby(["field", "A", "B", "domain", "budget"], sort=False):
-            groups: dict[str, list[str]] = {"lower": [], "higher": [], "not significantly different": []}
+            groups: dict[str, list[str]] = {"better": [], "worse": [], "no different": []}
             for _, r in g.iterrows():
-                kind = ("not significantly different" if not (r["p (Holm)"] < ALPHA) else
-                        "lower" if r["Δ KL (B−A)"] < 0 else "higher")
-                groups[kind].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
+                groups[_direction(r["p (Holm)"], r["Δ KL (B−A)"], True)].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
                                     f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}], p Holm {_p(r['p (Holm)'])})")
-            said = "; ".join(f"{kind} for {', '.join(items)}" for kind, items in groups.items() if items)
+            words = {"better": "lower", "worse": "higher", "no different": "not significantly different"}
+            said = "; ".join(f"{words[kind]} for {', '.join(items)}" for kind, items in groups.items() if items)
             w.findings.append(f"**{domain}, budget {budget}, protocol ablation** ({field} {a} → {b}, {int(g['samples'].max())} "
                               f"samples, {model['name']}): KL to the full cache is {said}.")
 

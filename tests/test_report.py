@@ -106,9 +106,13 @@ def section(text: str, heading: str) -> str:
     return text[start: start + len(heading) + (nxt.start() if nxt else len(text))]
 
 
+def table_rows(block: str) -> list[list[str]]:
+    """Every line of ``block`` split into markdown table cells."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.splitlines()]
+
+
 def table_row(block: str, first: str, second: str | None = None) -> list[str]:
-    for line in block.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    for cells in table_rows(block):
         if cells[0] == first and (second is None or cells[1] == second):
             return cells
     raise AssertionError(f"no row {first} {second or ''} in:\n{block}")
@@ -157,8 +161,7 @@ def test_findings_say_only_what_the_tests_support(report):
     for _, domain in DOMAINS:
         for b in BUDGETS:
             for measure in ("fidelity (KL)", "accuracy"):
-                cells = next(c for c in ([x.strip() for x in line.strip().strip("|").split("|")] for line in glance.splitlines())
-                             if c[1:3] == [domain, str(b)] and c[4] == measure)
+                cells = next(c for c in table_rows(glance) if c[1:3] == [domain, str(b)] and c[4] == measure)
                 assert cells[6:] == ["h2o", "tova", "-"], cells
 
 
@@ -182,7 +185,7 @@ def test_protocol_ablation_matches_scipy_and_names_what_moved(report):
     raw = {m: wilcoxon(d).pvalue for m, d in diffs.items()}
     holm = dict(zip(raw, multipletests(list(raw.values()), method="holm")[1]))
     for m in ("h2o", "tova"):
-        cells = next(c for c in ([x.strip() for x in line.strip().strip("|").split("|")] for line in block.splitlines()) if c[5:6] == [m])
+        cells = next(c for c in table_rows(block) if c[5:6] == [m])
         assert float(cells[9]) == pytest.approx(np.mean(diffs[m]), abs=1e-4)
         assert float(cells[-2]) == pytest.approx(raw[m], rel=0.05) and float(cells[-1]) == pytest.approx(holm[m], rel=0.05)
     line = next(line for line in report.splitlines() if "protocol ablation" in line)
@@ -201,8 +204,7 @@ def test_the_dashboard_scorecard_shows_the_reports_ablations(database, report, m
     shown = next(d.value for d in at.dataframe if "Δ KL (B−A)" in d.value.columns)
     block = section(report, "## Protocol ablations (tiny-test)")
     for _, r in shown.iterrows():
-        cells = next(c for c in ([x.strip() for x in line.strip().strip("|").split("|")] for line in block.splitlines())
-                     if c[5:6] == [r["method"]])
+        cells = next(c for c in table_rows(block) if c[5:6] == [r["method"]])
         assert (r["field"], r["A"], r["B"], r["domain"], str(r["budget"])) == tuple(cells[:5])
         assert f"{r['Δ KL (B−A)']:.4f}" == cells[9] and float(cells[-1]) == pytest.approx(r["p (Holm)"], rel=0.05)
     assert sorted(shown["method"]) == ["h2o", "tova"]
