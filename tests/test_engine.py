@@ -10,6 +10,7 @@ from methods import EvictionMethod, Needs, build_method
 from runner.engine.contract import CacheView, Observation
 from runner.engine.errors import KvleagueError
 from runner.engine.protocol import GenerationSettings, Protocol
+from runner.models import load_engine
 from tests.conftest import ARCHS
 from tests.naive_attention import decode_logits
 
@@ -241,12 +242,15 @@ def test_knorm_and_streaming_llm_match_kvpress_on_prefill(engines, prompt_ids, a
 # -- observations -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_attention_rows_under_sdpa_equal_eager_attention(engines, tiny_models, prompt_ids, arch):
+def test_attention_rows_under_sdpa_equal_eager_attention(engines, tiny_models, prompt_ids, arch, kernel):
+    """A method that does not declare ``Needs.eager`` gets the newest ``attention_window`` rows under
+    every kernel: recomputed from q and K under SDPA, cut from the kernel's own weights under eager."""
     from transformers import AutoModelForCausalLM
 
-    engine = engines[arch]
-    assert engine.attn_implementation == "sdpa"
+    engine = engines[arch] if kernel == "sdpa" else load_engine(str(tiny_models[arch]), attn_implementation="eager")
+    assert engine.attn_implementation == kernel
     method = Recorder()
     with engine.session(method, 4096, Protocol()) as session:
         session.feed(prompt_ids)

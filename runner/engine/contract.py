@@ -77,7 +77,9 @@ class Needs:
     #: how many of the newest queries of a forward pass get attention rows (decode steps have one)
     attention_window: int = 1
     #: exact eager attention (the model runs with ``attn_implementation="eager"``); with ``attention``
-    #: the rows then come from the eager kernel's own weights, for every query of the pass
+    #: the rows then come from the eager kernel's own weights, for every query of the pass (H2O's
+    #: prefill column sums need them all). A method that does not declare it gets the newest
+    #: ``attention_window`` rows under every kernel, eager included
     eager: bool = False
     #: the method relies on slots being in increasing position order (the default contract); set
     #: False for an order-free method to get the faster eviction path (see the module docstring)

@@ -150,6 +150,7 @@ class Session:
                 new_keys_values=needs.new_keys_values,
                 attention=needs.attention,
                 window=needs.attention_window,
+                all_queries=needs.eager,
             )
             if wants_probe
             else None

@@ -36,6 +36,8 @@ class AttentionRecorder:
     new_keys_values: bool = False
     attention: bool = False
     window: int = 1
+    #: every query of the pass (a method that declared ``Needs.eager``), not the newest ``window``
+    all_queries: bool = False
     new_tokens: int = 0
     q: list = field(default_factory=list)
     k_new: list = field(default_factory=list)
@@ -57,8 +59,8 @@ class AttentionRecorder:
             self.k_new[layer] = key[0, :, -c:]
             self.v_new[layer] = value[0, :, -c:]
         if self.attention:
-            if weights is not None:  # eager kernel: its own exact weights for every query of the pass
-                self.rows[layer] = weights[0].float()
+            if weights is not None:  # eager kernel: its own exact weights, not a recomputation
+                self.rows[layer] = (weights[0] if self.all_queries else weights[0, :, -self.window :]).float()
             else:
                 self.rows[layer] = attention_rows(query[0, :, -self.window :], key[0], scaling)
 
