@@ -170,6 +170,8 @@ def test_bench_generate_and_kvpress_write_reports(tiny_models, tmp_path, capsys)
     g = h.read_report(tmp_path / "g.json")
     assert g["summary"]["same_tokens"] is True  # no eviction: the engine reproduces model.generate
     assert {f["method"] for f in g["figures"]} == {"engine", "generate"} and g["summary"]["ratio_engine_over_generate"] > 0
+    first = next(f for f in g["figures"] if f["metric"] == "first_pass_ratio")
+    assert first["value"] == g["summary"]["first_pass_tps"] / g["summary"]["second_pass_tps"] and first["details"]["target"] == 0.9
     _cli(["bench", "kvpress", "--model", model, "--budgets", "16", "--new-tokens", "8", "--rounds", "1",
           "--json", str(tmp_path / "k.json")])
     k = h.read_report(tmp_path / "k.json")

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cadence", default="every_step", help="every_step (default) or buffer=N")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto", help="auto: cpu without CUDA, else wall")
     p.add_argument("--threads", type=int, help="torch threads (default: 1 with the cpu clock)")
 
 
@@ -90,6 +90,7 @@ def run(args) -> dict:
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
+    args.clock = clock.kind  # "auto" resolved, as the report records it
     threads = h.set_threads(clock, args.threads)
     budgets = args.budgets or ([256, 1024] if args.quick else [256, 1024, 4096])
     names = list(dict.fromkeys(["full", *(args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS))]))

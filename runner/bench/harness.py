@@ -27,6 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from runner.engine.errors import KvleagueError
+
 SCHEMA_VERSION = 1
 BENCHMARKS = ("feasible_context", "decode_speed", "vs_kvpress", "engine_vs_generate", "batch")
 ENVIRONMENT_KEYS = (
@@ -92,14 +94,34 @@ def environment() -> dict[str, Any]:
 # -- clocks and alternating runs ------------------------------------------------------------------
 
 
-class Clock:
-    """``cpu``: process CPU time (pair with one torch thread); ``wall``: ``time.perf_counter``."""
+#: ``auto``: ``cpu`` on a machine without CUDA, else ``wall``
+CLOCKS = ("auto", "cpu", "wall")
 
-    def __init__(self, kind: str = "cpu"):
-        if kind not in ("cpu", "wall"):
-            raise ValueError(f"clock: unknown {kind!r}; allowed: cpu, wall")
+
+class Clock:
+    """``cpu``: process CPU time (pair with one torch thread); ``wall``: ``time.perf_counter`` after
+    waiting for queued GPU work (CUDA runs asynchronously). The CPU clock cannot see GPU work, so it
+    is refused where CUDA is available."""
+
+    def __init__(self, kind: str = "auto"):
+        if kind not in CLOCKS:
+            raise ValueError(f"clock: unknown {kind!r}; allowed: {', '.join(CLOCKS)}")
+        import torch
+
+        if kind == "auto":  # the CPU clock where it can be used: robust to other tenants' load
+            kind = "wall" if torch.cuda.is_available() else "cpu"
+        if kind == "cpu" and torch.cuda.is_available():
+            raise KvleagueError("clock: cpu time does not count GPU work; use --clock wall on a CUDA machine")
         self.kind = kind
-        self.now = time.process_time if kind == "cpu" else time.perf_counter
+        self.now = time.process_time if kind == "cpu" else _synchronized_wall
+
+
+def _synchronized_wall() -> float:
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def set_threads(clock: Clock, threads: int | None) -> int:

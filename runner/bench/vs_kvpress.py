@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps (default 512; quick 128)")
     p.add_argument("--methods", nargs="+", choices=sorted(METHODS), help="default: both")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3)")
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto", help="auto: cpu without CUDA, else wall")
     p.add_argument("--threads", type=int, help="torch threads (default: 1 with the cpu clock)")
 
 
@@ -99,6 +99,7 @@ def run(args) -> dict:
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # "compression_ratio will be overridden" on every press
     started = time.perf_counter()
     clock = h.Clock(args.clock)
+    args.clock = clock.kind  # "auto" resolved, as the report records it
     threads = h.set_threads(clock, args.threads)
     budgets = args.budgets or ([256] if args.quick else [1024])
     new_tokens = args.new_tokens or (128 if args.quick else 512)

@@ -45,7 +45,6 @@ sequences); the method's batched observe / score time is shared equally by the s
 from __future__ import annotations
 
 import os
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -372,7 +371,7 @@ class _BatchDecode:
         settings, tokenizer, eos = self.settings, self.engine.tokenizer, self.engine.eos_ids
         tokens: dict[int, list[int]] = {i: [] for i in self.active}
         while self.active:
-            step_start = time.perf_counter()
+            step_start = self.engine.clock()
             if self.forced is not None:
                 chosen = []
                 for r, i in enumerate(self.active):
@@ -413,7 +412,7 @@ class _BatchDecode:
                 self._reslab(keep_rows)
             self._forward([chosen[r] for r in keep_rows])
             self._evict()
-            took = time.perf_counter() - step_start
+            took = self.engine.clock() - step_start
             for i in self.active:
                 self.sessions[i].step_seconds.append(took)
 
@@ -421,7 +420,7 @@ class _BatchDecode:
         """Sequence i is done: its last token stays pending (as the single path leaves it)."""
         session = self.sessions[i]
         session.pending = [own[-1]]
-        session.step_seconds.append(time.perf_counter() - step_start)
+        session.step_seconds.append(self.engine.clock() - step_start)
         session.generated.extend(own)
 
     def _forward(self, token_ids: list[int]) -> None:
@@ -463,12 +462,12 @@ class _BatchDecode:
             if not s.method.never_evicts:
                 groups[type(s.method)].append(r)
         for cls, members in groups.items():
-            start = time.perf_counter()
+            start = self.engine.clock()
             cls.observe_batch(
                 [sessions[r].method for r in members],
                 [self._observation(r, sessions[r], new_positions[r], token_ids[r]) for r in members],
             )
-            share = (time.perf_counter() - start) / len(members)
+            share = (self.engine.clock() - start) / len(members)
             for r in members:
                 sessions[r].method_seconds += share
 
@@ -494,15 +493,15 @@ class _BatchDecode:
                 groups[type(s.method)].append(r)
         for cls, members in groups.items():
             sessions = [self.sessions[self.active[r]] for r in members]
-            start = time.perf_counter()
+            start = self.engine.clock()
             views = [s.cache.view(s.budget, "decode", s.next_position - 1) for s in sessions]
             scores = cls.score_batch([s.method for s in sessions], BatchCacheView(views, self._padded(members, views)))
-            share = (time.perf_counter() - start) / len(members)
+            share = (self.engine.clock() - start) / len(members)
             for s, score in zip(sessions, scores):
-                selection = time.perf_counter()
+                selection = self.engine.clock()
                 s.evicted_tokens += s.cache.evict(score, s.budget, s.protocol, s.next_position - 1, ordered=s.ordered_slots)
                 s.evictions += 1
-                took = time.perf_counter() - selection
+                took = self.engine.clock() - selection
                 s.method_seconds += share + took
                 s.selection_seconds += took
 

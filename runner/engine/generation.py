@@ -14,7 +14,6 @@ slots among the evictable ones, moving the cache entries in place (``runner/engi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from runner.engine.probe import AttentionRecorder, recording, wrapper_name
 from runner.engine.cache import BudgetedCache
 from runner.engine.errors import KvleagueError
 from runner.engine.protocol import GenerationSettings, Protocol
-from runner.engine.resources import PeakMemory
+from runner.engine.resources import PeakMemory, device_clock
 
 @dataclass
 class DecodeOutput:
@@ -84,6 +83,13 @@ class Engine:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.device = next(model.parameters()).device
         self.layers = model.get_decoder().layers
+        #: the clock of every timing the engine reports (synchronizes the device first)
+        self.clock = device_clock(self.device)
+        if self.device.type == "cuda":
+            # SDPA's cuDNN kernel plans per shape, and the cache meets a new length at every decode step
+            # (the first pass over new lengths ran at 0.14x the second on an H200); the flash and
+            # memory-efficient kernels need no plan
+            torch.backends.cuda.enable_cudnn_sdp(False)
         eos = {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))}
         self.eos_ids = {e for e in eos if e is not None}
         model.set_attn_implementation(wrapper_name(attn_implementation))
@@ -217,7 +223,7 @@ class Session:
         """Append prompt (or tool-observation) tokens, compressing after each prefill chunk."""
         if not token_ids:
             raise KvleagueError("prompt: empty token list")
-        start = time.perf_counter()
+        start = self.engine.clock()
         self._flush_pending()
         chunk = self.protocol.prefill_chunk or len(token_ids)
         for i in range(0, len(token_ids), chunk):
@@ -225,7 +231,7 @@ class Session:
             if self.cache.length > self.budget:
                 self._evict("prefill")
         self.prompt_tokens += len(token_ids)
-        self.prefill_seconds += time.perf_counter() - start
+        self.prefill_seconds += self.engine.clock() - start
 
     def decode(self, settings: GenerationSettings) -> DecodeOutput:
         """Generate until EOS, a stop string or ``max_new_tokens``."""
@@ -237,7 +243,7 @@ class Session:
         reason = "length"
         tokenizer = self.engine.tokenizer
         while True:
-            step_start = time.perf_counter()
+            step_start = self.engine.clock()
             token = self._next_token(self.logits, settings)
             tokens.append(token)
             if token in self.engine.eos_ids:
@@ -246,12 +252,12 @@ class Session:
                 reason = "stop"
             if reason != "length" or len(tokens) >= settings.max_new_tokens:
                 self.pending = [token]
-                self.step_seconds.append(time.perf_counter() - step_start)
+                self.step_seconds.append(self.engine.clock() - step_start)
                 break
             self._forward([token], prompt=False, phase="decode")
             if self.cache.length > self.budget + self.protocol.buffer:
                 self._evict("decode")
-            self.step_seconds.append(time.perf_counter() - step_start)
+            self.step_seconds.append(self.engine.clock() - step_start)
         self.generated.extend(tokens)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if reason == "stop":  # the completion ends before the first stop string, which it excludes
@@ -270,7 +276,7 @@ class Session:
             return
         self._flush_pending()
         for i, token in enumerate(token_ids):
-            step_start = time.perf_counter()
+            step_start = self.engine.clock()
             on_logits(self.logits, token)
             if i == len(token_ids) - 1:
                 self.pending = [token]
@@ -278,7 +284,7 @@ class Session:
                 self._forward([token], prompt=False, phase="decode")
                 if self.cache.length > self.budget + self.protocol.buffer:
                     self._evict("decode")
-            self.step_seconds.append(time.perf_counter() - step_start)
+            self.step_seconds.append(self.engine.clock() - step_start)
         self.generated.extend(token_ids)
 
     def _flush_pending(self) -> None:
@@ -326,7 +332,7 @@ class Session:
         self.memory.sample()
         if self.method.never_evicts:
             return
-        start = time.perf_counter()
+        start = self.engine.clock()
         rec = self.recorder
         self.method.observe(
             Observation(
@@ -341,18 +347,18 @@ class Session:
                 attention=rec.rows if rec and rec.attention else None,
             )
         )
-        self.method_seconds += time.perf_counter() - start
+        self.method_seconds += self.engine.clock() - start
 
     def _evict(self, phase: str) -> None:
         if self.method.never_evicts:
             return
-        start = time.perf_counter()
+        start = self.engine.clock()
         current = self.next_position - 1
         scores = self.method.score(self.cache.view(self.budget, phase, current))
-        selection = time.perf_counter()
+        selection = self.engine.clock()
         self.evicted_tokens += self.cache.evict(scores, self.budget, self.protocol, current, ordered=self.ordered_slots)
         self.evictions += 1
-        end = time.perf_counter()
+        end = self.engine.clock()
         self.method_seconds += end - start
         self.selection_seconds += end - selection
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -44,3 +46,16 @@ class PeakMemory:
     @property
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else self._peak
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter`` that first waits for the work queued on ``device``: CUDA kernels run
+    asynchronously, so an unsynchronized clock would time their launch, not their work."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
