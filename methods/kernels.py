@@ -78,10 +78,11 @@ class QueryWindow:
     def attention(self, layer: int, keys: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Softmax attention ``[H_q, w, T]`` (float32) of the window's queries over ``keys`` ``[H_kv, T, d]``.
 
-        Causal by absolute position: a query at position p sees the cached keys at positions <= p.
+        Causal by absolute position: a query at position p sees the cached keys at positions <= p; a
+        query whose every earlier key was evicted sees none, and its row is all zeros (not NaN).
         """
         future = key_positions[:, None, None, :] > self.positions.to(key_positions.device)[None, None, :, None]
-        return attention_rows(self.queries[layer], keys, self.scaling, future)
+        return attention_rows(self.queries[layer], keys, self.scaling, future).nan_to_num_(0.0)
 
     def in_window(self, key_positions: torch.Tensor) -> torch.Tensor:
         """``[H, T]`` True for the slots holding the window's own tokens."""

@@ -5,9 +5,10 @@ import importlib.util
 import pytest
 import torch
 
-from methods import build_method
+from methods import available_methods, build_method
 from runner.models import load_engine
 from runner.engine.protocol import GenerationSettings, Protocol
+from tests.rounding_ties import LoggedKnorm, assert_parted_only_at_a_rounding_tie
 from tests.test_engine import Recorder
 
 pytestmark = [
@@ -50,3 +51,28 @@ def test_eviction_frees_cuda_memory(tiny_models):
     full = engine.generate(prompt, build_method("full"), 1 << 20, settings=GenerationSettings(max_new_tokens=8))
     small = engine.generate(prompt, build_method("knorm"), 64, Protocol(prefill_chunk=64), GenerationSettings(max_new_tokens=8))
     assert small.peak_kv_bytes * 10 < full.peak_kv_bytes
+
+
+@pytest.fixture(scope="module")
+def float32_engines(tiny_models):
+    engines = {device: load_engine(str(tiny_models["qwen3"]), dtype="float32", device=device) for device in ("cpu", "cuda")}
+    for engine in engines.values():
+        engine.eos_ids = set()
+    return engines
+
+
+@pytest.mark.parametrize("name", sorted(available_methods()))
+def test_every_method_keeps_and_generates_the_same_on_cuda_and_cpu(float32_engines, prompt_ids, name):
+    """float32, B = 48, 32 new tokens: the same tokens and kept positions on both devices; knorm may
+    part only at a rounding-level tie (tests/rounding_ties.py)."""
+    methods = {device: LoggedKnorm() if name == "knorm" else build_method(name) for device in float32_engines}
+    results = {
+        device: engine.generate(prompt_ids, methods[device], 48, Protocol(), GenerationSettings(max_new_tokens=32))
+        for device, engine in float32_engines.items()
+    }
+    cpu, cuda = results["cpu"], results["cuda"]
+    if name == "knorm" and (cpu.token_ids, cpu.kept_positions) != (cuda.token_ids, cuda.kept_positions):
+        assert assert_parted_only_at_a_rounding_tie(methods["cpu"], methods["cuda"], cpu.kept_positions, cuda.kept_positions)
+        return
+    assert cuda.token_ids == cpu.token_ids
+    assert cuda.kept_positions == cpu.kept_positions

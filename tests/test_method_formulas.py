@@ -533,3 +533,24 @@ def test_scissorhands_counts_unimportant_occurrences():
                     total += mean[k]
                     count += mean[k] < 1.0 / (qpos + 1)
             assert float(scores[0, h, k]) == pytest.approx(-count + total / w, abs=1e-5)
+
+
+def test_scissorhands_query_whose_earlier_keys_were_all_evicted_counts_for_nothing():
+    """A window query at position 2 after positions 0-2 were evicted sees no cached key: its
+    attention row is zeros (it finds no key unimportant and gives no weight), not NaN."""
+    torch.manual_seed(2)
+    h_q, h_kv, d, w = 4, 2, 8, 3
+    method = build_method("scissorhands", {"history": w})
+    method.reset(_info(n_layers=1, n_heads=h_q, n_kv_heads=h_kv, head_dim=d))
+    q = torch.randn(h_q, w, d)
+    method.observe(_obs([2, 9, 10], queries=[q], n_layers=1, n_kv=h_kv))
+    keys = torch.randn(h_kv, 5, d)
+    view = _view([keys], positions=[3, 5, 7, 9, 10])
+    scores = method.score(view)
+    assert torch.isfinite(scores).all()
+    later = build_method("scissorhands", {"history": 2})  # the window without the blind query
+    later.reset(_info(n_layers=1, n_heads=h_q, n_kv_heads=h_kv, head_dim=d))
+    later.observe(_obs([9, 10], queries=[q[:, 1:]], n_layers=1, n_kv=h_kv))
+    expected = later.score(view)
+    # same unimportance counts; the mean weight is over 3 queries instead of 2, the blind one adding 0
+    torch.testing.assert_close(scores, expected.floor() + (expected - expected.floor()) * 2 / 3)

@@ -108,11 +108,12 @@ def test_prefill_kept_positions_equal_kvpress(engines, prompt_ids, arch, budget,
         assert_differs_only_on_ties(scores, positions, budget, kept[layer])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_knorm_prefill_has_exact_ties_across_the_boundary(engines, prompt_ids, arch):
     """The tie-break matters: layer-0 key norms depend on the token id only (RoPE keeps norms), so
-    repeated tokens tie bit for bit, and at budgets 120 and 129 (one per selection branch) the
-    boundary falls inside a tie in every KV head."""
+    repeated tokens tie in exact arithmetic, many of them bit for bit in float32, and at budgets 120
+    and 129 (one per selection branch) the boundary falls inside a tie in every KV head. (Not on the
+    tiny qwen3: its QK-norm rounds the copies apart; tests/rounding_ties.py says what that means.)"""
     from kvpress import KnormPress
 
     scores = _scores_on_prefill(engines[arch], prompt_ids, KnormPress(compression_ratio=0.5))[0]

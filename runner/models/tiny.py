@@ -98,6 +98,13 @@ def make_tiny_model(
     config = tiny_config(arch, vocab_size=len(tokenizer), layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # QK-norm weights (qwen3) start at 1, which makes every key's norm sqrt(head_dim) in exact
+    # arithmetic: key-norm scores would all tie and rank float rounding, device- and batch-dependent.
+    # Trained checkpoints have learned weights; spread them so that keys differ as they do there.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
