@@ -3,16 +3,22 @@ the tables behind the leaderboard's fidelity section, the fidelity budget curves
 fidelity claims.
 
 * Per method, budget and domain (or task): the mean over samples of each sample's mean KL(full ||
-  method) (nats per token) and top-1 agreement, with 95% percentile bootstrap intervals over samples
-  (:func:`bootstrap_mean_interval`: ``scipy.stats.bootstrap``, 2,000 resamples, seed 0).
-* Paired differences between methods on the samples both have: the mean difference with its bootstrap
-  interval (resampling samples, so the pairing is kept) and Wilcoxon's signed-rank p of the KL
-  differences (``scipy.stats.wilcoxon``), Holm-adjusted over every pair shown.
+  method) (nats per token) with a 95% percentile bootstrap interval over samples
+  (:func:`bootstrap_mean_interval`: ``scipy.stats.bootstrap``, 2,000 resamples, seed 0), and top-1
+  agreement with the leaderboard's Wilson interval (:func:`top1_interval`: tokens are the samples of a
+  question, so agreeing samples do not collapse it to a point).
+* Paired differences between methods on the table's samples: the mean difference with its bootstrap
+  interval (resampling samples, so the pairing is kept) and the signed-rank test of the KL differences
+  (:func:`signed_rank`): a difference that float32 rounding of the logits explains is a tie
+  (:func:`kl_tolerance`), ties are left out (Wilcoxon's zero handling), and the direction is the test's
+  (which of W+ and W- is larger), not the sign of the mean. Holm over every pair shown.
 
-The unit is the sample (one ``sample_id`` of one task); a sample with several cells (models, protocols,
-seeds) counts once, with the mean over its cells. Each table compares its methods on the samples all of
-them have. Full cache does not depend on the budget: its rows at the budget where it has the most samples
-stand in at every budget.
+The unit is the sample (one ``sample_id`` of one task; a prompt two task rows share counts once where
+they are pooled, :mod:`dashboard.identity`); a sample with several cells (models, protocols, seeds)
+counts once, with the mean over its cells. Each table compares its methods on the samples all of them
+have, and its paired tests use that same set. Full cache does not depend on the budget: its rows at the
+budget where it has the most samples (the one asked for on a tie) stand in at every budget, as for
+accuracy (:func:`dashboard.tables.full_reference_budget`).
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
+from fractions import Fraction
+
 import numpy as np
 import pandas as pd
-from scipy.stats import bootstrap, wilcoxon
+from scipy.stats import bootstrap, rankdata, wilcoxon
 
 from dashboard import common_set as cs
-from dashboard import multiplicity, stats
+from dashboard import identity, multiplicity, stats
 from dashboard import queries as q
 from dashboard.paper import PAPER_BASELINES, REFERENCE_FAMILY
 from dashboard.tables import full_cache_ids, full_reference_budget, method_label
@@ -38,6 +46,12 @@ N_RESAMPLES = 2000
 #: the scorecard's rule: below this full-cache accuracy (%) in a domain at a budget, accuracy cannot
 #: separate methods (every method sits near the floor), so the scorecard judges them by fidelity
 ACCURACY_FLOOR = 20.0
+#: how far two runs' float32 logits can differ when the caches hold the same tokens (attention kernels,
+#: batch shapes): a cell that evicted nothing measures KL(full || method) = E[δ²]/2 <= 2.3e-11 in the
+#: committed export, so δ ≈ 7e-6; 1e-5 bounds it
+LOGIT_ROUNDING = 1e-5
+#: the signed-rank test's exact null distribution is used up to this many non-tied differences
+EXACT_MAX = 50
 
 Question = tuple[int, str]  # (task id, sample id)
 
@@ -50,6 +64,7 @@ class SampleFidelity:
     top1: float
     delta_nll: float
     tokens: int
+    top1_share: Fraction | None = None  # top-1 agreement as the exact mean over cells of agreeing / scored tokens
 
 
 #: method spec id -> budget -> question -> figures
@@ -69,15 +84,69 @@ def bootstrap_mean_interval(values: Iterable[float], level: float = LEVEL) -> tu
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def wilcoxon_p(differences: Iterable[float]) -> float:
-    """Two-sided Wilcoxon signed-rank p of paired differences; 1 when all are zero (identical methods),
-    NaN when there are none."""
-    d = np.asarray(list(differences), dtype=float)
-    if len(d) == 0:
-        return math.nan
-    if np.all(d == 0):
-        return 1.0
-    return float(wilcoxon(d).pvalue)
+def top1_interval(values: list[SampleFidelity], level: float = LEVEL) -> tuple[float, float]:
+    """Top-1 agreement (%) over samples with the leaderboard's interval (:func:`dashboard.stats.accuracy`):
+    a sample is a question and its scored tokens its samples, so the interval is Wilson's with the design
+    effect of tokens clustered in samples, never narrower than for independent tokens. Samples that all
+    agree (every one 13 of 24 tokens) leave the percentile bootstrap nothing to resample and it collapses
+    to a point; this interval does not."""
+    shares = [v.top1_share for v in values if v.top1_share is not None]
+    if not shares:
+        return math.nan, math.nan
+    a = stats.accuracy(stats.unweighted(shares, max(v.tokens for v in values)))
+    return 100 * a.lo, 100 * a.hi
+
+
+def kl_tolerance(kl_a: float, kl_b: float) -> float:
+    """The largest difference between two per-sample KLs that float32 rounding of the logits explains.
+    Moving one side's logits by at most δ moves KL(p || q) by at most ||p − q||₁ δ + δ²/2 (Hoeffding's
+    lemma for the log-normaliser) and ||p − q||₁ <= sqrt(2 KL) (Pinsker); by Jensen the bound carries to
+    means over tokens. δ = :data:`LOGIT_ROUNDING`."""
+    k = max(kl_a, kl_b, 0.0)
+    return LOGIT_ROUNDING * math.sqrt(2 * k) + LOGIT_ROUNDING**2 / 2
+
+
+@dataclass(frozen=True)
+class SignedRank:
+    """Wilcoxon's signed-rank test of paired KL differences with float-rounding ties left out."""
+
+    n: int  # pairs
+    ties: int  # pairs whose difference is within rounding
+    w_plus: float  # rank sums of the positive and negative differences among the rest
+    w_minus: float
+    p: float
+
+    @property
+    def sign(self) -> int:
+        """The test's direction: +1 when the first of the pair is higher (W+ > W-), -1 lower, 0 neither."""
+        return (self.w_plus > self.w_minus) - (self.w_plus < self.w_minus)
+
+
+def signed_rank(first: Iterable[float], second: Iterable[float]) -> SignedRank:
+    """Two-sided signed-rank test of ``first - second`` (per-sample KLs, paired). Differences within
+    :func:`kl_tolerance` are ties and are dropped before ranking (Wilcoxon's zero handling, as McNemar
+    drops concordant pairs): a tie says nothing about direction, and zsplit or Pratt would let the count
+    of float-noise pairs and their noise-sized ranks move the statistic. Exact null distribution up to
+    :data:`EXACT_MAX` differences without tied ranks, else the normal approximation with tie correction.
+    No pairs: NaN; all tied: p = 1."""
+    a, b = np.asarray(list(first), dtype=float), np.asarray(list(second), dtype=float)
+    if len(a) == 0:
+        return SignedRank(0, 0, 0.0, 0.0, math.nan)
+    d = a - b
+    keep = np.abs(d) > np.array([kl_tolerance(x, y) for x, y in zip(a, b)])
+    nz = d[keep]
+    ties = int(len(d) - len(nz))
+    if len(nz) == 0:
+        return SignedRank(len(d), ties, 0.0, 0.0, 1.0)
+    ranks = rankdata(np.abs(nz))
+    exact = len(nz) <= EXACT_MAX and len(np.unique(np.abs(nz))) == len(nz)
+    p = float(wilcoxon(nz, method="exact" if exact else "approx").pvalue)
+    return SignedRank(len(d), ties, float(ranks[nz > 0].sum()), float(ranks[nz < 0].sum()), p)
+
+
+def ranks_text(r: SignedRank, first: str, second: str) -> str:
+    """The test's direction as a table cell: which of the pair the signed ranks put higher."""
+    return {1: f"{first} > {second}", -1: f"{first} < {second}", 0: f"{first} = {second}"}[r.sign] if r.n else "-"
 
 
 def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fidelity:
@@ -89,14 +158,18 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
     for (m, b, question), vals in cells.items():
         arr = np.array([v[:3] for v in vals])
         kl, top1, dnll = arr.mean(axis=0)
-        out[m][b][question] = SampleFidelity(float(kl), float(top1), float(dnll), sum(v[3] for v in vals))
+        # a cell's top-1 agreement is agreeing / scored tokens: recover the count, keep the share exact
+        shares = [Fraction(round(v[1] * v[3]), v[3]) for v in vals if v[3] > 0]
+        share = sum(shares, Fraction(0)) / len(shares) if len(shares) == len(vals) else None
+        out[m][b][question] = SampleFidelity(float(kl), float(top1), float(dnll), sum(v[3] for v in vals), share)
     return out
 
 
 def at_budget(data: Fidelity, budget: int, full_ids: list[int]) -> tuple[dict[int, dict[Question, SampleFidelity]], int | None]:
     """Every method's samples at ``budget``; full cache from the budget where it has the most samples
-    (this one on a tie): it is the same at every budget, and a sweep measures it at its first budget
-    only. Returns ``(method -> samples, full cache's budget)``."""
+    (this one on a tie): it is the same at every budget, and a sweep may measure it at its first budget
+    only (the rule of :func:`dashboard.tables.full_reference_budget`). Returns ``(method -> samples, full
+    cache's budget)``."""
     out = {m: by_budget[budget] for m, by_budget in data.items() if m not in full_ids and by_budget.get(budget)}
     full_budget = None
     for f in sorted(full_ids):
@@ -127,7 +200,7 @@ def _summary_rows(samples, methods, questions, dims, **where) -> list[dict[str, 
         kl = [v.kl for v in vals]
         top1 = [100 * v.top1 for v in vals]
         kl_lo, kl_hi = bootstrap_mean_interval(kl)
-        t_lo, t_hi = bootstrap_mean_interval(top1)
+        t_lo, t_hi = top1_interval(vals)
         rows.append({
             "method": method_label(dims["methods"], m), "method_id": m, **where,
             "KL": float(np.mean(kl)) if kl else math.nan, "KL lo": kl_lo, "KL hi": kl_hi, "KL 95% CI": _fmt(kl_lo, kl_hi, 4),
@@ -164,8 +237,13 @@ def _present(samples, tasks: set[int]) -> list[int]:
     return sorted(m for m, per_q in samples.items() if any(t in tasks for t, _ in per_q))
 
 
+def _pooled(samples, dims) -> dict[int, dict[Question, SampleFidelity]]:
+    """``samples`` with a prompt that several task rows hold counted once (:func:`dashboard.identity.pool`)."""
+    return identity.pool(samples, dims["tasks"])
+
+
 def fidelity_board(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None) -> FidelityBoard:
-    """Mean KL and top-1 agreement with bootstrap intervals per (method, domain) and (method, task) at
+    """Mean KL and top-1 agreement with their intervals per (method, domain) and (method, task) at
     ``budget``, each table on the samples every method in it has, best (lowest KL) first."""
     dims = dims or q.dimensions(engine)
     full_ids = full_cache_ids(dims)
@@ -173,10 +251,11 @@ def fidelity_board(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     samples, full_budget = at_budget(data, budget, full_ids)
     if not any(m not in full_ids for m in samples):
         samples = {}
+    pooled = _pooled(samples, dims)
     domain_rows, task_rows = [], []
     for domain, tasks in _domains(samples, dims).items():
-        methods = _present(samples, tasks)
-        domain_rows += _summary_rows(samples, methods, common_questions(samples, methods, tasks), dims, domain=domain, task="(all)")
+        methods = _present(pooled, tasks)
+        domain_rows += _summary_rows(pooled, methods, common_questions(pooled, methods, tasks), dims, domain=domain, task="(all)")
         for t in sorted(tasks, key=lambda t: dims["tasks"].get(t, {}).get("name", str(t))):
             here = _present(samples, {t})
             task_rows += _summary_rows(samples, here, common_questions(samples, here, {t}), dims, domain=domain,
@@ -189,57 +268,64 @@ def fidelity_board(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     return FidelityBoard(budget, full_budget, frame(domain_rows, ["domain"]), frame(task_rows, ["domain", "task"]))
 
 
-PAIR_COLUMNS = ["domain", "A", "B", "samples", "KL A", "KL B", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)",
-                "Δ top-1 95% CI", "p (Wilcoxon)", "p (Holm)"]
+PAIR_COLUMNS = ["domain", "A", "B", "samples", "tied", "KL A", "KL B", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)",
+                "Δ top-1 95% CI", "signed ranks", "p (Wilcoxon)", "p (Holm)"]
 
 
 def _paired(samples, a: int, b: int, questions: list[Question]) -> dict[str, Any]:
-    d_kl = [samples[a][qn].kl - samples[b][qn].kl for qn in questions]
+    """A − B on ``questions``: ``tied`` counts the samples whose KLs differ by float rounding only;
+    ``signed ranks`` is the direction the test found."""
+    kl_a, kl_b = [samples[a][qn].kl for qn in questions], [samples[b][qn].kl for qn in questions]
+    d_kl = [x - y for x, y in zip(kl_a, kl_b)]
     d_top1 = [100 * (samples[a][qn].top1 - samples[b][qn].top1) for qn in questions]
     kl_lo, kl_hi = bootstrap_mean_interval(d_kl)
     t_lo, t_hi = bootstrap_mean_interval(d_top1)
+    test = signed_rank(kl_a, kl_b)
     return {
-        "samples": len(questions),
-        "KL A": float(np.mean([samples[a][qn].kl for qn in questions])) if questions else math.nan,
-        "KL B": float(np.mean([samples[b][qn].kl for qn in questions])) if questions else math.nan,
+        "samples": len(questions), "tied": test.ties,
+        "KL A": float(np.mean(kl_a)) if questions else math.nan, "KL B": float(np.mean(kl_b)) if questions else math.nan,
         "Δ KL (A−B)": float(np.mean(d_kl)) if d_kl else math.nan, "Δ KL lo": kl_lo, "Δ KL hi": kl_hi,
         "Δ KL 95% CI": _fmt(kl_lo, kl_hi, 4),
         "Δ top-1 (pts)": float(np.mean(d_top1)) if d_top1 else math.nan, "Δ top-1 95% CI": _fmt(t_lo, t_hi, 1),
-        "p (Wilcoxon)": wilcoxon_p(d_kl),
+        "signed ranks": ranks_text(test, "A", "B"), "p (Wilcoxon)": test.p, "_test": test,
     }
 
 
 def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Every pair of methods per domain at ``budget`` on the samples both have: paired mean differences
-    of KL and top-1 agreement with bootstrap intervals, Wilcoxon's signed-rank p of the KL differences
-    and its Holm adjustment over all the pairs in the table."""
+    """Every pair of methods per domain at ``budget`` on the domain table's samples (those every method
+    in the domain has, as in :func:`fidelity_board`): paired mean differences of KL and top-1 agreement
+    with bootstrap intervals, the signed-rank test of the KL differences (:func:`signed_rank`) and its
+    Holm adjustment over all the pairs in the table. ``sign``: the test's direction (+1: A higher)."""
     dims = dims or q.dimensions(engine)
-    samples, _ = at_budget(load(engine, filters), budget, full_cache_ids(dims))
+    samples = _pooled(at_budget(load(engine, filters), budget, full_cache_ids(dims))[0], dims)
     rows = []
     for domain, tasks in _domains(samples, dims).items():
         methods = sorted(_present(samples, tasks), key=lambda m: (method_label(dims["methods"], m), m))
+        questions = common_questions(samples, methods, tasks)
         for a, b in itertools.combinations(methods, 2):
-            questions = common_questions(samples, [a, b], tasks)
             rows.append({"domain": domain, "A": method_label(dims["methods"], a), "B": method_label(dims["methods"], b), **_paired(samples, a, b, questions)})
     if not rows:
         return pd.DataFrame(columns=PAIR_COLUMNS)
     for r, adjusted in zip(rows, multiplicity.holm([r["p (Wilcoxon)"] for r in rows])):
         r["p (Holm)"] = adjusted
-    df = pd.DataFrame(rows)[PAIR_COLUMNS + ["Δ KL lo", "Δ KL hi"]]
+        r["sign"] = r.pop("_test").sign
+    df = pd.DataFrame(rows)[PAIR_COLUMNS + ["Δ KL lo", "Δ KL hi", "sign"]]
     return df.sort_values(["domain", "p (Wilcoxon)", "A", "B"], kind="stable").reset_index(drop=True)
 
 
-ABLATION_COLUMNS = ["field", "A", "B", "domain", "budget", "method", "samples", "KL A", "KL B", "Δ KL (B−A)", "Δ KL 95% CI",
-                    "p (Wilcoxon)", "p (Holm)"]
+ABLATION_COLUMNS = ["field", "A", "B", "domain", "budget", "method", "samples", "tied", "KL A", "KL B", "Δ KL (B−A)",
+                    "Δ KL 95% CI", "signed ranks", "p (Wilcoxon)", "p (Holm)"]
 #: protocol columns that are not settings
 _NOT_SETTINGS = {"id", "spec_hash", "label"}
 
 
 def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any]], dims: dict[str, Any] | None = None) -> pd.DataFrame:
     """What one protocol setting changes: for each pair of ``protocols`` (rows of the protocols table)
-    that differ in exactly one setting, each method spec (full cache left out) at each budget and in each
-    domain measured under both, its KL under A and under B on the samples both have, the paired mean
-    difference B−A with its bootstrap interval, Wilcoxon's signed-rank p and Holm over the table."""
+    that differ in exactly one setting, at each budget and in each domain, every method spec (full cache
+    left out) measured under both, on the samples every one of them has under both (one set per
+    protocol pair, budget and domain, as a finding reads them together): its KL under A and under B, the
+    paired mean difference B−A with its bootstrap interval, the signed-rank test (:func:`signed_rank`;
+    ``sign`` +1: higher under B) and Holm over the table."""
     dims = dims or q.dimensions(engine)
     full_ids = set(full_cache_ids(dims))
     protocols = sorted(protocols, key=lambda p: p["id"])
@@ -251,45 +337,56 @@ def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any
             loaded[protocol["id"]] = load(engine, replace(filters, protocols=(protocol["id"],)))
         return loaded[protocol["id"]]
 
+    label = lambda m: (method_label(dims["methods"], m), m)  # noqa: E731
     rows = []
     for a, b in itertools.combinations(protocols, 2):
         changed = [k for k in settings if a[k] != b[k]]
         if len(changed) != 1:
             continue
         da, db = fidelity_under(a), fidelity_under(b)
-        for m in sorted(set(da) & set(db) - full_ids, key=lambda m: (method_label(dims["methods"], m), m)):
-            for budget in sorted(set(da[m]) & set(db[m])):
-                both = {0: {qn: v for qn, v in da[m][budget].items() if qn in db[m][budget]}}
-                for domain, tasks in _domains(both, dims).items():
-                    questions = sorted(qn for qn in both[0] if qn[0] in tasks)
-                    kl_a = [da[m][budget][qn].kl for qn in questions]
-                    kl_b = [db[m][budget][qn].kl for qn in questions]
+        methods = sorted(set(da) & set(db) - full_ids, key=label)
+        for budget in sorted({x for m in methods for x in set(da[m]) & set(db[m])}):
+            here = [m for m in methods if budget in da[m] and budget in db[m]]
+            # a sample counts for a method when it has it under both protocols
+            pa, pb = _pooled({m: da[m][budget] for m in here}, dims), _pooled({m: db[m][budget] for m in here}, dims)
+            both = {m: {qn: v for qn, v in pa[m].items() if qn in pb[m]} for m in here}
+            for domain, tasks in _domains(both, dims).items():
+                present = sorted(_present(both, tasks), key=label)
+                questions = common_questions(both, present, tasks)
+                for m in present:
+                    kl_a = [pa[m][qn].kl for qn in questions]
+                    kl_b = [pb[m][qn].kl for qn in questions]
                     d = [y - x for x, y in zip(kl_a, kl_b)]
                     lo, hi = bootstrap_mean_interval(d)
+                    test = signed_rank(kl_b, kl_a)
                     rows.append({"field": changed[0], "A": f"#{a['id']}: {a[changed[0]]}", "B": f"#{b['id']}: {b[changed[0]]}",
                                  "domain": domain, "budget": int(budget), "method": method_label(dims["methods"], m),
-                                 "samples": len(questions), "KL A": float(np.mean(kl_a)), "KL B": float(np.mean(kl_b)),
-                                 "Δ KL (B−A)": float(np.mean(d)), "Δ KL lo": lo, "Δ KL hi": hi, "Δ KL 95% CI": _fmt(lo, hi, 4),
-                                 "p (Wilcoxon)": wilcoxon_p(d)})
+                                 "samples": len(questions), "tied": test.ties,
+                                 "KL A": float(np.mean(kl_a)) if questions else math.nan,
+                                 "KL B": float(np.mean(kl_b)) if questions else math.nan,
+                                 "Δ KL (B−A)": float(np.mean(d)) if d else math.nan, "Δ KL lo": lo, "Δ KL hi": hi,
+                                 "Δ KL 95% CI": _fmt(lo, hi, 4), "signed ranks": ranks_text(test, "B", "A"),
+                                 "p (Wilcoxon)": test.p, "sign": test.sign})
+    extra = ["Δ KL lo", "Δ KL hi", "sign"]
     if not rows:
-        return pd.DataFrame(columns=ABLATION_COLUMNS + ["Δ KL lo", "Δ KL hi"])
+        return pd.DataFrame(columns=ABLATION_COLUMNS + extra)
     for r, adjusted in zip(rows, multiplicity.holm([r["p (Wilcoxon)"] for r in rows])):
         r["p (Holm)"] = adjusted
-    return pd.DataFrame(rows)[ABLATION_COLUMNS + ["Δ KL lo", "Δ KL hi"]]
+    return pd.DataFrame(rows)[ABLATION_COLUMNS + extra]
 
 
 CURVE_COLUMNS = ["method", "domain", "budget", "KL", "KL lo", "KL hi", "top-1 %", "top-1 lo", "top-1 hi", "samples"]
 
 
 def fidelity_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Mean KL and top-1 agreement with bootstrap intervals per (method, domain, budget), full cache
+    """Mean KL and top-1 agreement with their intervals per (method, domain, budget), full cache
     left out (0 and 100% by construction); each (domain, budget) on the samples its methods all have."""
     dims = dims or q.dimensions(engine)
     full_ids = full_cache_ids(dims)
     data = load(engine, filters)
     rows = []
     for budget in sorted({b for by_budget in data.values() for b in by_budget}):
-        samples = {m: by_budget[budget] for m, by_budget in data.items() if m not in full_ids and by_budget.get(budget)}
+        samples = _pooled({m: by_budget[budget] for m, by_budget in data.items() if m not in full_ids and by_budget.get(budget)}, dims)
         for domain, tasks in _domains(samples, dims).items():
             methods = _present(samples, tasks)
             for r in _summary_rows(samples, methods, common_questions(samples, methods, tasks), dims, domain=domain):
@@ -299,7 +396,7 @@ def fidelity_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = No
 
 
 SCORECARD_COLUMNS = ["domain", "budget", "method", "claim", "reference", "why fidelity", "KL", "reference KL", "Δ KL",
-                     "Δ KL 95% CI", "samples", "test", "p", "p (Holm)", "verdict"]
+                     "Δ KL 95% CI", "samples", "tied", "signed ranks", "test", "p", "p (Holm)", "verdict"]
 
 
 def _full_accuracy(engine, filters: q.Filters, budget: int, dims: dict[str, Any], tasks: set[int]) -> float | None:
@@ -310,7 +407,7 @@ def _full_accuracy(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     at = full_reference_budget(engine, gen, budget, full_ids) if full_ids else None
     if at is None:
         return None
-    results = cs.results_from_rows(q.question_cells(engine, gen, [at], full_ids))
+    results = identity.pool(cs.results_from_rows(q.question_cells(engine, gen, [at], full_ids)), dims["tasks"])
     full = min(results, key=lambda i: (-len(results[i]), i)) if results else None
     if full is None or not any(c[0] in tasks for c in results[full]):
         return None
@@ -321,18 +418,21 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
     """Where accuracy cannot separate methods - full-cache accuracy below ``floor`` % in the (domain,
     budget), or no accuracy results there - each EpiKV-family method against each paper baseline (H2O,
     ThinKV) by fidelity: the claim "closer to the full cache" (lower KL) with the paired mean difference,
-    its bootstrap interval and Wilcoxon's signed-rank p, Holm-adjusted over the table. Verdict as on the
-    accuracy scorecard: replicates when p (Holm) < 0.05 with lower KL, does not replicate when p (Holm) <
-    0.05 with higher KL, else inconclusive; fewer than ``stats.MIN_PROBLEMS`` samples: no verdict."""
+    its bootstrap interval and the signed-rank test (:func:`signed_rank`), Holm-adjusted over the table,
+    each (domain, budget) on the samples of its fidelity table (every method there has them). Verdict as
+    on the accuracy scorecard: replicates when p (Holm) < 0.05 and the signed ranks put EpiKV lower, does
+    not replicate when p (Holm) < 0.05 and they put it higher, else inconclusive; fewer than
+    ``stats.MIN_PROBLEMS`` samples: no verdict."""
     dims = dims or q.dimensions(engine)
     name = lambda m: dims["methods"].get(m, {}).get("name")  # noqa: E731
     full_ids = full_cache_ids(dims)
     data = load(engine, filters)
     rows = []
     for budget in sorted({b for m, by_budget in data.items() if name(m) in REFERENCE_FAMILY for b in by_budget}):
-        samples, _ = at_budget(data, budget, full_ids)
+        samples = _pooled(at_budget(data, budget, full_ids)[0], dims)
         for domain, tasks in _domains(samples, dims).items():
             methods = _present(samples, tasks)
+            questions = common_questions(samples, methods, tasks)
             family = [m for m in methods if name(m) in REFERENCE_FAMILY]
             baselines = [m for m in methods if name(m) in PAPER_BASELINES]
             if not family or not baselines:
@@ -342,13 +442,13 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
                 continue  # accuracy can separate here: the accuracy scorecard judges
             why = "no accuracy results" if accuracy is None else f"full-cache accuracy {accuracy:.1f}% < {floor:g}%"
             for f, b in itertools.product(family, baselines):
-                questions = common_questions(samples, [f, b], tasks)
                 p = _paired(samples, f, b, questions)
                 rows.append({"domain": domain, "budget": int(budget), "method": method_label(dims["methods"], f),
                              "claim": f"closer to full cache than {name(b)}", "reference": method_label(dims["methods"], b), "why fidelity": why,
                              "KL": p["KL A"], "reference KL": p["KL B"], "Δ KL": p["Δ KL (A−B)"],
-                             "Δ KL 95% CI": p["Δ KL 95% CI"], "samples": p["samples"], "test": "Wilcoxon signed-rank",
-                             "p": p["p (Wilcoxon)"]})
+                             "Δ KL 95% CI": p["Δ KL 95% CI"], "samples": p["samples"], "tied": p["tied"],
+                             "signed ranks": ranks_text(p["_test"], "method", "reference"),
+                             "test": "Wilcoxon signed-rank", "p": p["p (Wilcoxon)"], "_sign": p["_test"].sign})
     if not rows:
         return pd.DataFrame(columns=SCORECARD_COLUMNS)
     enough = [r["samples"] >= stats.MIN_PROBLEMS for r in rows]
@@ -357,7 +457,7 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
         if not ok:
             r["verdict"] = stats.TOO_FEW
         elif p_adj < stats.ALPHA:
-            r["verdict"] = "replicates" if r["Δ KL"] < 0 else "does not replicate"
+            r["verdict"] = "replicates" if r["_sign"] < 0 else "does not replicate"
         else:
             r["verdict"] = "inconclusive"
     return pd.DataFrame(rows, columns=SCORECARD_COLUMNS)
@@ -365,7 +465,7 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
 
 def markdown(engine, filters: q.Filters = q.Filters()) -> str:
     """The fidelity table of a database as Markdown: per domain, method and budget, the samples, mean KL
-    and top-1 agreement with their 95% bootstrap intervals, and delta NLL (docs/fidelity.md)."""
+    and top-1 agreement with their 95% intervals, and delta NLL (docs/fidelity.md)."""
     dims = q.dimensions(engine)
     lines = ["| domain | method | budget | n | mean KL [95% CI] | top-1 % [95% CI] | ΔNLL |", "|---|---|---:|---:|---|---|---:|"]
     budgets = sorted({b for by_budget in load(engine, filters).values() for b in by_budget})

@@ -232,10 +232,11 @@ def options(engine: Engine) -> Options:
 
 
 def dimensions(engine: Engine) -> dict[str, Any]:
-    """Every method spec (with its display label) and task (with its domain): small tables, read whole."""
+    """Every method spec (with its display label) and task (with its domain and options: what a sample id of it
+    holds, :mod:`dashboard.identity`): small tables, read whole."""
     with engine.connect() as conn:
         specs = [dict(r._mapping) for r in conn.execute(select(M.c.id, M.c.name, M.c.params_json).order_by(M.c.name, M.c.id))]
-        tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain).order_by(T.c.id))]
+        tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain, T.c.options).order_by(T.c.id))]
         models = [dict(r._mapping) for r in conn.execute(select(MO.c.id, MO.c.name).order_by(MO.c.id))]
     labels = method_labels(specs)
     return {

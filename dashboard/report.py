@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import pandas as pd
-from sqlalchemy import case, distinct, func, select
+from sqlalchemy import case, func, select
 
 from dashboard import fidelity as fid
-from dashboard import paper
+from dashboard import identity, paper
 from dashboard import queries as q
 from dashboard import tables
 from dashboard.head_to_head import head_to_head
@@ -34,9 +34,6 @@ REPORT = "replication.md"
 FIGURES = "replication_figures"
 EPIKV = paper.REFERENCE_METHOD
 ALPHA = 0.05
-#: KL differences (nats/token) whose whole interval lies inside ±this are float rounding, not a choice of
-#: tokens: eager and SDPA attention round differently in float32 (~1e-6 here)
-KL_ROUNDING = 1e-4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,20 +99,22 @@ def slices(engine, opts: q.Options) -> list[Slice]:
     return [Slice(int(m), models.get(m, f"#{m}"), int(p), protocols.get(p, f"#{p}")) for m, p in pairs]
 
 
-def totals(engine, filters: q.Filters | None = None) -> dict[str, Any]:
-    """Cells, failed cells, samples (task, sample id), tokens through the model (prompt + generated or
+def totals(engine, filters: q.Filters | None = None, tasks: Mapping[int, Any] | None = None) -> dict[str, Any]:
+    """Cells, failed cells, samples (distinct contents, :mod:`dashboard.identity`, with ``tasks`` the
+    dimensions' tasks; else distinct (task, sample id)), tokens through the model (prompt + generated or
     scored) and the cells' summed wall time (one CPU-bound worker per cell: its CPU time)."""
     cond = filters.conditions() if filters else []
     tokens = func.coalesce(R.c.prompt_tokens, 0) + func.coalesce(R.c.generated_tokens, 0) + func.coalesce(R.c.scored_tokens, 0)
     with engine.connect() as conn:
         row = conn.execute(select(
             func.count(), func.sum(case((R.c.status != STATUS_OK, 1), else_=0)),
-            func.count(distinct(R.c.task_id.concat(":").concat(R.c.sample_id))),
             func.sum(tokens), func.sum(R.c.wall_seconds),
             func.sum(case((R.c.measure == MEASURE_FIDELITY, 1), else_=0)),
         ).where(*cond)).one()
-    n, failed, samples, tok, seconds, fidelity_cells = row
-    return {"cells": int(n or 0), "failed": int(failed or 0), "samples": int(samples or 0), "tokens": int(tok or 0),
+        questions = [(int(t), str(s)) for t, s in conn.execute(select(R.c.task_id, R.c.sample_id).distinct().where(*cond))]
+    n, failed, tok, seconds, fidelity_cells = row
+    samples = len(set(identity.representatives(questions, tasks).values())) if tasks is not None else len(questions)
+    return {"cells": int(n or 0), "failed": int(failed or 0), "samples": samples, "tokens": int(tok or 0),
             "seconds": float(seconds or 0.0), "fidelity_cells": int(fidelity_cells or 0)}
 
 
@@ -151,22 +150,26 @@ def _who(label: str) -> str:
     return "EpiKV" if label == EPIKV else f"EpiKV ({label})"
 
 
-def _direction(p_holm: float, d: float, lower_is_better: bool) -> str:
-    """What a paired test says of a difference ``d``: "no different" unless its Holm-adjusted p is under
-    ALPHA, else "better" or "worse" by the sign of ``d``."""
-    if not (p_holm < ALPHA):
+def _direction(p_holm: float, sign: int, lower_is_better: bool) -> str:
+    """What a paired test says: "no different" unless its Holm-adjusted p is under ALPHA, else "better" or
+    "worse" by the direction the test found (``sign`` +1: the first of the pair higher)."""
+    if not (p_holm < ALPHA) or sign == 0:
         return "no different"
-    return "better" if (d < 0) == lower_is_better else "worse"
+    return "better" if (sign < 0) == lower_is_better else "worse"
+
+
+def _tied(row: pd.Series) -> str:
+    return f", {int(row['tied'])} of {int(row['samples'])} tied" if row.get("tied") else ""
 
 
 def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt,
-                       name_of: Mapping[str, str], interval: tuple[str, str] | None = None) -> dict[str, list[tuple[str, str]]]:
+                       name_of: Mapping[str, str], fidelity: bool) -> dict[str, list[tuple[str, str]]]:
     """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
     says at Holm-adjusted p < 0.05: "better", "worse" or "no different", each as (baseline, its figures).
-    ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d)``: the figures shown.
-    ``interval``: the (lo, hi) columns of a KL difference; one whose whole interval lies inside
-    ±KL_ROUNDING is "the same" whatever its p (two methods that keep the same tokens differ only by
-    float rounding between attention kernels)."""
+    ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d, epikv_first)``: the
+    figures shown. The direction is the test's: for KL the signed ranks (``sign``), which the mean can
+    contradict when a few samples carry it; for accuracy the sign of b − c, which is the difference's.
+    ``fidelity``: a pair whose every KL difference is within float rounding (all ``tied``) is "the same"."""
     out: dict[str, list[tuple[str, str]]] = {"better": [], "worse": [], "no different": [], "same": []}
     for _, row in pairs.iterrows():
         if label not in (row["A"], row["B"]):
@@ -176,16 +179,17 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
         if name_of.get(other, other) not in paper.ATTENTION_SCORING:
             continue
         d = row[delta] if first else -row[delta]
-        kind = _direction(row["p (Holm)"], d, lower_is_better)
-        if interval and max(abs(row[interval[0]]), abs(row[interval[1]])) < KL_ROUNDING:
+        sign = int(row["sign"]) * (1 if first else -1) if fidelity else (d > 0) - (d < 0)  # EpiKV's side
+        kind = _direction(row["p (Holm)"], sign, lower_is_better)
+        if fidelity and row["samples"] and row["tied"] == row["samples"]:
             kind = "same"
-        out[kind].append((other, f"{fmt(row, d, first)}, p Holm {_p(row['p (Holm)'])}"))
+        out[kind].append((other, f"{fmt(row, d, first)}{_tied(row) if fidelity else ''}, p Holm {_p(row['p (Holm)'])}"))
     return out
 
 
 def _said(groups: dict[str, list[tuple[str, str]]], better: str, worse: str) -> str:
     words = {"better": better, "worse": worse, "no different": "not significantly different from",
-             "same": f"the same within float32 rounding (interval inside ±{KL_ROUNDING:g} nats/token) as"}
+             "same": "the same within float32 rounding (every per-sample difference) as"}
     return "; ".join(f"{words[kind]} {', '.join(f'{name} ({figures})' for name, figures in items)}"
                      for kind, items in groups.items() if items)
 
@@ -232,7 +236,7 @@ def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, bud
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
                 f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
-        groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, ("Δ KL lo", "Δ KL hi"))
+        groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, fidelity=True)
         said = _said(groups, "lower than", "higher than")
         vs_full = f"KL {e['KL']:.3f} {e['KL 95% CI']}, top-1 {e['top-1 %']:.1f}% ({int(e['samples'])} samples)"
         out.append(Finding(line + (f" Its KL is {said}." if said else ""),
@@ -240,26 +244,37 @@ def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, bud
     return out
 
 
+def _pair_of(pairs: pd.DataFrame, a: str, b: str) -> pd.Series | None:
+    hit = pairs[((pairs["A"] == a) & (pairs["B"] == b)) | ((pairs["A"] == b) & (pairs["B"] == a))] if not pairs.empty else pairs
+    return None if hit.empty else hit.iloc[0]
+
+
 def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int,
                       name_of: Mapping[str, str]) -> list[Finding]:
-    """Each EpiKV spec's accuracy against full cache (score test) and against the attention baselines
-    (the paired tests of the head-to-head table, Holm over its pairs), at one budget in one domain."""
+    """Each EpiKV spec's accuracy against full cache and against the attention baselines, at one budget in
+    one domain: the paired tests of the head-to-head table (on the domain table's problems, Holm over its
+    pairs), the verdict from the adjusted p; the difference from full cache with the board's interval,
+    which goes with the same test."""
     full = board[board["test"] == "reference"]
     if full.empty:
         return []
     f = full.iloc[0]
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
-        close = ("not significantly different from" if not (e["p_value"] < ALPHA) else
+        pair = _pair_of(pairs, e["method"], f["method"])
+        p_holm = pair["p (Holm)"] if pair is not None else math.nan
+        close = ("not significantly different from" if not (p_holm < ALPHA) else
                  "below" if e["delta_full"] < 0 else "above")
         line = (f"**{domain}, budget {budget}** (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
                 f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
-                f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}).")
+                f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
+                f"p Holm {_p(p_holm)}).")
         groups = _against_baselines(pairs, e["method"], "Δ A−B (pts)", False, lambda row, d, _: f"Δ {d:+.1f} pts, {row['test']}",
-                                    name_of)
+                                    name_of, fidelity=False)
         said = _said(groups, "above", "below")
         vs_full = (f"{e['accuracy']:.1f}% vs {f['accuracy']:.1f}%, Δ {e['delta_full']:+.1f} pts "
-                   f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], p {_p(e['p_value'])} ({int(e['problems'])} problems)")
+                   f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], p {_p(e['p_value'])}, p Holm {_p(p_holm)} "
+                   f"({int(e['problems'])} problems)")
         out.append(Finding(line + (f" Against the attention baselines it is {said}." if said else ""),
                            _glance(domain, budget, e["method"], "accuracy", vs_full, groups)))
     return out
@@ -271,8 +286,9 @@ def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, bud
 
 _BOARD = ["method", "accuracy", "interval", "delta_full", "delta_lo", "delta_hi", "p_value", "rank_interval", "problems", "failed"]
 _FID = ["method", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens"]
-_FID_PAIRS = ["A", "B", "samples", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)", "Δ top-1 95% CI", "p (Wilcoxon)", "p (Holm)"]
-_ACC_PAIRS = ["A", "B", "problems", "A %", "B %", "Δ A−B (pts)", "test", "p", "p (Holm)"]
+_FID_PAIRS = ["A", "B", "samples", "tied", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)", "Δ top-1 95% CI", "signed ranks",
+              "p (Wilcoxon)", "p (Holm)"]
+_ACC_PAIRS = ["A", "B", "problems", "A only", "B only", "A %", "B %", "Δ A−B (pts)", "test", "p", "p (Holm)"]
 
 
 def _hours(seconds: float) -> str:
@@ -327,35 +343,40 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
         f_dom = replace(s.filters, domains=(domain,))
         board = tables.leaderboard(w.engine, f_dom, b, dims).by_domain
         board = board[board["domain"] == domain] if not board.empty else board
-        fboard = fid.fidelity_board(w.engine, f_dom, b, dims).by_domain
-        fboard = fboard[fboard["domain"] == domain] if not fboard.empty else fboard
+        fb = fid.fidelity_board(w.engine, f_dom, b, dims)
+        fboard = fb.by_domain[fb.by_domain["domain"] == domain] if not fb.by_domain.empty else fb.by_domain
         non_full = (board["test"] != "reference").any() if not board.empty else False
         if not non_full and (fboard.empty or (_named(fboard["method"], w.name_of) == "full").all()):
             continue
         w.add(f"#### {domain}, budget {b}", "")
         if non_full:
-            w.add("Accuracy (95% interval; Δ vs full cache with its interval and score test; rank interval):", "",
+            w.add("Accuracy (95% interval; Δ vs full cache with the interval of its test: exact McNemar below 25 discordant "
+                  "problems, else McNemar's score test; rank interval):", "",
                   markdown_table(board, _BOARD, {"accuracy": 1, "delta_full": 1, "delta_lo": 1, "delta_hi": 1}), "")
             pairs = _involves(head_to_head(w.engine, f_dom, b, dims), ("full", EPIKV), w.name_of)
             if not pairs.empty:
-                w.add("Paired accuracy tests against full cache and against EpiKV (Holm over all pairs in the domain):", "",
+                w.add("Paired accuracy tests against full cache and against EpiKV, on the problems of the table above (A only / "
+                      "B only: the discordant problems; Holm over all pairs in the domain):", "",
                       markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}), "")
             w.found(s, accuracy_findings(board, pairs, domain, b, w.name_of))
         if not fboard.empty:
             fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
             fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
-            w.add("Fidelity (mean over samples of per-token KL(full || method) in nats and top-1 agreement; 95% bootstrap intervals):", "",
+            full_at = f"; full cache's rows from budget {fb.full_budget}" if fb.full_budget not in (None, b) else ""
+            w.add("Fidelity (mean over samples of per-token KL(full || method) in nats, 95% bootstrap interval; top-1 "
+                  f"agreement, 95% Wilson interval over tokens with the design effect of their samples{full_at}):", "",
                   markdown_table(fboard, _FID, {"KL": 4, "top-1 %": 1, "ΔNLL": 4}), "")
             shown = _involves(fpairs, ("full", EPIKV), w.name_of)
             if not shown.empty:
-                w.add("Paired fidelity tests against full cache and against EpiKV (Δ of per-sample means, bootstrap interval; "
-                      "Wilcoxon signed-rank, Holm over all pairs in the domain):", "",
+                w.add("Paired fidelity tests against full cache and against EpiKV, on the samples of the table above (Δ of "
+                      "per-sample means, bootstrap interval; Wilcoxon signed-rank: differences within float32 rounding are "
+                      "tied and left out, the signed ranks give the direction; Holm over all pairs in the domain):", "",
                       markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}), "")
             w.found(s, fidelity_findings(fpairs, fboard, domain, b, w.name_of))
 
 
 def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> None:
-    t = totals(w.engine, replace(s.filters, measure=None))
+    t = totals(w.engine, replace(s.filters, measure=None), dims["tasks"])
     w.add(f"## {s.model} — protocol {s.protocol}", "",
           f"{t['cells']} cells ({t['fidelity_cells']} fidelity, {t['failed']} failed), {t['samples']} samples, "
           f"{t['tokens']:,} tokens through the model, {_hours(t['seconds'])} of cell time.", "")
@@ -374,9 +395,9 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
                                       "problems", "test", "p", "p (Holm)", "verdict"], {"accuracy": 1, "reference %": 1, "Δ": 1}), "")
     if not fclaims.empty:
         w.add(f"By fidelity, where accuracy cannot separate methods (full-cache accuracy below {fid.ACCURACY_FLOOR:g}% "
-              "or not measured; Wilcoxon signed-rank, Holm over the table):", "",
+              "or not measured; Wilcoxon signed-rank with float-rounding ties left out, Holm over the table):", "",
               markdown_table(fclaims, ["domain", "budget", "method", "claim", "why fidelity", "KL", "reference KL", "Δ KL",
-                                       "Δ KL 95% CI", "samples", "p", "p (Holm)", "verdict"],
+                                       "Δ KL 95% CI", "samples", "tied", "signed ranks", "p", "p (Holm)", "verdict"],
                              {"KL": 4, "reference KL": 4, "Δ KL": 4}), "")
     if claims.empty and fclaims.empty:
         w.add("No EpiKV-family method with a paper baseline here: nothing to judge.", "")
@@ -393,18 +414,22 @@ def _ablations(w: _Writer, opts: q.Options) -> None:
         if df.empty:
             continue
         w.add(f"## Protocol ablations ({model['name']})", "",
-              "The same method, budget and samples under two protocols that differ in exactly one setting: mean KL to the "
-              "full cache under each, the paired difference B−A with its bootstrap interval, Wilcoxon signed-rank, Holm "
-              "over the table.", "",
+              "The same method, budget and samples under two protocols that differ in exactly one setting (per pair of "
+              "protocols, budget and domain, the samples every method there has under both): mean KL to the full cache "
+              "under each, the paired difference B−A with its bootstrap interval, Wilcoxon signed-rank (differences within "
+              "float32 rounding tied and left out; the signed ranks give the direction), Holm over the table.", "",
               markdown_table(df, fid.ABLATION_COLUMNS, {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4}), "")
         for (field, a, b, domain, budget), g in df.groupby(["field", "A", "B", "domain", "budget"], sort=False):
-            groups: dict[str, list[str]] = {"better": [], "worse": [], "no different": []}
+            groups: dict[str, list[str]] = {"better": [], "worse": [], "no different": [], "same": []}
             for _, r in g.iterrows():
-                groups[_direction(r["p (Holm)"], r["Δ KL (B−A)"], True)].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
-                                    f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}], p Holm {_p(r['p (Holm)'])})")
-            words = {"better": "lower", "worse": "higher", "no different": "not significantly different"}
+                kind = "same" if r["tied"] == r["samples"] else _direction(r["p (Holm)"], int(r["sign"]), True)
+                groups[kind].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
+                                    f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}]{_tied(r)}, p Holm {_p(r['p (Holm)'])})")
+            words = {"better": "lower", "worse": "higher", "no different": "not significantly different",
+                     "same": "the same within float32 rounding (every per-sample difference)"}
             said = "; ".join(f"{words[kind]} for {', '.join(items)}" for kind, items in groups.items() if items)
-            w.findings.append(f"**{domain}, budget {budget}, protocol ablation** ({field} {a} → {b}, {int(g['samples'].max())} "
+            (n,) = set(g["samples"])  # one sample set per protocol pair, budget and domain
+            w.findings.append(f"**{domain}, budget {budget}, protocol ablation** ({field} {a} → {b}, {int(n)} "
                               f"samples, {model['name']}): KL to the full cache is {said}.")
 
 
@@ -464,7 +489,7 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
     for stale in sorted(w.figures.glob("*.png")) if w.figures.is_dir() else []:  # figures of an earlier report
         stale.unlink()
     opts = q.options(engine)
-    every = totals(engine)
+    every = totals(engine, tasks=dims["tasks"])
     for i, s in enumerate(slices(engine, opts)):
         _slice_section(w, s, dims, i)
     _ablations(w, opts)
@@ -475,13 +500,16 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
         f"Generated by `kvleague report` from {source or 'a kvleague database'}. Every number below comes from the "
         "dashboard's own tables; intervals are 95%; p-values are two-sided, with Holm's adjustment over each table.", "",
         f"**Totals:** {every['cells']} cells ({every['fidelity_cells']} fidelity, {every['failed']} failed), "
-        f"{every['samples']} samples, {every['tokens']:,} tokens through the model, {_hours(every['seconds'])} of cell time "
+        f"{every['samples']} samples (distinct prompts), {every['tokens']:,} tokens through the model, {_hours(every['seconds'])} of cell time "
         "(the sum of the cells' wall times, each cell on one CPU-bound worker; cells run as one batch share its wall time "
         "equally).", "",
         *([preamble.strip(), ""] if preamble.strip() else []),
         "## Findings", "",
-        "Each sentence restates a row of the tables below: a difference is called lower, higher, above or below only "
-        "when its adjusted p is under 0.05.", "",
+        "Each sentence restates rows of the tables below, on the same samples (the n it states is the table's): a "
+        "difference is called lower, higher, above or below only when its Holm-adjusted p is under 0.05, and in the "
+        "direction its test found (for KL the signed ranks, which a mean carried by a few samples can contradict). "
+        "KL differences within float32 rounding are ties (`tied`), left out of the signed-rank test; a prompt that two "
+        "task variants share counts once.", "",
     ]
     if w.glance:
         head += ["At a glance: per protocol, domain and budget, how close each EpiKV spec stays to the full cache and which "

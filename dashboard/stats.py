@@ -10,7 +10,10 @@ fractions, so sums, ties and signs are exact and do not depend on the order of t
   or cells per question: :mod:`dashboard.score_tests`).
 * :func:`compare` - the mean difference with Tango's score interval and the p-value of the same score
   test (McNemar's statistic without continuity correction at 0), so "p < 0.05" and "the interval
-  excludes 0" never disagree. :func:`shifted_pvalue` tests another value (a non-inferiority margin).
+  excludes 0" never disagree. When every question is concordant or wholly discordant (one greedy
+  sample, or identical cells) and fewer than :data:`EXACT_DISCORDANT` are discordant the asymptotic test is too optimistic (b = 0, c = 5: p 0.025), so the p-value
+  is exact McNemar's (0.0625) and the interval reaches 0 when it does not reject (:func:`exact_small`).
+  :func:`shifted_pvalue` tests another value (a non-inferiority margin).
 * :func:`verdict` - replicates / does not replicate / inconclusive from an (adjusted) p-value, or
   "too few problems" below :data:`MIN_PROBLEMS` questions, where the calibration (docs/statistics.md)
   does not hold.
@@ -19,11 +22,12 @@ fractions, so sums, ties and signs are exact and do not depend on the order of t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Iterable, Sequence
 
 import numpy as np
+from scipy.stats import binomtest
 
 from dashboard import score_tests as st
 
@@ -130,12 +134,36 @@ class Comparison:
 
 NONE = Comparison(math.nan, math.nan, math.nan, math.nan, "none", 0)
 TEST_NAME = "Tango score"
+EXACT_NAME = "exact McNemar"
+#: below this many discordant questions (one sample each) the test is exact McNemar's: the usual rule
+#: for when the normal approximation to the binomial of b among b + c is not to be trusted
+EXACT_DISCORDANT = 25
 
 
 def compare(diffs: Scores, level: float = LEVEL) -> Comparison:
     if diffs.n == 0:
         return NONE
-    return comparison_from(diffs.effective(), level)
+    c = comparison_from(diffs.effective(), level)
+    whole = (diffs.numerators == 0) | (abs(diffs.numerators) == diffs.denominator)
+    if len(diffs.group_weights) == 1 and whole.all():  # every question concordant or wholly discordant: a 2x2 table
+        b, d = int((diffs.numerators > 0).sum()), int((diffs.numerators < 0).sum())
+        if b + d < EXACT_DISCORDANT:
+            return exact_small(c, b, d, level)
+    return c
+
+
+def exact_small(c: Comparison, b: int, d: int, level: float = LEVEL) -> Comparison:
+    """``c`` (Tango's, on a 2x2 table of questions) with ``b`` questions where the method alone is right and
+    ``d`` where the reference alone is: p is the larger of exact McNemar's (binomial of b among b + d at
+    1/2) and Tango's, and where that p does not reject, Tango's interval is stretched to reach 0, so that
+    p < 1 - level exactly when the interval excludes 0. :func:`shifted_pvalue` keeps values between 0 and
+    the estimate in step (a test that cannot reject 0 cannot reject them either)."""
+    exact = binomtest(b, b + d, 0.5).pvalue if b + d else 1.0
+    p = max(float(exact), c.pvalue)
+    lo, hi = c.lo, c.hi
+    if not p < 1 - level:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    return replace(c, lo=lo, hi=hi, pvalue=p, test=EXACT_NAME)
 
 
 def comparison_from(eff: st.Effective, level: float = LEVEL) -> Comparison:
@@ -159,10 +187,17 @@ def compare_paired(pairs: Iterable[tuple[int, int, int, int, int]], level: float
 
 
 def shifted_pvalue(c: Comparison, delta: float) -> float:
-    """Two-sided p of the same score test for ``H0: difference = delta`` (e.g. minus a margin)."""
+    """Two-sided p of the same score test for ``H0: difference = delta`` (e.g. minus a margin); at 0, the
+    comparison's own p. Where :func:`compare` chose exact McNemar, a ``delta`` between 0 and the estimate
+    is rejected only if 0 is (its p is at least the p at 0), as the interval says."""
     if c.n == 0:
         return math.nan
-    return st.tango_pvalue(c.diff, c.abs_mean, c.n_effective, delta)
+    if delta == 0:
+        return c.pvalue
+    p = st.tango_pvalue(c.diff, c.abs_mean, c.n_effective, delta)
+    if c.test == EXACT_NAME and min(0.0, c.diff) <= delta <= max(0.0, c.diff):
+        return max(p, c.pvalue)
+    return p
 
 
 # ------------------------------------------------------------------------------------------------

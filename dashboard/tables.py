@@ -20,7 +20,7 @@ import pandas as pd
 
 from dashboard import common_set as cs
 from dashboard import queries as q
-from dashboard import multiplicity, score_tests, stats
+from dashboard import identity, multiplicity, score_tests, stats
 # the paper's claims and method families are data (dashboard/paper.yaml)
 from dashboard.paper import ACCURACY_CLAIMS, CONTEXT_VS_ATTENTION, PAPER_BASELINES, REFERENCE_FAMILY, SPEEDUP_VS_FULL
 
@@ -42,15 +42,14 @@ def full_cache_ids(dims: dict[str, Any]) -> list[int]:
 
 
 def full_reference_budget(engine, filters: q.Filters, budget: int, full_ids: list[int]) -> int | None:
-    """The budget whose full-cache rows serve as the reference at ``budget``: the same budget when the
-    sweep stored full cache there (sweeps cross every method with every budget), else the budget where
-    full cache has the most rows (full cache does not depend on the budget). None: no full cache."""
+    """The budget whose full-cache rows serve as the reference at ``budget``: the budget where full cache
+    has the most rows, ``budget`` itself on a tie (full cache never evicts, so it does not depend on the
+    budget, and a sweep may run it at one budget only; fidelity takes it the same way). None: no full
+    cache."""
     counts = q.method_budgets(engine, filters, full_ids)
     if not counts:
         return None
-    if budget in counts:
-        return budget
-    return max(counts, key=lambda b: (counts[b], -b))
+    return max(counts, key=lambda b: (counts[b], b == budget, -b))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,9 +134,10 @@ def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | 
         group = cs.common_set(results, present[t_id], tasks={t_id})
         task_rows += _group_rows(group, methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"])
     domains = sorted({task_of(t)["domain"] for t in present})
+    pooled = identity.pool(results, tasks)  # a prompt two task rows hold counts once where tasks are pooled
     for d in domains:
         in_domain = {m for t in present if task_of(t)["domain"] == d for m in present[t]}
-        group = cs.common_set(results, in_domain, tasks={t for t in present if task_of(t)["domain"] == d}, weighting=weighting)
+        group = cs.common_set(pooled, in_domain, tasks={t for t in present if task_of(t)["domain"] == d}, weighting=weighting)
         domain_rows += _group_rows(group, methods, full_id, d, "(all)")
     by_task, by_domain = pd.DataFrame(task_rows), pd.DataFrame(domain_rows)
     for df, group_col in ((by_task, "task"), (by_domain, "domain")):
@@ -148,7 +148,7 @@ def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | 
         for m in here:
             domains_of[m].add(task_of(t)["domain"])
     in_every_domain = [m for m in results if domains_of[m] == set(domains)]
-    overall = cs.common_set(results, in_every_domain, weighting=weighting, stratum=lambda qn: task_of(qn[0])["domain"])
+    overall = cs.common_set(pooled, in_every_domain, weighting=weighting, stratum=lambda qn: task_of(qn[0])["domain"])
     return Leaderboard(budget, full_budget, by_domain, by_task, _wide(by_domain, domains, overall, methods), domains, weighting)
 
 
@@ -223,6 +223,7 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
     curves, full_rows = [], []
     full_best: dict[str, tuple] = {}
     for b, results in sorted(_by_budget(q.question_cells(engine, filters)).items()):
+        results = identity.pool(results, tasks)
         for d in sorted({domain_of(c) for cells in results.values() for c in cells}):
             here = [m for m in results if any(domain_of(c) == d for c in results[m])]
             group = cs.common_set(results, [m for m in here if m not in full_ids], tasks=_tasks_in(tasks, d),
@@ -272,6 +273,7 @@ def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, A
     comparisons: list[tuple[stats.Comparison, float]] = []
     for b in family_budgets:
         results, full_id, _ = budget_results(engine, filters, b, dims)
+        results = identity.pool(results, tasks)
         for d in sorted({domain_of(c) for cells in results.values() for c in cells}):
             here = sorted(m for m in results if any(domain_of(c) == d for c in results[m]))
             family = [m for m in here if name(m) in REFERENCE_FAMILY]

@@ -127,7 +127,9 @@ def test_paired_fidelity_tests_match_scipy_and_statsmodels(report):
            if any(kl(a, 64, i) != kl(b, 64, i) for i in range(N)) else 1.0 for a, b in pairs]
     holm = dict(zip(pairs, multipletests(raw, method="holm")[1]))
     cells = table_row(block, "epikv", "h2o")
-    assert float(cells[3]) == pytest.approx(np.mean([kl("epikv", 64, i) - kl("h2o", 64, i) for i in range(N)]), abs=1e-4)
+    assert cells[2:4] == [str(N), "0"]  # samples, none tied
+    assert float(cells[4]) == pytest.approx(np.mean([kl("epikv", 64, i) - kl("h2o", 64, i) for i in range(N)]), abs=1e-4)
+    assert cells[8] == "A < B"
     assert float(cells[-1]) == pytest.approx(holm[("epikv", "h2o")], rel=0.05)
     cells = table_row(block, "epikv", "tova")
     assert float(cells[-2]) == pytest.approx(dict(zip(pairs, raw))[("epikv", "tova")], rel=0.05)
@@ -186,7 +188,7 @@ def test_protocol_ablation_matches_scipy_and_names_what_moved(report):
     holm = dict(zip(raw, multipletests(list(raw.values()), method="holm")[1]))
     for m in ("h2o", "tova"):
         cells = next(c for c in table_rows(block) if c[5:6] == [m])
-        assert float(cells[9]) == pytest.approx(np.mean(diffs[m]), abs=1e-4)
+        assert float(cells[10]) == pytest.approx(np.mean(diffs[m]), abs=1e-4)
         assert float(cells[-2]) == pytest.approx(raw[m], rel=0.05) and float(cells[-1]) == pytest.approx(holm[m], rel=0.05)
     line = next(line for line in report.splitlines() if "protocol ablation" in line)
     assert line.startswith("- **math, budget 64, protocol ablation** (positions #1: absolute → #2: compact, 30 samples"), line
@@ -206,7 +208,7 @@ def test_the_dashboard_scorecard_shows_the_reports_ablations(database, report, m
     for _, r in shown.iterrows():
         cells = next(c for c in table_rows(block) if c[5:6] == [r["method"]])
         assert (r["field"], r["A"], r["B"], r["domain"], str(r["budget"])) == tuple(cells[:5])
-        assert f"{r['Δ KL (B−A)']:.4f}" == cells[9] and float(cells[-1]) == pytest.approx(r["p (Holm)"], rel=0.05)
+        assert f"{r['Δ KL (B−A)']:.4f}" == cells[10] and float(cells[-1]) == pytest.approx(r["p (Holm)"], rel=0.05)
     assert sorted(shown["method"]) == ["h2o", "tova"]
 
 
@@ -256,13 +258,14 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
         {"method": "epikv(series=all)", "KL": 0.1, "KL 95% CI": "[0.08, 0.12]", "top-1 %": 90.0, "top-1 95% CI": "[88, 92]", "samples": 30},
         {"method": "epikv(series=generated)", "KL": 0.3, "KL 95% CI": "[0.2, 0.4]", "top-1 %": 70.0, "top-1 95% CI": "[65, 75]", "samples": 30},
     ])
-    pair = lambda a, b, d, lo, hi, p: {"A": a, "B": b, "Δ KL (A−B)": d, "Δ KL lo": lo, "Δ KL hi": hi, "p (Holm)": p}  # noqa: E731
+    pair = lambda a, b, d, lo, hi, p, sign: {"A": a, "B": b, "Δ KL (A−B)": d, "Δ KL lo": lo, "Δ KL hi": hi,  # noqa: E731
+                                             "p (Holm)": p, "sign": sign, "samples": 30, "tied": 0}
     pairs = pd.DataFrame([
-        pair("epikv(series=all)", "h2o", -0.05, -0.07, -0.03, 0.001),  # epikv first: lower
-        pair("h2o", "epikv(series=generated)", -0.15, -0.2, -0.1, 0.001),  # h2o first: epikv higher by 0.15
-        pair("epikv(series=generated)", "tova", 0.01, -0.02, 0.04, 0.6),
-        pair("epikv(series=all)", "epikv(series=generated)", -0.2, -0.3, -0.1, 0.001),  # not a baseline
-        pair("full", "epikv(series=all)", -0.1, -0.12, -0.08, 0.001),  # not a baseline
+        pair("epikv(series=all)", "h2o", -0.05, -0.07, -0.03, 0.001, -1),  # epikv first: lower
+        pair("h2o", "epikv(series=generated)", -0.15, -0.2, -0.1, 0.001, -1),  # h2o first: epikv higher by 0.15
+        pair("epikv(series=generated)", "tova", 0.01, -0.02, 0.04, 0.6, 1),
+        pair("epikv(series=all)", "epikv(series=generated)", -0.2, -0.3, -0.1, 0.001, -1),  # not a baseline
+        pair("full", "epikv(series=all)", -0.1, -0.12, -0.08, 0.001, -1),  # not a baseline
     ])
     name_of = {"epikv(series=all)": "epikv", "epikv(series=generated)": "epikv", "h2o": "h2o", "tova": "tova", "full": "full"}
     all_, generated = (f.text for f in fidelity_findings(pairs, board, "math", 96, name_of))
@@ -273,9 +276,9 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
     assert "full" not in generated.split("Its KL is")[1] and "series=all" not in generated.split("Its KL is")[1]
 
 
-def test_a_significant_difference_of_float_rounding_is_called_the_same():
-    """Two methods that keep the same tokens but run different attention kernels differ by ~1e-6 nats,
-    consistently enough for Wilcoxon: the finding calls them the same, not better or worse."""
+def test_findings_take_the_direction_and_the_ties_from_the_test():
+    """A pair whose every KL difference is float rounding is "the same"; a significant pair is called
+    higher or lower by its signed ranks, even where one sample pulls the mean the other way."""
     import pandas as pd
 
     from dashboard.report import fidelity_findings
@@ -283,12 +286,14 @@ def test_a_significant_difference_of_float_rounding_is_called_the_same():
     board = pd.DataFrame([{"method": "epikv", "KL": 5.2, "KL 95% CI": "[5.0, 5.4]", "top-1 %": 18.5, "top-1 95% CI": "[16, 21]",
                            "samples": 13}])
     pairs = pd.DataFrame([
-        {"A": "epikv", "B": "h2o", "Δ KL (A−B)": 9.4e-7, "Δ KL lo": 5.5e-7, "Δ KL hi": 1.3e-6, "p (Holm)": 0.034},
-        {"A": "epikv", "B": "tova", "Δ KL (A−B)": 0.02, "Δ KL lo": 0.01, "Δ KL hi": 0.03, "p (Holm)": 0.01},
+        {"A": "epikv", "B": "h2o", "Δ KL (A−B)": 9.4e-7, "Δ KL lo": 5.5e-7, "Δ KL hi": 1.3e-6, "p (Holm)": 1.0, "sign": 0,
+         "samples": 13, "tied": 13},
+        {"A": "tova", "B": "epikv", "Δ KL (A−B)": 0.02, "Δ KL lo": -0.01, "Δ KL hi": 0.06, "p (Holm)": 0.01, "sign": -1,
+         "samples": 13, "tied": 2},
     ])
     (finding,) = fidelity_findings(pairs, board, "code", 128, {"epikv": "epikv", "h2o": "h2o", "tova": "tova"})
-    assert "higher than tova (Δ +0.020" in finding.text and "higher than h2o" not in finding.text
-    assert "the same within float32 rounding (interval inside ±0.0001 nats/token) as h2o (Δ +9.4e-07" in finding.text
+    assert "higher than tova (Δ -0.020 [-0.060, +0.010], 2 of 13 tied, p Holm 0.01)" in finding.text, finding.text
+    assert "the same within float32 rounding (every per-sample difference) as h2o (Δ +9.4e-07" in finding.text
     assert finding.glance["no significant difference"] == "h2o (same within rounding)"
     assert finding.glance["baselines that beat EpiKV"] == "tova"
 

@@ -26,6 +26,12 @@ def greedy_pairs(b: int, c: int, n: int) -> list[tuple[int, int, int, int, int]]
     return [(1, 1, 0, 1, b), (0, 1, 1, 1, c), (1, 1, 1, 1, n - b - c)]
 
 
+def tango(b: int, c: int, n: int) -> stats.Comparison:
+    """Tango's score test and interval on b / c discordant of n greedy questions, whatever b + c."""
+    values = [Fraction(1)] * b + [Fraction(-1)] * c + [Fraction(0)] * (n - b - c)
+    return stats.comparison_from(stats.unweighted(values, 1).effective())
+
+
 def tango_z_numeric(b: float, c: float, n: float, delta: float) -> float:
     """Tango's statistic from its definition: restricted MLE of p21 (p12 = p21 + delta) by numeric
     maximisation of the multinomial likelihood, z = (b - c - n delta) / sqrt(n (p12 + p21 - delta^2))."""
@@ -81,7 +87,7 @@ def test_wilson_test_is_dual_to_the_interval():
 
 @pytest.mark.parametrize("b,c,n", [(0, 5, 100), (5, 0, 100), (3, 3, 20), (9, 2, 31), (12, 4, 50), (40, 25, 300), (1, 0, 1)])
 def test_tango_at_zero_is_mcnemar_without_correction(b, c, n):
-    got = stats.compare_paired(greedy_pairs(b, c, n))
+    got = tango(b, c, n)
     ref = sm_tables.mcnemar(np.array([[n - b - c, b], [c, 0]]), exact=False, correction=False)
     assert got.pvalue == pytest.approx(ref.pvalue, rel=1e-9)
     assert got.diff == pytest.approx((b - c) / n, abs=1e-15)
@@ -90,7 +96,7 @@ def test_tango_at_zero_is_mcnemar_without_correction(b, c, n):
 
 @pytest.mark.parametrize("b,c,n", [(0, 0, 30), (0, 5, 100), (9, 2, 31), (7, 1, 12), (40, 25, 300), (3, 0, 3)])
 def test_tango_interval_ends_solve_the_score_equation(b, c, n):
-    got = stats.compare_paired(greedy_pairs(b, c, n))
+    got = tango(b, c, n)
     for end, target in ((got.lo, Z), (got.hi, -Z)):
         if abs(end) < 1 - 1e-9:
             assert tango_z_numeric(b, c, n, end) == pytest.approx(target, abs=1e-4)
@@ -143,6 +149,20 @@ def test_weighted_effective_matches_the_sandwich_variance():
     deff = min(1.0, max(0.5, observed / bernoulli))
     assert float(eff.mean) == pytest.approx(mean, abs=1e-15)
     assert eff.n == pytest.approx(n_kish / deff, rel=1e-12)
+
+
+@pytest.mark.parametrize("b,c,n", [(0, 5, 30), (5, 0, 100), (3, 3, 20), (9, 2, 31), (1, 0, 1), (0, 0, 30), (14, 10, 60)])
+def test_few_discordant_questions_get_exact_mcnemar_and_an_interval_that_agrees(b, c, n):
+    got = stats.compare_paired(greedy_pairs(b, c, n))
+    exact = sm_tables.mcnemar(np.array([[n - b - c, b], [c, 0]]), exact=True).pvalue
+    assert got.test == stats.EXACT_NAME and got.pvalue == pytest.approx(max(exact, tango(b, c, n).pvalue), rel=1e-9)
+    assert (got.pvalue < 0.05) == (got.lo > 0 or got.hi < 0)
+    assert got.lo <= tango(b, c, n).lo and got.hi >= tango(b, c, n).hi  # never narrower than Tango's
+
+
+def test_many_discordant_questions_keep_the_score_test():
+    got, ref = stats.compare_paired(greedy_pairs(40, 25, 300)), tango(40, 25, 300)
+    assert (got.test, got.pvalue, got.lo, got.hi) == (stats.TEST_NAME, ref.pvalue, ref.lo, ref.hi)
 
 
 def test_clustering_a_question_over_models_counts_it_once():

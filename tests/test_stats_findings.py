@@ -147,8 +147,9 @@ def test_finding4_no_zero_width_intervals():
 def test_finding5_interval_and_p_value_agree(b, c, concordant):
     cmp = stats.compare_paired(greedy_pairs(b, c, b + c + concordant))
     assert (cmp.pvalue < 0.05) == (cmp.lo > 0 or cmp.hi < 0)  # was an interval excluding 0 beside p = 0.065 / 0.0625
-    ref = sm_tables.mcnemar([[concordant, b], [c, 0]], exact=False, correction=False).pvalue
-    assert cmp.pvalue == pytest.approx(ref, rel=1e-9)
+    # few discordant pairs: exact McNemar (the score test's 0.025 for b = 0, c = 5 was too optimistic, issue 30)
+    ref = sm_tables.mcnemar([[concordant, b], [c, 0]], exact=True).pvalue
+    assert cmp.pvalue == pytest.approx(ref, rel=1e-9) and cmp.test == "exact McNemar"
     for threshold in (0.0, -0.05, -0.1):  # "better" and "close to full" read the same test
         p = stats.shifted_pvalue(cmp, threshold)
         assert (p < 0.05) == (cmp.lo > threshold or cmp.hi < threshold)
@@ -177,7 +178,7 @@ def test_finding7_a_question_under_three_models_is_one_question(tmp_path):
     url = seed(tmp_path / "c.db", {("full", "math500"): full, ("h2o", "math500"): h2o}, models=("m1", "m2", "m3"))
     pooled = row(detail(url).by_domain, method="h2o")
     one_model = row(detail(url, q.Filters(models=(1,))).by_domain, method="h2o")
-    ref = sm_tables.mcnemar([[20, 9], [2, 9]], exact=False, correction=False).pvalue
+    ref = sm_tables.mcnemar([[20, 9], [2, 9]], exact=True).pvalue  # 11 discordant: exact
     assert pooled["problems"] == one_model["problems"] == 40  # was 120
     assert pooled["p_value"] == pytest.approx(ref, rel=1e-9) == one_model["p_value"]  # was 8e-6 pooled
 

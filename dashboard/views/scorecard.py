@@ -56,11 +56,12 @@ def protocol_ablations(ctx) -> None:
     st.subheader("Protocol ablations")
     st.caption(
         "Two protocols that differ in exactly one setting (field: which one), the same method at the same budget on the "
-        "samples both have: mean KL(full || method) under A and under B, the paired mean difference B − A with its 95% "
-        "bootstrap interval over samples, the two-sided Wilcoxon signed-rank p of the differences and its Holm adjustment "
-        "over this table. It shows what the protocol, not the method, decides."
+        "samples every method there has under both: mean KL(full || method) under A and under B, the paired mean "
+        "difference B − A with its 95% bootstrap interval over samples, the two-sided Wilcoxon signed-rank p of the "
+        "differences (float32-rounding ties left out: **tied**) and its Holm adjustment over this table. It shows what "
+        "the protocol, not the method, decides."
     )
-    st.dataframe(styled(table.drop(columns=["Δ KL lo", "Δ KL hi"]), p=("p (Wilcoxon)", "p (Holm)"))
+    st.dataframe(styled(table.drop(columns=["Δ KL lo", "Δ KL hi", "sign"]), p=("p (Wilcoxon)", "p (Holm)"))
                  .format({"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"}),
                  hide_index=True, placeholder="—", key="sc_ablations")
 
