@@ -183,3 +183,45 @@ def test_every_protocol_field_is_a_flag_and_a_model_arg():
     assert Protocol.from_text(given) == expected
     assert Protocol(**ProtocolConfig.model_validate({k: v for k, v in given.items()}).model_dump()) == expected
     assert Protocol.from_text({"prefill_chunk": "None", "protect_prompt": "0"}) == Protocol()
+
+
+#: modules that take seconds to import; the parser and its errors must not need them
+HEAVY_MODULES = ("torch", "transformers", "ray", "streamlit", "pandas", "matplotlib", "sqlalchemy", "sklearn")
+
+IMPORT_CHECK = textwrap.dedent(
+    """
+    import argparse, contextlib, io, json, sys
+    from runner.cli import build_parser, main
+
+    def subcommands(parser, prefix=()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield (*prefix, name)
+                    yield from subcommands(sub, (*prefix, name))
+
+    codes = {}
+    for argv in [["--help"], *([*c, "--help"] for c in subcommands(build_parser())), ["generate", "--budget", "x"], ["nope"]]:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                codes[" ".join(argv)] = main(argv)
+            except SystemExit as exc:
+                codes[" ".join(argv)] = exc.code
+    print(json.dumps({"codes": codes, "loaded": sorted(m for m in sys.argv[1:] if m in sys.modules)}))
+    """
+)
+
+
+def test_help_and_argument_errors_import_no_heavy_library():
+    """`kvleague --help`, every subcommand's --help and an argument error answer from the parser alone:
+    none of them imports torch, transformers, Ray, Streamlit, pandas, matplotlib or SQLAlchemy (each
+    command imports what it needs when it runs), which keeps them well under a second."""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK, *HEAVY_MODULES], capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["loaded"] == [], result["loaded"]
+    codes = result["codes"]
+    assert {"--help", "bench batch --help", "db import --help", "signals --help"} <= set(codes), sorted(codes)
+    assert codes.pop("generate --budget x") == 2 and codes.pop("nope") == 2
+    assert set(codes.values()) == {0}, codes
