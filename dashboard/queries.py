@@ -237,6 +237,40 @@ def identical_methods(engine: Engine, filters: Filters) -> list[tuple[int, ...]]
     return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)
 
 
+def _options(value: Any) -> dict[str, Any]:
+    import json
+
+    return json.loads(value) if isinstance(value, str) else dict(value or {})
+
+
+def task_labels(tasks: Iterable[dict[str, Any]]) -> dict[int, str]:
+    """``task_id -> label``: ``name (domain)``, plus the options that differ between tasks of that name,
+    so that variants of one task (niah at several depths or sample counts) are told apart."""
+    import json
+
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for t in tasks:
+        by_name.setdefault(t["name"], []).append(t)
+    out: dict[int, str] = {}
+    for name, group in by_name.items():
+        options = [_options(t.get("options")) for t in group]
+        keys = sorted({k for o in options for k in o})
+        differing = [k for k in keys if len({json.dumps(o.get(k), sort_keys=True) for o in options}) > 1]
+        for t, o in zip(group, options):
+            shown = ", ".join(f"{k}={o.get(k)}" for k in differing)
+            out[t["id"]] = f"{name} ({t['domain']}{'; ' + shown if shown else ''})"
+    return out
+
+
+def row_counts(engine: Engine, filters: Filters, by: tuple[str, ...] = ("budget",)) -> dict[tuple, int]:
+    """Result rows under the filters (the filters' measure, failed ones included) per value of the
+    ``by`` columns of sample_results: what a page opens on is where most of the data is."""
+    cols = [getattr(R.c, c) for c in by]
+    query = select(*cols, func.count()).where(*filters.conditions()).group_by(*cols)
+    with engine.connect() as conn:
+        return {tuple(int(v) for v in r[:-1]): int(r[-1]) for r in conn.execute(query)}
+
+
 def method_labels(specs: Iterable[dict[str, Any]]) -> dict[int, str]:
     """``method_spec_id -> label``: the name, plus the hyperparameters that differ between specs
     sharing that name (``h2o(heavy_ratio=0.25)``)."""
@@ -276,7 +310,9 @@ def options(engine: Engine) -> Options:
     with engine.connect() as conn:
         used = lambda col: select(col).distinct().scalar_subquery()  # noqa: E731
         out.models = [dict(r._mapping) for r in conn.execute(select(MO.c.id, MO.c.name).where(MO.c.id.in_(used(R.c.model_id))).order_by(MO.c.name, MO.c.id))]
-        out.tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain).where(T.c.id.in_(used(R.c.task_id))).order_by(T.c.domain, T.c.name, T.c.id))]
+        out.tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain, T.c.options).where(T.c.id.in_(used(R.c.task_id))).order_by(T.c.domain, T.c.name, T.c.id))]
+        labels = task_labels(out.tasks)
+        out.tasks = [{**t, "label": labels[t["id"]]} for t in out.tasks]
         out.domains = sorted({t["domain"] for t in out.tasks})
         out.budgets = [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().order_by(R.c.budget))]
         protos = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))]

@@ -73,11 +73,25 @@ def pick_weighting(key: str) -> str:
                     format_func=lambda w: f"per {w}")
 
 
-def pick_budget(label: str, budgets: list[int], key: str) -> int | None:
+def most_data(counts: dict[tuple, int], among: list) -> int:
+    """The index in ``among`` of the value with the most rows in ``counts`` (keyed by 1-tuples or tuples
+    matching ``among``'s items); ties go to the first."""
+    def rows(v):
+        return counts.get(v if isinstance(v, tuple) else (v,), 0)
+
+    return max(range(len(among)), key=lambda i: (rows(among[i]), -i)) if among else 0
+
+
+def pick_budget(ctx, label: str, key: str) -> int | None:
+    """A budget among the filters' ones, opening on the budget with the most generation results (a
+    fidelity-only database: the most fidelity results)."""
+    budgets = list(ctx.filters.budgets or ctx.opts.budgets)
     if not budgets:
         st.info("No budget is selected in the filters.")
         return None
-    return st.selectbox(label, budgets, index=len(budgets) // 2, key=key, format_func=lambda b: f"{b:,} KV entries")
+    counts = ctx.data("row_counts", ctx.filters) or ctx.data("row_counts", replace(ctx.filters, measure=q.MEASURE_FIDELITY))
+    return st.selectbox(label, budgets, index=most_data(counts, budgets), key=key, format_func=lambda b: f"{b:,} KV entries",
+                        help="Opens on the budget with the most results.")
 
 
 def empty(message: str = "No results match the filters.") -> None:
