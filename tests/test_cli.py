@@ -225,3 +225,60 @@ def test_help_and_argument_errors_import_no_heavy_library():
     assert {"--help", "bench batch --help", "db import --help", "signals --help"} <= set(codes), sorted(codes)
     assert codes.pop("generate --budget x") == 2 and codes.pop("nope") == 2
     assert set(codes.values()) == {0}, codes
+
+
+@pytest.fixture(scope="module")
+def short_context_model(tiny_models, tmp_path_factory):
+    """The tiny qwen2 checkpoint with a context of 256 positions (max_position_embeddings)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("short-context") / "qwen2"
+    shutil.copytree(tiny_models["qwen2"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", ""], "--prompt: the prompt is empty; give the text the model should continue"),
+        (["--prompt", "  \n "], "--prompt: the prompt is empty; give the text the model should continue"),
+        ([], "generate: give one of --prompt TEXT or --prompt-file FILE"),
+        (["--prompt", "x", "--prompt-file", "f.txt"], "generate: give one of --prompt TEXT or --prompt-file FILE"),
+        (["--prompt-file", "/no/such/file.txt"], "--prompt-file: cannot read '/no/such/file.txt' as UTF-8 text: FileNotFoundError"),
+        (["--prompt", "x" * 400], "--prompt: the prompt is 400 tokens and --max-new-tokens 8, past the model's context of 256 "
+                                  "tokens (max_position_embeddings); shorten the prompt or --max-new-tokens"),
+        (["--prompt", "x" * 250, "--max-new-tokens", "20"], "--prompt: the prompt is 250 tokens and --max-new-tokens 20, past "
+                                                            "the model's context of 256 tokens"),
+    ],
+)
+def test_bad_prompts_are_one_line_exit_2(short_context_model, capsys, args, message):
+    """The byte-level tokenizer makes one token per character, so the token counts above are exact."""
+    argv = ["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
+            "--max-new-tokens", "8", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvleague: error: {message}"), err
+    assert err.count("\n") == 1
+
+
+def test_prompt_file_and_compact_positions_past_the_context(short_context_model, tmp_path, capsys):
+    """--prompt-file gives the same completion as --prompt; past the context under compact positions
+    (no position above the budget) the run goes ahead with a one-line warning, and reports progress."""
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+    base = ["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
+            "--max-new-tokens", "8", "--json"]
+    assert main([*base, "--prompt", text]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    assert main([*base, "--prompt-file", str(tmp_path / "p.txt")]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == direct["token_ids"]
+    long = "x" * 400
+    assert main(["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
+                 "--max-new-tokens", "8", "--positions", "compact", "--prompt", long]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("kvleague generate: warning: the prompt is 400 tokens and --max-new-tokens 8, past the model's "
+                             "context of 256 tokens"), err
+    assert err[1] == "kvleague generate: prefill of 400 prompt tokens under budget 64"
+    assert err[2].startswith("kvleague generate: prefill done in ") and err[2].endswith("decoding up to 8 tokens")
