@@ -7,6 +7,7 @@ One of ``runner.cli.COMMAND_GROUPS`` (``register(subparsers)``).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,15 +54,35 @@ def cmd_dashboard(args) -> int:
     print(f"kvleague dashboard: {display_url(url)} (read-only) at http://{HOST}:{args.port}", flush=True)
     env = {**os.environ, "KVLEAGUE_DB": url}
     proc = subprocess.Popen(streamlit_command(url, args.port), env=env)
+    # stopping the command (Ctrl-C, or SIGTERM from a supervisor or `kill`) stops the server it started
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
         return 130
+    except _Terminated:
+        _stop(proc)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived while the dashboard ran."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _preamble(path: str | None) -> str:

@@ -140,6 +140,8 @@ class Filters:
     protocols: tuple[int, ...] | None = None
     decoding: tuple[str, ...] | None = None
     measure: str | None = MEASURE_GENERATION
+    #: generation-settings ids: set by a page's slice (:func:`slices`), not by a sidebar filter
+    generations: tuple[int, ...] | None = None
 
     def conditions(self, budgets: bool = True) -> list:
         cond = []
@@ -153,6 +155,8 @@ class Filters:
             cond.append(R.c.task_id.in_(select(T.c.id).where(T.c.domain.in_(self.domains)).scalar_subquery()))
         if self.protocols is not None:
             cond.append(R.c.protocol_id.in_(self.protocols))
+        if self.generations is not None:
+            cond.append(R.c.generation_id.in_(self.generations))
         if self.decoding is not None:
             kinds = set(self.decoding)
             if kinds == {"greedy"}:
@@ -177,6 +181,94 @@ def protocol_label(row: dict[str, Any]) -> str:
     if row.get("prefill_chunk"):
         parts.append(f"prefill chunk {row['prefill_chunk']}")
     return f"#{row['id']}: " + ", ".join(parts)
+
+
+def generation_label(row: dict[str, Any]) -> str:
+    decoding = "greedy" if float(row["temperature"]) == 0 else f"temperature {row['temperature']:g}, top-p {row['top_p']:g}"
+    return f"{decoding}, {row['max_new_tokens']} new tokens at most"
+
+
+#: what a line across budgets must hold fixed: points of different models, protocols or generation
+#: settings are different experiments, and a line joining them draws a budget effect that is not there
+SLICE_COLUMNS = ("model", "protocol", "generation")
+
+
+def slices(engine: Engine, filters: Filters) -> list[dict[str, Any]]:
+    """The (model, protocol, generation setting) combinations the filters leave, each with its ``rows``
+    (results of the filters' measure, failed ones included), ``methods`` and ``budgets`` and a
+    ``label``; the one with the most rows first (ties: lowest ids)."""
+    key = (R.c.model_id, R.c.protocol_id, R.c.generation_id)
+    query = (select(*key, func.count(), func.count(distinct(R.c.method_spec_id)), func.count(distinct(R.c.budget)))
+             .where(*filters.conditions()).group_by(*key))
+    with engine.connect() as conn:
+        found = [tuple(int(v) for v in r) for r in conn.execute(query)]
+        models = {r.id: r.name for r in conn.execute(select(MO.c.id, MO.c.name))}
+        protocols = {r["id"]: protocol_label(r) for r in (dict(x._mapping) for x in conn.execute(select(P)))}
+        generations = {r["id"]: generation_label(r) for r in (dict(x._mapping) for x in conn.execute(select(G)))}
+    found.sort(key=lambda r: (-r[3], r[:3]))
+    return [{"model_id": m, "protocol_id": p, "generation_id": g, "rows": n, "methods": k, "budgets": nb,
+             "model": models[m], "protocol": protocols[p], "generation": f"#{g}: {generations[g]}",
+             "label": f"{models[m]} · protocol {protocols[p]} · generation #{g}: {generations[g]}"}
+            for m, p, g, n, k, nb in found]
+
+
+def in_slice(filters: Filters, chosen: dict[str, Any]) -> Filters:
+    """The filters narrowed to one slice of :func:`slices`."""
+    return replace(filters, models=(chosen["model_id"],), protocols=(chosen["protocol_id"],),
+                   generations=(chosen["generation_id"],))
+
+
+def identical_methods(engine: Engine, filters: Filters) -> list[tuple[int, ...]]:
+    """Groups (two or more, ids ascending) of method specs whose results under the filters are the same
+    on every sample: the same keys (budget, problem cell, sample index, seed) with the same status and
+    completion, or for fidelity rows the same KL, top-1 agreement and ΔNLL. Their lines and rows
+    coincide, so one would hide the other without a word."""
+    fidelity = filters.measure == MEASURE_FIDELITY
+    values = (R.c.kl_mean, R.c.top1_agreement, R.c.delta_nll_mean) if fidelity else (R.c.completion,)
+    key = (R.c.budget, R.c.task_id, R.c.sample_id, R.c.model_id, R.c.protocol_id, R.c.generation_id, R.c.sample_index, R.c.seed)
+    query = select(R.c.method_spec_id, *key, R.c.status, *values).where(*filters.conditions())
+    per_method: dict[int, set] = {}
+    with engine.connect() as conn:
+        for row in conn.execute(query):
+            per_method.setdefault(int(row[0]), set()).add(tuple(row[1:]))
+    groups: dict[frozenset, list[int]] = {}
+    for method, results in per_method.items():
+        groups.setdefault(frozenset(results), []).append(method)
+    return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)
+
+
+def _options(value: Any) -> dict[str, Any]:
+    import json
+
+    return json.loads(value) if isinstance(value, str) else dict(value or {})
+
+
+def task_labels(tasks: Iterable[dict[str, Any]]) -> dict[int, str]:
+    """``task_id -> label``: ``name (domain)``, plus the options that differ between tasks of that name,
+    so that variants of one task (niah at several depths or sample counts) are told apart."""
+    import json
+
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for t in tasks:
+        by_name.setdefault(t["name"], []).append(t)
+    out: dict[int, str] = {}
+    for name, group in by_name.items():
+        options = [_options(t.get("options")) for t in group]
+        keys = sorted({k for o in options for k in o})
+        differing = [k for k in keys if len({json.dumps(o.get(k), sort_keys=True) for o in options}) > 1]
+        for t, o in zip(group, options):
+            shown = ", ".join(f"{k}={o.get(k)}" for k in differing)
+            out[t["id"]] = f"{name} ({t['domain']}{'; ' + shown if shown else ''})"
+    return out
+
+
+def row_counts(engine: Engine, filters: Filters, by: tuple[str, ...] = ("budget",)) -> dict[tuple, int]:
+    """Result rows under the filters (the filters' measure, failed ones included) per value of the
+    ``by`` columns of sample_results: what a page opens on is where most of the data is."""
+    cols = [getattr(R.c, c) for c in by]
+    query = select(*cols, func.count()).where(*filters.conditions()).group_by(*cols)
+    with engine.connect() as conn:
+        return {tuple(int(v) for v in r[:-1]): int(r[-1]) for r in conn.execute(query)}
 
 
 def method_labels(specs: Iterable[dict[str, Any]]) -> dict[int, str]:
@@ -218,7 +310,9 @@ def options(engine: Engine) -> Options:
     with engine.connect() as conn:
         used = lambda col: select(col).distinct().scalar_subquery()  # noqa: E731
         out.models = [dict(r._mapping) for r in conn.execute(select(MO.c.id, MO.c.name).where(MO.c.id.in_(used(R.c.model_id))).order_by(MO.c.name, MO.c.id))]
-        out.tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain).where(T.c.id.in_(used(R.c.task_id))).order_by(T.c.domain, T.c.name, T.c.id))]
+        out.tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain, T.c.options).where(T.c.id.in_(used(R.c.task_id))).order_by(T.c.domain, T.c.name, T.c.id))]
+        labels = task_labels(out.tasks)
+        out.tasks = [{**t, "label": labels[t["id"]]} for t in out.tasks]
         out.domains = sorted({t["domain"] for t in out.tasks})
         out.budgets = [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().order_by(R.c.budget))]
         protos = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))]

@@ -79,7 +79,7 @@ def sidebar_filters(opts: q.Options) -> q.Filters:
     f_models = _multiselect("Model", list(models), lambda i: models.get(i, str(i)), key="f_model")
     f_domains = _multiselect("Domain", opts.domains, key="f_domain")
     task_opts = [t for t in opts.tasks if f_domains is None or t["domain"] in f_domains]
-    names = {t["id"]: f"{t['name']} ({t['domain']})" for t in task_opts}
+    names = {t["id"]: t["label"] for t in task_opts}
     # keyed on the domain choice: a new domain choice starts the task choice afresh (all of them)
     task_key = "f_task" if f_domains is None else "f_task_" + "_".join(sorted(f_domains))
     f_tasks = _multiselect("Task", list(names), lambda i: names.get(i, str(i)), key=task_key)

@@ -79,26 +79,38 @@ def export(engine: Engine, path: str | Path) -> TransferCounts:
 
 
 def _read(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, list[Any]]]]:
+    """The export's header and its rows, the whole file read once first: a truncated or corrupt file is
+    a one-line error before anything is written (or a database file is created)."""
     try:
-        fh = gzip.open(path, "rt", encoding="utf-8")
-        header = json.loads(fh.readline())
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            header = json.loads(fh.readline())
+            if isinstance(header, dict) and header.get("format") == FORMAT:
+                for number, line in enumerate(fh, start=2):
+                    _row(path, number, line)
     except FileNotFoundError:
         raise KvleagueError(f"db import: no such file {str(path)!r}") from None
-    except (OSError, EOFError, ValueError) as exc:
+    except EOFError:
+        raise KvleagueError(f"db import: {str(path)!r} is truncated (the gzip stream ends early); nothing was imported") from None
+    except (OSError, ValueError) as exc:  # zlib.error is an OSError subclass in gzip; UnicodeDecodeError a ValueError
         raise KvleagueError(f"db import: {str(path)!r} is not a kvleague export (gzip JSON lines): {exc}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise KvleagueError(f"db import: {str(path)!r} is not a kvleague export; expected format {FORMAT!r}")
 
     def rows() -> Iterator[tuple[str, list[Any]]]:
-        with fh:
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            fh.readline()
             for number, line in enumerate(fh, start=2):
-                try:
-                    name, values = json.loads(line)
-                except (ValueError, TypeError):
-                    raise KvleagueError(f"db import: {str(path)!r} line {number} is not [table, [values]]") from None
-                yield name, values
+                yield _row(path, number, line)
 
     return header, rows()
+
+
+def _row(path: str | Path, number: int, line: str) -> tuple[str, list[Any]]:
+    try:
+        name, values = json.loads(line)
+    except (ValueError, TypeError):
+        raise KvleagueError(f"db import: {str(path)!r} line {number} is not [table, [values]]") from None
+    return name, values
 
 
 #: tables without a unique column: what identifies one of their rows (a sweep's counts and status

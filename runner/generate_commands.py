@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from pathlib import Path
 
 from runner.cli_args import add_protocol_arguments, parse_assignment, protocol_from_args
 from runner.engine.errors import KvleagueError
@@ -34,11 +36,46 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def prompt_text(args) -> str:
+    """The prompt from ``--prompt TEXT`` or ``--prompt-file FILE`` (exactly one; not blank)."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise KvleagueError("generate: give one of --prompt TEXT or --prompt-file FILE")
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KvleagueError(f"--prompt-file: cannot read {args.prompt_file!r} as UTF-8 text: {exc.__class__.__name__}") from None
+        flag = "--prompt-file"
+    else:
+        text, flag = args.prompt, "--prompt"
+    if not text.strip():
+        raise KvleagueError(f"{flag}: the prompt is empty; give the text the model should continue")
+    return text
+
+
+def check_context(n_prompt: int, max_new_tokens: int, context: int | None, positions: str) -> str | None:
+    """A one-line error when the prompt and the tokens to generate do not fit the model's context
+    (``max_position_embeddings``) under true positions; under compact positions (position = cache
+    length, never above the budget) the run is possible, and the returned line warns about it."""
+    if not context or n_prompt + max_new_tokens <= context:
+        return None
+    what = (f"the prompt is {n_prompt:,} tokens and --max-new-tokens {max_new_tokens:,}, past the model's context of "
+            f"{context:,} tokens (max_position_embeddings)")
+    if positions == "compact":
+        return f"warning: {what}; positions are compact, so no position exceeds the budget, but the model never saw such a text"
+    raise KvleagueError(f"--prompt: {what}; shorten the prompt or --max-new-tokens")
+
+
+def _progress(message: str) -> None:
+    print(f"kvleague generate: {message}", file=sys.stderr, flush=True)
+
+
 def cmd_generate(args) -> int:
     from methods.registry import build_method
     from runner.models import load_engine
     from runner.engine.protocol import GenerationSettings
 
+    text = prompt_text(args)
     method = build_method(args.method, dict(parse_assignment(p, "--param") for p in args.param))
     protocol = protocol_from_args(args)
     protocol.check_budget(args.budget)
@@ -46,15 +83,28 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, stop=tuple(args.stop)
     )
     engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype, device=args.device)
-    prompt: str | list[int] = args.prompt
     tok = engine.tokenizer
     if args.chat == "on" and not getattr(tok, "chat_template", None):
         raise KvleagueError("--chat: on, but the model's tokenizer has no chat template; allowed here: auto, off")
     if args.chat != "off" and getattr(tok, "chat_template", None):
         # instruct models answer a bare prompt with an empty completion: send it as a user turn
-        out = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
-    result = engine.generate(prompt, method, args.budget, protocol, settings, seed=args.seed)
+    else:
+        prompt = list(tok(text, add_special_tokens=False)["input_ids"])
+    warning = check_context(len(prompt), args.max_new_tokens, getattr(engine.model.config, "max_position_embeddings", None),
+                            protocol.positions)
+    if warning:
+        _progress(warning)
+    start = time.perf_counter()
+    with engine.session(method, args.budget, protocol, args.seed) as session:
+        if not args.json:
+            _progress(f"prefill of {len(prompt):,} prompt tokens under budget {args.budget:,}")
+        session.feed(prompt)
+        if not args.json:
+            _progress(f"prefill done in {time.perf_counter() - start:.1f}s; decoding up to {args.max_new_tokens:,} tokens")
+        session.decode(settings)
+        result = session.result()
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
@@ -87,7 +137,8 @@ def register(sub) -> None:
     p.add_argument("--method", required=True)
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method hyperparameter")
     p.add_argument("--budget", type=int, required=True)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", default=None, help="the text to complete (or --prompt-file)")
+    p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from a UTF-8 text file")
     p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
                    help="wrap the prompt as one user turn in the tokenizer's chat template (auto: when it has one)")
     p.add_argument("--max-new-tokens", type=int, default=256)

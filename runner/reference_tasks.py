@@ -10,6 +10,10 @@ import os
 
 from runner.engine.errors import KvleagueError
 
+#: what a study scores as the answer: the task's reference continuation, or the model's own greedy one
+#: (here, not in ``runner.signals``, so that the CLI can list them without importing torch)
+TRACES = ("reference", "greedy")
+
 
 def reference_task(name: str, options: list[str], why: str):
     """Task ``name`` with ``NAME=VALUE`` ``options``; a one-line error when it has no reference

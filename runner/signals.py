@@ -69,8 +69,7 @@ from runner.engine.errors import KvleagueError
 from runner.fidelity import Segment, truncate
 from runner.method_panel import MethodPanel
 from runner.engine.protocol import Protocol
-
-TRACES = ("reference", "greedy")
+from runner.reference_tasks import TRACES
 #: per-layer signal families, in display order
 LAYER_FAMILIES = ("hs_l2_diff_rolling64", "hs_l2_diff", "key_norm", "key_var", "value_norm", "value_var", "h2o", "attn_entropy")
 #: families that also get an all-layer mean (the authors' kv and attention signals are all-layer means)

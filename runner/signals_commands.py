@@ -23,7 +23,7 @@ POSITION = "position"
 
 
 def register(subparsers) -> None:
-    from runner.signals import TRACES
+    from runner.reference_tasks import TRACES
 
     p = subparsers.add_parser("signals", help="Spearman rho of per-token signals against occlusion importance labels")
     p.add_argument("--model", default="smollm2-135m")

@@ -183,3 +183,102 @@ def test_every_protocol_field_is_a_flag_and_a_model_arg():
     assert Protocol.from_text(given) == expected
     assert Protocol(**ProtocolConfig.model_validate({k: v for k, v in given.items()}).model_dump()) == expected
     assert Protocol.from_text({"prefill_chunk": "None", "protect_prompt": "0"}) == Protocol()
+
+
+#: modules that take seconds to import; the parser and its errors must not need them
+HEAVY_MODULES = ("torch", "transformers", "ray", "streamlit", "pandas", "matplotlib", "sqlalchemy", "sklearn")
+
+IMPORT_CHECK = textwrap.dedent(
+    """
+    import argparse, contextlib, io, json, sys
+    from runner.cli import build_parser, main
+
+    def subcommands(parser, prefix=()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield (*prefix, name)
+                    yield from subcommands(sub, (*prefix, name))
+
+    codes = {}
+    for argv in [["--help"], *([*c, "--help"] for c in subcommands(build_parser())), ["generate", "--budget", "x"], ["nope"]]:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                codes[" ".join(argv)] = main(argv)
+            except SystemExit as exc:
+                codes[" ".join(argv)] = exc.code
+    print(json.dumps({"codes": codes, "loaded": sorted(m for m in sys.argv[1:] if m in sys.modules)}))
+    """
+)
+
+
+def test_help_and_argument_errors_import_no_heavy_library():
+    """`kvleague --help`, every subcommand's --help and an argument error answer from the parser alone:
+    none of them imports torch, transformers, Ray, Streamlit, pandas, matplotlib or SQLAlchemy (each
+    command imports what it needs when it runs), which keeps them well under a second."""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK, *HEAVY_MODULES], capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["loaded"] == [], result["loaded"]
+    codes = result["codes"]
+    assert {"--help", "bench batch --help", "db import --help", "signals --help"} <= set(codes), sorted(codes)
+    assert codes.pop("generate --budget x") == 2 and codes.pop("nope") == 2
+    assert set(codes.values()) == {0}, codes
+
+
+@pytest.fixture(scope="module")
+def short_context_model(tiny_models, tmp_path_factory):
+    """The tiny qwen2 checkpoint with a context of 256 positions (max_position_embeddings)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("short-context") / "qwen2"
+    shutil.copytree(tiny_models["qwen2"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", ""], "--prompt: the prompt is empty; give the text the model should continue"),
+        (["--prompt", "  \n "], "--prompt: the prompt is empty; give the text the model should continue"),
+        ([], "generate: give one of --prompt TEXT or --prompt-file FILE"),
+        (["--prompt", "x", "--prompt-file", "f.txt"], "generate: give one of --prompt TEXT or --prompt-file FILE"),
+        (["--prompt-file", "/no/such/file.txt"], "--prompt-file: cannot read '/no/such/file.txt' as UTF-8 text: FileNotFoundError"),
+        (["--prompt", "x" * 400], "--prompt: the prompt is 400 tokens and --max-new-tokens 8, past the model's context of 256 "
+                                  "tokens (max_position_embeddings); shorten the prompt or --max-new-tokens"),
+        (["--prompt", "x" * 250, "--max-new-tokens", "20"], "--prompt: the prompt is 250 tokens and --max-new-tokens 20, past "
+                                                            "the model's context of 256 tokens"),
+    ],
+)
+def test_bad_prompts_are_one_line_exit_2(short_context_model, capsys, args, message):
+    """The byte-level tokenizer makes one token per character, so the token counts above are exact."""
+    argv = ["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
+            "--max-new-tokens", "8", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvleague: error: {message}"), err
+    assert err.count("\n") == 1
+
+
+def test_prompt_file_and_compact_positions_past_the_context(short_context_model, tmp_path, capsys):
+    """--prompt-file gives the same completion as --prompt; past the context under compact positions
+    (no position above the budget) the run goes ahead with a one-line warning, and reports progress."""
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+    base = ["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
+            "--max-new-tokens", "8", "--json"]
+    assert main([*base, "--prompt", text]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    assert main([*base, "--prompt-file", str(tmp_path / "p.txt")]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == direct["token_ids"]
+    long = "x" * 400
+    assert main(["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
+                 "--max-new-tokens", "8", "--positions", "compact", "--prompt", long]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("kvleague generate: warning: the prompt is 400 tokens and --max-new-tokens 8, past the model's "
+                             "context of 256 tokens"), err
+    assert err[1] == "kvleague generate: prefill of 400 prompt tokens under budget 64"
+    assert err[2].startswith("kvleague generate: prefill done in ") and err[2].endswith("decoding up to 8 tokens")

@@ -138,3 +138,49 @@ def test_question_cells_match_brute_force(small_db):
     assert q.question_cells(engine, q.Filters(domains=("code",)), [64]) == []
     assert q.question_cells(engine, q.Filters(models=()), [64]) == []
     assert q.method_budgets(engine, q.Filters(), [by_label["full"]]) == {64: 6, 128: 6}
+
+
+def test_sigterm_to_the_dashboard_stops_its_streamlit_server(small_db):
+    """`kvleague dashboard` runs Streamlit as a child; SIGTERM to the command (what `kill` and process
+    supervisors send) must stop that child too, not leave it serving the port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from dashboard.browser import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "dashboard", "--db", small_db, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the dashboard did not start"
+            time.sleep(0.3)
+        children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert children, "streamlit runs as a child of the command"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        for child in children:  # gone, not a zombie re-parented and still serving
+            deadline = time.monotonic() + 15
+            while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not Path(f"/proc/{child}").exists(), f"streamlit (pid {child}) outlived the command"
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in children:
+            if Path(f"/proc/{child}").exists():
+                os.kill(child, signal.SIGKILL)

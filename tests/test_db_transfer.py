@@ -205,3 +205,24 @@ def test_the_one_spec_hash_reproduces_every_hash_in_the_committed_results():
     for r in current:
         assert SweepConfig.model_validate(r["config"]).config_hash() == r["config_hash"], r["id"]
     assert checked > 20
+
+
+@pytest.mark.parametrize("cut", ["middle", "header"])
+def test_a_truncated_export_is_one_line_and_creates_nothing(tmp_path, cut):
+    """The committed export cut short (as an interrupted download leaves it): one line naming the file,
+    exit 2 from the console script, and no database file behind (not even an empty schema)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    whole = (REPO / "results" / "replication.jsonl.gz").read_bytes()
+    cut_file = tmp_path / "cut.jsonl.gz"
+    cut_file.write_bytes(whole[: len(whole) // 2] if cut == "middle" else whole[:40])
+    target = tmp_path / "t.db"
+    proc = subprocess.run([sys.executable, "-m", "runner.cli", "db", "import", str(cut_file), "--db", f"sqlite:///{target}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"kvleague: error: db import: {str(cut_file)!r} is truncated"), proc.stderr
+    assert not target.exists()

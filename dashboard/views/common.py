@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import altair as alt
 import pandas as pd
 import streamlit as st
+
+from dashboard import queries as q
 
 PCT = st.column_config.NumberColumn(format="%.1f")
 PP = st.column_config.NumberColumn(format="%+.1f")
@@ -68,12 +73,82 @@ def pick_weighting(key: str) -> str:
                     format_func=lambda w: f"per {w}")
 
 
-def pick_budget(label: str, budgets: list[int], key: str) -> int | None:
+def most_data(counts: dict[tuple, int], among: list) -> int:
+    """The index in ``among`` of the value with the most rows in ``counts`` (keyed by 1-tuples or tuples
+    matching ``among``'s items); ties go to the first."""
+    def rows(v):
+        return counts.get(v if isinstance(v, tuple) else (v,), 0)
+
+    return max(range(len(among)), key=lambda i: (rows(among[i]), -i)) if among else 0
+
+
+def pick_budget(ctx, label: str, key: str) -> int | None:
+    """A budget among the filters' ones, opening on the budget with the most generation results (a
+    fidelity-only database: the most fidelity results)."""
+    budgets = list(ctx.filters.budgets or ctx.opts.budgets)
     if not budgets:
         st.info("No budget is selected in the filters.")
         return None
-    return st.selectbox(label, budgets, index=len(budgets) // 2, key=key, format_func=lambda b: f"{b:,} KV entries")
+    counts = ctx.data("row_counts", ctx.filters) or ctx.data("row_counts", replace(ctx.filters, measure=q.MEASURE_FIDELITY))
+    return st.selectbox(label, budgets, index=most_data(counts, budgets), key=key, format_func=lambda b: f"{b:,} KV entries",
+                        help="Opens on the budget with the most results.")
 
 
 def empty(message: str = "No results match the filters.") -> None:
     st.info(message)
+
+
+def pick_slice(ctx, key: str, measure: str = q.MEASURE_GENERATION) -> tuple[q.Filters, dict] | None:
+    """The filters narrowed to one model x protocol x generation setting, for a page that draws lines
+    across budgets (a line must not join different experiments): a choice when the filters leave
+    several, opening on the one with the most results; None when they leave none."""
+    options = ctx.data("slices", replace(ctx.filters, measure=measure))
+    if not options:
+        return None
+    by_key = {(o["model_id"], o["protocol_id"], o["generation_id"]): o for o in options}
+    if len(options) == 1:
+        chosen = options[0]
+        st.caption(f"Slice: {chosen['label']}.")
+    else:
+        picked = st.selectbox("Slice (model · protocol · generation)", list(by_key), key=key,
+                              format_func=lambda k: f"{by_key[k]['label']} ({by_key[k]['rows']:,} results)",
+                              help="A line joins points of one model, protocol and generation setting only; the "
+                                   "slice with the most results comes first.")
+        chosen = by_key[picked]
+    return replace(q.in_slice(ctx.filters, chosen), measure=measure), chosen
+
+
+def coinciding_note(ctx, filters: q.Filters) -> None:
+    """Say which methods have identical results here: their lines lie on each other."""
+    groups = ctx.data("identical_methods", filters)
+    if not groups:
+        return
+    labels = {i: m["label"] for i, m in ctx.opts.methods.items()}
+    what = "KL, top-1 and ΔNLL" if filters.measure == q.MEASURE_FIDELITY else "completions"
+    named = "; ".join(" = ".join(labels.get(i, str(i)) for i in g) for g in groups)
+    st.warning(f"Identical {what} on every sample here: {named}. Their lines and rows coincide: one hides the other.")
+
+
+def _method_scale(methods) -> alt.Scale:
+    return alt.Scale(domain=sorted(set(methods)), scheme="tableau20")
+
+
+def method_colour(methods, title: str = "method") -> alt.Color:
+    """Every method its own colour (20 before any repeats) and a legend that lists every one of them
+    below the chart, in columns, with full-strength swatches (a layer of pale interval bands that uses
+    this same legend does not make them pale)."""
+    return alt.Color("method:N", title=title, scale=_method_scale(methods),
+                     legend=alt.Legend(orient="bottom", columns=LEGEND_COLUMNS, symbolLimit=0, symbolOpacity=1,
+                                       symbolType="stroke", symbolStrokeWidth=3, labelLimit=0))
+
+
+#: legend columns under a chart half the page wide, and the height of one legend row
+LEGEND_COLUMNS = 3
+LEGEND_ROW_PX = 18
+
+
+def height_with_legend(plot: int, methods) -> int:
+    """The chart's height: Streamlit gives a chart exactly its height, legend included, so a legend
+    of many rows would squeeze the plot (or be cut off) without its rows added."""
+    rows = -(-len(set(methods)) // LEGEND_COLUMNS)
+    return plot + 40 + rows * LEGEND_ROW_PX

@@ -1,12 +1,17 @@
-"""Cost: throughput, latency, memory and method overhead per method and budget; accuracy vs memory;
-the stored systems benchmarks (``kvleague bench ... --store``)."""
+"""Cost: throughput, latency, memory and method overhead per method and budget on one slice (model x
+protocol x generation setting); accuracy vs memory where the memory differs; the stored systems
+benchmarks (``kvleague bench ... --store``)."""
 
 from __future__ import annotations
 
 import altair as alt
 import streamlit as st
 
-from dashboard.views.common import PCT, empty
+from dashboard import queries as q
+from dashboard.views.common import PCT, empty, height_with_legend, method_colour, pick_slice
+
+#: below this spread of the mean peak KV memory (largest over smallest point) a memory axis shows nothing
+MIN_MEMORY_SPREAD = 1.25
 
 
 def render(ctx) -> None:
@@ -16,10 +21,16 @@ def render(ctx) -> None:
 
 
 def sweep_costs(ctx) -> None:
-    df = ctx.data("cost", ctx.filters)
+    picked = pick_slice(ctx, "cost_slice")
+    if picked is None:
+        empty()
+        return
+    filters, chosen = picked
+    df = ctx.data("cost", filters)
     if df.empty:
         empty()
         return
+    df = df.assign(**{c: chosen[c] for c in q.SLICE_COLUMNS})
     st.caption("Means over ok samples per method and budget. ms/token: mean decode step; method overhead: time in the "
                "eviction method as a share of prefill + decode time; peak KV: bytes of keys and values held at the peak. "
                "accuracy: on the method's own problems at that budget (not a common set: this page compares cost, not "
@@ -31,26 +42,36 @@ def sweep_costs(ctx) -> None:
                        key="cost_csv")
     budgets = sorted(df["budget"].unique().tolist())
     x = alt.X("budget:Q", scale=alt.Scale(type="log", base=2), axis=alt.Axis(values=budgets, format="~s"), title="budget")
+    colour = method_colour(df["method"])
+    height = height_with_legend(280, df["method"])
+    detail = [alt.Detail(f"{c}:N") for c in q.SLICE_COLUMNS]
     c1, c2 = st.columns(2)
     with c1:
         st.altair_chart(alt.Chart(df).mark_line(point=True).encode(
-            x=x, y=alt.Y("tokens/s:Q"), color="method:N", tooltip=["method", "budget", "tokens/s", "ms/token"]
-        ).properties(title="decoding throughput", height=280), width="stretch")
+            x=x, y=alt.Y("tokens/s:Q"), color=colour, detail=detail, tooltip=["method", "budget", "tokens/s", "ms/token"]
+        ).properties(title="decoding throughput", height=height), width="stretch")
     with c2:
         st.altair_chart(alt.Chart(df).mark_line(point=True).encode(
-            x=x, y=alt.Y("method overhead %:Q"), color="method:N", tooltip=["method", "budget", "method overhead %", "method ms/sample"]
-        ).properties(title="method overhead (% of model time)", height=280), width="stretch")
+            x=x, y=alt.Y("method overhead %:Q"), color=colour, detail=detail,
+            tooltip=["method", "budget", "method overhead %", "method ms/sample"]
+        ).properties(title="method overhead (% of model time)", height=height), width="stretch")
     st.subheader("Accuracy vs peak KV memory")
+    memory = df["peak KV MiB"].dropna()
+    if memory.empty or memory.max() < MIN_MEMORY_SPREAD * memory.min():
+        st.caption(f"Not drawn: every method and budget peaks at about {memory.mean():.1f} MiB of keys and values here, "
+                   "because the whole prompt is prefilled before the first eviction; a protocol with prefill_chunk bounds "
+                   "the peak by the budget. Accuracy against the budget: the Budget curves page.")
+        return
     points = alt.Chart(df).mark_point(filled=True, size=80).encode(
         x=alt.X("peak KV MiB:Q", scale=alt.Scale(type="log"), title="mean peak KV cache (MiB, log)"),
         y=alt.Y("accuracy:Q", title="accuracy %"),
-        color="method:N",
+        color=colour,
         shape=alt.Shape("pareto:N", title="Pareto front"),
         tooltip=["method", "budget", alt.Tooltip("accuracy:Q", format=".1f"), alt.Tooltip("peak KV MiB:Q", format=".1f"), "pareto"],
     )
     front = alt.Chart(df[df["pareto"]].sort_values("peak KV MiB")).mark_line(color="#333", strokeDash=[4, 3]).encode(
         x="peak KV MiB:Q", y="accuracy:Q")
-    st.altair_chart((front + points).properties(height=380), width="stretch")
+    st.altair_chart((front + points).properties(height=height_with_legend(380, df["method"])), width="stretch")
 
 
 def systems_benchmarks(ctx) -> None:

@@ -1,20 +1,43 @@
-"""Budget curves: accuracy vs budget per domain, one line per method, interval bands, full cache as a
-reference line."""
+"""Budget curves: accuracy or fidelity vs budget per domain on one slice (model x protocol x
+generation setting), one line per method, interval bands, full cache as a reference line."""
 
 from __future__ import annotations
 
 import altair as alt
 import streamlit as st
 
-from dashboard.views.common import PCT, empty, pick_weighting
+from dashboard import queries as q
+from dashboard.views.common import (PCT, coinciding_note, empty, height_with_legend, method_colour,
+                                    pick_slice, pick_weighting)
+
+PLOT_HEIGHT = 320
+SLICE_DETAIL = [alt.Detail(f"{c}:N") for c in q.SLICE_COLUMNS]
+
+
+def _x(data) -> alt.X:
+    budgets = sorted(data["budget"].unique().tolist())
+    return alt.X("budget:Q", title="budget (KV entries)", scale=alt.Scale(type="log", base=2),
+                 axis=alt.Axis(values=budgets, format="d", labelOverlap=False))
+
+
+def _base(data, methods) -> alt.Chart:
+    """Lines grouped by method and by the slice columns: should two slices ever reach one chart, they
+    draw two lines, never one that joins them."""
+    return alt.Chart(data).encode(x=_x(data), color=method_colour(methods), detail=SLICE_DETAIL)
+
+
+def _band(data, methods) -> alt.Chart:
+    return _base(data, methods).mark_area(opacity=0.12)
+
+
+def with_slice(df, chosen: dict):
+    return df.assign(**{c: chosen[c] for c in q.SLICE_COLUMNS})
 
 
 def chart(curves, full, domain: str) -> alt.LayerChart:
     data = curves[curves["domain"] == domain]
-    budgets = sorted(data["budget"].unique().tolist())
-    x = alt.X("budget:Q", title="budget (KV entries)", scale=alt.Scale(type="log", base=2), axis=alt.Axis(values=budgets, format="~s"))
-    base = alt.Chart(data).encode(x=x, color=alt.Color("method:N", title="method"))
-    band = base.mark_area(opacity=0.12).encode(y="acc_lo:Q", y2="acc_hi:Q")
+    base = _base(data, curves["method"])
+    band = _band(data, curves["method"]).encode(y="acc_lo:Q", y2="acc_hi:Q")
     line = base.mark_line(point=True).encode(
         y=alt.Y("accuracy:Q", title="accuracy %"),
         tooltip=["method", "budget", alt.Tooltip("accuracy:Q", format=".1f"), alt.Tooltip("acc_lo:Q", format=".1f"),
@@ -27,7 +50,7 @@ def chart(curves, full, domain: str) -> alt.LayerChart:
             y="accuracy:Q", tooltip=[alt.Tooltip("accuracy:Q", title="full cache %", format=".1f"), "problems"]))
         layers.append(alt.Chart(ref).mark_text(align="left", dx=4, dy=-7, color="#444").encode(
             y="accuracy:Q", x=alt.value(0), text=alt.value("full cache")))
-    return alt.layer(*layers).properties(title=domain, height=320)
+    return alt.layer(*layers).properties(title=domain, height=height_with_legend(PLOT_HEIGHT, curves["method"]))
 
 
 #: what a fidelity curve plots: (column, its interval's columns, axis title)
@@ -38,16 +61,14 @@ FIDELITY_MEASURES = {"KL to full cache": ("KL", "KL lo", "KL hi", "mean KL(full 
 def fidelity_chart(curves, domain: str, measure: str) -> alt.LayerChart:
     y, lo, hi, title = FIDELITY_MEASURES[measure]
     data = curves[curves["domain"] == domain]
-    budgets = sorted(data["budget"].unique().tolist())
-    x = alt.X("budget:Q", title="budget (KV entries)", scale=alt.Scale(type="log", base=2), axis=alt.Axis(values=budgets, format="~s"))
-    base = alt.Chart(data).encode(x=x, color=alt.Color("method:N", title="method"))
-    band = base.mark_area(opacity=0.12).encode(y=f"{lo}:Q", y2=f"{hi}:Q")
+    base = _base(data, curves["method"])
+    band = _band(data, curves["method"]).encode(y=f"{lo}:Q", y2=f"{hi}:Q")
     line = base.mark_line(point=True).encode(
         y=alt.Y(f"{y}:Q", title=title),
         tooltip=["method", "budget", alt.Tooltip(f"{y}:Q", format=".4f"), alt.Tooltip(f"{lo}:Q", format=".4f"),
                  alt.Tooltip(f"{hi}:Q", format=".4f"), "samples"],
     )
-    return alt.layer(band, line).properties(title=domain, height=320)
+    return alt.layer(band, line).properties(title=domain, height=height_with_legend(PLOT_HEIGHT, curves["method"]))
 
 
 def render(ctx) -> None:
@@ -58,10 +79,17 @@ def render(ctx) -> None:
         render_fidelity(ctx, measure)
         return
     weighting = pick_weighting("bc_weighting")
-    curves, full = ctx.data("budget_curves", ctx.filters, None, weighting)
+    picked = pick_slice(ctx, "bc_slice")
+    if picked is None:
+        empty()
+        return
+    filters, chosen = picked
+    curves, full = ctx.data("budget_curves", filters, None, weighting)
     if curves.empty:
         empty()
         return
+    curves = with_slice(curves, chosen)
+    coinciding_note(ctx, filters)
     st.caption("Accuracy (%) against the KV budget (log scale), with 95% Wilson score bands (design effect when a question "
                "has several samples or cells); failed samples count as wrong. At each budget the methods of a domain share "
                f"the problem cells all of them have; tasks are pooled per {weighting}. The dashed line is full cache on its "
@@ -77,10 +105,18 @@ def render(ctx) -> None:
 
 
 def render_fidelity(ctx, measure: str) -> None:
-    curves = ctx.data("fidelity_curves", ctx.filters)
-    if curves.empty:
-        empty("No fidelity results match the filters (a sweep task entry with measure: fidelity writes them).")
+    none = "No fidelity results match the filters (a sweep task entry with measure: fidelity writes them)."
+    picked = pick_slice(ctx, "bc_fidelity_slice", q.MEASURE_FIDELITY)
+    if picked is None:
+        empty(none)
         return
+    filters, chosen = picked
+    curves = ctx.data("fidelity_curves", filters)
+    if curves.empty:
+        empty(none)
+        return
+    curves = with_slice(curves, chosen)
+    coinciding_note(ctx, filters)
     st.caption(f"{measure.capitalize()} against the KV budget (log scale), per domain: the mean over samples of each "
                "sample's mean over its scored tokens, with 95% percentile bootstrap bands over samples. At each budget the "
                "methods of a domain share the samples all of them have. Full cache is left out: its KL is 0 and its "

@@ -36,8 +36,7 @@ DETAIL_FORMATS = {"pct": ("accuracy %", "eviction fired %"), "pp": ("Δ vs full 
 
 def render(ctx) -> None:
     st.title("Leaderboard")
-    budgets = list(ctx.filters.budgets or ctx.opts.budgets)
-    budget = pick_budget("Budget", budgets, key="lb_budget")
+    budget = pick_budget(ctx, "Budget", key="lb_budget")
     if budget is None:
         return
     weighting = pick_weighting("lb_weighting")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.views.common import empty, pick_budget
+from dashboard.views.common import empty, most_data
 
 MARK = {True: "correct", False: "wrong", None: "-"}
 
@@ -15,16 +15,25 @@ def render(ctx) -> None:
     if not tasks:
         empty()
         return
-    names = {t["id"]: f"{t['name']} ({t['domain']})" for t in tasks}
+    names = {t["id"]: t["label"] for t in tasks}
+    # open on the task, then the budget, with the most generations (fidelity rows have no completion)
+    counts = ctx.data("row_counts", ctx.filters, ("task_id", "budget"))
+    per_task: dict[tuple, int] = {}
+    for (task, _), n in counts.items():
+        per_task[(task,)] = per_task.get((task,), 0) + n
     c1, c2, c3 = st.columns([2, 2, 1])
     with c1:
-        task_id = st.selectbox("Task", list(names), format_func=lambda i: names[i], key="sm_task")
+        task_id = st.selectbox("Task", list(names), index=most_data(per_task, list(names)), format_func=lambda i: names[i],
+                               key="sm_task", help="Opens on the task with the most generations.")
+    budgets = list(ctx.filters.budgets or ctx.opts.budgets)
+    if not budgets:
+        empty("No budget is selected in the filters.")
+        return
     with c2:
-        budget = pick_budget("Budget", list(ctx.filters.budgets or ctx.opts.budgets), key="sm_budget")
+        budget = st.selectbox("Budget", budgets, index=most_data(counts, [(task_id, b) for b in budgets]), key="sm_budget",
+                              format_func=lambda b: f"{b:,} KV entries", help="Opens on the task's budget with the most generations.")
     with c3:
         disagree = st.checkbox("only problems where methods disagree", value=False, key="sm_disagree")
-    if budget is None:
-        return
     ids = ctx.data("problem_ids", ctx.filters, task_id, budget, disagree)
     if not ids:
         empty("No problems match.")

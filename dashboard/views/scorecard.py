@@ -29,7 +29,9 @@ def render(ctx) -> None:
         weighting = pick_weighting("sc_weighting")
     st.subheader("The paper's claims and kvleague's measurements")
     claims = ctx.data("paper_claims", ctx.filters)
-    st.dataframe(styled(claims, p=("p vs paper", "p vs paper (Holm)")), hide_index=True, placeholder="—", key="sc_claims")
+    # the measured value names its method, task and budget: wide enough to read whole
+    st.dataframe(styled(claims, p=("p vs paper", "p vs paper (Holm)")), hide_index=True, placeholder="—", key="sc_claims",
+                 column_config={"kvleague": st.column_config.TextColumn(width="large")})
     st.caption("Measured on the same task and budget, under the model, protocol and decoding filters, for the method "
                "named (the spec with the most samples), failed samples counted as wrong. p vs paper: two-sided score "
                "test of kvleague's accuracy = the paper's value (the test dual to the Wilson interval shown, design effect "

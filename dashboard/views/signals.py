@@ -39,18 +39,25 @@ def depth_chart(depth: pd.DataFrame, reference: pd.DataFrame) -> alt.LayerChart:
          "band": f"paper: positive band (layers {POSITIVE_LAYERS[0]}-{POSITIVE_LAYERS[1]} of {N_LAYERS})"},
         {"from": NEGATIVE_BAND[0], "to": NEGATIVE_BAND[1],
          "band": f"paper: negative band (layers {NEGATIVE_LAYERS[0]}-{NEGATIVE_LAYERS[1]} of {N_LAYERS})"}])
+    # legends below the plot, labels never shortened: the bands' labels are long, and the band and the
+    # line of a domain share one legend (a layer without it would switch the legend off)
+    band_legend = alt.Legend(orient="bottom", direction="vertical", labelLimit=0, symbolOpacity=0.5)
+    domain_legend = alt.Legend(orient="bottom", labelLimit=0, symbolOpacity=1, symbolType="stroke", symbolStrokeWidth=3)
     shade = alt.Chart(bands).mark_rect(opacity=0.12).encode(
-        x=alt.X("from:Q"), x2="to:Q", color=alt.Color("band:N", scale=alt.Scale(range=["#2a9d8f", "#e63946"]), title=None))
+        x=alt.X("from:Q"), x2="to:Q",
+        color=alt.Color("band:N", scale=alt.Scale(range=["#2a9d8f", "#e63946"]), title=None, legend=band_legend))
     base = alt.Chart(depth).encode(x=alt.X("depth:Q", title="layer depth (layer / layers)", scale=alt.Scale(domain=[0, 1])))
-    interval = base.mark_area(opacity=0.15).encode(y="rho_lo:Q", y2="rho_hi:Q", fill=alt.Fill("domain:N", legend=None))
+    interval = base.mark_area(opacity=0.15).encode(y="rho_lo:Q", y2="rho_hi:Q",
+                                                   fill=alt.Fill("domain:N", title="domain", legend=domain_legend))
     lines = base.mark_line(point=True).encode(
-        y=alt.Y("rho:Q", title="Spearman rho with occlusion importance"), stroke=alt.Stroke("domain:N", title="domain"),
+        y=alt.Y("rho:Q", title="Spearman rho with occlusion importance"),
+        stroke=alt.Stroke("domain:N", title="domain", legend=domain_legend),
         tooltip=["domain", "task", "layer", alt.Tooltip("rho:Q", format="+.3f"), alt.Tooltip("rho_lo:Q", format="+.3f"),
                  alt.Tooltip("rho_hi:Q", format="+.3f"), "n_samples"])
     ref = alt.Chart(reference).mark_line(strokeDash=[4, 3], color="gray", opacity=0.7).encode(
         x="depth:Q", y="rho:Q", detail="dataset:N", tooltip=["dataset", "layer", alt.Tooltip("rho:Q", format="+.3f")])
     zero = alt.Chart(pd.DataFrame({"y": [0.0]})).mark_rule(color="black", opacity=0.4).encode(y="y:Q")
-    return alt.layer(shade, ref, interval, lines, zero).resolve_scale(color="independent").properties(height=380)
+    return alt.layer(shade, ref, interval, lines, zero).resolve_scale(color="independent").properties(height=460)
 
 
 def render(ctx) -> None:

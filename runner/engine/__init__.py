@@ -14,7 +14,19 @@ it imports nothing from them. Its modules, one job each:
 """
 
 from runner.engine.errors import KvleagueError
-from runner.engine.generation import DecodeOutput, Engine, GenerationResult, Session
 from runner.engine.protocol import GenerationSettings, Protocol
+
+# ``generation`` imports torch and transformers (seconds); loaded on first use so that importing
+# ``runner.engine.errors`` (every CLI command does) stays cheap
+_LAZY = {"DecodeOutput", "Engine", "GenerationResult", "Session"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from runner.engine import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module 'runner.engine' has no attribute {name!r}")
+
 
 __all__ = ["DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]

@@ -1,0 +1,222 @@
+"""What a researcher sees first, on every page of the app (Streamlit's AppTest, in process), on two
+databases: the committed replication export (three protocols, accuracy and fidelity) and a seeded
+realistic sweep. Every page opens on data, every chart's spec passes :mod:`dashboard.chart_checks`,
+and the defaults and lines are checked against SQL written here."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import altair as alt
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard import chart_checks
+from dashboard.seed import TASKS, RealisticSpec, Seeder, realistic_rows
+from dashboard.ui import PAGES
+from db.session import get_engine
+from tests.conftest import REPO
+
+APP = str(REPO / "dashboard" / "app.py")
+TIMEOUT = 300
+#: the seeded sweep with fewer problems per task (a quick database)
+PROBLEMS = {"math500": 60, "aime24": 30, "humaneval": 40, "kv_agent": 40, "niah": 40}
+
+
+@pytest.fixture(scope="module")
+def replication_db(tmp_path_factory) -> Path:
+    from db.transfer import import_
+
+    path = tmp_path_factory.mktemp("replication") / "replication.db"
+    engine = get_engine(f"sqlite:///{path}")
+    import_(engine, REPO / "results" / "replication.jsonl.gz")
+    engine.dispose()
+    return path
+
+
+@pytest.fixture(scope="module")
+def seeded_db(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("seeded") / "seeded.db"
+    engine = get_engine(f"sqlite:///{path}")
+    s = Seeder(engine)
+    tasks = tuple((name, domain, PROBLEMS[name], acc, typical) for name, domain, _, acc, typical in TASKS)
+    s.write([dict(r) for r in realistic_rows(s, RealisticSpec(tasks=tasks, sweep="views", fail_rate=0.0))])
+    engine.dispose()
+    return path
+
+
+def sql(path: Path, query: str, *args) -> list[tuple]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(query, args).fetchall()
+
+
+def open_page(path: Path, page: str, monkeypatch) -> AppTest:
+    monkeypatch.setenv("KVLEAGUE_DB", f"sqlite:///{path}")
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    at.sidebar.radio(key="page").set_value(page).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def charts(at: AppTest) -> list[tuple[dict, dict[str, pd.DataFrame]]]:
+    return [(json.loads(c.proto.spec), {d.name: chart_checks.arrow_frame(d.data.data) for d in c.proto.datasets})
+            for c in at.get("vega_lite_chart")]
+
+
+def assert_opens_on_data(at: AppTest, where: str) -> None:
+    shown = [c for c in charts(at)]
+    tables = [len(d.value) for d in at.dataframe]
+    assert shown or any(tables), f"{where}: neither a chart nor a table with rows"
+    empty = [i.value for i in at.info if "match" in i.value or "No results" in i.value]
+    assert not empty, f"{where}: {empty}"
+    for spec, data in shown:
+        assert chart_checks.problems(spec, data) == [], where
+
+
+# ------------------------------------------------------------------------------------------------
+# The checks themselves: each fault the issue found is caught
+# ------------------------------------------------------------------------------------------------
+
+METHODS15 = [f"method{i:02d}" for i in range(15)]
+
+
+def _spec(chart: alt.TopLevelMixin) -> tuple[dict, dict[str, pd.DataFrame]]:
+    spec = chart.to_dict()
+    datasets = {name: pd.DataFrame(rows) for name, rows in spec.pop("datasets", {}).items()}
+    return spec, datasets
+
+
+def _curves(protocol_of_budget) -> pd.DataFrame:
+    return pd.DataFrame([{"method": m, "budget": b, "accuracy": 50.0, "model": "m", "protocol": protocol_of_budget(b),
+                          "generation": "g"} for m in METHODS15[:3] for b in (48, 96, 128, 192, 256)])
+
+
+def test_chart_checks_catch_a_line_across_protocols():
+    joined = _curves(lambda b: "#2" if b in (128, 256) else "#1")
+    by_method = alt.Chart(joined).mark_line().encode(x="budget:Q", y="accuracy:Q", color="method:N")
+    assert "a line across budgets joins 2 different values of protocol" in chart_checks.problems(*_spec(by_method))
+    by_slice = by_method.encode(detail=["model:N", "protocol:N", "generation:N"])
+    assert chart_checks.problems(*_spec(by_slice)) == []
+    unlabelled = alt.Chart(joined.drop(columns=["protocol"])).mark_line().encode(x="budget:Q", y="accuracy:Q", color="method:N")
+    assert chart_checks.problems(*_spec(unlabelled)) == ["a line across budgets whose points do not say their protocol"]
+
+
+def test_chart_checks_catch_cut_and_missing_legends():
+    data = pd.DataFrame({"method": METHODS15, "x": range(15), "y": range(15)})
+    side = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color="method:N").properties(height=200)
+    assert chart_checks.problems(*_spec(side)) == [
+        "the legend of method (15 rows at the side) is taller than the chart (200px): it is cut off"]
+    none = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color=alt.Color("method:N", legend=None))
+    assert chart_checks.problems(*_spec(none)) == ["15 series of method with neither a legend nor direct labels"]
+    # one layer switching the legend off switches it off for all (what hid the Signals page's legend)
+    lines = alt.Chart(data).mark_line().encode(x="x:Q", y="y:Q", stroke="method:N")
+    mixed = alt.layer(lines, alt.Chart(data).mark_area().encode(x="x:Q", y="y:Q", fill=alt.Fill("method:N", legend=None)))
+    assert chart_checks.problems(*_spec(mixed)) == ["15 series of method with neither a legend nor direct labels"]
+    limited = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color=alt.Color(
+        "method:N", legend=alt.Legend(symbolLimit=8, orient="bottom", columns=5))).properties(height=400)
+    assert chart_checks.problems(*_spec(limited)) == ["the legend of method lists 8 of its 15 values"]
+    narrow_domain = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color=alt.Color(
+        "method:N", scale=alt.Scale(domain=METHODS15[:10]), legend=alt.Legend(orient="bottom", columns=5))).properties(height=400)
+    assert chart_checks.problems(*_spec(narrow_domain))[0].startswith("the colour scale of method leaves out")
+    assert chart_checks.problems(*_spec(alt.Chart(data.iloc[:0]).mark_point().encode(x="x:Q"))) == ["the chart has no data"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Every page of both databases
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("db", ["replication_db", "seeded_db"])
+def test_every_page_opens_on_data_with_sound_charts(db, page, request, monkeypatch):
+    path = request.getfixturevalue(db)
+    if page == "Signals" and db == "seeded_db":
+        pytest.skip("the seeded sweep has no signal studies (the page says so)")
+    at = open_page(path, page, monkeypatch)
+    assert_opens_on_data(at, f"{db} {page}")
+    if page == "Budget curves" and db == "replication_db":
+        for measure in ("KL to full cache", "top-1 agreement"):
+            at.radio(key="bc_measure").set_value(measure).run()
+            assert not at.exception, at.exception
+            assert_opens_on_data(at, f"{db} {page} {measure}")
+
+
+def _protocol_id(label: str) -> int:
+    return int(label.split(":", 1)[0].lstrip("#"))
+
+
+def test_budget_curves_open_on_the_largest_slice_and_never_join_protocols(replication_db, monkeypatch):
+    at = open_page(replication_db, "Budget curves", monkeypatch)
+    at.radio(key="bc_measure").set_value("KL to full cache").run()
+    counts = sql(replication_db, "SELECT model_id, protocol_id, generation_id, COUNT(*) FROM sample_results "
+                                 "WHERE measure = 'fidelity' GROUP BY 1, 2, 3 ORDER BY 4 DESC")
+    assert len(counts) == 3
+    slice_box = at.selectbox(key="bc_fidelity_slice")
+    assert tuple(slice_box.value) == counts[0][:3]
+    for i in range(len(slice_box.options)):
+        at.selectbox(key="bc_fidelity_slice").select_index(i).run()
+        assert not at.exception, at.exception
+        assert tuple(at.selectbox(key="bc_fidelity_slice").value) == counts[i][:3]
+        for spec, data in charts(at):
+            assert chart_checks.problems(spec, data) == []
+            line = next(d for d in data.values() if "method" in d.columns)
+            for protocol, rows in line.groupby("protocol"):
+                budgets = {b for (b,) in sql(replication_db, "SELECT DISTINCT budget FROM sample_results WHERE measure = "
+                                                            "'fidelity' AND protocol_id = ?", _protocol_id(protocol))}
+                assert set(rows["budget"]) <= budgets, (protocol, sorted(rows["budget"].unique()), budgets)
+
+
+def test_leaderboard_opens_on_the_budget_with_the_most_results(replication_db, monkeypatch):
+    at = open_page(replication_db, "Leaderboard", monkeypatch)
+    counts = sql(replication_db, "SELECT budget, COUNT(*) FROM sample_results WHERE measure = 'generation' "
+                                 "GROUP BY budget ORDER BY 2 DESC, 1")
+    assert at.selectbox(key="lb_budget").value == counts[0][0]
+    methods = sql(replication_db, "SELECT COUNT(DISTINCT method_spec_id) FROM sample_results WHERE measure = 'generation' "
+                                  "AND budget = ?", counts[0][0])[0][0]
+    assert len(at.dataframe[0].value) == methods > 1
+
+
+def test_samples_open_on_problems_and_task_variants_are_told_apart(replication_db, monkeypatch):
+    at = open_page(replication_db, "Samples", monkeypatch)
+    box = at.selectbox(key="sm_task")
+    labels = box.options  # AppTest gives the options as shown
+    assert len(set(labels)) == len(labels) == sql(replication_db, "SELECT COUNT(DISTINCT task_id) FROM sample_results")[0][0]
+    assert sum(label.startswith("niah (longqa; ") for label in labels) == 4, labels
+    task, budget, _ = sql(replication_db, "SELECT task_id, budget, COUNT(*) FROM sample_results WHERE measure = 'generation' "
+                                          "GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 1")[0]
+    assert (box.value, at.selectbox(key="sm_budget").value) == (task, budget)
+    assert len(at.dataframe[0].value) > 1
+
+
+def test_identical_methods_are_named(replication_db, monkeypatch):
+    """On protocol #2's fidelity rows two method specs have the same KL, top-1 and ΔNLL on every sample
+    (found here by comparing every pair of methods' rows); the page names exactly those."""
+    rows = pd.DataFrame(sql(replication_db, "SELECT m.name, m.params, r.budget, r.task_id, r.sample_id, r.seed, "
+                                            "r.kl_mean, r.top1_agreement, r.delta_nll_mean FROM sample_results r JOIN "
+                                            "method_specs m ON m.id = r.method_spec_id WHERE r.measure = 'fidelity' AND "
+                                            "r.protocol_id = 2"),
+                        columns=["name", "params", "budget", "task", "sample", "seed", "kl", "top1", "dnll"])
+    per = {key: frozenset(map(tuple, g.drop(columns=["name", "params"]).itertuples(index=False)))
+           for key, g in rows.groupby(["name", "params"])}
+    same = [(a, b) for a in per for b in per if a < b and per[a] == per[b]]
+    assert [(a[0], b[0]) for a, b in same] == [("epikv", "epikv_seg")]
+    at = open_page(replication_db, "Budget curves", monkeypatch)
+    at.radio(key="bc_measure").set_value("KL to full cache").run()
+    box = at.selectbox(key="bc_fidelity_slice")
+    box.select_index(next(i for i, o in enumerate(box.options) if "protocol #2:" in o)).run()
+    warnings = [w.value for w in at.warning]
+    assert len(warnings) == 1 and "epikv(series=generated) = epikv_seg" in warnings[0], warnings
+
+
+def test_cost_draws_accuracy_against_memory_only_where_memory_differs(replication_db, seeded_db, monkeypatch):
+    for path in (replication_db, seeded_db):
+        (lo, hi), = sql(path, "SELECT MIN(m), MAX(m) FROM (SELECT AVG(peak_kv_bytes) AS m FROM sample_results WHERE "
+                              "status = 'ok' AND measure = 'generation' GROUP BY method_spec_id, budget)")
+        at = open_page(path, "Cost", monkeypatch)
+        drawn = any(json.dumps(spec).count('"peak KV MiB"') for spec, _ in charts(at))
+        assert drawn == (hi >= 1.25 * lo), (path.name, lo, hi)
+        assert drawn or any(c.value.startswith("Not drawn: every method and budget peaks at about") for c in at.caption)
