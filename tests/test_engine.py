@@ -350,3 +350,13 @@ def test_stop_strings_cut_the_completion(engines, prompt_ids):
     cut = engine.generate(prompt_ids, build_method("full"), 4096, settings=greedy(60, stop=(stop,), **sampled), seed=5)
     assert cut.stop_reason == "stop"
     assert cut.completion == free[: starts[0]]
+
+
+def test_decode_streams_each_token_as_it_is_chosen(engines, prompt_ids):
+    engine = engines["llama"]
+    seen = []
+    with engine.session(build_method("knorm"), 40, Protocol()) as session:
+        session.feed(prompt_ids)
+        out = session.decode(greedy(9), on_token=lambda token: seen.append((token, len(session.generated))))
+    # every token, in order, before the decode call returned (generated is extended only at its end)
+    assert [t for t, _ in seen] == out.token_ids and all(n == 0 for _, n in seen)

@@ -233,8 +233,9 @@ class Session:
         self.prompt_tokens += len(token_ids)
         self.prefill_seconds += self.engine.clock() - start
 
-    def decode(self, settings: GenerationSettings) -> DecodeOutput:
-        """Generate until EOS, a stop string or ``max_new_tokens``."""
+    def decode(self, settings: GenerationSettings, on_token: Callable[[int], None] | None = None) -> DecodeOutput:
+        """Generate until EOS, a stop string or ``max_new_tokens``; ``on_token`` sees each token as it
+        is chosen (streaming output, progress)."""
         if self.logits is None:
             raise KvleagueError("decode: feed a prompt first")
         self._flush_pending()
@@ -246,6 +247,8 @@ class Session:
             step_start = self.engine.clock()
             token = self._next_token(self.logits, settings)
             tokens.append(token)
+            if on_token is not None:
+                on_token(token)
             if token in self.engine.eos_ids:
                 reason = "eos"
             elif settings.stop and any(s in tokenizer.decode(tokens[-window:]) for s in settings.stop):
