@@ -91,10 +91,7 @@ def full_cache_logprobs(engine: Engine, segments: Sequence[Segment]) -> tuple[to
             predicting += range(at - 1, at - 1 + len(seg))
             targets += seg
         at += len(seg)
-    model = engine.model
-    out = model(input_ids=torch.tensor([ids], device=engine.device), use_cache=False,
-                logits_to_keep=torch.tensor(predicting, device=engine.device))
-    return torch.log_softmax(out.logits[0].double(), dim=-1), torch.tensor(targets)
+    return torch.log_softmax(engine.sequence_logits(ids, predicting).double(), dim=-1), torch.tensor(targets)
 
 
 class _Comparison:
@@ -185,7 +182,7 @@ def measure_batch(
     ``seconds`` of a batched result: its own prompt feed plus the batch's teacher-forced wall time
     split evenly over its sequences (their throughput, not the latency one sequence saw)."""
     from runner.engine.batch import auto_batch_size, check_batch_arguments, teacher_force_batch
-    from runner.engine.generation import Session
+    from runner.engine.session import Session
 
     n = len(samples)
     if not (len(methods) == len(budgets) == n):

@@ -92,7 +92,7 @@ def cmd_generate(args) -> int:
         prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
     else:
         prompt = list(tok(text, add_special_tokens=False)["input_ids"])
-    warning = check_context(len(prompt), args.max_new_tokens, getattr(engine.model.config, "max_position_embeddings", None),
+    warning = check_context(len(prompt), args.max_new_tokens, engine.backend.max_positions,
                             protocol.positions)
     if warning:
         _progress(warning)

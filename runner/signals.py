@@ -54,7 +54,6 @@ Every signal and label is reported for the context tokens only (the answer is ne
 
 from __future__ import annotations
 
-import copy
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -63,8 +62,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runner.engine.probe import wrapper_name
 from runner.engine import Engine
+from runner.engine.backend import Analysis, Prefix
 from runner.engine.errors import KvleagueError
 from runner.fidelity import Segment, truncate
 from runner.method_panel import MethodPanel
@@ -165,22 +164,6 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 # -- the model passes ------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def _full_pass(engine: Engine, ids: list[int], answer_tokens: int):
-    """One eager pass over the whole sequence: hidden states, attention weights, the cache, answer logits."""
-    model = engine.model
-    model.set_attn_implementation(wrapper_name("eager"))
-    try:
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=torch.tensor([ids], device=engine.device), past_key_values=cache, use_cache=True,
-                    output_hidden_states=True, output_attentions=True, logits_to_keep=answer_tokens + 1)
-    finally:
-        model.set_attn_implementation(wrapper_name(engine.attn_implementation))
-    return out, cache
-
-
 def _answer_nll(logits: torch.Tensor, answer: list[int]) -> float:
     """Mean NLL of ``answer`` from the last ``len(answer) + 1`` positions' logits (the last one unused)."""
     logp = torch.log_softmax(logits[: len(answer)].double(), dim=-1)
@@ -188,28 +171,17 @@ def _answer_nll(logits: torch.Tensor, answer: list[int]) -> float:
 
 
 @torch.inference_mode()
-def _suffix_logits(engine: Engine, cache, start: int, ids: list[int], keep: int) -> tuple[torch.Tensor, Any]:
-    """Logits of the last ``keep`` positions of ``ids`` when ``ids[start:]`` follows the cached prefix
-    ``ids[:start]`` (a copy of ``cache`` cut to ``start``: the prefix is unchanged by a later occlusion)."""
-    prefix = copy.deepcopy(cache)
-    prefix.crop(start)
-    out = engine.model(input_ids=torch.tensor([ids[start:]], device=engine.device), past_key_values=prefix,
-                       use_cache=True, logits_to_keep=keep)
-    return out.logits[0], prefix
-
-
-@torch.inference_mode()
-def _greedy(engine: Engine, cache, start: int, context: list[int], max_new: int) -> list[int]:
-    """Greedy tokens after ``context`` (fed from ``start`` over the cached prefix), EOS excluded."""
-    logits, prefix = _suffix_logits(engine, cache, start, context, 1)
+def _greedy(engine: Engine, prefix: Prefix, start: int, context: list[int], max_new: int) -> list[int]:
+    """Greedy tokens after ``context`` (fed from ``start`` over the cached ``prefix``), EOS excluded."""
+    logits, continued = prefix.continue_with(start, context, 1)
+    logits = logits[-1]
     tokens: list[int] = []
     while len(tokens) < max_new:
-        token = int(logits[-1].argmax())
+        token = int(logits.argmax())
         if token in engine.eos_ids:
             break
         tokens.append(token)
-        out = engine.model(input_ids=torch.tensor([[token]], device=engine.device), past_key_values=prefix, use_cache=True)
-        logits = out.logits[0]
+        logits = continued.step(token)
     return tokens
 
 
@@ -221,20 +193,20 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
 # -- signals -----------------------------------------------------------------------------------
 
 
-def model_signals(out, cache, rolling: int) -> dict[str, np.ndarray]:
+def model_signals(analysis: Analysis, rolling: int) -> dict[str, np.ndarray]:
     """The per-token signals of every layer (see the module docstring), over the whole sequence."""
     signals: dict[str, np.ndarray] = {}
     per_family: dict[str, list[np.ndarray]] = {f: [] for f in MEAN_FAMILIES}
-    n_layers = len(out.attentions)
+    n_layers = len(analysis.attentions)
     for layer in range(n_layers):
-        h = out.hidden_states[layer + 1][0].double()
+        h = analysis.hidden_states[layer + 1].double()
         diff = np.zeros(h.shape[0])
         diff[1:] = (h[1:] - h[:-1]).norm(dim=-1).numpy()
         signals[f"hs_l2_diff_l{layer}"] = diff
         signals[f"hs_l2_diff_rolling64_l{layer}"] = rolling_mean(diff, rolling)
-        keys = cache.layers[layer].keys[0].double()  # [H, T, d]
-        values = cache.layers[layer].values[0].double()
-        attn = out.attentions[layer][0].double()  # [H_q, T, T]
+        keys = analysis.keys[layer].double()  # [H, T, d]
+        values = analysis.values[layer].double()
+        attn = analysis.attentions[layer].double()  # [H_q, T, T]
         row = attn.clamp(min=1e-10)
         layer_signals = {
             "key_norm": keys.norm(dim=-1).mean(0), "key_var": keys.var(dim=-1).mean(0),
@@ -300,17 +272,17 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
     t0 = time.perf_counter()
     context, answer = split_context_answer(task.fidelity_segments(sample, engine.tokenizer), options.max_tokens)
     if options.trace == "greedy":
-        from transformers import DynamicCache
-
-        answer = _greedy(engine, DynamicCache(config=engine.model.config), 0, context, options.max_tokens)
+        answer = _greedy(engine, engine.backend.empty_prefix(), 0, context, options.max_tokens)
         if not answer:
             raise KvleagueError(f"signals: sample {sample.sample_id}: the greedy trace is empty (EOS first)")
     ids = context + answer
     n = len(context)
-    out, cache = _full_pass(engine, ids, len(answer))
-    base_nll = _answer_nll(out.logits[0], answer)
-    signals = {name: values[:n] for name, values in model_signals(out, cache, options.rolling).items()}
-    del out
+    with torch.inference_mode():
+        analysis = engine.backend.analysis_pass(ids, len(answer) + 1)
+    base_nll = _answer_nll(analysis.logits, answer)
+    signals = {name: values[:n] for name, values in model_signals(analysis, options.rolling).items()}
+    cache = analysis.prefix  # the whole sequence's cache: occlusions and regenerations start from its prefixes
+    del analysis
     seconds["signals"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -319,7 +291,8 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
     delta: list[float] = []
     for start, end in windows:
         occluded = ids[:start] + [fill] * (end - start) + ids[end:]
-        logits, _ = _suffix_logits(engine, cache, start, occluded, len(answer) + 1)
+        with torch.inference_mode():
+            logits, _ = cache.continue_with(start, occluded, len(answer) + 1)
         delta.append(_answer_nll(logits, answer) - base_nll)
     labels = {"occlusion_nll": token_labels(n, windows, delta)}
     seconds["occlusion_nll"] = time.perf_counter() - t0
@@ -348,7 +321,7 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
                          signals, errors, seconds)
 
 
-def _answer_correct(engine: Engine, task, sample, cache, start: int, context: list[int], options: SignalOptions) -> bool:
+def _answer_correct(engine: Engine, task, sample, cache: Prefix, start: int, context: list[int], options: SignalOptions) -> bool:
     tokens = _greedy(engine, cache, start, context, options.flip_tokens)
     text = _cut_at_stop(engine.tokenizer.decode(tokens, skip_special_tokens=True), tuple(task.stop))
     return bool(task.score(sample, text).correct)

@@ -190,9 +190,9 @@ def test_score_batch_override_sees_the_padded_caches_of_the_evicting_sequences(e
 
 def test_slabs_that_must_grow_keep_every_row(engines64, prompts, monkeypatch):
     """Slabs that start with one free slot per row grow as the rows do, every row intact."""
-    from runner.engine import batch
+    from runner.engine.decode import DecodeLoop
 
-    monkeypatch.setattr(batch._BatchDecode, "_initial_capacity", lambda self: max(s.cache.length for s in self.sessions) + 1)
+    monkeypatch.setattr(DecodeLoop, "_initial_capacity", lambda self: max(s.cache.length for s in self.sessions) + 1)
     engine = engines64["qwen2"]
     names = ["full", "knorm"] * 4
     settings = [GenerationSettings(max_new_tokens=n) for n in (12, 20)]

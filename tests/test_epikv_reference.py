@@ -102,7 +102,7 @@ def kvleague_decode(engine, prompt, n_new, budget, method, protocol):
             tokens += session.decode(GenerationSettings(max_new_tokens=1)).token_ids
             if step:
                 kept.append(session.kept_positions()[0])
-        session._flush_pending()
+        session.flush_pending()
         kept.append(session.kept_positions()[0])
         evictions = session.evictions
     return tokens, kept, evictions

@@ -35,13 +35,13 @@ def test_kl_equals_a_naive_recomputation_on_the_kept_positions(engines, prompt_i
     segs = _segments(engine, prompt_ids, 20)
     seq = [t for ids, _ in segs for t in ids]
     seen: list[list[torch.Tensor]] = []  # cache positions right after each forward (before its eviction)
-    real_forward = Session._forward
+    real_after_forward = Session.after_forward
 
-    def recording_forward(self, token_ids, prompt, phase):
-        real_forward(self, token_ids, prompt, phase)
+    def recording_after_forward(self, positions, prompt):
+        real_after_forward(self, positions, prompt)
         seen.append([p.clone() for p in self.cache.positions])
 
-    monkeypatch.setattr(Session, "_forward", recording_forward)
+    monkeypatch.setattr(Session, "after_forward", recording_after_forward)
     result = fidelity.measure(engine, segs, build_method(method), 40, Protocol(sink=2, recent=4), per_token=True)
     monkeypatch.undo()
     assert result.generation.evictions > 10  # eviction really happened at the teacher-forced steps

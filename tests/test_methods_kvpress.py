@@ -194,7 +194,7 @@ def test_decode_time_compression_equals_kvpress_with_slot_order_corrected(engine
             tokens += session.decode(GenerationSettings(max_new_tokens=1)).token_ids
             if step:
                 kept.append([p.sort(dim=-1).values for p in session.cache.positions])
-        session._flush_pending()
+        session.flush_pending()
         kept.append([p.sort(dim=-1).values for p in session.cache.positions])
     for step, (ours, theirs) in enumerate(zip(kept, expected_kept)):
         for layer in range(engine.n_layers):

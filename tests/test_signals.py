@@ -21,7 +21,7 @@ from runner.models import load_engine
 from runner.method_panel import MethodPanel
 from runner.engine.protocol import Protocol
 from runner.signal_stats import SampleBootstrap, pooled_partial_spearman, pooled_spearman
-from runner.signals import MEAN_FAMILIES, SignalOptions, _full_pass, model_signals, occlusion_windows, study_sample, token_labels
+from runner.signals import MEAN_FAMILIES, SignalOptions, model_signals, occlusion_windows, study_sample, token_labels
 from runner.models.tiny import make_tiny_model
 from tasks.base import ScoreResult
 from tests.naive_attention import _rope
@@ -107,8 +107,8 @@ def naive_signals(path, ids: list[int], rolling: int) -> dict[str, np.ndarray]:
 def test_every_model_signal_equals_its_naive_recomputation(tiny):
     path, engine = tiny
     ids = [int(t) for t in torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(1))]
-    out, cache = _full_pass(engine, ids, 4)
-    ours = model_signals(out, cache, rolling=8)
+    with torch.no_grad():
+        ours = model_signals(engine.backend.analysis_pass(ids, 5), rolling=8)
     naive = naive_signals(path, ids, rolling=8)
     assert set(naive) <= set(ours)
     for name, expected in naive.items():

@@ -65,6 +65,7 @@ def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, t
     for t, a, cell in zip(together, alone, group):
         assert t["cell_key"] == a["cell_key"] == cell.key and t["status"] == a["status"] == "ok", (t.get("error"), a.get("error"))
         assert t["details"]["batch"] == {"cells": 4} and "batch" not in a["details"]
+        assert t["details"]["backend"] == a["details"]["backend"] == "hf"
         for name in ("completion", "score", "correct", "extracted", "stop_reason", "generated_tokens", "prompt_tokens",
                      "evictions", "evicted_tokens", "peak_cache_entries"):
             assert t[name] == a[name], (name, cell.describe())

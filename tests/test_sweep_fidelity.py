@@ -112,6 +112,7 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
         assert r["top1_agreement"] == want.top1_agreement, r
         details = json.loads(r["details"]) if isinstance(r["details"], str) else r["details"]
         assert details["fidelity"]["kl_max"] == pytest.approx(want.kl_max, rel=1e-5, abs=1e-9)
+        assert details["backend"] == "hf"  # the engine backend that produced the row
         if r["method"] == "full":
             assert r["kl_mean"] <= 1e-6 and r["top1_agreement"] == 1.0
     by = {(r["method"], r["budget"]): [x["kl_mean"] for x in rows if (x["method"], x["budget"]) == (r["method"], r["budget"])] for r in rows}

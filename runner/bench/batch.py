@@ -64,7 +64,8 @@ def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens:
 def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> dict:
     import torch
 
-    from runner.bench.engine_vs_generate import StepClock, plain_attention
+    from runner.bench.engine_vs_generate import StepClock
+    from runner.engine.anchors import plain_attention
 
     streamer = StepClock(clock)
     with plain_attention(engine) as model, torch.inference_mode():

@@ -50,27 +50,13 @@ class StepClock:
         return self.stamps[-1] - self.stamps[1]
 
 
-class plain_attention:
-    """Run the engine's model under its plain attention kernel (not kvleague's probing wrapper)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def __enter__(self):
-        model = self.engine.model
-        self.saved = model.config._attn_implementation
-        model.set_attn_implementation(self.engine.attn_implementation)
-        return model
-
-    def __exit__(self, *exc):
-        self.engine.model.set_attn_implementation(self.saved)
-
-
 def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None, **kwargs) -> dict:
     """``model.generate`` (inside ``press(model)`` when given) timed by a streamer."""
     import contextlib
 
     import torch
+
+    from runner.engine.anchors import plain_attention
 
     streamer = StepClock(clock)
     start = clock.now()

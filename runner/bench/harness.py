@@ -395,9 +395,9 @@ def default_model(root: str | os.PathLike[str] | None = None, **overrides: Any) 
 
 
 def model_label(engine, source: str | None) -> str:
-    params = sum(p.numel() for p in engine.model.parameters())
-    config = engine.model.config
-    shape = (f"{config.model_type}, {engine.n_layers} layers, hidden {config.hidden_size}, "
+    about = engine.describe()
+    params = about["parameters"]
+    shape = (f"{about['model_type']}, {engine.n_layers} layers, hidden {engine.backend.hidden_size}, "
              f"{engine.n_heads}/{engine.n_kv_heads} heads, {params / 1e6:.1f}M params")
     return f"{source} ({shape})" if source else f"random-weight {shape}"
 

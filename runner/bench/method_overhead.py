@@ -6,9 +6,9 @@ step it reports, in milliseconds:
 
 * ``observe``  the method's ``observe()`` (its per-token bookkeeping),
 * ``score``    the method's ``score()``,
-* ``select``   the engine's protection + top-k + physical gather of the cache (eviction minus score),
+* ``select``   the engine's protection + top-k + physical gather of the cache,
 * ``method``   observe + score + select (what ``GenerationResult.method_seconds`` counts),
-* ``decode``   the step's forward pass (model + observe) plus its eviction (sampling excluded),
+* ``decode``   the backend's forward pass plus observe, score and select (sampling excluded),
 
 ``overhead`` = method / (decode step of ``full`` at the same B) and ``step x`` = decode / full
 decode step. ``full`` (no eviction) runs first and last for each budget, side by side in the same
@@ -55,7 +55,7 @@ BUFFERED = {"snapkv": 128, "rkv": 128}
 
 def measure(engine: Engine, name: str, budget: int, prompt: list[int], steps: int, buffer: int | None, clock) -> dict:
     method = build_method(name)
-    timers = {"observe": 0.0, "score": 0.0, "evict": 0.0, "forward": 0.0}
+    timers = {"observe": 0.0, "score": 0.0, "select": 0.0, "model": 0.0}
 
     def timed(key, fn):
         def wrapper(*args, **kwargs):
@@ -76,15 +76,17 @@ def measure(engine: Engine, name: str, budget: int, prompt: list[int], steps: in
         start = time.perf_counter()
         session.feed(prompt)
         prefill = time.perf_counter() - start
-        # from here on: the forward pass (model + observe) and the eviction (score + engine selection)
-        session._forward = timed("forward", session._forward)
-        session._evict = timed("evict", session._evict)
+        # from here on: the backend's forward pass and the engine's selection (on the instances only)
+        backend = engine.backend
+        backend.forward = timed("model", backend.forward)
+        session.apply_scores = timed("select", session.apply_scores)
         for key in timers:
             timers[key] = 0.0
         evictions0 = session.evictions
         session.decode(GenerationSettings(max_new_tokens=n_steps + 1))  # n_steps fed forward passes
         evictions = session.evictions - evictions0
         attn = session.attn_implementation
+        del backend.forward  # the class's own again
     ms = lambda seconds: 1000.0 * seconds / n_steps  # noqa: E731
     return {
         "method": name,
@@ -96,9 +98,9 @@ def measure(engine: Engine, name: str, budget: int, prompt: list[int], steps: in
         "prefill_s": prefill,
         "observe_ms": ms(timers["observe"]),
         "score_ms": ms(timers["score"]),
-        "select_ms": ms(timers["evict"] - timers["score"]),
-        "method_ms": ms(timers["observe"] + timers["evict"]),
-        "decode_ms": ms(timers["forward"] + timers["evict"]),
+        "select_ms": ms(timers["select"]),
+        "method_ms": ms(timers["observe"] + timers["score"] + timers["select"]),
+        "decode_ms": ms(timers["model"] + timers["observe"] + timers["score"] + timers["select"]),
     }
 
 
@@ -135,9 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     engine = load_engine(model)
     engine.eos_ids = set()  # every run decodes exactly its number of steps
-    params = sum(p.numel() for p in engine.model.parameters())
+    params = engine.describe()["parameters"]
     generator = torch.Generator().manual_seed(0)
-    print(f"model: {args.arch} {params / 1e6:.1f}M params ({engine.n_layers} layers, hidden {engine.model.config.hidden_size}, "
+    print(f"model: {args.arch} {params / 1e6:.1f}M params ({engine.n_layers} layers, hidden {engine.backend.hidden_size}, "
           f"{engine.n_heads} heads / {engine.n_kv_heads} KV heads), torch threads {torch.get_num_threads()}, clock {args.clock}")
 
     rows = []
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     figures = {
         "model": model if args.model else f"random-weight {args.arch}, {params / 1e6:.1f}M params",
-        "config": {"layers": engine.n_layers, "hidden": engine.model.config.hidden_size, "heads": engine.n_heads, "kv_heads": engine.n_kv_heads},
+        "config": {"layers": engine.n_layers, "hidden": engine.backend.hidden_size, "heads": engine.n_heads, "kv_heads": engine.n_kv_heads},
         "budgets": budgets,
         "steps": steps,
         "quick": args.quick,

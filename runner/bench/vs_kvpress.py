@@ -52,48 +52,12 @@ def time_kvpress(engine, name: str, budget: int, prompt: list[int], new_tokens: 
     return time_generate(engine, prompt, new_tokens, clock, press=kvpress_press(name, budget))
 
 
-def corrected_kvpress_tokens(engine, name: str, budget: int, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens of kvpress's scorer applied after every decode step (true positions, as
-    ``model.generate``), the kept entries in position order, equal scores to the more recent position."""
-    import torch
-    from transformers import DynamicCache
-
-    decoding = kvpress_press(name, budget)
-    press, model = decoding.base_press, engine.model
-    cache = DynamicCache(config=model.config)
-    positions = [torch.arange(len(prompt))[None].expand(engine.n_kv_heads, -1) for _ in engine.layers]
-    tokens = []
-    with torch.inference_mode():
-        out = model(torch.tensor([prompt], device=engine.device), past_key_values=cache, use_cache=True)
-        for step in range(new_tokens):
-            token = int(out.logits[0, -1].argmax())
-            tokens.append(token)
-            length = cache.layers[0].keys.shape[2]
-            position = len(prompt) + step
-            out = model(torch.tensor([[token]], device=engine.device), position_ids=torch.tensor([[position]], device=engine.device),
-                        cache_position=torch.tensor([length], device=engine.device), past_key_values=cache, use_cache=True)
-            for i, layer in enumerate(cache.layers):
-                pos = torch.cat([positions[i], torch.full((engine.n_kv_heads, 1), position)], dim=1)
-                k_len = layer.keys.shape[2]
-                if k_len > budget:
-                    press.compression_ratio = decoding._find_target_compression_ratio(k_len, budget)
-                    scores = press.score(engine.layers[i].self_attn, None, layer.keys, layer.values, None, {})[0].cpu()
-                    n_kept = int(k_len * (1 - press.compression_ratio))
-                    by_recency = torch.argsort(pos, dim=-1, descending=True, stable=True)
-                    ranked = by_recency.gather(1, torch.argsort(scores.gather(1, by_recency), dim=-1, descending=True, stable=True))
-                    keep = ranked[:, :n_kept].sort(dim=-1).values  # position order (slots are in position order)
-                    index = keep.to(layer.keys.device)[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
-                    layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-                    pos = pos.gather(1, keep)
-                positions[i] = pos
-    return tokens
-
-
 def run(args) -> dict:
     import logging
 
     from runner.bench import harness as h
     from runner.bench.engine_vs_generate import time_engine
+    from runner.engine.anchors import kvpress_reference_tokens
     from runner.models import load_engine
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # "compression_ratio will be overridden" on every press
@@ -123,7 +87,7 @@ def run(args) -> dict:
         for name in names:
             eng, kvp = results[f"engine:{name}"], results[f"kvpress:{name}"]
             e_tps, k_tps = h.median(r["decode_tps"] for r in eng), h.median(r["decode_tps"] for r in kvp)
-            corrected = corrected_kvpress_tokens(engine, name, budget, prompt, new_tokens)
+            corrected = kvpress_reference_tokens(engine, kvpress_press(name, budget), prompt, new_tokens)
             agree = _agreeing_prefix(eng[0]["tokens"], corrected)
             row = {"method": name, "budget": budget, "engine_tokens_per_second": e_tps, "kvpress_tokens_per_second": k_tps,
                    "ratio": h.ratio(e_tps, k_tps), "same_tokens_prefix": agree,

@@ -4,7 +4,11 @@ Everything above (methods, tasks, the sweep, the database, the dashboard) builds
 it imports nothing from them. Its modules, one job each:
 
 * ``contract``  what a method is and sees (:class:`EvictionMethod`, :class:`Needs`, observations);
-* ``generation``  :class:`Engine` and :class:`Session`: prefill, decode, teacher forcing;
+* ``generation``  :class:`Engine`: sessions over one backend, ``generate`` and ``generate_batch``;
+* ``backend``  the seam to a model runtime (:class:`~runner.engine.backend.HFBackend`: Hugging Face's forward);
+* ``session``  :class:`Session`: one sequence's cache, prefill, decode and teacher forcing;
+* ``decode``  the one decode loop: a step (forward, track, observe, evict) for any number of sequences;
+* ``batch``  batching policy: which sequences decode together, and how many fit;
 * ``cache``  the budgeted KV cache: protection, top-k selection, moving entries;
 * ``probe``  the attention-weight recorder for methods that read attention;
 * ``protocol``  the budget rules (:class:`Protocol`) and decoding settings;
@@ -16,16 +20,16 @@ it imports nothing from them. Its modules, one job each:
 from runner.engine.errors import KvleagueError
 from runner.engine.protocol import GenerationSettings, Protocol
 
-# ``generation`` imports torch and transformers (seconds); loaded on first use so that importing
-# ``runner.engine.errors`` (every CLI command does) stays cheap
-_LAZY = {"DecodeOutput", "Engine", "GenerationResult", "Session"}
+# ``generation`` and ``session`` import torch and transformers (seconds); loaded on first use so that
+# importing ``runner.engine.errors`` (every CLI command does) stays cheap
+_LAZY = {"DecodeOutput": "decode", "Engine": "generation", "GenerationResult": "session", "Session": "session"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from runner.engine import generation
+        import importlib
 
-        return getattr(generation, name)
+        return getattr(importlib.import_module(f"runner.engine.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'runner.engine' has no attribute {name!r}")
 
 

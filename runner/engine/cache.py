@@ -180,7 +180,7 @@ class BudgetedCache:
         self._views: tuple[list, list] | None = None
         self._scratch: torch.Tensor | None = None
         self.bytes_per_slot = 0
-        #: the slabs are rows of a batched slab (runner/engine/batch.py): never reallocate them
+        #: the slabs are rows of a batched slab (runner/engine/decode.py): never reallocate them
         self.pinned = False
 
     # -- bookkeeping --------------------------------------------------------------------------

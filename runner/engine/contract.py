@@ -41,7 +41,7 @@ Slot indices are not stable across evictions: a method that keeps per-token stat
 **absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a
 ``CacheView`` are valid during the ``score`` call only.
 
-**Batches** (``Engine.generate_batch``, ``runner/engine/batch.py``). Every sequence of a batch has
+**Batches** (``Engine.generate_batch``; the decode loop, ``runner/engine/decode.py``). Every sequence of a batch has
 its own method instance, reset with its own :class:`SequenceInfo`; the engine calls the classmethods
 :meth:`EvictionMethod.observe_batch` and :meth:`EvictionMethod.score_batch` once per method class
 with the instances of the sequences concerned. Their defaults call ``observe`` / ``score`` of each

@@ -66,7 +66,7 @@ class AttentionRecorder:
 
 
 class BatchAttentionRecorder(AttentionRecorder):
-    """The recorder of a batched decode step (one new token per row; runner/engine/batch.py).
+    """The recorder of a batched decode step (one new token per row; runner/engine/decode.py).
 
     Row i's cache holds ``lengths[i]`` slots after the step appended its token at slot
     ``lengths[i] - 1``; the slots beyond are padding. :meth:`row` cuts row i's observations out of

@@ -171,7 +171,7 @@ class CellWorker:
             import torch
 
             engine = self._engine_for(cell.model)
-            device = next(engine.model.parameters()).device
+            device = engine.device
             block = torch.empty(int(rule["allocate_mb"]) * 1024**2, dtype=torch.uint8, device=device)
             del block
         if "message" in rule or ("allocate_mb" not in rule and "hang_seconds" not in rule):
@@ -254,7 +254,7 @@ def _fidelity_row(r, segments, reference_seconds: float, shared: bool, engine) -
         "top1_agreement": r.top1_agreement,
         "scored_tokens": r.tokens,
         **_instrumentation(r.generation, engine),
-        "details": {"fidelity": {
+        "details": {"backend": engine.describe()["backend"], "fidelity": {
             "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
             "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
             # the full-cache pass: its time, and whether an earlier cell of this sample paid it
@@ -272,7 +272,7 @@ def _generation_row(score, generation, completion, details: dict[str, Any], engi
         "completion": completion,
         "stop_reason": generation.stop_reason,
         **_instrumentation(generation, engine),
-        "details": details,
+        "details": {**details, "backend": engine.describe()["backend"]},
     }
 
 
@@ -281,7 +281,7 @@ def _instrumentation(generation, engine) -> dict[str, Any]:
     and the Hub commit the checkpoint was loaded from (None for a local directory)."""
     from runner.metrics import metrics  # imports torch: only where a cell runs
 
-    return {**metrics(generation), "model_revision": getattr(engine.model.config, "_commit_hash", None)}
+    return {**metrics(generation), "model_revision": engine.describe()["model_revision"]}
 
 
 def free_accelerator_memory() -> None:

@@ -1,0 +1,378 @@
+"""The one decode loop: a step (forward, track, observe, evict) that any number of sequences run
+together, a single sequence being a batch of one.
+
+:class:`DecodeLoop` decodes prefilled sessions (``runner/engine/session.py``) until each stops (EOS,
+a stop string, ``max_new_tokens``; under teacher forcing, the end of its script). Every sequence
+keeps what it has alone: its own method instance, seed and sampling generator, budgeted cache with
+its kept positions and prompt flags, protected tokens, stop condition and instrumentation.
+
+**The KV layout of a step.** One sequence decodes on its own cache (any layer kind the backend's
+store holds). Several share one slab per layer, ``[N, H, capacity, d]``, whose row i *is* sequence
+i's cache: its ``BudgetedCache`` layers are bound to that row (``SlabLayer.bind``), so its evictions
+move entries in place with the single path's code and its slots stay in the single path's order.
+Rows are packed to the left and hold different numbers of slots ``n_i``; row i's new token is
+written at slot ``n_i``, a 2D padding mask (slot <= ``n_i``) hides the rest of the row, and RoPE
+positions are per row (the true position, or ``n_i`` under ``positions: compact``). No sequence
+attends to anything it would not attend to alone. SDPA and eager build their 4D mask from the 2D
+one; FlashAttention-2 unpads by it (varlen), so the same code runs under all three kernels. A
+finished sequence leaves at once: its row is dropped from the slabs.
+
+**Observe and evict.** After the forward pass, the methods observe and, where a cache is above B
+(+ the cadence's buffer), score: a method class serving one sequence through ``observe`` /
+``score``, several through ``EvictionMethod.observe_batch`` / ``score_batch``
+(``runner/engine/contract.py``), which loop over the instances unless the class vectorises.
+Selection and moving the entries run per sequence on its row (``Session.apply_scores``).
+
+Per-sequence instrumentation in a batch: ``decode_seconds_*`` / ``tokens_per_second`` are the
+batch's step times (the latency each sequence saw; the batch's throughput is the sum over its
+sequences); the method's batched observe / score time is shared equally by the sequences it served;
+``peak_memory_bytes`` is the process's (RSS, or CUDA max-allocated), shared by the batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from runner.engine.cache import SlabLayer
+from runner.engine.contract import BatchCacheView, Observation
+from runner.engine.errors import KvleagueError
+from runner.engine.probe import BatchAttentionRecorder, recording
+from runner.engine.protocol import GenerationSettings
+
+if TYPE_CHECKING:
+    from runner.engine.session import Session
+
+
+@dataclass
+class DecodeOutput:
+    token_ids: list[int]
+    text: str
+    stop_reason: str  # "eos" | "stop" | "length"
+
+
+#: teacher forcing: per session, the tokens fed in place of sampled ones and the callback that sees
+#: each token's predicting logits
+Script = tuple[list[int], Callable[[torch.Tensor, int], None]]
+
+
+class _Rows:
+    """What every layer of the batched cache shares: each row's slot count before the step."""
+
+    def __init__(self) -> None:
+        self.lengths = torch.zeros(0, dtype=torch.long)
+        self.index = torch.zeros(0, dtype=torch.long)
+        self.longest = 0
+        self.equal = True
+
+    def set(self, lengths: list[int], device: torch.device) -> None:
+        self.longest = max(lengths)
+        self.equal = min(lengths) == self.longest
+        if not self.equal:
+            self.lengths = torch.tensor(lengths, device=device)
+            self.index = torch.arange(len(lengths), device=device)
+
+
+class BatchSlabLayer(DynamicLayer):
+    """One layer of the batched cache: a ``[N, H, capacity, d]`` slab whose row i holds
+    ``rows.lengths[i]`` slots; a decode step writes row i's new entry at its own slot."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: _Rows):
+        super().__init__()
+        self.bind(keys, values)
+        self.rows = rows
+        self.is_initialized = True
+
+    def bind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.slab_k, self.slab_v = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+
+    def get_seq_length(self) -> int:
+        return self.rows.longest
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
+        rows = self.rows
+        if key_states.shape[-2] != 1:
+            raise KvleagueError("batched cache: a decode step appends one token per sequence")
+        if rows.equal:
+            self.slab_k.narrow(-2, rows.longest, 1).copy_(key_states)
+            self.slab_v.narrow(-2, rows.longest, 1).copy_(value_states)
+        else:
+            self.slab_k[rows.index, :, rows.lengths] = key_states[:, :, 0]
+            self.slab_v[rows.index, :, rows.lengths] = value_states[:, :, 0]
+        self.keys = self.slab_k.narrow(-2, 0, rows.longest + 1)
+        self.values = self.slab_v.narrow(-2, 0, rows.longest + 1)
+        return self.keys, self.values
+
+
+class DecodeLoop:
+    """Decodes prefilled sessions together until each one stops (see the module docstring).
+
+    ``scripts``: teacher forcing, one :data:`Script` per session (a script ends only where it ends:
+    no EOS or stop string). Every session must run under the same attention kernel."""
+
+    def __init__(self, engine, sessions: list["Session"], settings: GenerationSettings,
+                 scripts: list[Script] | None = None):
+        self.engine, self.backend, self.sessions, self.settings = engine, engine.backend, sessions, settings
+        self.scripts = scripts
+        self.device = engine.device
+        self.attn = sessions[0].attn_implementation
+        if any(s.attn_implementation != self.attn for s in sessions):
+            raise KvleagueError("decode: the sessions of one batch run under one attention kernel")
+        self.active = list(range(len(sessions)))  # slab row r holds sessions[active[r]]
+        #: one sequence decodes on its own cache; several on shared slabs
+        self.shared = len(sessions) > 1
+        self.rows = _Rows()
+        self.logits = torch.stack([s.logits for s in sessions]) if all(s.logits is not None for s in sessions) else None
+        if self.shared:
+            for s in sessions:
+                if not all(isinstance(layer, SlabLayer) for layer in s.cache.cache.layers):
+                    raise KvleagueError("batched decode: every layer must be a full-attention layer (no sliding-window cache)")
+            self._build_slabs(self._initial_capacity())
+        # what the batch must observe: the union of what its methods need
+        needs = [s.method.needs for s in sessions if not s.method.never_evicts]
+        self.hidden_layers = sorted({layer for s in sessions if not s.method.never_evicts for layer in s.hidden_layers})
+        self.hidden: dict[int, torch.Tensor] = {}
+        wants = {k: any(getattr(n, k) for n in needs) for k in ("queries", "new_keys_values", "attention")}
+        self.recorder = BatchAttentionRecorder(engine.n_layers, **wants) if any(wants.values()) else None
+        self.stop_window = 4 * max((len(x) for x in settings.stop), default=0) + 8
+
+    # -- the batched slabs ------------------------------------------------------------------------
+
+    def _initial_capacity(self) -> int:
+        """Slots per row: what the longest row can reach (evicting: B + buffer + the step's token;
+        otherwise every new token), so the slabs never grow in the usual case."""
+        longest = max(s.cache.length for s in self.sessions)
+        if all(not s.method.never_evicts for s in self.sessions):
+            return max(longest, max(s.budget + s.protocol.buffer for s in self.sessions)) + 1
+        return longest + self.settings.max_new_tokens
+
+    def _build_slabs(self, capacity: int) -> None:
+        n = len(self.active)
+        layers = []
+        for l in range(self.engine.n_layers):
+            first = self.sessions[self.active[0]].cache.cache.layers[l].keys
+            # zeros, not empty: a padded slot is masked, but 0 x NaN garbage would still be NaN
+            k = first.new_zeros((n, first.shape[1], capacity, first.shape[-1]))
+            v = torch.zeros_like(k)
+            for r, i in enumerate(self.active):
+                layer = self.sessions[i].cache.cache.layers[l]
+                length = layer.keys.shape[-2]
+                k[r : r + 1, :, :length].copy_(layer.keys)
+                v[r : r + 1, :, :length].copy_(layer.values)
+            layers.append(BatchSlabLayer(k, v, self.rows))
+        self.cache = self.backend.empty_batch_cache()
+        self.cache.layers = layers
+        self.capacity = capacity
+        self._bind_rows()
+
+    def _bind_rows(self) -> None:
+        for r, i in enumerate(self.active):
+            cache = self.sessions[i].cache
+            cache.pinned = True
+            for layer, batch_layer in zip(cache.cache.layers, self.cache.layers):
+                layer.bind(batch_layer.slab_k[r : r + 1], batch_layer.slab_v[r : r + 1], cache.length)
+
+    def _reslab(self, keep_rows: list[int] | None = None, capacity: int | None = None) -> None:
+        """Drop the rows not in ``keep_rows`` and/or move to a larger capacity (one copy per layer)."""
+        capacity = capacity or self.capacity
+        index = torch.tensor(keep_rows, device=self.device) if keep_rows is not None else None
+        longest = max(self.sessions[self.active[r]].cache.length for r in (keep_rows if keep_rows is not None else range(len(self.active))))
+        for layer in self.cache.layers:
+            new = []
+            for slab in (layer.slab_k, layer.slab_v):
+                if index is not None:
+                    slab = slab.index_select(0, index)
+                if capacity != slab.shape[-2]:
+                    grown = slab.new_zeros((*slab.shape[:-2], capacity, slab.shape[-1]))
+                    grown.narrow(-2, 0, longest).copy_(slab.narrow(-2, 0, longest))
+                    slab = grown
+                new.append(slab)
+            layer.bind(*new)
+        if keep_rows is not None:
+            self.active = [self.active[r] for r in keep_rows]
+            self.logits = self.logits.index_select(0, index)
+        self.capacity = capacity
+        self._bind_rows()
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Decode until every session stops."""
+        with self._observing():
+            self._loop()
+
+    def feed(self, token_ids: list[int]) -> None:
+        """One step over given tokens, one per session (a previous decode's pending last token)."""
+        with self._observing():
+            self.step(token_ids)
+
+    def _observing(self) -> ExitStack:
+        stack = ExitStack()
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(self.backend.observing(self.attn, self.hidden_layers, self._on_hidden))
+        stack.enter_context(recording(self.recorder))
+        return stack
+
+    def _on_hidden(self, layer: int, output: torch.Tensor) -> None:
+        self.hidden[layer] = output
+
+    def _loop(self) -> None:
+        settings, tokenizer, eos = self.settings, self.engine.tokenizer, self.engine.eos_ids
+        clock = self.engine.clock
+        tokens: dict[int, list[int]] = {i: [] for i in self.active}
+        while self.active:
+            step_start = clock()
+            if self.scripts is not None:
+                chosen = []
+                for r, i in enumerate(self.active):
+                    script, on_logits = self.scripts[i]
+                    token = script[len(tokens[i])]
+                    on_logits(self.logits[r], token)
+                    chosen.append(token)
+            elif settings.greedy:
+                chosen = self.logits.argmax(dim=-1).tolist()
+            else:
+                chosen = [self.sessions[i].sample_token(self.logits[r], settings) for r, i in enumerate(self.active)]
+            keep_rows = []
+            for r, i in enumerate(self.active):
+                own = tokens[i]
+                own.append(chosen[r])
+                if self.sessions[i].on_token is not None:
+                    self.sessions[i].on_token(chosen[r])
+                if self.scripts is not None:
+                    if len(own) < len(self.scripts[i][0]):
+                        keep_rows.append(r)
+                    else:
+                        self._finish(i, own, step_start)
+                    continue
+                reason = "length"
+                if chosen[r] in eos:
+                    reason = "eos"
+                elif settings.stop and any(x in tokenizer.decode(own[-self.stop_window :]) for x in settings.stop):
+                    reason = "stop"
+                if reason == "length" and len(own) < settings.max_new_tokens:
+                    keep_rows.append(r)
+                    continue
+                self._finish(i, own, step_start)
+                text = tokenizer.decode(own, skip_special_tokens=True)
+                if reason == "stop":  # the completion ends before the first stop string, which it excludes
+                    text = text[: min(text.find(x) for x in settings.stop if x in text)]
+                self.sessions[i].outputs.append(DecodeOutput(own, text, reason))
+            if not keep_rows:
+                break
+            if len(keep_rows) < len(self.active):
+                self._reslab(keep_rows)
+            self.step([chosen[r] for r in keep_rows])
+            took = clock() - step_start
+            for i in self.active:
+                self.sessions[i].step_seconds.append(took)
+
+    def _finish(self, i: int, own: list[int], step_start: float) -> None:
+        """Sequence i is done: its last token stays pending (fed by the session's next call)."""
+        session = self.sessions[i]
+        session.pending = [own[-1]]
+        session.step_seconds.append(self.engine.clock() - step_start)
+        session.generated.extend(own)
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self, token_ids: list[int]) -> None:
+        """Forward one token per active session, track it, let the methods observe, evict where over budget."""
+        sessions = [self.sessions[i] for i in self.active]
+        lengths = [s.cache.length for s in sessions]
+        positions = torch.tensor([s.next_position for s in sessions], device=self.device)
+        rope = positions if sessions[0].protocol.positions == "absolute" else torch.tensor(lengths, device=self.device)
+        mask = None
+        if self.shared:
+            longest = max(lengths)
+            if longest + 1 > self.capacity:
+                self._reslab(capacity=max(longest + 1, int(self.capacity * 1.5), self.capacity + 256))
+            self.rows.set(lengths, self.device)
+            if not self.rows.equal:  # row i sees its own slots 0..n_i (its new token at n_i), nothing beyond
+                mask = torch.arange(longest + 1, device=self.device)[None, :] <= self.rows.lengths[:, None]
+            cache, start_slot = self.cache, longest
+        else:
+            cache, start_slot = sessions[0].cache.cache, lengths[0]
+        if self.recorder is not None:
+            self.recorder.start_batch([n + 1 for n in lengths])
+        self.logits = self.backend.forward(torch.tensor(token_ids, device=self.device)[:, None], rope[:, None], cache,
+                                           start_slot, mask)
+        new_positions = positions[:, None]
+        for r, s in enumerate(sessions):
+            if self.shared:
+                for layer in s.cache.cache.layers:
+                    layer.set_length(lengths[r] + 1)
+            s.logits = self.logits[r]
+            s.after_forward(new_positions[r], prompt=False)
+        self._observe(sessions, new_positions, token_ids)
+        self._evict(sessions)
+
+    def _observe(self, sessions: list["Session"], new_positions: torch.Tensor, token_ids: list[int]) -> None:
+        groups: dict[type, list[int]] = defaultdict(list)
+        for r, s in enumerate(sessions):
+            if not s.method.never_evicts:
+                groups[type(s.method)].append(r)
+        for cls, members in groups.items():
+            start = self.engine.clock()
+            observations = [self._observation(r, sessions[r], new_positions[r], token_ids[r]) for r in members]
+            if len(members) == 1:
+                sessions[members[0]].method.observe(observations[0])
+            else:
+                cls.observe_batch([sessions[r].method for r in members], observations)
+            share = (self.engine.clock() - start) / len(members)
+            for r in members:
+                sessions[r].method_seconds += share
+
+    def _observation(self, r: int, s: "Session", new_positions: torch.Tensor, token: int) -> Observation:
+        needs = s.method.needs
+        recorded = (
+            self.recorder.row(r, needs.queries, needs.new_keys_values, needs.attention) if self.recorder is not None else {}
+        )
+        return Observation(
+            phase="decode",
+            new_positions=new_positions,
+            new_token_ids=torch.tensor([token]),
+            cache_positions=list(s.cache.positions),  # eviction rebinds entries of the live list
+            hidden_states={layer: self.hidden[layer][r] for layer in s.hidden_layers} if s.hidden_layers else None,
+            **recorded,
+        )
+
+    def _evict(self, sessions: list["Session"]) -> None:
+        groups: dict[type, list[int]] = defaultdict(list)
+        for r, s in enumerate(sessions):
+            if s.over_budget("decode"):
+                groups[type(s.method)].append(r)
+        for cls, members in groups.items():
+            group = [sessions[r] for r in members]
+            start = self.engine.clock()
+            views = [s.cache.view(s.budget, "decode", s.next_position - 1) for s in group]
+            if len(group) == 1:
+                scores = [group[0].method.score(views[0])]
+            else:
+                scores = cls.score_batch([s.method for s in group], BatchCacheView(views, self._padded(members, views)))
+            share = (self.engine.clock() - start) / len(members)
+            for s, score in zip(group, scores):
+                s.apply_scores(score, share)
+
+    def _padded(self, members: list[int], views):
+        """Builder of ``BatchCacheView.keys`` / ``values`` for slab rows ``members``."""
+
+        def build():
+            longest = max(v.length for v in views)
+            contiguous = members == list(range(members[0], members[0] + len(members)))
+            index = None if contiguous else torch.tensor(members, device=self.device)
+            keys, values = [], []
+            for layer in self.cache.layers:
+                for slab, out in ((layer.slab_k, keys), (layer.slab_v, values)):
+                    rows = slab[members[0] : members[-1] + 1] if contiguous else slab.index_select(0, index)
+                    out.append(rows[:, :, :longest])
+            return keys, values
+
+        return build
