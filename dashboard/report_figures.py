@@ -11,9 +11,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display; set before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-_STYLE = {"dpi": 110, "figsize": (6.4, 3.6)}
+_STYLE = {"dpi": 110, "figsize": (7.6, 3.6)}
 
 
 def _save(fig, path: Path) -> None:
@@ -28,7 +29,11 @@ def _panel(ax, curves: pd.DataFrame, y: str, lo: str, hi: str, solid: Collection
         style = "-" if method in solid else "--"
         line, = ax.plot(rows["budget"], rows[y], style, marker="o", markersize=3, label=method, linewidth=1.4)
         ax.fill_between(rows["budget"], rows[lo], rows[hi], color=line.get_color(), alpha=0.12, linewidth=0)
+    # a tick at every budget measured, written out (log2 ticks would label powers of two only)
+    budgets = sorted({int(b) for b in curves["budget"]})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [f"{b:,}" for b in budgets])
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xlabel("KV budget (tokens)")
     ax.grid(alpha=0.3)
 
@@ -44,7 +49,8 @@ def budget_figure(curves: pd.DataFrame, y: str, lo: str, hi: str, ylabel: str, t
         ax.axhline(reference, color="black", linewidth=1, linestyle=":", label=reference_label)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=2, frameon=False, loc="best")
+    # beside the axes, never over the curves and their bands
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     _save(fig, path)
     return path

@@ -54,8 +54,17 @@ def run(args: argparse.Namespace) -> int:
         protocol.check_budget(b)
     if args.batch_size is not None and args.batch_size < 1:
         raise KvleagueError(f"--batch-size: must be a positive integer (or omitted: what fits in memory), got {args.batch_size}")
+    # a sample's line comes when all its runs are done, minutes on long prompts: say what is under way first
+    def progress(message: str) -> None:
+        print(f"[{args.task}] {message}", file=sys.stderr, flush=True)
+
+    loading = time.perf_counter()
+    progress(f"loading {args.model} and up to {args.limit} samples")
     engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
     samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
+    # full is the same at every budget
+    runs = [(name, b) for name, m in methods.items() for b in (args.budget[:1] if m.never_evicts else args.budget)]
+    progress(f"{len(samples)} samples x {len(runs)} runs (methods x budgets), loaded in {time.perf_counter() - loading:.0f}s")
     rows: list[dict] = []
     start = time.perf_counter()
 
@@ -66,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
 
     for si, sample in enumerate(samples):
         segments = fidelity.truncate(task.fidelity_segments(sample, engine.tokenizer), args.max_tokens)
+        progress(f"sample {si + 1}/{len(samples)}: a full-cache pass and {len(runs)} runs over {sum(len(s) for s, _ in segments):,} "
+                 f"tokens ({sum(len(s) for s, scored in segments if scored)} scored)")
         t0 = time.perf_counter()
         reference = fidelity.full_cache_logprobs(engine, segments)
         ref_seconds = time.perf_counter() - t0
-        # full is the same at every budget
-        runs = [(name, b) for name, m in methods.items() for b in (args.budget[:1] if m.never_evicts else args.budget)]
         results = fidelity.measure_batch(engine, [segments] * len(runs), [build_method(name, {}) for name, _ in runs],
                                          [b for _, b in runs], protocol, references=[reference] * len(runs),
                                          batch_size=args.batch_size)
@@ -78,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"sample_id": sample.sample_id, "method": name, "budget": budget,
                          "prompt_tokens": r.generation.prompt_tokens, "evictions": r.generation.evictions,
                          "reference_seconds": ref_seconds, **r.to_dict()})
-        print(f"[{args.task}] {si + 1}/{len(samples)} samples, {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
+        progress(f"{si + 1}/{len(samples)} samples, {time.perf_counter() - start:.0f}s")
         if args.json and args.json != "-":  # after every sample, so a long run interrupted keeps what it measured
             write_report(args.json, report())
     for s in summarize(rows):

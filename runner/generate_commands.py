@@ -66,6 +66,37 @@ def check_context(n_prompt: int, max_new_tokens: int, context: int | None, posit
     raise KvleagueError(f"--prompt: {what}; shorten the prompt or --max-new-tokens")
 
 
+class TextStream:
+    """Writes a completion to ``out`` as its tokens are chosen (``Session.decode``'s ``on_token``): the
+    tokens so far are decoded and what is new is written, less what may still change: an incomplete
+    UTF-8 character at the end, and as many characters as the longest stop string has (the completion
+    ends before the first stop string, which the token just chosen may complete)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], out):
+        self.tokenizer, self.out = tokenizer, out
+        self.hold = max((len(s) for s in stop), default=0)
+        self.tokens: list[int] = []
+        self.written = ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True).rstrip("\ufffd")
+        text = text[: len(text) - self.hold]
+        if len(text) > len(self.written) and text.startswith(self.written):
+            self.out.write(text[len(self.written) :])
+            self.out.flush()
+            self.written = text
+
+    def finish(self, completion: str) -> None:
+        """The rest of the completion and a newline. A tokenizer whose text for the first tokens is not
+        a prefix of the whole text's (space clean-up) gets the completion again, whole, on a new line."""
+        if completion.startswith(self.written):
+            self.out.write(completion[len(self.written) :] + "\n")
+        else:
+            self.out.write("\n" + completion + "\n")
+        self.out.flush()
+
+
 def _progress(message: str) -> None:
     print(f"kvleague generate: {message}", file=sys.stderr, flush=True)
 
@@ -103,12 +134,14 @@ def cmd_generate(args) -> int:
         session.feed(prompt)
         if not args.json:
             _progress(f"prefill done in {time.perf_counter() - start:.1f}s; decoding up to {args.max_new_tokens:,} tokens")
-        session.decode(settings)
+        # the completion streams to stdout as it is decoded; --json prints only the result, at the end
+        stream = None if args.json else TextStream(tok, settings.stop, sys.stdout)
+        session.decode(settings, on_token=stream)
         result = session.result()
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
-    print(result.completion)
+    stream.finish(result.completion)
     print("---", file=sys.stderr)
     for key, value in result.to_dict().items():
         if key not in ("completion", "token_ids", "kept_positions"):

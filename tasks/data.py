@@ -6,10 +6,14 @@ Data directory: the ``data_dir`` argument (``--data-dir``), else ``$KVLEAGUE_DAT
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
 import os
+import socket
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,6 +21,8 @@ from typing import Any, Iterator
 from runner.engine.errors import KvleagueError
 
 DATA_DIR_ENV = "KVLEAGUE_DATA_DIR"
+#: seconds the Hub has to accept a connection (name lookup included) before it counts as unreachable
+HUB_PROBE_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -119,30 +125,71 @@ def load_records(source: DataSource, data_dir: Path | None, *, local: str | None
     return _load_from_hub(source, data_dir)
 
 
+def hub_reachable(endpoint: str, seconds: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether ``endpoint`` accepts a TCP connection within ``seconds``. The lookup and connection run in
+    a thread so that a resolver that hangs is bounded too."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint)
+    address = (parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443))
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection(address, timeout=seconds).close()
+            answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return bool(answer and answer[0])
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """``HF_HUB_OFFLINE`` for the calls inside: the libraries read the variable once, at import, so the
+    flags they keep are switched (a copy in the Hub cache loads; nothing is requested or retried)."""
+    from huggingface_hub import constants  # noqa: PLC0415 - comes with transformers
+
+    modules = [constants] + [m for m in (sys.modules.get("datasets.config"),) if m is not None]
+    saved = [m.HF_HUB_OFFLINE for m in modules]
+    for m in modules:
+        m.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for m, value in zip(modules, saved):
+            m.HF_HUB_OFFLINE = value
+
+
 def _load_from_hub(source: DataSource, data_dir: Path | None) -> list[dict[str, Any]]:
-    # Offline mode is not short-circuited: a copy already in the Hub cache still loads.
-    if source.hub_file is not None:
-        return _load_hub_file(source, data_dir)
+    # Offline mode is not short-circuited: a copy already in the Hub cache still loads. A Hub that does
+    # not answer is treated as offline mode, rather than five retries with backoff (~25 s) per request.
+    from huggingface_hub import constants, hf_hub_download  # noqa: PLC0415 - comes with transformers
+
+    if source.hub_file is None:
+        try:
+            import datasets  # noqa: PLC0415 - optional, heavy
+        except ImportError:
+            raise missing_dataset_error(source, data_dir, "no local copy and the 'datasets' package is not installed") from None
+    unreachable = not constants.HF_HUB_OFFLINE and not hub_reachable(constants.ENDPOINT)
+    filename, _, member = (source.hub_file or "").partition("!")
     try:
-        import datasets  # noqa: PLC0415 - optional, heavy
-    except ImportError:
-        raise missing_dataset_error(source, data_dir, "no local copy and the 'datasets' package is not installed") from None
-    try:
-        ds = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_split, revision=source.revision)
+        with hub_offline() if unreachable else contextlib.nullcontext():
+            if source.hub_file is not None:
+                path = hf_hub_download(source.hub_id, filename, repo_type="dataset", revision=source.revision)
+            else:
+                ds = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_split, revision=source.revision)
     except Exception as exc:  # network errors, missing configs, offline mode...
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise missing_dataset_error(source, data_dir, f"Hub load failed: {type(exc).__name__}: {msg[:200]}") from None
+        if unreachable:
+            why = f"the Hub at {constants.ENDPOINT} is unreachable and the Hub cache has no copy"
+        else:
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            what = "download" if source.hub_file is not None else "load"
+            why = f"Hub {what} failed: {type(exc).__name__}: {msg[:200]}"
+        raise missing_dataset_error(source, data_dir, why) from None
+    if source.hub_file is not None:
+        return list(iter_file(Path(path), member or None))
     return [dict(row) for row in ds]
-
-
-def _load_hub_file(source: DataSource, data_dir: Path | None) -> list[dict[str, Any]]:
-    assert source.hub_file is not None and source.hub_id is not None
-    filename, _, member = source.hub_file.partition("!")
-    try:
-        from huggingface_hub import hf_hub_download  # noqa: PLC0415 - optional
-
-        path = hf_hub_download(source.hub_id, filename, repo_type="dataset", revision=source.revision)
-    except Exception as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise missing_dataset_error(source, data_dir, f"Hub download failed: {type(exc).__name__}: {msg[:200]}") from None
-    return list(iter_file(Path(path), member or None))

@@ -23,3 +23,20 @@ def test_bench_batch_reports_every_method_and_batch_size_beside_generate(tiny_mo
     assert [f["details"]["batch_size"] for f in same] == [1, 2, 8] and all(f["details"]["same_tokens"] for f in same)
     assert {f["metric"] for f in report["figures"]} >= {"decode_tokens_per_second", "batch_speedup", "batch_1_over_single"}
     assert "batch 8 / batch 1" in capsys.readouterr().out
+
+
+def test_bench_batch_times_the_engine_and_generate_on_one_clock(tiny_models, tmp_path, monkeypatch):
+    """``--clock cpu`` read by both sides: under a CPU clock that advances one unit per reading, a decode
+    step takes at least one unit, so no sequence decodes faster than a token per unit. An engine timed
+    on the wall clock instead (milliseconds per step) would report thousands of tokens per unit."""
+    import itertools
+    import time
+
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "process_time", lambda: float(next(ticks)))
+    _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "16", "--new-tokens", "5",
+          "--batch-sizes", "1,2", "--methods", "full", "--clock", "cpu", "--json", str(tmp_path / "b.json")])
+    rows = h.read_report(tmp_path / "b.json")["rows"]
+    assert {(r["method"], r["batch_size"]) for r in rows} == {("full/single", 1), ("full", 1), ("full", 2), ("generate", 1), ("generate", 2)}
+    for r in rows:
+        assert 0 < r["decode_tokens_per_second"] <= r["batch_size"], r

@@ -282,3 +282,55 @@ def test_prompt_file_and_compact_positions_past_the_context(short_context_model,
                              "context of 256 tokens"), err
     assert err[1] == "kvleague generate: prefill of 400 prompt tokens under budget 64"
     assert err[2].startswith("kvleague generate: prefill done in ") and err[2].endswith("decoding up to 8 tokens")
+
+
+class _Writes:
+    """A stdout that notes how many tokens the engine had chosen when each piece of text arrived."""
+
+    def __init__(self, chosen):
+        self.chosen, self.pieces = chosen, []
+
+    def write(self, text):
+        self.pieces.append((len(self.chosen), text))
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_generate_streams_the_completion_as_it_is_decoded(tiny_models, capsys, monkeypatch, stop):
+    """Without --json the completion reaches stdout while decoding runs, and the streamed text is the
+    completion --json reports (ending before a stop string, none of which is streamed)."""
+    from runner.engine.generation import Session
+
+    base = ["generate", "--model", str(tiny_models["qwen2"]), "--method", "streaming_llm", "--budget", "32", "--chat", "off",
+            "--prompt", "the cache keeps " * 6, "--max-new-tokens", "40"]
+    assert main([*base, "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    extra, expected = [], whole["completion"]
+    if stop:  # a stop string from the middle of the unstopped completion
+        text = whole["completion"]
+        cut = next(i for i in range(len(text) // 2, len(text)) if not text[i].isspace())
+        stop_string = text[cut : cut + 2]
+        extra, expected = ["--stop", stop_string], text[: text.find(stop_string)]
+        assert main([*base, *extra, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["completion"] == expected
+    assert len(expected) > 4
+
+    chosen = []
+    decode = Session.decode
+
+    def counting_decode(self, settings, on_token=None):
+        def seen(token):
+            chosen.append(token)
+            if on_token is not None:
+                on_token(token)
+
+        return decode(self, settings, on_token=seen)
+
+    monkeypatch.setattr(Session, "decode", counting_decode)
+    out = _Writes(chosen)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main([*base, *extra]) == 0
+    assert "".join(t for _, t in out.pieces) == expected + "\n"
+    assert out.pieces[0][0] < len(chosen) // 2  # the first text came with the first tokens, not at the end

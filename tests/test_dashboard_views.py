@@ -220,3 +220,48 @@ def test_cost_draws_accuracy_against_memory_only_where_memory_differs(replicatio
         drawn = any(json.dumps(spec).count('"peak KV MiB"') for spec, _ in charts(at))
         assert drawn == (hi >= 1.25 * lo), (path.name, lo, hi)
         assert drawn or any(c.value.startswith("Not drawn: every method and budget peaks at about") for c in at.caption)
+
+
+def _shown(at: AppTest, *columns) -> list[tuple[pd.DataFrame, pd.DataFrame]]:
+    """(values, the text a reader sees) of every table with ``columns``."""
+    return [(d.value, chart_checks.arrow_frame(d.proto.arrow_data.styler.display_values)) for d in at.dataframe
+            if all(c in d.value.columns for c in columns)]
+
+
+def _two_significant(p: float) -> str | float:
+    return "<0.001" if p < 1e-3 else float(f"{p:.2g}")
+
+
+def assert_readable(values: pd.DataFrame, text: pd.DataFrame, p: tuple[str, ...], decimals: dict[str, int]) -> None:
+    for c in p:
+        for v, t in zip(values[c], text[c]):
+            assert (t == "—") if pd.isna(v) else (t if t == "<0.001" else float(t)) == _two_significant(v), (c, v, t)
+    for c, n in decimals.items():
+        for v, t in zip(values[c], text[c]):
+            assert t == ("—" if pd.isna(v) else f"{v:.{n}f}" if "Δ" not in c else f"{v:+.{n}f}"), (c, v, t)
+
+
+def test_fidelity_tables_show_p_values_to_two_significant_digits(replication_db, monkeypatch):
+    """p-values as the statistics pages write them (two significant digits, "<0.001" below), top-1 % to one
+    decimal and KL to four, in every fidelity table: the leaderboard's at each budget with fidelity
+    results and the scorecard's, read from what the tables display, not from the numbers underneath."""
+    at = open_page(replication_db, "Leaderboard", monkeypatch)
+    seen = 0
+    for budget in at.selectbox(key="lb_budget").options:
+        at.selectbox(key="lb_budget").set_value(int(budget.split()[0].replace(",", ""))).run()
+        assert not at.exception, at.exception
+        for values, text in _shown(at, "KL 95% CI", "top-1 %"):
+            assert_readable(values, text, (), {"KL": 4, "top-1 %": 1, "ΔNLL": 4})
+            seen += 1
+        for values, text in _shown(at, "p (Wilcoxon)", "Δ KL (A−B)"):
+            assert_readable(values, text, ("p (Wilcoxon)", "p (Holm)"), {"KL A": 4, "KL B": 4, "Δ KL (A−B)": 4, "Δ top-1 (pts)": 1})
+            seen += 1
+    at = open_page(replication_db, "Replication scorecard", monkeypatch)
+    for values, text in _shown(at, "why fidelity", "p"):
+        assert_readable(values, text, ("p", "p (Holm)"), {"KL": 4, "reference KL": 4, "Δ KL": 4})
+        assert (values["p"] < 1e-3).any()  # the export's small p-values read "<0.001", not 0.000000
+        seen += 1
+    for values, text in _shown(at, "field", "p (Wilcoxon)"):
+        assert_readable(values, text, ("p (Wilcoxon)", "p (Holm)"), {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4})
+        seen += 1
+    assert seen >= 4

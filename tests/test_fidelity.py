@@ -206,3 +206,29 @@ def test_fidelity_cli_takes_the_epikv_paper_preset(tiny_models, capsys):
     assert report["protocol"] == Protocol.preset("epikv_paper").__dict__
     full, knorm = report["samples"]
     assert full["kl_mean"] < 1e-6 and knorm["prompt_tokens"] > 48  # the prompt is kept whole (prompt_over_budget: keep)
+
+
+def test_fidelity_cli_reports_progress_before_the_first_sample_is_done(tiny_models, capsys, monkeypatch):
+    """Lines on stderr before the model loads and before the first sample's runs start: what a long first
+    sample (minutes on long prompts) is doing, not only a line once it has finished."""
+    from runner.cli import main
+
+    if not (DATA_DIR / "gsm8k").is_dir():
+        pytest.skip("no local GSM8K")
+    seen = []
+    reference = fidelity.full_cache_logprobs
+
+    def noting_reference(engine, segments):  # the first sample's work begins
+        seen.append(capsys.readouterr().err)
+        return reference(engine, segments)
+
+    monkeypatch.setattr(fidelity, "full_cache_logprobs", noting_reference)
+    argv = ["fidelity", "--model", str(tiny_models["llama"]), "--task", "gsm8k", "--method", "full", "--method", "streaming_llm",
+            "--budget", "32", "--budget", "48", "--limit", "2", "--max-tokens", "12", "--data-dir", str(DATA_DIR)]
+    assert main(argv) == 0
+    before = seen[0].splitlines()
+    assert before[0] == f"[gsm8k] loading {tiny_models['llama']} and up to 2 samples"
+    assert before[1].startswith("[gsm8k] 2 samples x 3 runs (methods x budgets), loaded in ")
+    assert before[2].startswith("[gsm8k] sample 1/2: a full-cache pass and 3 runs over ") and before[2].endswith(" (12 scored)")
+    assert not any("1/2 samples" in line for line in before)  # the per-sample line comes after
+    assert "[gsm8k] 1/2 samples, " in seen[1]

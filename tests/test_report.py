@@ -308,3 +308,32 @@ def test_the_published_report_is_what_its_committed_export_gives(tmp_path):
     assert (tmp_path / "replication.md").read_text() == (repo / "docs" / "replication.md").read_text()
     assert sorted(p.name for p in (tmp_path / "replication_figures").iterdir()) == \
         sorted(p.name for p in (repo / "docs" / "replication_figures").iterdir())
+
+
+def test_budget_figures_tick_every_budget_and_keep_the_legend_off_the_bands(tmp_path, monkeypatch):
+    """A tick labelled at every budget measured (not only at powers of two), and the legend outside the
+    axes, where it cannot cover a curve or its band: read off the figure's matplotlib objects."""
+    import pandas as pd
+
+    from dashboard import report_figures
+
+    budgets = [48, 96, 192, 320, 512]
+    methods = [f"method_{i}" for i in range(15)]
+    curves = pd.DataFrame([{"method": m, "budget": b, "accuracy": 10 + i + b / 100, "acc_lo": 5 + i, "acc_hi": 20 + i + b / 50}
+                           for i, m in enumerate(methods) for b in budgets])
+    drawn = []
+    monkeypatch.setattr(report_figures, "_save", lambda fig, path: drawn.append(fig))
+    report_figures.budget_figure(curves, "accuracy", "acc_lo", "acc_hi", "accuracy (%)", "math", tmp_path / "f.png",
+                                 solid=["method_0"], reference=30.0)
+    fig, = drawn
+    ax, = fig.axes
+    fig.canvas.draw()
+    assert list(ax.get_xticks()) == budgets
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(b) for b in budgets]
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True)] == []
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [*sorted(methods), "full cache"]  # every series named
+    renderer = fig.canvas.get_renderer()
+    box, plot = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert box.x0 >= plot.x1  # right of the plotting area
+    assert fig.bbox.contains(box.x1 - 1, box.y0 + 1) and fig.bbox.contains(box.x1 - 1, box.y1 - 1)  # not cut off

@@ -109,3 +109,61 @@ def test_score_rejects_bad_files(tmp_path, content, match):
         score_file("aime25", tmp_path / "missing.jsonl", data_dir=str(DATA_DIR))
     with pytest.raises(KvleagueError, match="expected NAME=VALUE"):
         cmd_score(_parser().parse_args(["score", "--task", "aime25", "--completions", str(path), "--option", "oops"]))
+
+
+def _unreachable_hub_env(tmp_path: Path) -> dict:
+    """Hub access switched on, no data directory, an empty Hub cache, and the Hub at a loopback port
+    nothing listens on."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "KVLEAGUE_DATA_DIR", "HF_HUB_CACHE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{port}",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return env
+
+
+def test_an_unreachable_hub_fails_in_one_line_naming_the_data_dir(tmp_path):
+    """Without a data directory and with the Hub down, one line naming --data-dir / KVLEAGUE_DATA_DIR,
+    not five retries with backoff per request (~25 s) and their warnings."""
+    import subprocess
+    import sys
+
+    env = _unreachable_hub_env(tmp_path)
+    completions = _write(tmp_path / "c.jsonl", [{"sample_id": "HumanEval/0", "completion": "pass"}])
+    out = subprocess.run([sys.executable, "-m", "runner.cli", "score", "--task", "humaneval", "--completions", str(completions)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    source = build_task("humaneval").source
+    assert out.returncode == 2
+    assert out.stderr == (
+        f"kvleague: error: dataset {source.dataset}: no local copy at <data-dir>/{source.local_path} (set --data-dir or "
+        f"KVLEAGUE_DATA_DIR) and Hub id {source.hub_id}@{source.revision} failed (the Hub at {env['HF_ENDPOINT']} is "
+        "unreachable and the Hub cache has no copy)\n")
+
+
+def test_an_unreachable_hub_still_loads_a_copy_in_the_hub_cache(tmp_path):
+    """What offline mode loads, an unreachable Hub loads too: here a file of the L-Eval repository in the cache."""
+    import shutil
+    import subprocess
+    import sys
+
+    local = DATA_DIR / "leval" / "Closed-ended-tasks" / "coursera.jsonl"
+    if not local.is_file():
+        pytest.skip("no local L-Eval")
+    env = _unreachable_hub_env(tmp_path)
+    source = build_task("leval_coursera").source
+    repo = tmp_path / "hf" / "hub" / f"datasets--{source.hub_id.replace('/', '--')}"
+    commit = "a" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / source.revision).write_text(commit)
+    cached = repo / "snapshots" / commit / source.hub_file
+    cached.parent.mkdir(parents=True)
+    shutil.copy(local, cached)
+    code = "from tasks.registry import build_task; print(len(build_task('leval_coursera').load(limit=3, seed=0, data_dir=None)))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3" and "Retry" not in out.stderr

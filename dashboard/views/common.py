@@ -38,11 +38,13 @@ def fmt_p(v) -> str:
     return "<0.001" if v < 1e-3 else f"{v:.2g}" if v < 0.1 else f"{v:.2f}" if v < 0.995 else "1"
 
 
-def styled(df: pd.DataFrame, pct=(), pp=(), p=(), verdicts: bool = True):
+def styled(df: pd.DataFrame, pct=(), pp=(), p=(), formats: dict[str, str] | None = None, verdicts: bool = True):
     """Display formats (missing values as a dash) on a Styler: the values underneath stay numbers, so
-    sorting by a column sorts numerically and the CSV export keeps full precision."""
+    sorting by a column sorts numerically and the CSV export keeps full precision. ``formats``: other
+    columns' format strings. All in one ``Styler.format`` call: a later call gives every column it does
+    not name the default six decimals again."""
     sty = df.style
-    fmt = {}
+    fmt = {c: _num(f) for c, f in (formats or {}).items() if c in df.columns}
     for c in pct:
         if c in df.columns:
             fmt[c] = _num("{:.1f}")

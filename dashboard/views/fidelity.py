@@ -12,9 +12,7 @@ KL_FORMAT = {"KL": "{:.4f}", "ΔNLL": "{:+.4f}", "Δ KL (A−B)": "{:+.4f}", "KL
 
 
 def _formats(df):
-    sty = styled(df, pct=[c for c in ("top-1 %",) if c in df.columns], pp=[c for c in ("Δ top-1 (pts)",) if c in df.columns],
-                 p=[c for c in ("p (Wilcoxon)", "p (Holm)") if c in df.columns])
-    return sty.format({c: f for c, f in KL_FORMAT.items() if c in df.columns})
+    return styled(df, pct=("top-1 %",), pp=("Δ top-1 (pts)",), p=("p (Wilcoxon)", "p (Holm)"), formats=KL_FORMAT)
 
 
 def section(ctx, budget: int) -> bool:

@@ -63,8 +63,8 @@ def protocol_ablations(ctx) -> None:
         "differences (float32-rounding ties left out: **tied**) and its Holm adjustment over this table. It shows what "
         "the protocol, not the method, decides."
     )
-    st.dataframe(styled(table.drop(columns=["Δ KL lo", "Δ KL hi", "sign"]), p=("p (Wilcoxon)", "p (Holm)"))
-                 .format({"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"}),
+    st.dataframe(styled(table.drop(columns=["Δ KL lo", "Δ KL hi", "sign"]), p=("p (Wilcoxon)", "p (Holm)"),
+                        formats={"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"}),
                  hide_index=True, placeholder="—", key="sc_ablations")
 
 
@@ -83,5 +83,5 @@ def fidelity_claims(ctx) -> None:
         "when p (Holm) < 0.05 with lower KL, does not replicate when p (Holm) < 0.05 with higher KL, else inconclusive; "
         f"fewer than {stats.MIN_PROBLEMS} samples: no verdict."
     )
-    st.dataframe(styled(card, p=("p", "p (Holm)")).format({"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
+    st.dataframe(styled(card, p=("p", "p (Holm)"), formats={"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
                  hide_index=True, placeholder="—", key="sc_fidelity")

@@ -5,7 +5,7 @@ equal-length random prompts together (EOS ignored, greedy) under a budget below 
 so every method except ``full`` evicts after prefill and at every decode step; ``model.generate``
 decodes the same prompts as one batch with a full cache. Throughput = b x (new tokens - 1) forward
 passes over the decode time (first generated token to last: the engine's step times, a streamer for
-``model.generate``), so both count the same passes and exclude prefill. All runs alternate round by
+``model.generate``, both read off ``--clock``), so both count the same passes and exclude prefill. All runs alternate round by
 round, so every ratio compares runs made side by side under the same machine load.
 
 ``<method>/single`` rows are ``Engine.generate`` (the single-sequence path) on the first prompt, so
@@ -91,6 +91,7 @@ def run(args) -> dict:
     source = str(args.model or h.default_model())
     engine = load_engine(source)
     engine.eos_ids = set()
+    engine.clock = clock.now  # the engine's step times on the clock that times model.generate
     label = h.model_label(engine, args.model)
     prompts = [h.random_prompt(prompt_tokens, seed=i) for i in range(max(sizes))]
     env = h.environment()

@@ -7,6 +7,12 @@ a call whose retries are spent or an actor gone for good: that cell goes back to
 failed after ``max_cell_attempts``) and a fresh actor takes the slot. A cell that runs past
 ``cell_timeout_seconds`` cannot be cancelled (Ray cancels only queued actor calls): it is stored as
 failed and its actor killed and replaced.
+
+Groups go out breadth first (each to the worker with the fewest calls), so every worker has one before
+any has a second in its pipeline; a worker that runs dry while the queue is empty takes over a group
+still waiting behind another worker's running one. That call is cancelled, which Ray honours only when
+the actor reaches it (it is then skipped), so the group is sent to the idle worker at once and the
+cancelled call's outcome is never read.
 """
 
 from __future__ import annotations
@@ -193,15 +199,28 @@ class Scheduler:
         def failed(cell: Cell, error: str) -> None:
             record(cell, {"cell_key": cell.key, "status": "failed", "error": error})
 
+        def send(slot: int, group: list[Cell]) -> None:
+            ref = self.actors[slot].run_group.remote(group)
+            inflight[ref] = (slot, group)
+            if not running[slot]:
+                since[slot] = time.monotonic()
+            running[slot].append(ref)
+
         while queue or inflight:
-            for slot in range(n_workers):
-                while queue and len(running[slot]) < res.in_flight_per_worker:
-                    group = queue.popleft()
-                    ref = self.actors[slot].run_group.remote(group)
-                    inflight[ref] = (slot, group)
-                    if not running[slot]:
-                        since[slot] = time.monotonic()
-                    running[slot].append(ref)
+            while queue:
+                slot = min(range(n_workers), key=lambda s: len(running[s]))
+                if len(running[slot]) >= res.in_flight_per_worker:
+                    break
+                send(slot, queue.popleft())
+            # an idle worker takes the newest waiting call of the worker with the most waiting; had
+            # that call just started (its predecessor done but not yet seen), it is lost and runs again here
+            for idle in [s for s in range(n_workers) if not running[s]]:
+                busiest = max(range(n_workers), key=lambda s: len(running[s]))
+                if len(running[busiest]) < 2:
+                    break
+                ref = running[busiest].pop()
+                ray.cancel(ref)
+                send(idle, inflight.pop(ref)[1])
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=1.0)
             rest = [r for r in inflight if r not in ready]
             if ready and rest:
