@@ -173,8 +173,8 @@ class Filters:
 
 
 #: how each field of a protocol row reads in its label (None: not shown); every protocol field
-#: (``PROTOCOL_COLUMNS``) needs an entry. The preset fields are not shown: the labels, and so the published report's
-#: headings, predate them (the ``#id`` keeps two protocols apart).
+#: (``PROTOCOL_COLUMNS``) needs an entry. The preset fields are not shown: the labels, and so the
+#: published report's headings, predate them (the ``#id`` keeps two protocols apart).
 PROTOCOL_LABEL_PARTS: dict[str, Callable[[Any], str | None] | None] = {
     "cadence": str,
     "positions": str,
