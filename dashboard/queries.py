@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from sqlalchemy import Integer, and_, case, cast, create_engine, distinct, event, func, literal, select
 from sqlalchemy.engine import Engine
@@ -21,6 +21,7 @@ from db.models import (
     MEASURE_FIDELITY,
     MEASURE_GENERATION,
     METRIC_COLUMNS,
+    PROTOCOL_COLUMNS,
     STATUS_FAILED,
     STATUS_OK,
     BenchmarkResult,
@@ -175,12 +176,25 @@ class Filters:
 # ------------------------------------------------------------------------------------------------
 
 
+#: how each field of a protocol row reads in its label (None: not shown); every protocol field
+#: (``PROTOCOL_COLUMNS``) needs an entry. The preset fields are not shown: the labels, and so the
+#: published report's headings, predate them (the ``#id`` keeps two protocols apart).
+PROTOCOL_LABEL_PARTS: dict[str, Callable[[Any], str | None] | None] = {
+    "cadence": str,
+    "positions": str,
+    "sink": lambda v: f"sink {v}",
+    "recent": lambda v: f"recent {v}",
+    "protect_prompt": lambda v: "prompt protected" if v else "prompt compressed",
+    "prefill_chunk": lambda v: f"prefill chunk {v}" if v else None,
+    "recent_max_fraction": None,
+    "prompt_over_budget": None,
+}
+
+
 def protocol_label(row: dict[str, Any]) -> str:
-    parts = [str(row["cadence"]), str(row["positions"]), f"sink {row['sink']}", f"recent {row['recent']}"]
-    parts.append("prompt protected" if row["protect_prompt"] else "prompt compressed")
-    if row.get("prefill_chunk"):
-        parts.append(f"prefill chunk {row['prefill_chunk']}")
-    return f"#{row['id']}: " + ", ".join(parts)
+    """``#id: every_step, absolute, sink 4, recent 16, prompt compressed``: the protocol's fields in order."""
+    parts = [part(row.get(name)) for name in PROTOCOL_COLUMNS if (part := PROTOCOL_LABEL_PARTS[name])]
+    return f"#{row['id']}: " + ", ".join(p for p in parts if p)
 
 
 def generation_label(row: dict[str, Any]) -> str:

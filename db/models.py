@@ -13,11 +13,14 @@ The schema is created and upgraded only through the Alembic migrations in ``db/m
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from types import UnionType
+from typing import get_args
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -25,9 +28,12 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from runner.engine.protocol import Protocol
 
 # Deterministic constraint names, so migrations are identical on SQLite and PostgreSQL.
 NAMING = {
@@ -137,20 +143,33 @@ class TaskSpec(Base):
     metric: Mapped[str] = mapped_column(String(64))
 
 
-class ProtocolSpec(Base):
-    __tablename__ = "protocols"
+#: the width of each text column of a protocol field (what the migrations created)
+PROTOCOL_TEXT_WIDTHS = {"cadence": 64, "positions": 32, "prompt_over_budget": 16}
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    spec_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    cadence: Mapped[str] = mapped_column(String(64))
-    positions: Mapped[str] = mapped_column(String(32))
-    sink: Mapped[int] = mapped_column(Integer)
-    recent: Mapped[int] = mapped_column(Integer)
-    protect_prompt: Mapped[bool] = mapped_column(Boolean)
-    prefill_chunk: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    #: protocol-preset fields (``runner/engine/protocol.py``); NULL = the default (no cap / "error")
-    recent_max_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
-    prompt_over_budget: Mapped[str | None] = mapped_column(String(16), nullable=True)
+
+def protocol_columns() -> list[Column]:
+    """One column per field of :class:`runner.engine.protocol.Protocol`, in field order, typed from
+    the field's type; NULL allowed where the field may be None, or is left out of the protocol's
+    spec at its default (``Protocol.ADDED_LATER``: the row holds NULL then)."""
+    columns = []
+    for name, f in Protocol.model_fields.items():
+        args = get_args(f.annotation)
+        optional = isinstance(f.annotation, UnionType) and type(None) in args
+        kind = next(a for a in args if a is not type(None)) if optional else f.annotation
+        sql_type = {bool: Boolean, int: Integer, float: Float}.get(kind) or String(PROTOCOL_TEXT_WIDTHS[name])
+        columns.append(Column(name, sql_type, nullable=optional or name in Protocol.ADDED_LATER))
+    return columns
+
+
+class ProtocolSpec(Base):
+    """A protocol's row: its ``spec_hash`` (of ``Protocol.spec()``) and one column per field."""
+
+    __table__ = Table(
+        "protocols", Base.metadata,
+        Column("id", Integer, primary_key=True),
+        Column("spec_hash", String(64), unique=True, nullable=False),
+        *protocol_columns(),
+    )
 
 
 class GenerationSpec(Base):
@@ -310,5 +329,5 @@ METRIC_COLUMNS = (
     "decode_seconds_p50", "decode_seconds_p95", "tokens_per_second", "method_seconds", "selection_seconds", "evictions",
     "evicted_tokens", "peak_cache_entries", "peak_kv_bytes", "peak_memory_bytes", "peak_memory_source",
 )
-#: the protocols columns that hold a protocol's fields (``runner.engine.protocol.protocol_fields``; a test holds them equal)
+#: the protocols columns that hold a protocol's fields (``protocol_columns``)
 PROTOCOL_COLUMNS = tuple(c.name for c in ProtocolSpec.__table__.columns if c.name not in ("id", "spec_hash"))

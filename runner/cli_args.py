@@ -44,12 +44,11 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", default=None, metavar="PRESET",
                         help=f"a named protocol ({', '.join(PRESETS)}): every protocol field at once, so no other protocol flag")
     for f in protocol_fields():
-        meta = f.metadata
-        if f.type == "bool":
-            parser.add_argument(_flag(f.name), action="store_true", help=meta["help"])
+        if f.switch:
+            parser.add_argument(_flag(f.name), action="store_true", help=f.help)
         else:
-            parser.add_argument(_flag(f.name), default=None, type=meta["parse"], help=meta["help"],
-                                **({"choices": list(meta["choices"])} if "choices" in meta else {}))
+            parser.add_argument(_flag(f.name), default=None, type=f.parse, help=f.help,
+                                **({"choices": list(f.choices)} if f.choices else {}))
 
 
 def protocol_from_args(args: argparse.Namespace) -> Protocol:

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
     def report() -> dict:
-        return {"task": args.task, "model": args.model, "protocol": protocol.__dict__, "max_tokens": args.max_tokens,
+        return {"task": args.task, "model": args.model, "protocol": protocol.model_dump(mode="json"), "max_tokens": args.max_tokens,
                 "samples_done": len({r["sample_id"] for r in rows}), "wall_seconds": time.perf_counter() - start,
                 "summary": summarize(rows), "samples": rows}
 

@@ -166,7 +166,7 @@ class KvleagueLM(LM):
             "kvleague_method": self.method_name,
             "kvleague_method_params": dict(self.method_params),
             "kvleague_budget": self.budget,
-            "kvleague_protocol": {f.name: getattr(self.protocol, f.name) for f in protocol_fields()},
+            "kvleague_protocol": self.protocol.model_dump(mode="json"),
             "kvleague_seed": self.seed,
         }
 

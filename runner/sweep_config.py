@@ -33,12 +33,13 @@ import itertools
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from runner.engine.errors import KvleagueError
+from runner.engine.protocol import PRESETS, Protocol
 from db.spec_hash import spec_hash
 
 DOMAINS = ("math", "code", "agentic", "longqa")
@@ -127,20 +128,19 @@ class TaskConfig(_Strict):
 
 
 def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
-    """A pydantic model of :class:`runner.engine.protocol.Protocol`'s fields (types, defaults and bounds
-    from the dataclass; integers capped at ``INT32``). ``protect_prompt`` may be null (the task's own
-    default, ``Task.protect_prompt``); with ``overrides`` every field may be null (not overridden)."""
-    from runner.engine.protocol import Protocol, protocol_fields
-
-    hints = get_type_hints(Protocol)
+    """What a sweep YAML may say of a :class:`runner.engine.protocol.Protocol`: its fields, types,
+    bounds and parsers (integers also capped at ``INT32``), where a field may be left to others:
+    ``protect_prompt`` null is the task's own default (``Task.protect_prompt``); with ``overrides``
+    every field may be null (not overridden). :meth:`SweepConfig.protocol_for` makes the Protocol."""
     fields: dict[str, Any] = {}
-    for f in protocol_fields():
-        bounds = {k: f.metadata[k] for k in ("ge", "le") if k in f.metadata}
-        if hints[f.name] in (int, int | None):
-            bounds.setdefault("le", INT32)
-        nullable = overrides or f.name == "protect_prompt"
-        annotation = hints[f.name] | None if nullable else hints[f.name]
-        fields[f.name] = (annotation, Field(default=None if nullable else f.default, **bounds))
+    for field_name, f in Protocol.model_fields.items():
+        metadata = list(f.metadata)
+        if f.annotation in (int, int | None):
+            metadata.append(Field(le=INT32))
+        nullable = overrides or field_name == "protect_prompt"
+        annotation = f.annotation | None if nullable else f.annotation
+        fields[field_name] = (Annotated[(annotation, *metadata)] if metadata else annotation,
+                              Field(default=None if nullable else f.default))
     return create_model(name, __base__=_Strict, **fields)
 
 
@@ -150,11 +150,9 @@ class ProtocolConfig(_protocol_model("ProtocolConfig", overrides=False)):
     def _preset(cls, value: Any) -> Any:
         """``protocol: epikv_paper`` is that preset's fields (``runner.engine.protocol.PRESETS``)."""
         if isinstance(value, str):
-            from runner.engine.protocol import PRESETS
-
             if value not in PRESETS:
                 raise ValueError(f"unknown preset {value!r}; allowed: {', '.join(PRESETS)}")
-            return dict(PRESETS[value])
+            return PRESETS[value].model_dump()
         return value
 
 
@@ -286,20 +284,16 @@ class SweepConfig(_Strict):
         data = {k: v for k, v in self.canonical().items() if k not in UNHASHED_FIELDS}
         return spec_hash(data, spaced=True)
 
-    def resolved_protocol(self, domain: str, task_protect_prompt: bool) -> dict[str, Any]:
-        """The protocol fields for a task of ``domain`` (base, then the domain's overrides)."""
+    def protocol_for(self, domain: str, task_protect_prompt: bool) -> Protocol:
+        """The protocol of a task of ``domain``: the base fields, then the domain's overrides, then
+        the task's own ``protect_prompt`` where neither sets it."""
         fields = self.protocol.model_dump()
         override = self.protocol_by_domain.get(domain)
         if override is not None:
             fields.update({k: v for k, v in override.model_dump().items() if v is not None})
         if fields["protect_prompt"] is None:
             fields["protect_prompt"] = bool(task_protect_prompt)
-        # fields added with the protocol presets: left out at their defaults, so protocols (and their
-        # stored hashes) that do not use them are unchanged
-        for key, default in (("recent_max_fraction", None), ("prompt_over_budget", "error")):
-            if fields.get(key) == default:
-                fields.pop(key)
-        return fields
+        return Protocol(**fields)
 
 
 # ------------------------------------------------------------------------------------------------

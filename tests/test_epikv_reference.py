@@ -214,16 +214,15 @@ def test_epikv_paper_preset_is_one_line_in_a_sweep_and_is_stored(tmp_path):
         "name": "replication", "database": f"sqlite:///{tmp_path / 'r.db'}", "models": [{"source": "x/y"}],
         "methods": ["epikv"], "budgets": [512], "tasks": ["math500"], "protocol": "epikv_paper",
     })
-    fields = config.resolved_protocol("math", True)
-    assert fields == PRESETS["epikv_paper"]
-    protocol = Protocol(**fields)
+    protocol = config.protocol_for("math", True)
+    assert protocol == PRESETS["epikv_paper"]
     assert protocol.recent_for(512) == 128 and protocol.recent_for(256) == 64 and protocol.prompt_over_budget == "keep"
     # a protocol that does not use the preset fields resolves (and hashes) as before they existed
-    plain = parse_config({**config.model_dump(), "protocol": {"recent": 8}}).resolved_protocol("math", True)
-    assert set(plain) == {"cadence", "positions", "sink", "recent", "protect_prompt", "prefill_chunk"}
+    plain = parse_config({**config.model_dump(), "protocol": {"recent": 8}}).protocol_for("math", True)
+    assert set(plain.spec()) == {"cadence", "positions", "sink", "recent", "protect_prompt", "prefill_chunk"}
     engine = get_engine(f"sqlite:///{tmp_path / 'r.db'}")
     upgrade(engine)
-    assert get_or_create(engine, ProtocolSpec, {"spec_hash": "h" * 64, **fields}) == 1
+    assert get_or_create(engine, ProtocolSpec, {"spec_hash": "h" * 64, **protocol.spec()}) == 1
     with pytest.raises(KvleagueError, match="unknown preset"):
         parse_config({**config.model_dump(), "protocol": "epikv_papr"})
 

@@ -203,7 +203,7 @@ def test_fidelity_cli_takes_the_epikv_paper_preset(tiny_models, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     report = __import__("json").loads(out[out.index("{"):])
-    assert report["protocol"] == Protocol.preset("epikv_paper").__dict__
+    assert report["protocol"] == Protocol.preset("epikv_paper").model_dump(mode="json")
     full, knorm = report["samples"]
     assert full["kl_mean"] < 1e-6 and knorm["prompt_tokens"] > 48  # the prompt is kept whole (prompt_over_budget: keep)
 

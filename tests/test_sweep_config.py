@@ -331,7 +331,7 @@ def test_a_cells_row_carries_every_engine_metric_to_the_database(tiny_llama, tmp
     from db.models import METRIC_COLUMNS, SampleResult
     from db.session import get_engine
     from methods.registry import build_method
-    from runner.engine.protocol import GenerationSettings, Protocol
+    from runner.engine.protocol import GenerationSettings
     from runner.sweeping.cell import CellWorker
     from tasks.registry import build_task
 
@@ -356,7 +356,7 @@ def test_a_cells_row_carries_every_engine_metric_to_the_database(tiny_llama, tmp
     assert dict(stored) == {c: row[c] for c in METRIC_COLUMNS}
     model = worker._engine_for(cell.model)
     direct = model.generate(task_prompt := build_task(cell.task, cell.task_options).build_prompt(cell.sample, model.tokenizer),
-                            build_method(cell.method, cell.params), cell.budget, Protocol(**cell.protocol),
+                            build_method(cell.method, cell.params), cell.budget, cell.protocol,
                             GenerationSettings(max_new_tokens=cell.generation["max_new_tokens"], stop=tuple(cell.generation["stop"])),
                             seed=cell.gen_seed)
     assert len(task_prompt) == stored["prompt_tokens"]

@@ -1,13 +1,18 @@
-"""Run settings that must be identical for every method compared in one cell group."""
+"""Run settings that must be identical for every method compared in one cell group: the one typed
+:class:`Protocol`, validated where it enters (sweep YAML, CLI flags, lm-eval ``model_args``, Python)
+and carried as that object through grid expansion and the cell worker to its database row."""
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
-from typing import Any, Literal
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Literal, Mapping, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import core_schema
 
 from runner.engine.errors import KvleagueError
 
-CADENCES = ("every_step", "buffer=N")
 POSITION_MODES = ("absolute", "compact")
 PROMPT_OVER_BUDGET = ("error", "keep")
 
@@ -29,20 +34,57 @@ def parse_optional(parse):
 
 
 @dataclass(frozen=True)
-class Protocol:
+class Cadence:
+    """When the engine evicts: ``every_step`` (``buffer`` 0: the cache holds <= B after every decode
+    step) or ``buffer=N`` (the cache grows to B + N, then is evicted down to B in one go). Written as
+    that text in YAML, flags, hashes and database rows."""
+
+    buffer: int = 0
+
+    ALLOWED: ClassVar[str] = "every_step, buffer=N"
+
+    @classmethod
+    def parse(cls, value: Any) -> "Cadence":
+        """``every_step`` or ``buffer=N`` (N >= 1); raises ValueError saying what is allowed."""
+        if isinstance(value, Cadence):
+            return value
+        if value == "every_step":
+            return cls(0)
+        if isinstance(value, str) and value.startswith("buffer="):
+            try:
+                buffer = int(value.split("=", 1)[1])
+            except ValueError:
+                buffer = 0
+            if buffer >= 1:
+                return cls(buffer)
+            raise ValueError(f"{value!r} needs a positive integer N; allowed: {cls.ALLOWED}")
+        raise ValueError(f"unknown {value!r}; allowed: {cls.ALLOWED}")
+
+    def __str__(self) -> str:
+        return "every_step" if self.buffer == 0 else f"buffer={self.buffer}"
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        """In a pydantic model: parsed from its text (or taken as is), dumped as its text."""
+        return core_schema.no_info_plain_validator_function(
+            cls.parse, serialization=core_schema.plain_serializer_function_ser_schema(str))
+
+
+class Protocol(BaseModel):
     """How the engine applies a budget, whatever the method.
 
-    * ``cadence``: ``"every_step"`` evicts whenever the cache exceeds the budget B (hard cap: the
-      cache holds <= B after every decode step); ``"buffer=N"`` lets the cache grow to B + N and then
-      evicts down to B in one go (amortised scoring, as R-KV and SnapKV-decode do).
+    * ``cadence``: when to evict (:class:`Cadence`): ``every_step`` is a hard cap (the cache holds <= B
+      after every decode step); ``buffer=N`` amortises scoring, as R-KV and SnapKV-decode do.
     * ``positions``: ``"absolute"`` feeds every new query its true position in the sequence (cached
       keys keep their original RoPE); ``"compact"`` feeds position = current cache length, as the
       EpiKV authors' harness (and any HF code that lets positions follow the cache length) does.
     * ``sink`` / ``recent``: the first ``sink`` and the last ``recent`` tokens are never evicted.
-    * ``recent_max_fraction``: when set, the recent window is ``min(recent, int(B * fraction))``
-      (the EpiKV authors' harness: ``min(128, B // 4)``); ``None`` = ``recent`` as given.
     * ``protect_prompt``: prompt tokens (everything fed, as opposed to generated) are never evicted
       (EpiKV's setting for reasoning).
+    * ``prefill_chunk``: prompts are prefilled in chunks of this many tokens and compressed to B after
+      each chunk, so the cache never holds more than B + chunk entries; ``None`` = whole prompt.
+    * ``recent_max_fraction``: when set, the recent window is ``min(recent, int(B * fraction))``
+      (the EpiKV authors' harness: ``min(128, B // 4)``); ``None`` = ``recent`` as given.
     * ``prompt_over_budget`` (with ``protect_prompt``): ``"error"`` refuses a prompt that, with the
       sink and recent window, does not fit in B; ``"keep"`` (the EpiKV authors' harness) keeps the
       whole prompt even when it alone exceeds B: the cache then holds max(B, prompt) entries, the
@@ -57,72 +99,73 @@ class Protocol:
     EpiKV family and LagKV: prompt kept whole, recent window ``min(128, B // 4)``, eviction after
     every decode step and never after prefill (a no-op under a kept prompt), positions = cache
     length, no sink, whole-prompt prefill.
-        * ``prefill_chunk``: prompts are prefilled in chunks of this many tokens and compressed to B after
-      each chunk, so the cache never holds more than B + chunk entries; ``None`` = whole prompt.
+
+    The field list is the one list the CLI flags, the sweep YAML, the lm-eval bridge, the spec hash,
+    the ``protocols`` table's columns (``db/models.py``) and the dashboard's label follow; each
+    field's ``description`` is its flag's help. Invalid values raise one-line KvleagueErrors naming
+    the field.
     """
 
-    # Each field's metadata is what the CLI flags, the sweep YAML and the lm-eval bridge derive from
-    # it: ``help``, ``parse`` (text -> value, for flags and lm-eval's ``model_args``) and pydantic
-    # bounds (``ge``/``le``); see :func:`protocol_fields`.
-    cadence: str = field(default="every_step", metadata={"help": "every_step or buffer=N", "parse": str})
-    positions: Literal["absolute", "compact"] = field(
-        default="absolute", metadata={"help": "absolute or compact", "parse": str, "choices": POSITION_MODES})
-    sink: int = field(default=0, metadata={"help": "first tokens never evicted", "parse": int, "ge": 0})
-    recent: int = field(default=0, metadata={"help": "last tokens never evicted", "parse": int, "ge": 0})
-    protect_prompt: bool = field(default=False, metadata={"help": "never evict prompt tokens", "parse": parse_bool})
-    prefill_chunk: int | None = field(default=None, metadata={
-        "help": "prefill in chunks of this many tokens (default: the whole prompt)", "parse": parse_optional(int), "ge": 1})
-    recent_max_fraction: float | None = field(default=None, metadata={
-        "help": "cap the recent window at this fraction of the budget", "parse": parse_optional(float), "ge": 0, "le": 1})
-    prompt_over_budget: Literal["error", "keep"] = field(default="error", metadata={
-        "help": "with protect_prompt, a prompt over the budget: error or keep", "parse": str, "choices": PROMPT_OVER_BUDGET})
-    buffer: int = field(init=False, default=0)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    cadence: Cadence = Field(default=Cadence(), description="every_step or buffer=N")
+    positions: Literal["absolute", "compact"] = Field(default="absolute", description="absolute or compact")
+    sink: int = Field(default=0, ge=0, description="first tokens never evicted")
+    recent: int = Field(default=0, ge=0, description="last tokens never evicted")
+    protect_prompt: bool = Field(default=False, description="never evict prompt tokens")
+    prefill_chunk: int | None = Field(default=None, ge=1, description="prefill in chunks of this many tokens (default: the whole prompt)")
+    recent_max_fraction: float | None = Field(default=None, ge=0, le=1, description="cap the recent window at this fraction of the budget")
+    prompt_over_budget: Literal["error", "keep"] = Field(
+        default="error", description="with protect_prompt, a prompt over the budget: error or keep")
+
+    #: Fields added after results were stored (with the presets, issue 14). A protocol whose value of
+    #: one is the field's default leaves it out of its spec (hashed, and stored with NULL in its
+    #: column), so the spec hashes stored before the field existed (cell keys, protocol rows) still
+    #: match. The one place this rule lives: :meth:`spec` and :meth:`from_spec` apply it.
+    ADDED_LATER: ClassVar[tuple[str, ...]] = ("recent_max_fraction", "prompt_over_budget")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise KvleagueError(_one_line(exc)) from None
+
+    @property
+    def buffer(self) -> int:
+        """Entries the cache may hold beyond the budget before it is evicted (0: every step)."""
+        return self.cadence.buffer
+
+    def spec(self) -> dict[str, Any]:
+        """The protocol as hashed (cell keys, the protocol's ``spec_hash``) and stored (its row):
+        every field as JSON, those of :attr:`ADDED_LATER` left out at their defaults."""
+        return {name: value for name, value in self.model_dump(mode="json").items()
+                if not (name in self.ADDED_LATER and getattr(self, name) == type(self).model_fields[name].default)}
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "Protocol":
+        """The protocol of a spec or a stored row (other keys such as ``id`` ignored; a field of
+        :attr:`ADDED_LATER` missing or NULL is at its default)."""
+        return cls(**{name: spec[name] for name in cls.model_fields
+                      if name in spec and not (name in cls.ADDED_LATER and spec[name] is None)})
 
     @classmethod
     def from_text(cls, values: dict[str, Any]) -> "Protocol":
         """A protocol from values given as text (lm-eval ``model_args``), each parsed by its field."""
-        parsers = {f.name: f.metadata["parse"] for f in protocol_fields()}
-        return cls(**{k: parsers[k](v) for k, v in values.items()})
+        parsers = {f.name: f.parse for f in protocol_fields()}
+        return cls(**{k: parsers[k](v) if k in parsers else v for k, v in values.items()})
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "Protocol":
         """The protocol of preset ``name`` (see :data:`PRESETS`), with ``overrides`` on top."""
         if name not in PRESETS:
             raise KvleagueError(f"protocol: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**PRESETS[name].model_dump(), **overrides})
 
     def recent_for(self, budget: int) -> int:
         """The recent window under budget ``budget``."""
         if self.recent_max_fraction is None:
             return self.recent
         return min(self.recent, int(budget * self.recent_max_fraction))
-
-    def __post_init__(self) -> None:
-        if self.cadence == "every_step":
-            buffer = 0
-        elif self.cadence.startswith("buffer="):
-            try:
-                buffer = int(self.cadence.split("=", 1)[1])
-            except ValueError:
-                buffer = -1
-            if buffer < 1:
-                raise KvleagueError(f"cadence: {self.cadence!r} needs a positive integer N; allowed: {', '.join(CADENCES)}")
-        else:
-            raise KvleagueError(f"cadence: unknown {self.cadence!r}; allowed: {', '.join(CADENCES)}")
-        object.__setattr__(self, "buffer", buffer)
-        if self.positions not in POSITION_MODES:
-            raise KvleagueError(f"positions: unknown {self.positions!r}; allowed: {', '.join(POSITION_MODES)}")
-        for name in ("sink", "recent"):
-            if getattr(self, name) < 0:
-                raise KvleagueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise KvleagueError(f"prefill_chunk: must be a positive integer or null, got {self.prefill_chunk}")
-        if self.recent_max_fraction is not None and not 0 <= self.recent_max_fraction <= 1:
-            raise KvleagueError(f"recent_max_fraction: must be in [0, 1] or null, got {self.recent_max_fraction}")
-        if self.prompt_over_budget not in PROMPT_OVER_BUDGET:
-            raise KvleagueError(
-                f"prompt_over_budget: unknown {self.prompt_over_budget!r}; allowed: {', '.join(PROMPT_OVER_BUDGET)}"
-            )
 
     def check_budget(self, budget: int) -> None:
         if budget < 1:
@@ -135,19 +178,59 @@ class Protocol:
             )
 
 
-def protocol_fields() -> tuple[Field, ...]:
-    """The settable fields of :class:`Protocol`, in order: the one list the CLI flags
-    (``runner.protocol_args``), the sweep YAML (``runner.sweep_config``), the lm-eval bridge's
-    ``model_args`` and the database's ``protocols`` table follow."""
-    return tuple(f for f in fields(Protocol) if f.init)
+def _one_line(exc: ValidationError) -> str:
+    """A pydantic error as ``field: problem`` (``cadence: unknown 'x'; allowed: every_step, buffer=N``)."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "protocol"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown protocol field; allowed: {', '.join(Protocol.model_fields)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    shown = "" if err["type"] == "value_error" else f" (got {err.get('input')!r})"
+    return f"{where}: {msg}{shown}"
 
 
-#: named protocols; each value is a complete set of :class:`Protocol` fields
-PRESETS: dict[str, dict] = {
+@dataclass(frozen=True)
+class ProtocolField:
+    """A field of :class:`Protocol` as the text edges see it: a CLI flag, an lm-eval ``model_args`` key."""
+
+    name: str
+    help: str
+    #: text -> value (the protocol then validates it)
+    parse: Callable[[Any], Any]
+    #: the closed set of values, for a field of ``Literal`` type
+    choices: tuple[str, ...] | None
+    #: a bool field: a switch on the command line
+    switch: bool
+
+
+def _text_parser(annotation: Any) -> Callable[[Any], Any]:
+    """How text becomes a value of ``annotation`` (bool, int, float, optional, literal, Cadence)."""
+    args = get_args(annotation)
+    if isinstance(annotation, types.UnionType) and type(None) in args:
+        return parse_optional(_text_parser(next(a for a in args if a is not type(None))))
+    if annotation is bool:
+        return parse_bool
+    if annotation in (int, float):
+        return annotation
+    return str  # Literal and Cadence: the protocol parses (and names what is allowed)
+
+
+def protocol_fields() -> tuple[ProtocolField, ...]:
+    """The fields of :class:`Protocol`, in order, with their text parsers derived from their types."""
+    return tuple(
+        ProtocolField(name=name, help=f.description or "", parse=_text_parser(f.annotation),
+                      choices=get_args(f.annotation) if get_origin(f.annotation) is Literal else None,
+                      switch=f.annotation is bool)
+        for name, f in Protocol.model_fields.items()
+    )
+
+
+#: named protocols: every field set, so a preset in a sweep YAML leaves nothing to a task's default
+PRESETS: dict[str, Protocol] = {
     # EpiKV authors' harness (stevenkolawole/epiphany-kv-cache scripts/benchmark.py + the EpiKV family's
     # and LagKVEviction's evict_past_key_values): EvictionConfig(keep_recent_k=128) capped at B // 4,
     # the prompt always kept, eviction after every decode forward, no position_ids (= cache length).
-    "epikv_paper": dict(
+    "epikv_paper": Protocol(
         cadence="every_step",
         positions="compact",
         sink=0,

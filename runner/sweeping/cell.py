@@ -150,7 +150,6 @@ class CellWorker:
 
     def _run_batch(self, cells: list[Cell]) -> list[dict[str, Any]]:
         from methods.registry import build_method
-        from runner.engine.protocol import Protocol
         from runner.sample import run_samples
 
         first = cells[0]
@@ -159,7 +158,7 @@ class CellWorker:
             return self._run_fidelity_batch(cells, engine)
         runs = run_samples(engine, self._task(first.task, first.task_options), [c.sample for c in cells],
                            [build_method(c.method, c.params) for c in cells], first.budget,
-                           Protocol(**first.protocol), _settings(first), [c.gen_seed for c in cells])
+                           first.protocol, _settings(first), [c.gen_seed for c in cells])
         return [_generation_row(run.score, run.generation, run.completion, {**run.details, "batch": {"cells": len(cells)}}, engine)
                 for run in runs]
 
@@ -179,16 +178,14 @@ class CellWorker:
 
     def _run(self, cell: Cell) -> dict[str, Any]:
         from methods.registry import build_method
-        from runner.engine.protocol import Protocol
         from runner.sample import run_sample
 
         engine = self._engine_for(cell.model)
         task = self._task(cell.task, cell.task_options)
         method = build_method(cell.method, cell.params)
-        protocol = Protocol(**cell.protocol)
         if cell.measure == "fidelity":
-            return self._run_fidelity(cell, engine, task, method, protocol)
-        run = run_sample(engine, task, cell.sample, method, cell.budget, protocol, _settings(cell), cell.gen_seed)
+            return self._run_fidelity(cell, engine, task, method, cell.protocol)
+        run = run_sample(engine, task, cell.sample, method, cell.budget, cell.protocol, _settings(cell), cell.gen_seed)
         return _generation_row(run.score, run.generation, run.completion, run.details, engine)
 
     def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
@@ -205,13 +202,12 @@ class CellWorker:
         teacher-forced together (``runner.fidelity.measure_batch``)."""
         from methods.registry import build_method
         from runner import fidelity
-        from runner.engine.protocol import Protocol
 
         first = cells[0]
         segments, reference, reference_seconds, shared = self._fidelity_reference(first, engine, self._task(first.task, first.task_options))
         results = fidelity.measure_batch(
             engine, [segments] * len(cells), [build_method(c.method, c.params) for c in cells], [c.budget for c in cells],
-            Protocol(**first.protocol), [c.gen_seed for c in cells], [reference] * len(cells),
+            first.protocol, [c.gen_seed for c in cells], [reference] * len(cells),
         )
         rows = []
         for i, r in enumerate(results):  # the first cell of the group paid the full-cache pass, if any did

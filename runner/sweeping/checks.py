@@ -124,6 +124,7 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
             seen_methods.add(key)
 
     seen_tasks: set[str] = set()
+    checked_protocols: set[Protocol] = set()
     n_tasks = 0
     for i, entry in enumerate(config.tasks):
         try:
@@ -145,26 +146,21 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
             raise KvleagueError(f"tasks[{i}]: {entry.name} with the same options is listed twice")
         seen_tasks.add(key)
         n_tasks += 1
-        fields = config.resolved_protocol(cls.domain, cls.protect_prompt)
-        where = f"protocol_by_domain.{cls.domain}" if cls.domain in config.protocol_by_domain else "protocol"
-        try:
-            protocol = Protocol(**fields)
-        except KvleagueError as exc:
-            raise KvleagueError(f"{where}.{exc}") from None
-        for budget in config.budgets:
-            try:
-                protocol.check_budget(budget)
-            except KvleagueError as exc:
-                raise KvleagueError(f"budgets: {str(exc).removeprefix('budget: ')} (protocol for {cls.domain})") from None
+        protocol = config.protocol_for(cls.domain, cls.protect_prompt)
+        if protocol not in checked_protocols:  # tasks of one domain share a protocol: its budgets checked once
+            checked_protocols.add(protocol)
+            for budget in config.budgets:
+                try:
+                    protocol.check_budget(budget)
+                except KvleagueError as exc:
+                    raise KvleagueError(f"budgets: {str(exc).removeprefix('budget: ')} (protocol for {cls.domain})") from None
     if n_tasks == 0:
         raise KvleagueError("tasks: none of the listed tasks is registered")
-    try:  # the base protocol must be valid even when every domain overrides it
-        base_protocol = Protocol(**{**config.protocol.model_dump(), "protect_prompt": bool(config.protocol.protect_prompt)})
+    # the base protocol must fit the budgets even when every domain overrides it
+    base_protocol = Protocol(**{**config.protocol.model_dump(), "protect_prompt": bool(config.protocol.protect_prompt)})
+    if base_protocol not in checked_protocols:
         for budget in config.budgets:
             base_protocol.check_budget(budget)
-    except KvleagueError as exc:
-        msg = str(exc)
-        raise KvleagueError(msg if msg.startswith("budget") else f"protocol.{msg}") from None
     if config.data_dir:
         path = Path(resolve_data_dir(config, base) or "")
         if not path.is_dir():

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.engine.errors import KvleagueError, first_line
+from runner.engine.protocol import Protocol
 from db.spec_hash import canonical_json, spec_hash
 from runner.sweep_config import SweepConfig
 from runner.sweeping.checks import check_config, project_dir, resolve_data_dir, resolve_model_source
@@ -41,7 +42,7 @@ class Cell:
     sample_index: int
     seed: int  # the config's seed
     gen_seed: int  # the seed the sampler gets (seed for sample 0, derived for the others)
-    protocol: dict[str, Any]
+    protocol: Protocol
     generation: dict[str, Any]  # max_new_tokens, temperature, top_p, stop
     dims: dict[str, str] = field(default_factory=dict)  # dimension -> spec_hash
     attempts: int = 0
@@ -117,9 +118,10 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
             t_spec["options"] = {**options, "length_unit": f"tokens of {model_source}"}
         t_hash = spec_hash(t_spec)
         dims["task"][t_hash] = {"spec_hash": t_hash, **t_spec}
-        protocol = config.resolved_protocol(cls.domain, cls.protect_prompt)
-        p_hash = spec_hash(protocol)
-        dims["protocol"][p_hash] = {"spec_hash": p_hash, **protocol}
+        protocol = config.protocol_for(cls.domain, cls.protect_prompt)
+        p_spec = protocol.spec()
+        p_hash = spec_hash(p_spec)
+        dims["protocol"][p_hash] = {"spec_hash": p_hash, **p_spec}
         gen = {
             "max_new_tokens": entry.max_new_tokens or config.generation.max_new_tokens or int(cls.max_new_tokens),
             "temperature": float(config.generation.temperature),
@@ -161,6 +163,7 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         tasks = [shared[i] if i in shared else plan_task(entry, tokenizer, model_cfg.source)
                  for i, (entry, _) in enumerate(entries)]
         for entry, task, samples, protocol, settings, t_hash, p_hash in tasks:
+            p_spec = protocol.spec()
             for sample in samples:
                 for measure in entry.measures:
                     gen, g_hash = settings[measure]
@@ -172,7 +175,7 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
                                     spec = {
                                         "model": m_spec, "method": name, "params": params, "budget": budget,
                                         "task": entry.name, "task_options": task.option_values(),
-                                        "sample_id": sample.sample_id, "protocol": protocol, "seed": seed,
+                                        "sample_id": sample.sample_id, "protocol": p_spec, "seed": seed,
                                     }
                                     if measure == "generation":  # the spec generation cells always had
                                         spec.update(sample_index=index, generation=gen)
@@ -234,11 +237,11 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
             groups.append([cell])
             continue
         if cell.measure == "fidelity":
-            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, cell.sample_id, cell.protocol,
+            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, cell.sample_id, cell.dims["protocol"],
                                   cell.generation, cell.seed])
         else:
             key = canonical_json([cell.model, cell.method, cell.params, cell.budget, cell.task, cell.task_options,
-                                  cell.protocol, cell.generation, cell.seed])
+                                  cell.dims["protocol"], cell.generation, cell.seed])
         group = open_groups.get(key)
         if group is None or len(group) >= limit:
             group = open_groups[key] = []
