@@ -57,7 +57,6 @@ def generate_batch(
         raise KvleagueError(f"seeds: {len(seeds)} seeds for {n} prompts; give one seed per prompt (or none)")
     protocol = protocol or Protocol()
     settings = settings or GenerationSettings()
-    protocol.check_budget(budget)
     tokenizer = engine.tokenizer
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
     for i, p in enumerate(ids):
