@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dashboard.paper import PUBLISHED_LAYER_RHO  # noqa: E402
+from analysis.paper import PUBLISHED_LAYER_RHO  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 N_LAYERS = 32
@@ -116,7 +116,7 @@ def test_signals_page_shows_the_latest_runs_bands_and_methods(signals_db):
 def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
     """A database at revision 0006 (no partial columns) reads, and after the upgrade its rows have no partial rho."""
     from db.session import get_engine, upgrade
-    from dashboard.signals import markdown, read_correlations
+    from analysis.signal_tables import markdown, read_correlations
     from runner.signals_store import store_correlations
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
@@ -144,7 +144,7 @@ def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
 
 def test_reference_series_are_the_authors_csv_figures():
     """Spot checks against the issue's quotation of the paper (MATH-500: +0.112 at layer 10, -0.209 at 21)."""
-    from dashboard.signals import reference_series
+    from analysis.signal_tables import reference_series
 
     ref = reference_series()
     math = ref[ref["dataset"] == "math500"].set_index("layer")["rho"]
