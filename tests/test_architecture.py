@@ -12,6 +12,10 @@ a cache, the engine's model object); everything goes through the engine and its 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +170,22 @@ def test_imports_go_one_way_down_the_layers():
 def test_no_import_cycles_between_modules():
     cycles = import_cycles(import_graph())
     assert not cycles, "modules that import each other:\n" + "\n\n".join("\n".join(map(str, c)) for c in cycles)
+
+
+#: what every layer imports for errors, names and plugins: no torch or transformers behind it (seconds to
+#: import), so that the CLI's parser, the database, the analysis layer and the dashboard never pay for them
+LIGHT_GROUND_FLOOR = ("runner.engine", "runner.engine.errors", "runner.engine.registry", "runner.engine.protocol",
+                      "runner.engine.contract", "methods", "methods.registry", "tasks", "tasks.base", "tasks.registry")
+
+
+def test_the_ground_floor_and_the_registries_import_without_torch():
+    code = ("import importlib, json, sys\n"
+            "for m in sys.argv[1:]: importlib.import_module(m)\n"
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})))")
+    proc = subprocess.run([sys.executable, "-c", code, *LIGHT_GROUND_FLOOR], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == [], f"importing {', '.join(LIGHT_GROUND_FLOOR)} loads {proc.stdout.strip()}"
 
 
 def test_the_import_checker_catches_planted_violations(tmp_path):
