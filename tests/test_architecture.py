@@ -269,3 +269,48 @@ def test_the_seam_check_finds_each_kind_of_reach(snippet):
 
 def test_the_seam_check_lets_the_engines_api_through():
     assert not seam_violations(Path("x.py"), "from transformers import AutoTokenizer\nengine.describe()\nengine.backend.forward(x)")
+
+
+# ------------------------------------------------------------------------------------------------
+# README's map names every module
+# ------------------------------------------------------------------------------------------------
+
+
+def readme_map(readme: str) -> dict[str, str]:
+    """Folder -> its row of the table under README's "Where things are"."""
+    section = readme.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`") and cells[0].endswith("/`"):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def unmapped_modules(root: Path, readme: str) -> list[str]:
+    """Modules not named (``name.py``, in backticks) in the row of the deepest folder that holds them.
+    An eviction method's own file is covered by the methods/ row's "one file per eviction method"."""
+    rows = readme_map(readme)
+    missing = []
+    for path in modules(root):
+        rel = path.relative_to(root).as_posix()
+        if path.name == "__init__.py" or (rel.startswith("methods/") and "@register_method(" in path.read_text()):
+            continue
+        folder = max((f for f in rows if rel.startswith(f)), key=len, default=None)
+        if folder is None or f"`{rel[len(folder):]}`" not in rows[folder]:
+            missing.append(f"{rel} (row {folder or 'none'})")
+    return missing
+
+
+def test_readme_map_names_every_module():
+    missing = unmapped_modules(REPO, (REPO / "README.md").read_text())
+    assert not missing, "modules README's \"Where things are\" does not name:\n" + "\n".join(missing)
+
+
+def test_the_map_check_finds_a_module_missing_from_its_row(tmp_path):
+    (tmp_path / "runner" / "engine").mkdir(parents=True)
+    for rel in ("runner/engine/errors.py", "runner/engine/new.py", "runner/cli.py"):
+        (tmp_path / rel).write_text("")
+    readme = ("## Where things are\n\n| folder | what |\n|---|---|\n| `runner/engine/` | errors (`errors.py`) |\n"
+              "| `runner/` | the CLI (`cli.py`), `new.py` is named here, not in its own folder's row |\n\n## Next\n")
+    assert unmapped_modules(tmp_path, readme) == ["runner/engine/new.py (row runner/engine/)"]

@@ -1,5 +1,5 @@
 """The Signals page under Streamlit's AppTest, on a database holding only signal studies stored through
-``runner.signals_store``; the expected figures are computed here from the stored report."""
+``runner.signals.store``; the expected figures are computed here from the stored report."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def paper_like(layer: int) -> float:
 
 @pytest.fixture()
 def signals_db(tmp_path, monkeypatch):
-    from runner.signals_store import store_correlations
+    from runner.signals.store import store_correlations
 
     url = f"sqlite:///{tmp_path / 'signals.db'}"
     store_correlations(report("old", "math500", "math", lambda layer: -0.5, "2026-01-01T00:00:00+00:00"), url)
@@ -117,7 +117,7 @@ def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
     """A database at revision 0006 (no partial columns) reads, and after the upgrade its rows have no partial rho."""
     from db.session import get_engine, upgrade
     from analysis.signal_tables import markdown, read_correlations
-    from runner.signals_store import store_correlations
+    from runner.signals.store import store_correlations
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     engine = get_engine(url)
