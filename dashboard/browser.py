@@ -26,7 +26,7 @@ from typing import Iterator
 from dashboard.commands import streamlit_command
 from runner.engine.errors import KvleagueError
 
-#: the ``?page=`` slugs, in the app's page order (dashboard.ui.SLUGS; not imported: that loads Streamlit)
+#: the ``?page=`` slugs, in the app's page order (dashboard.views.PAGES; not imported: that loads Streamlit)
 PAGE_SLUGS = ("leaderboard", "budget-curves", "replication-scorecard", "cost", "samples", "provenance", "signals")
 
 CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from dashboard.commands import resolve_db
-    from runner.cli_args import OneLineParser
+    from runner.engine.errors import OneLineParser
 
     p = OneLineParser(prog="python -m dashboard.browser", description="Screenshot a dashboard page in headless Chromium.")
     p.add_argument("--db", default=None, help="database URL (default: as kvleague dashboard)")

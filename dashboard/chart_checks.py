@@ -2,7 +2,7 @@
 dashboard's page tests and the browser test run it on every chart of every page):
 
 * a line across budgets that joins points of different slices: each such line's points must carry
-  the slice columns (:data:`dashboard.queries.SLICE_COLUMNS`), one value of each per line;
+  the slice columns (:data:`analysis.queries.SLICE_COLUMNS`), one value of each per line;
 * a legend that cannot show every series: none at all for a colour with several values (and no
   direct text labels), a ``symbolLimit`` below the number of values, a colour scale whose domain
   leaves values out, or more rows than the chart's height holds;
@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from dashboard.queries import SLICE_COLUMNS
+from analysis.queries import SLICE_COLUMNS
 
 #: the pixels one legend row takes, and the least plot height left beside the legend
 LEGEND_ROW_PX = 18

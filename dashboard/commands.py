@@ -30,7 +30,7 @@ def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | No
 
 def resolve_db(url: str | None) -> str:
     """The URL the dashboard will open (relative SQLite paths made absolute), checked up front."""
-    from dashboard.queries import resolve_url
+    from analysis.queries import resolve_url
     from db.session import parse_url
 
     parsed = parse_url(resolve_url(url))
@@ -97,8 +97,8 @@ def _preamble(path: str | None) -> str:
 def cmd_report(args) -> int:
     import tempfile
 
-    from dashboard.queries import has_schema, open_readonly
-    from dashboard.report import build
+    from analysis.queries import has_schema, open_readonly
+    from analysis.report import build
     from db.session import display_url, get_engine
 
     if (args.db is None) == (args.export is None):

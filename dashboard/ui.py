@@ -1,29 +1,24 @@
-"""The Streamlit app: database connection, sidebar filters, caching, page dispatch.
+"""The Streamlit app: the database, sidebar filters, page dispatch (pages: :data:`dashboard.views.PAGES`;
+what they read and its caching: :mod:`dashboard.data`).
 
 The database URL comes from ``--db`` (after ``--`` on the ``streamlit run`` line), else
 ``$KVLEAGUE_DB``, else ``sqlite:///kvleague.db``; it is opened read-only.
-Page data is cached with ``st.cache_data`` keyed on the filters and on a fingerprint of the results
-tables (largest id and row count of sample_results and of benchmark_results, re-read at most every
-few seconds), so new results show up on the next rerun without recomputing anything when nothing changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import streamlit as st
 
-from dashboard import fidelity, head_to_head
-from dashboard import queries as q
-from dashboard import tables
+from analysis import queries as q
+from dashboard.data import Context, cached, engine_for, fingerprint
+from dashboard.views import PAGES
 from runner.engine.errors import KvleagueError
 
-PAGES = ("Leaderboard", "Budget curves", "Replication scorecard", "Cost", "Samples", "Provenance", "Signals")
-SLUGS = {p: p.lower().replace(" ", "-") for p in PAGES}
-FINGERPRINT_TTL_S = 3
+SLUGS = {title: page.slug for title, page in PAGES.items()}
 
 
 def cli_db_url(argv: list[str] | None = None) -> str | None:
@@ -31,38 +26,6 @@ def cli_db_url(argv: list[str] | None = None) -> str | None:
     parser.add_argument("--db", default=None)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return args.db
-
-
-@st.cache_resource(show_spinner=False)
-def engine_for(url: str):
-    return q.open_readonly(url)
-
-
-@st.cache_data(show_spinner=False, ttl=FINGERPRINT_TTL_S)
-def fingerprint(url: str) -> tuple[int, ...]:
-    """sample_results' ``(max id, count)``, then benchmark_results': ``kvleague bench --store`` adds no
-    sample results, yet its figures must show up too."""
-    engine = engine_for(url)
-    return q.fingerprint(engine) + q.benchmark_fingerprint(engine)
-
-
-@st.cache_data(show_spinner="Aggregating results...", max_entries=256)
-def cached(name: str, url: str, fp: tuple[int, ...], *args: Any) -> Any:
-    """``tables.<name>(engine, *args)`` (or ``head_to_head.<name>``, ``fidelity.<name>``, ``queries.<name>``),
-    cached until the fingerprint changes."""
-    fn = getattr(tables, name, None) or getattr(head_to_head, name, None) or getattr(fidelity, name, None) or getattr(q, name)
-    return fn(engine_for(url), *args)
-
-
-@dataclass
-class Context:
-    url: str
-    fp: tuple[int, ...]
-    filters: q.Filters
-    opts: q.Options
-
-    def data(self, name: str, *args: Any) -> Any:
-        return cached(name, self.url, self.fp, *args)
 
 
 def _multiselect(label: str, options: list, fmt: Callable[[Any], str] = str, key: str | None = None, help: str | None = None) -> tuple | None:
@@ -100,8 +63,8 @@ def choose_page() -> str:
     slug_to_page = {v: k for k, v in SLUGS.items()}
     wanted = st.query_params.get("page")
     if "page" not in st.session_state:
-        st.session_state["page"] = slug_to_page.get(str(wanted), PAGES[0])
-    page = st.sidebar.radio("Page", PAGES, key="page")
+        st.session_state["page"] = slug_to_page.get(str(wanted), next(iter(PAGES)))
+    page = st.sidebar.radio("Page", list(PAGES), key="page")
     if st.query_params.get("page") != SLUGS[page]:
         st.query_params["page"] = SLUGS[page]
     return page
@@ -114,10 +77,8 @@ def main() -> None:
     page = choose_page()
     try:
         engine = engine_for(url)
-        if page == "Signals":  # its own table and no filters: it shows on a database of signal studies only
-            from dashboard.views import PAGE_RENDERERS
-
-            PAGE_RENDERERS[page](Context(url=url, fp=(), filters=q.Filters(), opts=None))
+        if not PAGES[page].results:  # its own table and no filters: it shows on a database without results
+            PAGES[page].render(Context(url=url, fp=(), filters=q.Filters(), opts=None))
             return
         if not q.has_schema(engine):
             st.title(page)
@@ -133,7 +94,7 @@ def main() -> None:
         st.title(page)
         st.info(f"No results in `{_display(url)}` yet. Run a sweep: `kvleague sweep --config sweeps/demo.yaml`.")
         return
-    opts = cached("options", url, fp)
+    opts = cached(q.options, url, fp)
     filters = sidebar_filters(opts)
     shown = _display(url)
     short = shown.rsplit("/", 1)[-1] if shown.startswith("sqlite") else shown
@@ -141,10 +102,8 @@ def main() -> None:
     ctx = Context(url=url, fp=fp, filters=filters, opts=opts)
     from sqlalchemy.exc import SQLAlchemyError
 
-    from dashboard.views import PAGE_RENDERERS
-
     try:
-        PAGE_RENDERERS[page](ctx)
+        PAGES[page].render(ctx)
     except (SQLAlchemyError, KvleagueError) as exc:  # a schema behind the code, a dropped connection
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
         st.error(f"Could not read the results: {first[0] if first else type(exc).__name__}. "

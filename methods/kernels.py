@@ -5,11 +5,12 @@ two or more methods compute the same way is defined here once."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from runner.engine.contract import CacheView, Observation
+from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from runner.engine.probe import attention_rows
 
 
@@ -87,6 +88,39 @@ class QueryWindow:
     def in_window(self, key_positions: torch.Tensor) -> torch.Tensor:
         """``[H, T]`` True for the slots holding the window's own tokens."""
         return key_positions >= int(self.positions[0])
+
+
+class ObservesQueryWindow:
+    """Mixin of a method that scores with its ``window`` most recent post-RoPE queries (SnapKV's
+    observation window; it declares ``Needs(queries=True)`` and a ``window`` field): kept in a
+    :class:`QueryWindow` for the whole sequence."""
+
+    def reset(self, info: SequenceInfo) -> None:
+        super().reset(info)
+        self.queries = QueryWindow(self.window, info.head_dim)
+
+    def observe(self, obs: Observation) -> None:
+        self.queries.push(obs)
+
+
+@dataclass
+class NotableAttention(EvictionMethod):
+    """Base of the methods that track when a cached token last drew notable attention (RaaS, LazyEviction):
+    the newest query's weight on it, averaged over layers and query heads, above ``alpha`` / n (n = the
+    cached keys it sees; ``alpha = 1``: above uniform)."""
+
+    needs = Needs(attention=True, attention_window=1)
+
+    alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+
+    def attended(self, obs: Observation) -> torch.Tensor:
+        """Positions of the cached tokens the newest query of ``obs`` attends to notably."""
+        row = torch.stack([r[:, -1, :] for r in obs.attention]).mean(dim=(0, 1))  # [T]
+        return obs.cache_positions[0][0][(row > self.alpha / row.shape[0]).cpu()]
 
 
 def pool(scores: torch.Tensor, kernel: int, how: str = "avg") -> torch.Tensor:

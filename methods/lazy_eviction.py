@@ -4,14 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import PositionTable
+from runner.engine.contract import CacheView, Observation, SequenceInfo
+from methods.kernels import NotableAttention, PositionTable
 from methods.registry import register_method
 
 
 @register_method("lazy_eviction")
 @dataclass
-class LazyEviction(EvictionMethod):
+class LazyEviction(NotableAttention):
     """LazyEviction: keep tokens whose attention recurs; evict those overdue past their usual recurrence gap.
 
     A token t is "attended" at step p when the query at position p gives it a weight (averaged over
@@ -27,14 +27,6 @@ class LazyEviction(EvictionMethod):
     threshold (alpha = 1: above uniform), layer/head averaging, and this exact score are ours.
     """
 
-    needs = Needs(attention=True, attention_window=1)
-
-    alpha: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {self.alpha}")
-
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)
         self.last = PositionTable()
@@ -43,8 +35,7 @@ class LazyEviction(EvictionMethod):
     def observe(self, obs: Observation) -> None:
         self.last.write(obs.new_positions, obs.new_positions.double())
         self.mri.write(obs.new_positions, torch.zeros(obs.new_positions.shape[0], dtype=torch.float64))
-        row = torch.stack([r[:, -1, :] for r in obs.attention]).mean(dim=(0, 1))
-        hit = obs.cache_positions[0][0][(row > self.alpha / row.shape[0]).cpu()]
+        hit = self.attended(obs)
         if hit.numel():
             now = float(obs.new_positions[-1])
             gap = now - self.last.read(hit)

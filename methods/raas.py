@@ -4,14 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import PositionTable
+from runner.engine.contract import CacheView, Observation, SequenceInfo
+from methods.kernels import NotableAttention, PositionTable
 from methods.registry import register_method
 
 
 @register_method("raas")
 @dataclass
-class RaaS(EvictionMethod):
+class RaaS(NotableAttention):
     """RaaS: keep "milestone" tokens: each token's timestamp is the last step it received notable attention.
 
     stamp_t starts at t's own position; whenever a query at position p gives t an attention weight
@@ -27,23 +27,13 @@ class RaaS(EvictionMethod):
     query.
     """
 
-    needs = Needs(attention=True, attention_window=1)
-
-    alpha: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {self.alpha}")
-
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)
         self.stamp = PositionTable()
 
     def observe(self, obs: Observation) -> None:
         self.stamp.write(obs.new_positions, obs.new_positions.double())
-        row = torch.stack([r[:, -1, :] for r in obs.attention]).mean(dim=(0, 1))  # [T]
-        positions = obs.cache_positions[0][0]
-        hit = positions[(row > self.alpha / row.shape[0]).cpu()]
+        hit = self.attended(obs)
         if hit.numel():
             self.stamp.write(hit, torch.full((hit.numel(),), float(obs.new_positions[-1]), dtype=torch.float64))
 

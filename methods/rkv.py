@@ -6,9 +6,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from runner.engine.contract import CacheView, EvictionMethod, Needs
 from methods.registry import register_method
-from methods.kernels import QueryWindow, check_window_kernel, window_importance
+from methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance
 
 
 def redundancy(keys: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ def redundancy(keys: torch.Tensor) -> torch.Tensor:
 
 @register_method("rkv")
 @dataclass
-class RKV(EvictionMethod):
+class RKV(ObservesQueryWindow, EvictionMethod):
     """R-KV: lambda * importance - (1 - lambda) * redundancy, per KV head, compressed every 128 steps.
 
     importance[l, h, t]: SnapKV's rule with the last ``window`` (8) queries: their mean attention over
@@ -65,13 +65,6 @@ class RKV(EvictionMethod):
         check_window_kernel(self.window, self.kernel)
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
-
-    def reset(self, info: SequenceInfo) -> None:
-        super().reset(info)
-        self.queries = QueryWindow(self.window, info.head_dim)
-
-    def observe(self, obs: Observation) -> None:
-        self.queries.push(obs)
 
     def score(self, cache: CacheView) -> torch.Tensor:
         importance, own = window_importance(self.queries, cache, self.kernel, self.pooling)

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
-from methods.kernels import QueryWindow, check_window_kernel, pool, window_importance
+from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from methods.kernels import ObservesQueryWindow, check_window_kernel, pool, window_importance
 from methods.registry import register_method
 
 
 @register_method("snapkv")
 @dataclass
-class SnapKV(EvictionMethod):
+class SnapKV(ObservesQueryWindow, EvictionMethod):
     """SnapKV: mean attention of the last ``window`` queries, avg-pooled (kernel 7), per KV head.
 
     score[l, h, t] = mean over the query heads of GQA group h of AvgPool_k( mean over the last
@@ -44,13 +44,6 @@ class SnapKV(EvictionMethod):
 
     def __post_init__(self) -> None:
         check_window_kernel(self.window, self.kernel)
-
-    def reset(self, info: SequenceInfo) -> None:
-        super().reset(info)
-        self.queries = QueryWindow(self.window, info.head_dim)
-
-    def observe(self, obs: Observation) -> None:
-        self.queries.push(obs)
 
     def score(self, cache: CacheView) -> torch.Tensor:
         scores, own = window_importance(self.queries, cache, self.kernel, "avg")

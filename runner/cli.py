@@ -10,14 +10,8 @@ import sys
 
 from dashboard import commands as dashboard_commands
 from db import commands as db_commands
-from runner import (
-    bench_commands,
-    fidelity_commands,
-    generate_commands,
-    signals_commands,
-    sweep,
-    task_commands,
-)
+from runner import bench_commands, fidelity_commands, generate_commands, sweep, task_commands
+from runner.signals import commands as signals_commands
 from runner.cli_args import OneLineParser, add_protocol_arguments, protocol_from_args  # noqa: F401 - importable from here
 from runner.engine.errors import KvleagueError
 

@@ -1,4 +1,4 @@
-"""What every command group of the CLI shares: the parser that makes bad input one line, ``NAME=VALUE``
+"""What every command group of the CLI shares: the one-line parser (from ``runner.engine.errors``), ``NAME=VALUE``
 options, and the protocol: ``--protocol PRESET`` or one flag per field of
 :class:`runner.engine.protocol.Protocol` (``--sink``, ``--prefill-chunk``, ...), made from the field
 list, the same in every command that runs a method."""
@@ -10,15 +10,8 @@ from typing import Any
 
 import yaml
 
-from runner.engine.errors import KvleagueError
+from runner.engine.errors import KvleagueError, OneLineParser  # noqa: F401 - the commands import it from here
 from runner.engine.protocol import PRESETS, Protocol, protocol_fields
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments are a KvleagueError (one line, exit code 2), not argparse's usage over several lines."""
-
-    def error(self, message: str) -> None:
-        raise KvleagueError(f"{self.prog}: {message}")
 
 
 def parse_assignment(text: str, flag: str) -> tuple[str, Any]:

@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (method, budget): sample means of the per-sample means, with bootstrap intervals over samples
-    (the dashboard's, :func:`dashboard.fidelity.bootstrap_mean_interval`)."""
-    from dashboard.fidelity import bootstrap_mean_interval
+    (the dashboard's, :func:`analysis.fidelity_tables.bootstrap_mean_interval`)."""
+    from analysis.fidelity_tables import bootstrap_mean_interval
     out = []
     for key in dict.fromkeys((r["method"], r["budget"]) for r in rows):
         mine = [r for r in rows if (r["method"], r["budget"]) == key]

@@ -11,7 +11,7 @@ import os
 from runner.engine.errors import KvleagueError
 
 #: what a study scores as the answer: the task's reference continuation, or the model's own greedy one
-#: (here, not in ``runner.signals``, so that the CLI can list them without importing torch)
+#: (here, not in ``runner.signals.study``, so that the CLI can list them without importing torch)
 TRACES = ("reference", "greedy")
 
 

@@ -41,8 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from runner.engine.errors import KvleagueError
 from runner.engine.protocol import PRESETS, Protocol
 from db.spec_hash import spec_hash
+from tasks.base import Domain
 
-DOMAINS = ("math", "code", "agentic", "longqa")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("sdpa", "eager", "flash_attention_2")
 #: integers stored in INTEGER columns (budgets, seeds, token counts) must fit in 32 bits (PostgreSQL)
@@ -60,8 +60,8 @@ class ModelConfig(_Strict):
 
     source: str = Field(min_length=1)
     name: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    dtype: Literal[DTYPES] = "auto"
+    attn_implementation: Literal[ATTN] = "sdpa"
 
     @model_validator(mode="before")
     @classmethod
@@ -222,7 +222,7 @@ class SweepConfig(_Strict):
     budgets: list[int] = Field(min_length=1)
     tasks: list[TaskConfig] = Field(min_length=1)
     protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
-    protocol_by_domain: dict[Literal["math", "code", "agentic", "longqa"], ProtocolOverride] = Field(default_factory=dict)
+    protocol_by_domain: dict[Domain, ProtocolOverride] = Field(default_factory=dict)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     fidelity: FidelityConfig = Field(default_factory=FidelityConfig)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)

@@ -46,8 +46,10 @@ from tasks.data import DataSource, resolve_data_dir
 
 __all__ = ["DOMAINS", "DataSource", "Domain", "Sample", "ScoreResult", "Task"]
 
-Domain = Literal["math", "code", "agentic", "longqa"]
-DOMAINS: tuple[str, ...] = ("math", "code", "agentic", "longqa")
+#: the domains, in display order: a new domain is one edit here (the sweep config's ``protocol_by_domain``
+#: keys and the task registry's check read them)
+DOMAINS = ("math", "code", "agentic", "longqa")
+Domain = Literal[DOMAINS]
 
 
 @dataclass

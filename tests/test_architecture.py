@@ -1,5 +1,9 @@
 """The structure README's "Where things are" promises, checked on the syntax tree of every module.
 
+Imports go one way, down the layers of :data:`LAYERS`, and no two modules import each other, however
+indirectly: the graph is built from every import statement, those inside functions included (only
+imports under ``if TYPE_CHECKING:`` never run, so they count for the layers but not for cycles).
+
 The backend seam: nothing above ``runner/engine/`` touches the model's cache or attention internals
 (transformers' cache, mask and attention registries, the attention kernel switch, a model run over
 a cache, the engine's model object); everything goes through the engine and its backend.
@@ -8,12 +12,28 @@ a cache, the engine's model object); everything goes through the engine and its 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TOP = ("methods", "tasks", "runner", "db", "dashboard")
+TOP = ("methods", "tasks", "runner", "db", "analysis", "dashboard")
+
+#: the layers, bottom first, as README's "Where things are" states them: a module imports its own
+#: part and the layers below, never a layer above nor another part of its own layer. A part is a
+#: package (or module) named by its dotted prefix; the longest prefix that matches a module wins.
+LAYERS = (
+    ("runner.engine",),                  # the ground floor: generation, the method contract, errors
+    ("methods", "tasks", "db"),          # methods, tasks, the results database
+    ("analysis",),                       # statistics, tables, the paper's claims, the report
+    ("runner", "dashboard"),             # running (models, sweeps, benchmarks, studies); the Streamlit app
+    ("runner.cli",),                     # the kvleague command line: registers every command group
+)
 
 #: transformers modules and names that are the model's cache and attention internals
 INTERNAL_MODULES = ("transformers.cache_utils", "transformers.masking_utils", "transformers.modeling_utils",
@@ -24,8 +44,178 @@ INTERNAL_NAMES = {"DynamicCache", "DynamicLayer", "StaticCache", "Cache", "Atten
 INTERNAL_ATTRIBUTES = {"set_attn_implementation", "past_key_values"}
 
 
-def modules() -> list[Path]:
-    return sorted(p for top in TOP for p in (REPO / top).rglob("*.py") if "migrations" not in p.parts)
+def modules(root: Path = REPO) -> list[Path]:
+    return sorted(p for top in TOP for p in (root / top).rglob("*.py") if "migrations" not in p.parts)
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    where: str  # path:line
+    type_only: bool  # under ``if TYPE_CHECKING:``: never runs
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.source} -> {self.target}" + (" (TYPE_CHECKING)" if self.type_only else "")
+
+
+def module_names(root: Path = REPO) -> dict[str, Path]:
+    """Dotted module name -> file, packages by their ``__init__.py``."""
+    out = {}
+    for path in modules(root):
+        parts = path.relative_to(root).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return inside
+
+
+def import_graph(root: Path = REPO) -> list[Edge]:
+    """Every import of one project module by another, wherever the statement sits: ``import a.b`` and
+    ``from a import b`` name module ``a.b`` when it is one, else the package ``a``."""
+    names = module_names(root)
+
+    def known(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in names:
+            parts.pop()
+        return ".".join(parts) or None
+
+    edges = []
+    for name, path in names.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        type_only = _type_checking_nodes(tree)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [known(f"{base}.{a.name}") if f"{base}.{a.name}" in names else known(base) for a in node.names]
+            else:
+                continue
+            where = f"{path.relative_to(root)}:{node.lineno}"
+            edges += [Edge(name, t, where, id(node) in type_only) for t in dict.fromkeys(targets) if t and t != name]
+    return edges
+
+
+def _layer_of(module: str) -> tuple[int, str]:
+    """(layer index, part) of a module: the part with the longest matching prefix."""
+    matches = [(len(part), i, part) for i, parts in enumerate(LAYERS) for part in parts
+               if module == part or module.startswith(part + ".")]
+    _, layer, part = max(matches)
+    return layer, part
+
+
+def layer_violations(edges: list[Edge]) -> list[str]:
+    out = []
+    for e in edges:
+        (src_layer, src_part), (dst_layer, dst_part) = _layer_of(e.source), _layer_of(e.target)
+        if src_part != dst_part and dst_layer >= src_layer:
+            why = "a layer above" if dst_layer > src_layer else "another part of its own layer"
+            out.append(f"{e}  [{src_part} may not import {dst_part}: {why}]")
+    return out
+
+
+def import_cycles(edges: list[Edge]) -> list[list[Edge]]:
+    """The edges inside each strongly connected component of the imports that run (Tarjan's algorithm)."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        if not e.type_only:
+            graph.setdefault(e.source, set()).add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [[e for e in edges if not e.type_only and e.source in c and e.target in c] for c in components]
+
+
+def test_imports_go_one_way_down_the_layers():
+    violations = layer_violations(import_graph())
+    assert not violations, "imports against the layer order (README, Where things are):\n" + "\n".join(violations)
+
+
+def test_no_import_cycles_between_modules():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "modules that import each other:\n" + "\n\n".join("\n".join(map(str, c)) for c in cycles)
+
+
+#: what every layer imports for errors, names and plugins: no torch or transformers behind it (seconds to
+#: import), so that the CLI's parser, the database, the analysis layer and the dashboard never pay for them
+LIGHT_GROUND_FLOOR = ("runner.engine", "runner.engine.errors", "runner.engine.registry", "runner.engine.protocol",
+                      "runner.engine.contract", "methods", "methods.registry", "tasks", "tasks.base", "tasks.registry")
+
+
+def test_the_ground_floor_and_the_registries_import_without_torch():
+    code = ("import importlib, json, sys\n"
+            "for m in sys.argv[1:]: importlib.import_module(m)\n"
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})))")
+    proc = subprocess.run([sys.executable, "-c", code, *LIGHT_GROUND_FLOOR], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == [], f"importing {', '.join(LIGHT_GROUND_FLOOR)} loads {proc.stdout.strip()}"
+
+
+def test_the_import_checker_catches_planted_violations(tmp_path):
+    files = {
+        "runner/engine/__init__.py": "",
+        "runner/engine/errors.py": "def f():\n    from runner import sweep  # inside a function\n",
+        "runner/__init__.py": "",
+        "runner/sweep.py": "from dashboard import ui\n",
+        "runner/cli.py": "from dashboard import ui\nfrom runner import sweep\n",
+        "methods/__init__.py": "from tasks.base import DOMAINS\n",
+        "tasks/__init__.py": "",
+        "tasks/base.py": "from runner.engine.errors import f\n",
+        "db/__init__.py": "",
+        "analysis/__init__.py": "",
+        "dashboard/__init__.py": "",
+        "dashboard/ui.py": "from . import views\n",
+        "dashboard/views.py": "def g():\n    from dashboard.ui import main\n",
+        "dashboard/types.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dashboard.ui import x\n",
+        "analysis/stats.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dashboard.ui import x\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    edges = import_graph(tmp_path)
+    found = {v.split(": ", 1)[1].split("  [")[0] for v in layer_violations(edges)}
+    assert found == {"runner.engine.errors -> runner.sweep", "runner.sweep -> dashboard.ui",
+                     "methods -> tasks.base", "analysis.stats -> dashboard.ui (TYPE_CHECKING)"}  # runner.cli may
+    cycles = import_cycles(edges)
+    assert [sorted(str(e).split(": ", 1)[1] for e in c) for c in cycles] == [
+        ["dashboard.ui -> dashboard.views", "dashboard.views -> dashboard.ui"]]  # the TYPE_CHECKING one does not run
 
 
 def seam_violations(path: Path, source: str) -> list[str]:
@@ -79,3 +269,48 @@ def test_the_seam_check_finds_each_kind_of_reach(snippet):
 
 def test_the_seam_check_lets_the_engines_api_through():
     assert not seam_violations(Path("x.py"), "from transformers import AutoTokenizer\nengine.describe()\nengine.backend.forward(x)")
+
+
+# ------------------------------------------------------------------------------------------------
+# README's map names every module
+# ------------------------------------------------------------------------------------------------
+
+
+def readme_map(readme: str) -> dict[str, str]:
+    """Folder -> its row of the table under README's "Where things are"."""
+    section = readme.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`") and cells[0].endswith("/`"):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def unmapped_modules(root: Path, readme: str) -> list[str]:
+    """Modules not named (``name.py``, in backticks) in the row of the deepest folder that holds them.
+    An eviction method's own file is covered by the methods/ row's "one file per eviction method"."""
+    rows = readme_map(readme)
+    missing = []
+    for path in modules(root):
+        rel = path.relative_to(root).as_posix()
+        if path.name == "__init__.py" or (rel.startswith("methods/") and "@register_method(" in path.read_text()):
+            continue
+        folder = max((f for f in rows if rel.startswith(f)), key=len, default=None)
+        if folder is None or f"`{rel[len(folder):]}`" not in rows[folder]:
+            missing.append(f"{rel} (row {folder or 'none'})")
+    return missing
+
+
+def test_readme_map_names_every_module():
+    missing = unmapped_modules(REPO, (REPO / "README.md").read_text())
+    assert not missing, "modules README's \"Where things are\" does not name:\n" + "\n".join(missing)
+
+
+def test_the_map_check_finds_a_module_missing_from_its_row(tmp_path):
+    (tmp_path / "runner" / "engine").mkdir(parents=True)
+    for rel in ("runner/engine/errors.py", "runner/engine/new.py", "runner/cli.py"):
+        (tmp_path / rel).write_text("")
+    readme = ("## Where things are\n\n| folder | what |\n|---|---|\n| `runner/engine/` | errors (`errors.py`) |\n"
+              "| `runner/` | the CLI (`cli.py`), `new.py` is named here, not in its own folder's row |\n\n## Next\n")
+    assert unmapped_modules(tmp_path, readme) == ["runner/engine/new.py (row runner/engine/)"]

@@ -1,6 +1,6 @@
 """Every dashboard page under Streamlit's AppTest, on a database seeded through the db layer, with the
 expected numbers computed here from the seeded rows (statsmodels / scipy / plain arithmetic), not by
-dashboard.stats or dashboard.tables."""
+analysis.stats or analysis.tables."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from dashboard.seed import Seeder  # noqa: E402
+from db.seed import Seeder  # noqa: E402
 from db.session import get_engine  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")

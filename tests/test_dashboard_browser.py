@@ -46,8 +46,8 @@ if not IN_CI and (CHROMIUM is None or not HAVE_PLAYWRIGHT):
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 
-from dashboard import seed  # noqa: E402
-from dashboard.seed import RealisticSpec, Seeder, realistic_rows  # noqa: E402
+from db import seed  # noqa: E402
+from db.seed import RealisticSpec, Seeder, realistic_rows  # noqa: E402
 from db.session import get_engine  # noqa: E402
 
 #: the seeder's tasks with fewer problems (a quick screenshot database)

@@ -10,8 +10,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from dashboard import commands
-from dashboard import queries as q
-from dashboard.seed import Seeder
+from analysis import queries as q
+from db.seed import Seeder
 from db.session import get_engine
 from runner.engine.errors import KvleagueError
 

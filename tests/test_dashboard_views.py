@@ -15,7 +15,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard import chart_checks
-from dashboard.seed import TASKS, RealisticSpec, Seeder, realistic_rows
+from db.seed import TASKS, RealisticSpec, Seeder, realistic_rows
 from dashboard.ui import PAGES
 from db.session import get_engine
 from tests.conftest import REPO

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import MetaData, Table, insert, text
 
-from dashboard.seed import RealisticSpec, Seeder, realistic_rows
+from db.seed import RealisticSpec, Seeder, realistic_rows
 from db.session import get_engine, upgrade
 from db.transfer import export, import_
 from runner.cli import main

@@ -104,7 +104,7 @@ def _rows(url: str) -> dict[str, tuple]:
 
 def test_database_refuses_a_second_row_for_a_cell(db_url):
     """The unique cell_key is the database's, not only the driver's bookkeeping."""
-    from dashboard.seed import Seeder
+    from db.seed import Seeder
 
     s = Seeder(get_engine(db_url))
     ids = {"model_id": s.model("m"), "method_spec_id": s.method("full"), "task_id": s.task("t", "math"),

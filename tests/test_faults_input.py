@@ -342,7 +342,7 @@ WRITES = [
 
 
 def _seeded(url: str) -> int:
-    from dashboard.seed import Seeder
+    from db.seed import Seeder
     from db.session import get_engine
 
     s = Seeder(get_engine(url))
@@ -357,7 +357,7 @@ def _seeded(url: str) -> int:
 def test_dashboard_engine_cannot_write(db_url):
     """Every kind of write through the dashboard's engine fails in the database driver, even after
     the session tries to switch its own protection off; the rows are unchanged."""
-    from dashboard.queries import fingerprint, open_readonly
+    from analysis.queries import fingerprint, open_readonly
 
     url = db_url
     switch_off = "PRAGMA query_only=OFF" if url.startswith("sqlite") else None

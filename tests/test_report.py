@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import wilcoxon
 from statsmodels.stats.multitest import multipletests
 
-from dashboard.seed import Seeder
+from db.seed import Seeder
 from db.session import get_engine
 from db.transfer import export
 from runner.cli import main
@@ -252,7 +252,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
     import pandas as pd
 
-    from dashboard.report import fidelity_findings
+    from analysis.report import fidelity_findings
 
     board = pd.DataFrame([
         {"method": "epikv(series=all)", "KL": 0.1, "KL 95% CI": "[0.08, 0.12]", "top-1 %": 90.0, "top-1 95% CI": "[88, 92]", "samples": 30},
@@ -281,7 +281,7 @@ def test_findings_take_the_direction_and_the_ties_from_the_test():
     higher or lower by its signed ranks, even where one sample pulls the mean the other way."""
     import pandas as pd
 
-    from dashboard.report import fidelity_findings
+    from analysis.report import fidelity_findings
 
     board = pd.DataFrame([{"method": "epikv", "KL": 5.2, "KL 95% CI": "[5.0, 5.4]", "top-1 %": 18.5, "top-1 95% CI": "[16, 21]",
                            "samples": 13}])

@@ -193,8 +193,8 @@ def _niah_tasks(rows) -> dict[int, dict]:
 def test_niah_variants_that_share_prompts_are_found_from_the_rows(rows):
     """Generation rows store the needle (gold): the demo's 18-needle task and the 30-needle task hold 4
     identical prompts (same depth, same needle). Fidelity rows store the full cache's NLL of the
-    reference: the 4 x 5 and 6 x 5 variants hold 6. dashboard.identity finds exactly those."""
-    from dashboard.identity import representatives
+    reference: the 4 x 5 and 6 x 5 variants hold 6. analysis.identity finds exactly those."""
+    from analysis.identity import representatives
 
     tasks = _niah_tasks(rows)
     gold: dict[tuple[int, str], str] = {}
@@ -225,7 +225,7 @@ def test_niah_variants_that_share_prompts_are_found_from_the_rows(rows):
 def test_the_content_key_is_the_generators(rows):
     """tasks/niah.py itself, on the stored options (in characters: the draws and depths do not depend
     on the unit): two samples hold the same prompt and reference exactly when their keys agree."""
-    from dashboard.identity import content_key
+    from analysis.identity import content_key
 
     niah = pytest.importorskip("tasks.niah")
     data = Path(os.environ.get("KVLEAGUE_DATA_DIR", "data"))

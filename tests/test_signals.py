@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 from methods.registry import build_method
 from runner.engine import Engine
 from runner.models import load_engine
-from runner.method_panel import MethodPanel
+from runner.signals.method_panel import MethodPanel
 from runner.engine.protocol import Protocol
-from runner.signal_stats import SampleBootstrap, pooled_partial_spearman, pooled_spearman
-from runner.signals import MEAN_FAMILIES, SignalOptions, model_signals, occlusion_windows, study_sample, token_labels
+from runner.signals.correlation import SampleBootstrap, pooled_partial_spearman, pooled_spearman
+from runner.signals.study import MEAN_FAMILIES, SignalOptions, model_signals, occlusion_windows, study_sample, token_labels
 from runner.models.tiny import make_tiny_model
 from tasks.base import ScoreResult
 from tests.naive_attention import _rope

@@ -1,4 +1,4 @@
-"""dashboard.stats, score_tests, multiplicity and ranking against statsmodels / scipy, numeric
+"""analysis.stats, score_tests, multiplicity and ranking against statsmodels / scipy, numeric
 maximum likelihood and brute-force enumeration."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dashboard import common_set, multiplicity, ranking, score_tests, stats
-from dashboard.queries import QUESTION_CELL_COLUMNS
+from analysis import common_set, multiplicity, ranking, score_tests, stats
+from analysis.queries import QUESTION_CELL_COLUMNS
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 sm_tables = pytest.importorskip("statsmodels.stats.contingency_tables")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from dashboard import calibration
+from analysis import calibration
 
 REPS = 3000
 TOLERANCE = 0.015

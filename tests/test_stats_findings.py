@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import stats, tables
-from dashboard import queries as q
-from dashboard.seed import Seeder
+from analysis import stats, tables
+from analysis import queries as q
+from db.seed import Seeder
 from db.session import get_engine
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
@@ -80,7 +80,7 @@ def test_finding1_one_problem_is_no_evidence_and_small_n_keeps_its_level():
     assert stats.verdict(five, five.pvalue) == stats.TOO_FEW
     # under a true null with 3 samples per question (was 8.8-12.7% at n = 5 and 6-7% at n = 10; the
     # percentile interval covered 83-85% at n = 5)
-    from dashboard import calibration
+    from analysis import calibration
 
     for n in (5, 10):
         cal = calibration.paired(n, 3, reps=1500, seed=n)

@@ -326,7 +326,7 @@ def test_a_cells_row_carries_every_engine_metric_to_the_database(tiny_llama, tmp
     not timings equal those of a direct Engine.generate run of the same cell."""
     from sqlalchemy import select
 
-    from dashboard.seed import Seeder
+    from db.seed import Seeder
     from db import store
     from db.models import METRIC_COLUMNS, SampleResult
     from db.session import get_engine

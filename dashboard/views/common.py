@@ -8,7 +8,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard import queries as q
+from analysis import queries as q
 
 PCT = st.column_config.NumberColumn(format="%.1f")
 PP = st.column_config.NumberColumn(format="%+.1f")
@@ -91,7 +91,7 @@ def pick_budget(ctx, label: str, key: str) -> int | None:
     if not budgets:
         st.info("No budget is selected in the filters.")
         return None
-    counts = ctx.data("row_counts", ctx.filters) or ctx.data("row_counts", replace(ctx.filters, measure=q.MEASURE_FIDELITY))
+    counts = ctx.data(q.row_counts, ctx.filters) or ctx.data(q.row_counts, replace(ctx.filters, measure=q.MEASURE_FIDELITY))
     return st.selectbox(label, budgets, index=most_data(counts, budgets), key=key, format_func=lambda b: f"{b:,} KV entries",
                         help="Opens on the budget with the most results.")
 
@@ -104,7 +104,7 @@ def pick_slice(ctx, key: str, measure: str = q.MEASURE_GENERATION) -> tuple[q.Fi
     """The filters narrowed to one model x protocol x generation setting, for a page that draws lines
     across budgets (a line must not join different experiments): a choice when the filters leave
     several, opening on the one with the most results; None when they leave none."""
-    options = ctx.data("slices", replace(ctx.filters, measure=measure))
+    options = ctx.data(q.slices, replace(ctx.filters, measure=measure))
     if not options:
         return None
     by_key = {(o["model_id"], o["protocol_id"], o["generation_id"]): o for o in options}
@@ -122,7 +122,7 @@ def pick_slice(ctx, key: str, measure: str = q.MEASURE_GENERATION) -> tuple[q.Fi
 
 def coinciding_note(ctx, filters: q.Filters) -> None:
     """Say which methods have identical results here: their lines lie on each other."""
-    groups = ctx.data("identical_methods", filters)
+    groups = ctx.data(q.identical_methods, filters)
     if not groups:
         return
     labels = {i: m["label"] for i, m in ctx.opts.methods.items()}

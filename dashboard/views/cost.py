@@ -7,7 +7,8 @@ from __future__ import annotations
 import altair as alt
 import streamlit as st
 
-from dashboard import queries as q
+from analysis import queries as q
+from analysis import tables
 from dashboard.views.common import PCT, empty, height_with_legend, method_colour, pick_slice
 
 #: below this spread of the mean peak KV memory (largest over smallest point) a memory axis shows nothing
@@ -26,7 +27,7 @@ def sweep_costs(ctx) -> None:
         empty()
         return
     filters, chosen = picked
-    df = ctx.data("cost", filters)
+    df = ctx.data(tables.cost, filters)
     if df.empty:
         empty()
         return
@@ -76,7 +77,7 @@ def sweep_costs(ctx) -> None:
 
 def systems_benchmarks(ctx) -> None:
     st.subheader("Systems benchmarks")
-    df = ctx.data("systems_benchmarks")
+    df = ctx.data(tables.systems_benchmarks)
     if df.empty:
         empty("No systems benchmarks stored yet: run `kvleague bench context|speed|kvpress|generate --store --db URL`, "
               "or store a report saved with `--json`: `kvleague bench store REPORT.json --db URL`.")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import altair as alt
 import streamlit as st
 
-from dashboard import queries as q
+from analysis import queries as q
+from analysis import fidelity_tables
+from analysis import tables
 from dashboard.views.common import (PCT, coinciding_note, empty, height_with_legend, method_colour,
                                     pick_slice, pick_weighting)
 
@@ -84,7 +86,7 @@ def render(ctx) -> None:
         empty()
         return
     filters, chosen = picked
-    curves, full = ctx.data("budget_curves", filters, None, weighting)
+    curves, full = ctx.data(tables.budget_curves, filters, None, weighting)
     if curves.empty:
         empty()
         return
@@ -111,7 +113,7 @@ def render_fidelity(ctx, measure: str) -> None:
         empty(none)
         return
     filters, chosen = picked
-    curves = ctx.data("fidelity_curves", filters)
+    curves = ctx.data(fidelity_tables.fidelity_curves, filters)
     if curves.empty:
         empty(none)
         return

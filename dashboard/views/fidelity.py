@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from analysis import fidelity_tables
 from dashboard.views.common import INT, styled
 
 BOARD_SHOWN = ["method", "domain", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens"]
@@ -17,7 +18,7 @@ def _formats(df):
 
 def section(ctx, budget: int) -> bool:
     """The fidelity tables at ``budget``; False when there are no fidelity results there."""
-    board = ctx.data("fidelity_board", ctx.filters, budget)
+    board = ctx.data(fidelity_tables.fidelity_board, ctx.filters, budget)
     if board.by_domain.empty:
         return False
     st.subheader(f"Fidelity to the full cache at budget {budget:,}")
@@ -33,7 +34,7 @@ def section(ctx, budget: int) -> bool:
     )
     st.dataframe(_formats(board.by_domain[BOARD_SHOWN]), hide_index=True, placeholder="—",
                  column_config={"samples": INT, "tokens": INT}, key="fid_domain")
-    pairs = ctx.data("fidelity_pairs", ctx.filters, budget)
+    pairs = ctx.data(fidelity_tables.fidelity_pairs, ctx.filters, budget)
     if not pairs.empty:
         st.markdown("**Paired differences between methods**")
         st.caption("Each pair on the samples of the domain's table above, per domain: mean difference A − B of per-sample "

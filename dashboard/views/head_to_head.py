@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import streamlit as st
 
+from analysis import head_to_head as h2h
 from dashboard.views.common import INT, styled
 
 
 def section(ctx, budget: int) -> None:
-    pairs = ctx.data("head_to_head", ctx.filters, budget)
+    pairs = ctx.data(h2h.head_to_head, ctx.filters, budget)
     if pairs.empty:
         return
     st.subheader(f"Head to head at budget {budget:,}")

@@ -6,7 +6,8 @@ import math
 
 import streamlit as st
 
-from dashboard import stats
+from analysis import stats
+from analysis import tables
 from dashboard.views import fidelity, head_to_head
 from dashboard.views.common import INT, empty, pick_budget, pick_weighting, styled
 
@@ -40,7 +41,7 @@ def render(ctx) -> None:
     if budget is None:
         return
     weighting = pick_weighting("lb_weighting")
-    lb = ctx.data("leaderboard", ctx.filters, budget, None, weighting)
+    lb = ctx.data(tables.leaderboard, ctx.filters, budget, None, weighting)
     if lb.by_domain.empty:
         if not fidelity.section(ctx, budget):  # a fidelity-only sweep has no accuracy to show
             empty()

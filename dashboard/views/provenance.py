@@ -7,6 +7,7 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
+from analysis import queries as q
 from dashboard.views.common import empty
 
 SWEEP_COLUMNS = ["id", "name", "status", "rows", "ok_rows", "git_commit", "git_dirty", "started_at", "finished_at",
@@ -22,7 +23,7 @@ def render(ctx) -> None:
     chosen = st.multiselect("Method (empty: all)", list(methods), format_func=lambda i: methods[i]["label"], key="pv_method")
     st.caption("Everything behind the rows that match the filters (and the methods chosen here): generations and "
                "fidelity measurements alike.")
-    data = ctx.data("provenance", replace(ctx.filters, measure=None), tuple(chosen) if chosen else None)
+    data = ctx.data(q.provenance, replace(ctx.filters, measure=None), tuple(chosen) if chosen else None)
     if not data["sweeps"]:
         empty()
         return

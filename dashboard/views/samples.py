@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
+from analysis import queries as q
+from analysis import tables
 from dashboard.views.common import empty, most_data
 
 MARK = {True: "correct", False: "wrong", None: "-"}
@@ -17,7 +19,7 @@ def render(ctx) -> None:
         return
     names = {t["id"]: t["label"] for t in tasks}
     # open on the task, then the budget, with the most generations (fidelity rows have no completion)
-    counts = ctx.data("row_counts", ctx.filters, ("task_id", "budget"))
+    counts = ctx.data(q.row_counts, ctx.filters, ("task_id", "budget"))
     per_task: dict[tuple, int] = {}
     for (task, _), n in counts.items():
         per_task[(task,)] = per_task.get((task,), 0) + n
@@ -34,12 +36,12 @@ def render(ctx) -> None:
                               format_func=lambda b: f"{b:,} KV entries", help="Opens on the task's budget with the most generations.")
     with c3:
         disagree = st.checkbox("only problems where methods disagree", value=False, key="sm_disagree")
-    ids = ctx.data("problem_ids", ctx.filters, task_id, budget, disagree)
+    ids = ctx.data(q.problem_ids, ctx.filters, task_id, budget, disagree)
     if not ids:
         empty("No problems match.")
         return
     sample_id = st.selectbox(f"Problem ({len(ids)})", ids, key="sm_problem")
-    df = ctx.data("samples", ctx.filters, task_id, sample_id, budget)
+    df = ctx.data(tables.samples, ctx.filters, task_id, sample_id, budget)
     if df.empty:
         empty()
         return

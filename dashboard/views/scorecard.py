@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import fidelity, paper, stats
+from analysis import paper, stats
+from analysis import fidelity_tables
+from analysis import tables
 from dashboard.views.common import empty, pick_weighting, styled
 
 
@@ -28,7 +30,7 @@ def render(ctx) -> None:
     with c2:
         weighting = pick_weighting("sc_weighting")
     st.subheader("The paper's claims and kvleague's measurements")
-    claims = ctx.data("paper_claims", ctx.filters)
+    claims = ctx.data(tables.paper_claims, ctx.filters)
     # the measured value names its method, task and budget: wide enough to read whole
     st.dataframe(styled(claims, p=("p vs paper", "p vs paper (Holm)")), hide_index=True, placeholder="—", key="sc_claims",
                  column_config={"kvleague": st.column_config.TextColumn(width="large")})
@@ -38,7 +40,7 @@ def render(ctx) -> None:
                "for several samples per question), Holm-adjusted over the accuracy claims. 'consistent with the paper' "
                "means the data do not reject the paper's value, not that they confirm it.")
     st.subheader("Per domain and budget")
-    card = ctx.data("scorecard", ctx.filters, float(margin), None, weighting)
+    card = ctx.data(tables.scorecard, ctx.filters, float(margin), None, weighting)
     if card.empty:
         empty("No EpiKV-family accuracy results match the filters.")
     else:
@@ -52,7 +54,7 @@ def render(ctx) -> None:
 
 def protocol_ablations(ctx) -> None:
     chosen = [p for p in ctx.opts.protocols if ctx.filters.protocols is None or p["id"] in ctx.filters.protocols]
-    table = ctx.data("protocol_ablations", ctx.filters, chosen)
+    table = ctx.data(fidelity_tables.protocol_ablations, ctx.filters, chosen)
     if table.empty:
         return
     st.subheader("Protocol ablations")
@@ -69,12 +71,12 @@ def protocol_ablations(ctx) -> None:
 
 
 def fidelity_claims(ctx) -> None:
-    card = ctx.data("fidelity_scorecard", ctx.filters)
+    card = ctx.data(fidelity_tables.fidelity_scorecard, ctx.filters)
     if card.empty:
         return
     st.subheader("By fidelity, where accuracy cannot separate the methods")
     st.caption(
-        f"The rule: in a (domain, budget) where full cache is right on fewer than {fidelity.ACCURACY_FLOOR:g}% of the "
+        f"The rule: in a (domain, budget) where full cache is right on fewer than {fidelity_tables.ACCURACY_FLOOR:g}% of the "
         "questions (a small model on math, code or agentic tasks), or where there are no accuracy results, every method "
         "sits near the floor and accuracy cannot tell them apart; there the claim *better than* a paper baseline is "
         "judged by fidelity to the full cache instead: *closer to full cache* = lower mean KL(full || method) on the "

@@ -9,8 +9,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard import signals as sig
-from dashboard.paper import (
+from analysis import signal_tables as sig
+from analysis.paper import (
     N_LAYERS,
     NEGATIVE_BAND,
     NEGATIVE_LAYERS,
@@ -19,6 +19,7 @@ from dashboard.paper import (
     SOURCE_COMMIT,
     SOURCE_REPOSITORY,
 )
+from dashboard.data import engine_for
 from dashboard.views.common import INT
 
 RHO = st.column_config.NumberColumn(format="%+.3f")
@@ -27,8 +28,6 @@ RHOS = {c: RHO for c in ("rho", "rho_lo", "rho_hi", "partial_rho", "partial_lo",
 
 @st.cache_data(show_spinner=False, ttl=3)
 def _rows(url: str) -> pd.DataFrame:
-    from dashboard.ui import engine_for
-
     return sig.read_correlations(engine_for(url))
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from dashboard import queries as q  # noqa: E402
-from dashboard import tables  # noqa: E402
-from dashboard.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows  # noqa: E402
+from analysis import queries as q  # noqa: E402
+from analysis import tables  # noqa: E402
+from db.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows  # noqa: E402
 
 TARGET_S = 2.0
 BUDGETS = (1024, 2048, 4096, 8192)

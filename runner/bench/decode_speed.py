@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from dashboard import paper
+from analysis import paper
 
 DEFAULT_METHODS = ("full", "epikv", "h2o")
 QUICK_METHODS = ("full", "epikv")

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dashboard import paper
+from analysis import paper
 
 ATTENTION_FREE = ("epikv", "lag_kv", "knorm", "streaming_llm")
 ATTENTION_BASED = ("h2o", "snapkv", "tova")

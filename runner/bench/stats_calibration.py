@@ -1,6 +1,6 @@
 """The acceptance table of issue 15: per procedure, number of questions n and samples per question,
 the rejection rate of the test under a true null (nominal 5%) and the coverage of the 95% interval,
-on simulated data with a known truth (:mod:`dashboard.calibration`). The measured table is in
+on simulated data with a known truth (:mod:`analysis.calibration`). The measured table is in
 docs/statistics.md.
 
     python -m runner.bench.stats_calibration [--reps 4000] [--seed 0] [--json OUT]
@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from dashboard import calibration
+from analysis import calibration
 
 NS = (5, 10, 30, 100)
 SAMPLES = (1, 3)

@@ -54,9 +54,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Sequence
 
-import torch
+if TYPE_CHECKING:  # tensors are only annotations here: the registries and the CLI import this without torch
+    import torch
 
 Phase = Literal["prefill", "decode"]
 
@@ -99,8 +100,14 @@ class SequenceInfo:
     seed: int
     device: torch.device
     #: the model's dtype (attention rows arrive in float32; a method that reproduces code written
-    #: against HF's outputs casts them back to average in the same precision)
-    dtype: torch.dtype = torch.float32
+    #: against HF's outputs casts them back to average in the same precision); None: float32
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            import torch
+
+            self.dtype = torch.float32
 
 
 @dataclass

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.engine.errors import KvleagueError
 from db.spec_hash import spec_hash
-from runner.sweep_config import SweepConfig
+
+if TYPE_CHECKING:  # a type only: load_config (runner/sweep_config.py) calls check_config
+    from runner.sweep_config import SweepConfig
 
 PROJECT_DIR_ENV = "KVLEAGUE_PROJECT_DIR"
 

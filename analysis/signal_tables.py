@@ -3,7 +3,7 @@ and docs/signals.md: rho against layer depth per domain, rho per method per doma
 paper's sign pattern holds in its bands, judged by the per-layer intervals; each both raw and with the
 token's position held fixed (the rank partial rho, ``partial_*`` columns; runs stored before it have none).
 
-Run ``python -m dashboard.signals --db URL`` for the Markdown tables of a database.
+Run ``python -m analysis.signal_tables --db URL`` for the Markdown tables of a database.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import pandas as pd
 from sqlalchemy import inspect, select
 
-from dashboard.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBLISHED_LAYER_RHO
+from analysis.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBLISHED_LAYER_RHO
 
 #: the paper's per-layer signal
 DEPTH_FAMILY = "hs_l2_diff_rolling64"
@@ -134,7 +134,7 @@ def signal_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
 
 
 def reference_series() -> pd.DataFrame:
-    """The authors' published per-layer rho (dashboard/paper.yaml) at depth = layer / 32."""
+    """The authors' published per-layer rho (analysis/paper.yaml) at depth = layer / 32."""
     rows = [{"dataset": name, "layer": i, "depth": i / N_LAYERS, "rho": rho, "source": source}
             for name, (source, _, values) in PUBLISHED_LAYER_RHO.items() for i, rho in enumerate(values)]
     return pd.DataFrame(rows)
@@ -205,7 +205,7 @@ def markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
 def main(argv: list[str] | None = None) -> int:
     from db.session import get_engine
 
-    p = argparse.ArgumentParser(prog="python -m dashboard.signals", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.signal_tables", description=__doc__.splitlines()[0])
     p.add_argument("--db", required=True, metavar="URL")
     p.add_argument("--label", action="append", default=None, help="importance label(s) (default: every label stored)")
     args = p.parse_args(argv)

@@ -7,7 +7,7 @@ mean over the cells both methods have of (method share - reference share). Score
 fractions, so sums, ties and signs are exact and do not depend on the order of the rows.
 
 * :func:`accuracy` - the mean score with Wilson's score interval (design effect for several samples
-  or cells per question: :mod:`dashboard.score_tests`).
+  or cells per question: :mod:`analysis.score_tests`).
 * :func:`compare` - the mean difference with Tango's score interval and the p-value of the same score
   test (McNemar's statistic without continuity correction at 0), so "p < 0.05" and "the interval
   excludes 0" never disagree. When every question is concordant or wholly discordant (one greedy
@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy.stats import binomtest
 
-from dashboard import score_tests as st
+from analysis import score_tests as st
 
 LEVEL = 0.95
 ALPHA = 1 - LEVEL

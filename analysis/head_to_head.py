@@ -4,10 +4,10 @@ eviction methods.
 
 The common set is the problem cells every method in the table has (a failed sample counts as wrong, as
 on the leaderboard, whose domain table uses the same set), so every row, and a sentence citing it, rests
-on the same problems; a prompt two task rows share counts once (:mod:`dashboard.identity`). When every
+on the same problems; a prompt two task rows share counts once (:mod:`analysis.identity`). When every
 cell holds one sample and every question one cell, the pair is a 2x2 table: ``A only`` (A right, B
 wrong) and ``B only`` are the discordant counts. The p-value is always the leaderboard's
-(:func:`dashboard.stats.compare`): exact McNemar (the two-sided binomial test of ``A only`` among the
+(:func:`analysis.stats.compare`): exact McNemar (the two-sided binomial test of ``A only`` among the
 discordant pairs at 1/2) below 25 discordant pairs, McNemar's score test above; with several samples,
 models or settings per question the score test on question means. Holm's adjustment runs over all
 pairs shown at the budget.
@@ -21,10 +21,10 @@ from typing import Any
 
 import pandas as pd
 
-from dashboard import common_set as cs
-from dashboard import identity, multiplicity
-from dashboard import queries as q
-from dashboard.tables import budget_results, pct
+from analysis import common_set as cs
+from analysis import identity, multiplicity
+from analysis import queries as q
+from analysis.tables import budget_results, pct
 
 COLUMNS = ["A", "B", "problems", "both right", "A only", "B only", "both wrong", "A %", "B %", "Δ A−B (pts)",
            "Δ lo", "Δ hi", "test", "p", "p (Holm)"]

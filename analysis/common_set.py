@@ -20,8 +20,8 @@ from typing import Callable, Hashable, Iterable, NamedTuple
 
 import numpy as np
 
-from dashboard import queries as q
-from dashboard import ranking, stats
+from analysis import queries as q
+from analysis import ranking, stats
 
 CELL_KEY = ("task_id", "sample_id", "model_id", "protocol_id", "generation_id")
 WEIGHTINGS = ("problem", "task")
@@ -40,7 +40,7 @@ assert q.QUESTION_CELL_COLUMNS[2:7] == CELL_KEY and q.QUESTION_CELL_COLUMNS[7:] 
 
 
 def results_from_rows(rows: Iterable[tuple]) -> Results:
-    """:func:`dashboard.queries.question_cells` rows -> :data:`Results` (the columns are laid out so that
+    """:func:`analysis.queries.question_cells` rows -> :data:`Results` (the columns are laid out so that
     the cell key and the result are two slices)."""
     out: Results = defaultdict(dict)
     for r in rows:

@@ -21,12 +21,12 @@ from typing import Any, Iterable, Mapping
 import pandas as pd
 from sqlalchemy import case, func, select
 
-from dashboard import fidelity as fid
-from dashboard import identity, paper
-from dashboard import queries as q
-from dashboard import tables
-from dashboard.head_to_head import head_to_head
-from dashboard.report_figures import budget_figure
+from analysis import fidelity_tables as fid
+from analysis import identity, paper
+from analysis import queries as q
+from analysis import tables
+from analysis.head_to_head import head_to_head
+from analysis.report_figures import budget_figure
 from db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
 
 R = SampleResult.__table__
@@ -100,7 +100,7 @@ def slices(engine, opts: q.Options) -> list[Slice]:
 
 
 def totals(engine, filters: q.Filters | None = None, tasks: Mapping[int, Any] | None = None) -> dict[str, Any]:
-    """Cells, failed cells, samples (distinct contents, :mod:`dashboard.identity`, with ``tasks`` the
+    """Cells, failed cells, samples (distinct contents, :mod:`analysis.identity`, with ``tasks`` the
     dimensions' tasks; else distinct (task, sample id)), tokens through the model (prompt + generated or
     scored) and the cells' summed wall time (one CPU-bound worker per cell: its CPU time)."""
     cond = filters.conditions() if filters else []
@@ -435,8 +435,8 @@ def _ablations(w: _Writer, opts: q.Options) -> None:
 
 def _signals(w: _Writer) -> None:
     """The signal studies (``kvleague signals``), when the database has them: the tables of
-    :mod:`dashboard.signals` and one finding per task on the paper's sign pattern."""
-    from dashboard import signals
+    :mod:`analysis.signal_tables` and one finding per task on the paper's sign pattern."""
+    from analysis import signal_tables as signals
 
     df = signals.read_correlations(w.engine)
     if df.empty:

@@ -1,4 +1,4 @@
-"""The paper kvleague replicates, read once from ``dashboard/paper.yaml``: the method families its
+"""The paper kvleague replicates, read once from ``analysis/paper.yaml``: the method families its
 claims are about, its published numbers (accuracy, speed, context) and the authors' per-layer signal
 figures. The dashboard, ``kvleague report`` and the benchmarks name these here, never as literals
 of their own; changing a claim is an edit of the YAML file.

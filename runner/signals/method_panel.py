@@ -1,7 +1,7 @@
 """Several eviction methods observing one session: the engine runs the union of their ``Needs`` once,
 and each member receives exactly the observation fields it declared, as if it ran alone.
 
-Used by the signal study (``runner/signals.py``) to read every registered method's scores on the same
+Used by the signal study (``runner/signals/study.py``) to read every registered method's scores on the same
 full cache in one pass instead of one pass per method. What a member sees differs from a solo run only
 where the union changes the kernel: when some member needs ``eager`` the model runs eager for all, and
 a non-eager member's attention rows are the last ``attention_window`` rows of the eager kernel's

@@ -7,7 +7,7 @@ with a synthetic but plausible sweep: a latent difficulty per problem, so method
 the same hard problems (paired tests then mean something), accuracy that falls as the budget shrinks,
 method-specific robustness, timings and memory that scale with the budget.
 
-    python -m dashboard.seed --db sqlite:///demo-leaderboard.db        # the screenshot's database
+    python -m db.seed --db sqlite:///demo-leaderboard.db        # the screenshot's database
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def seed_realistic(engine: Engine, spec: RealisticSpec | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     from db.session import get_engine
 
-    p = argparse.ArgumentParser(prog="python -m dashboard.seed", description="Write a synthetic realistic sweep into a database.")
+    p = argparse.ArgumentParser(prog="python -m db.seed", description="Write a synthetic realistic sweep into a database.")
     p.add_argument("--db", required=True)
     p.add_argument("--n-samples", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -1,7 +1,7 @@
 """Ranks that respect uncertainty: rank intervals from all pairwise paired tests.
 
 Every pair of methods is compared on the same questions (Tango's score test on the per-question
-differences, as in :func:`dashboard.stats.compare`), the family of pairwise p-values is Holm-adjusted,
+differences, as in :func:`analysis.stats.compare`), the family of pairwise p-values is Holm-adjusted,
 and method i's rank interval is ``[1 + #methods significantly better than i, K - #methods
 significantly worse than i]``. "Tied with the best" means no method is significantly better.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Hashable, Mapping
 
-from dashboard import multiplicity, score_tests
-from dashboard.stats import ALPHA, Scores
+from analysis import multiplicity, score_tests
+from analysis.stats import ALPHA, Scores
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class RankInterval:
 
 
 def rank_intervals(scores: Mapping[Hashable, Scores], alpha: float = ALPHA) -> dict[Hashable, RankInterval]:
-    """``scores``: method -> its :class:`~dashboard.stats.Scores` on the same questions, in the same
+    """``scores``: method -> its :class:`~analysis.stats.Scores` on the same questions, in the same
     order, over the same denominator and weights."""
     methods = sorted(scores, key=repr)
     pairs = list(combinations(methods, 2))

@@ -1,9 +1,9 @@
 """``kvleague signals``: which per-token signals predict occlusion importance (issue 21).
 
-Per sample: labels and signals (``runner/signals.py``); over the samples: Spearman's rho of every
+Per sample: labels and signals (``runner/signals/study.py``); over the samples: Spearman's rho of every
 signal against every label, pooled as the EpiKV authors pool, with bootstrap intervals over samples
-(``runner/signal_stats.py``); the correlations go to the database with provenance
-(``runner/signals_store.py``) and, with ``--json``, to a file.
+(``runner/signals/correlation.py``); the correlations go to the database with provenance
+(``runner/signals/store.py``) and, with ``--json``, to a file.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runner.signals import SignalOptions
+    from runner.signals.study import SignalOptions
 
     options = SignalOptions(window=args.window, stride=args.stride, rolling=args.rolling, max_tokens=args.max_tokens,
                             trace=args.trace, flip_label=args.flip_label, flip_tokens=args.flip_tokens,
@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from runner.models import load_engine
     from runner.provenance import collect_environment
     from runner.reference_tasks import load_samples, reference_task, write_report
-    from runner.signals import LABELS, filler_token, study_sample
-    from runner.signal_stats import SampleBootstrap
+    from runner.signals.study import LABELS, filler_token, study_sample
+    from runner.signals.correlation import SampleBootstrap
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         write_report(args.json, report)
     if not args.no_store:
         from db.session import default_url, display_url
-        from runner.signals_store import store_correlations
+        from runner.signals.store import store_correlations
 
         n = store_correlations(report, args.db)
         print(f"stored {n} correlations of run {run_id[:12]} in {display_url(args.db or default_url())}", file=sys.stderr)

@@ -4,7 +4,7 @@ back is small - one row per problem cell, per-(method, budget) means, a few dime
 The core building block is :func:`question_cells`: per method spec and budget, one row per problem
 cell (a ``sample_id`` of a task under one model, protocol and generation setting) with ``k`` of its
 ``m`` samples correct, failed samples included (and counted as wrong), in a fixed order. Clustering
-cells into questions, the common problem set and the statistics are decided in :mod:`dashboard.tables`.
+cells into questions, the common problem set and the statistics are decided in :mod:`analysis.tables`.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def benchmark_fingerprint(engine: Engine) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Filters:
     """``None`` means no restriction; an empty tuple selects nothing. ``measure``: which kind of row
-    (generation: accuracy pages; fidelity: :mod:`dashboard.fidelity`; ``None``: both, for provenance)."""
+    (generation: accuracy pages; fidelity: :mod:`analysis.fidelity_tables`; ``None``: both, for provenance)."""
 
     models: tuple[int, ...] | None = None
     domains: tuple[str, ...] | None = None
@@ -341,7 +341,7 @@ def options(engine: Engine) -> Options:
 
 def dimensions(engine: Engine) -> dict[str, Any]:
     """Every method spec (with its display label) and task (with its domain and options: what a sample id of it
-    holds, :mod:`dashboard.identity`): small tables, read whole."""
+    holds, :mod:`analysis.identity`): small tables, read whole."""
     with engine.connect() as conn:
         specs = [dict(r._mapping) for r in conn.execute(select(M.c.id, M.c.name, M.c.params_json).order_by(M.c.name, M.c.id))]
         tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain, T.c.options).order_by(T.c.id))]

@@ -38,7 +38,7 @@ overlapping windows for the binary label; the maximum for the continuous one).
 * ``position``: the token's index, a control: labels and smoothed signals both drift with position
   (on a context shorter than the rolling window, the rolling mean is a running mean from the first
   token), so a signal is informative only as far as it beats position; the command also reports each
-  headline signal's rank partial rho with position held fixed (``runner.signal_stats``);
+  headline signal's rank partial rho with position held fixed (``runner.signals.correlation``);
 * ``method:{name}``: every registered method's own ``score`` through the method contract: the context
   is fed as a prompt and the answer teacher-forced (so decode-time state is built as in a run), with a
   budget above the sequence length (no eviction), then ``score`` is called once on the whole cache at
@@ -66,7 +66,7 @@ from runner.engine import Engine
 from runner.engine.backend import Analysis, Prefix
 from runner.engine.errors import KvleagueError
 from runner.fidelity import Segment, truncate
-from runner.method_panel import MethodPanel
+from runner.signals.method_panel import MethodPanel
 from runner.engine.protocol import Protocol
 from runner.reference_tasks import TRACES
 #: per-layer signal families, in display order

@@ -1,5 +1,5 @@
-"""The data behind each page: SQL aggregates (:mod:`dashboard.queries`) turned into tables with
-intervals and tests (:mod:`dashboard.stats`). Pure functions of an engine and filters, so the pages,
+"""The data behind each page: SQL aggregates (:mod:`analysis.queries`) turned into tables with
+intervals and tests (:mod:`analysis.stats`). Pure functions of an engine and filters, so the pages,
 the tests and ``runner/bench/dashboard_load.py`` all compute the same numbers.
 
 Percentages are on the 0-100 scale; differences are percentage points (method minus reference).
@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from dashboard import common_set as cs
-from dashboard import queries as q
-from dashboard import identity, multiplicity, score_tests, stats
-# the paper's claims and method families are data (dashboard/paper.yaml)
-from dashboard.paper import ACCURACY_CLAIMS, CONTEXT_VS_ATTENTION, PAPER_BASELINES, REFERENCE_FAMILY, SPEEDUP_VS_FULL
+from analysis import common_set as cs
+from analysis import queries as q
+from analysis import identity, multiplicity, score_tests, stats
+# the paper's claims and method families are data (analysis/paper.yaml)
+from analysis.paper import ACCURACY_CLAIMS, CONTEXT_VS_ATTENTION, PAPER_BASELINES, REFERENCE_FAMILY, SPEEDUP_VS_FULL
 
 NOT_MEASURED = stats.NOT_MEASURED
 

@@ -7,8 +7,8 @@ A question has a latent solve rate ``p ~ Beta(a, b)``; each method draws ``k ~ B
 ``p' = p`` for the reference and ``p' = clip(p + shift)`` for the method, independently. ``m = 1`` is
 a greedy run (one outcome per question), ``m = 3`` three seeds - or three models clustered in one
 question, which behaves the same way. The data are drawn vectorised; every replicate then goes
-through the same code as the dashboard (:func:`dashboard.score_tests.effective_ints` and
-:mod:`dashboard.stats`).
+through the same code as the dashboard (:func:`analysis.score_tests.effective_ints` and
+:mod:`analysis.stats`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import integrate
 
-from dashboard import score_tests, stats
+from analysis import score_tests, stats
 
 SHAPE = (2.0, 2.0)  # solve rates spread over (0, 1), mean 0.5
 ALTERNATIVE_SHIFT = 0.1

@@ -14,11 +14,11 @@ fidelity claims.
   (which of W+ and W- is larger), not the sign of the mean. Holm over every pair shown.
 
 The unit is the sample (one ``sample_id`` of one task; a prompt two task rows share counts once where
-they are pooled, :mod:`dashboard.identity`); a sample with several cells (models, protocols, seeds)
+they are pooled, :mod:`analysis.identity`); a sample with several cells (models, protocols, seeds)
 counts once, with the mean over its cells. Each table compares its methods on the samples all of them
 have, and its paired tests use that same set. Full cache does not depend on the budget: its rows at the
 budget where it has the most samples (the one asked for on a tie) stand in at every budget, as for
-accuracy (:func:`dashboard.tables.full_reference_budget`).
+accuracy (:func:`analysis.tables.full_reference_budget`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import numpy as np
 import pandas as pd
 from scipy.stats import bootstrap, rankdata, wilcoxon
 
-from dashboard import common_set as cs
-from dashboard import identity, multiplicity, stats
-from dashboard import queries as q
-from dashboard.paper import PAPER_BASELINES, REFERENCE_FAMILY
-from dashboard.tables import full_cache_ids, full_reference_budget, method_label
+from analysis import common_set as cs
+from analysis import identity, multiplicity, stats
+from analysis import queries as q
+from analysis.paper import PAPER_BASELINES, REFERENCE_FAMILY
+from analysis.tables import full_cache_ids, full_reference_budget, method_label
 
 LEVEL = stats.LEVEL
 N_RESAMPLES = 2000
@@ -85,7 +85,7 @@ def bootstrap_mean_interval(values: Iterable[float], level: float = LEVEL) -> tu
 
 
 def top1_interval(values: list[SampleFidelity], level: float = LEVEL) -> tuple[float, float]:
-    """Top-1 agreement (%) over samples with the leaderboard's interval (:func:`dashboard.stats.accuracy`):
+    """Top-1 agreement (%) over samples with the leaderboard's interval (:func:`analysis.stats.accuracy`):
     a sample is a question and its scored tokens its samples, so the interval is Wilson's with the design
     effect of tokens clustered in samples, never narrower than for independent tokens. Samples that all
     agree (every one 13 of 24 tokens) leave the percentile bootstrap nothing to resample and it collapses
@@ -168,7 +168,7 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
 def at_budget(data: Fidelity, budget: int, full_ids: list[int]) -> tuple[dict[int, dict[Question, SampleFidelity]], int | None]:
     """Every method's samples at ``budget``; full cache from the budget where it has the most samples
     (this one on a tie): it is the same at every budget, and a sweep may measure it at its first budget
-    only (the rule of :func:`dashboard.tables.full_reference_budget`). Returns ``(method -> samples, full
+    only (the rule of :func:`analysis.tables.full_reference_budget`). Returns ``(method -> samples, full
     cache's budget)``."""
     out = {m: by_budget[budget] for m, by_budget in data.items() if m not in full_ids and by_budget.get(budget)}
     full_budget = None
@@ -238,7 +238,7 @@ def _present(samples, tasks: set[int]) -> list[int]:
 
 
 def _pooled(samples, dims) -> dict[int, dict[Question, SampleFidelity]]:
-    """``samples`` with a prompt that several task rows hold counted once (:func:`dashboard.identity.pool`)."""
+    """``samples`` with a prompt that several task rows hold counted once (:func:`analysis.identity.pool`)."""
     return identity.pool(samples, dims["tasks"])
 
 
@@ -479,7 +479,7 @@ def markdown(engine, filters: q.Filters = q.Filters()) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m dashboard.fidelity", description="Print a database's fidelity table (Markdown).")
+    p = argparse.ArgumentParser(prog="python -m analysis.fidelity_tables", description="Print a database's fidelity table (Markdown).")
     p.add_argument("--db", required=True, help="database URL (opened read-only)")
     print(markdown(q.open_readonly(p.parse_args(argv).db)))
     return 0
