@@ -113,7 +113,7 @@ def test_spec_leaves_out_the_fields_added_later_only_at_their_defaults():
 
 
 def test_the_protocols_table_and_the_label_follow_the_field_list():
-    from dashboard.queries import PROTOCOL_LABEL_PARTS, protocol_label
+    from analysis.queries import PROTOCOL_LABEL_PARTS, protocol_label
     from db.models import PROTOCOL_COLUMNS, ProtocolSpec
 
     assert PROTOCOL_COLUMNS == tuple(Protocol.model_fields) == tuple(PROTOCOL_LABEL_PARTS)
