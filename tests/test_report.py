@@ -315,7 +315,7 @@ def test_budget_figures_tick_every_budget_and_keep_the_legend_off_the_bands(tmp_
     axes, where it cannot cover a curve or its band: read off the figure's matplotlib objects."""
     import pandas as pd
 
-    from dashboard import report_figures
+    from analysis import report_figures
 
     budgets = [48, 96, 192, 320, 512]
     methods = [f"method_{i}" for i in range(15)]
