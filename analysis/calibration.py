@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import integrate
 
-from analysis import score_tests, stats
+from kvleague.analysis import score_tests, stats
 
 SHAPE = (2.0, 2.0)  # solve rates spread over (0, 1), mean 0.5
 ALTERNATIVE_SHIFT = 0.1

@@ -20,8 +20,8 @@ from typing import Callable, Hashable, Iterable, NamedTuple
 
 import numpy as np
 
-from analysis import queries as q
-from analysis import ranking, stats
+from kvleague.analysis import queries as q
+from kvleague.analysis import ranking, stats
 
 CELL_KEY = ("task_id", "sample_id", "model_id", "protocol_id", "generation_id")
 WEIGHTINGS = ("problem", "task")

@@ -35,11 +35,11 @@ import numpy as np
 import pandas as pd
 from scipy.stats import bootstrap, rankdata, wilcoxon
 
-from analysis import common_set as cs
-from analysis import identity, multiplicity, stats
-from analysis import queries as q
-from analysis.paper import PAPER_BASELINES, REFERENCE_FAMILY
-from analysis.tables import full_cache_ids, full_reference_budget, method_label
+from kvleague.analysis import common_set as cs
+from kvleague.analysis import identity, multiplicity, stats
+from kvleague.analysis import queries as q
+from kvleague.analysis.paper import PAPER_BASELINES, REFERENCE_FAMILY
+from kvleague.analysis.tables import full_cache_ids, full_reference_budget, method_label
 
 LEVEL = stats.LEVEL
 N_RESAMPLES = 2000

@@ -21,10 +21,10 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import common_set as cs
-from analysis import identity, multiplicity
-from analysis import queries as q
-from analysis.tables import budget_results, pct
+from kvleague.analysis import common_set as cs
+from kvleague.analysis import identity, multiplicity
+from kvleague.analysis import queries as q
+from kvleague.analysis.tables import budget_results, pct
 
 COLUMNS = ["A", "B", "problems", "both right", "A only", "B only", "both wrong", "A %", "B %", "Δ A−B (pts)",
            "Δ lo", "Δ hi", "test", "p", "p (Holm)"]

@@ -17,7 +17,7 @@ from sqlalchemy import Integer, and_, case, cast, create_engine, distinct, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from db.models import (
+from kvleague.db.models import (
     MEASURE_FIDELITY,
     MEASURE_GENERATION,
     METRIC_COLUMNS,
@@ -34,8 +34,8 @@ from db.models import (
     Sweep,
     TaskSpec,
 )
-from db.session import default_url
-from runner.engine.errors import KvleagueError
+from kvleague.db.session import default_url
+from kvleague.runner.engine.errors import KvleagueError
 
 R = SampleResult.__table__
 T = TaskSpec.__table__
@@ -72,7 +72,7 @@ def _sqlite_readonly(dbapi_connection, _record) -> None:
 def open_readonly(url: str) -> Engine:
     """An engine that cannot write: SQLite opened with ``mode=ro`` (and ``query_only``), PostgreSQL
     sessions with ``default_transaction_read_only``. A missing SQLite file is an error, not a new file."""
-    from db.session import display_url, parse_url
+    from kvleague.db.session import display_url, parse_url
 
     parsed = parse_url(url)
     if parsed.get_backend_name() == "sqlite":

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Hashable, Mapping
 
-from analysis import multiplicity, score_tests
-from analysis.stats import ALPHA, Scores
+from kvleague.analysis import multiplicity, score_tests
+from kvleague.analysis.stats import ALPHA, Scores
 
 
 @dataclass(frozen=True)

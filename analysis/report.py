@@ -21,13 +21,13 @@ from typing import Any, Iterable, Mapping
 import pandas as pd
 from sqlalchemy import case, func, select
 
-from analysis import fidelity_tables as fid
-from analysis import identity, paper
-from analysis import queries as q
-from analysis import tables
-from analysis.head_to_head import head_to_head
-from analysis.report_figures import budget_figure
-from db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
+from kvleague.analysis import fidelity_tables as fid
+from kvleague.analysis import identity, paper
+from kvleague.analysis import queries as q
+from kvleague.analysis import tables
+from kvleague.analysis.head_to_head import head_to_head
+from kvleague.analysis.report_figures import budget_figure
+from kvleague.db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
 
 R = SampleResult.__table__
 REPORT = "replication.md"
@@ -436,7 +436,7 @@ def _ablations(w: _Writer, opts: q.Options) -> None:
 def _signals(w: _Writer) -> None:
     """The signal studies (``kvleague signals``), when the database has them: the tables of
     :mod:`analysis.signal_tables` and one finding per task on the paper's sign pattern."""
-    from analysis import signal_tables as signals
+    from kvleague.analysis import signal_tables as signals
 
     df = signals.read_correlations(w.engine)
     if df.empty:

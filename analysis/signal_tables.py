@@ -14,7 +14,7 @@ import sys
 import pandas as pd
 from sqlalchemy import inspect, select
 
-from analysis.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBLISHED_LAYER_RHO
+from kvleague.analysis.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBLISHED_LAYER_RHO
 
 #: the paper's per-layer signal
 DEPTH_FAMILY = "hs_l2_diff_rolling64"
@@ -26,7 +26,7 @@ RAW, PARTIAL = "raw", "position held fixed"
 
 def read_correlations(engine) -> pd.DataFrame:
     """The latest run's rows of each (model, task, label); empty on a schema without the table."""
-    from db.models import SignalCorrelation
+    from kvleague.db.models import SignalCorrelation
 
     if "signal_correlations" not in inspect(engine).get_table_names():
         return pd.DataFrame(columns=COLUMNS)
@@ -142,7 +142,7 @@ def reference_series() -> pd.DataFrame:
 
 def _domain_order(domains: pd.Series) -> pd.Series:
     """The project's domain order (math, code, agentic, longqa), for sorting."""
-    from tasks.base import DOMAINS
+    from kvleague.tasks.base import DOMAINS
 
     return domains.map({d: i for i, d in enumerate(DOMAINS)})
 
@@ -203,7 +203,7 @@ def markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from db.session import get_engine
+    from kvleague.db.session import get_engine
 
     p = argparse.ArgumentParser(prog="python -m analysis.signal_tables", description=__doc__.splitlines()[0])
     p.add_argument("--db", required=True, metavar="URL")

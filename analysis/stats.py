@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from scipy.stats import binomtest
 
-from analysis import score_tests as st
+from kvleague.analysis import score_tests as st
 
 LEVEL = 0.95
 ALPHA = 1 - LEVEL

@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from analysis import common_set as cs
-from analysis import queries as q
-from analysis import identity, multiplicity, score_tests, stats
+from kvleague.analysis import common_set as cs
+from kvleague.analysis import queries as q
+from kvleague.analysis import identity, multiplicity, score_tests, stats
 # the paper's claims and method families are data (analysis/paper.yaml)
-from analysis.paper import ACCURACY_CLAIMS, CONTEXT_VS_ATTENTION, PAPER_BASELINES, REFERENCE_FAMILY, SPEEDUP_VS_FULL
+from kvleague.analysis.paper import ACCURACY_CLAIMS, CONTEXT_VS_ATTENTION, PAPER_BASELINES, REFERENCE_FAMILY, SPEEDUP_VS_FULL
 
 NOT_MEASURED = stats.NOT_MEASURED
 

@@ -6,13 +6,13 @@ import sys
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_ROOT = str(_HERE.parent)
 # ``streamlit run`` puts dashboard/ on the path, where its modules (commands.py, ui.py) would shadow
-# libraries of those names: import this package from the repository root instead.
+# libraries of those names: take it off; in a checkout that is not installed, the repository root
+# (which holds the ``kvleague`` package) goes on instead.
 sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+if (_HERE.parent / "kvleague" / "__init__.py").exists() and str(_HERE.parent) not in sys.path:
+    sys.path.insert(0, str(_HERE.parent))
 
-from dashboard.ui import main  # noqa: E402
+from kvleague.dashboard.ui import main  # noqa: E402
 
 main()

@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from dashboard.commands import streamlit_command
-from runner.engine.errors import KvleagueError
+from kvleague.dashboard.commands import streamlit_command
+from kvleague.runner.engine.errors import KvleagueError
 
 #: the ``?page=`` slugs, in the app's page order (dashboard.views.PAGES; not imported: that loads Streamlit)
 PAGE_SLUGS = ("leaderboard", "budget-curves", "replication-scorecard", "cost", "samples", "provenance", "signals")
@@ -145,7 +145,7 @@ class ChartSpy:
 
         from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
 
-        from dashboard.chart_checks import arrow_frame
+        from kvleague.dashboard.chart_checks import arrow_frame
 
         if isinstance(payload, str):
             return
@@ -211,8 +211,8 @@ def screenshot(db_url: str, out: str | Path, page_slug: str = "leaderboard") -> 
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from dashboard.commands import resolve_db
-    from runner.engine.errors import OneLineParser
+    from kvleague.dashboard.commands import resolve_db
+    from kvleague.runner.engine.errors import OneLineParser
 
     p = OneLineParser(prog="python -m dashboard.browser", description="Screenshot a dashboard page in headless Chromium.")
     p.add_argument("--db", default=None, help="database URL (default: as kvleague dashboard)")

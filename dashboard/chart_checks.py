@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from analysis.queries import SLICE_COLUMNS
+from kvleague.analysis.queries import SLICE_COLUMNS
 
 #: the pixels one legend row takes, and the least plot height left beside the legend
 LEGEND_ROW_PX = 18

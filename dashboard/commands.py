@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 APP = Path(__file__).resolve().parent / "app.py"
 HOST = "127.0.0.1"
@@ -30,8 +30,8 @@ def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | No
 
 def resolve_db(url: str | None) -> str:
     """The URL the dashboard will open (relative SQLite paths made absolute), checked up front."""
-    from analysis.queries import resolve_url
-    from db.session import parse_url
+    from kvleague.analysis.queries import resolve_url
+    from kvleague.db.session import parse_url
 
     parsed = parse_url(resolve_url(url))
     if parsed.get_backend_name() == "sqlite":
@@ -49,7 +49,7 @@ def cmd_dashboard(args) -> int:
         import streamlit  # noqa: F401
     except ImportError:
         raise KvleagueError("dashboard: streamlit is not installed (pip install -e .)") from None
-    from db.session import display_url
+    from kvleague.db.session import display_url
 
     print(f"kvleague dashboard: {display_url(url)} (read-only) at http://{HOST}:{args.port}", flush=True)
     env = {**os.environ, "KVLEAGUE_DB": url}
@@ -97,16 +97,16 @@ def _preamble(path: str | None) -> str:
 def cmd_report(args) -> int:
     import tempfile
 
-    from analysis.queries import has_schema, open_readonly
-    from analysis.report import build
-    from db.session import display_url, get_engine
+    from kvleague.analysis.queries import has_schema, open_readonly
+    from kvleague.analysis.report import build
+    from kvleague.db.session import display_url, get_engine
 
     if (args.db is None) == (args.export is None):
         raise KvleagueError("report: give one of --db URL (a database) or --export FILE (a kvleague db export)")
     preamble = _preamble(args.preamble)
     with tempfile.TemporaryDirectory(prefix="kvleague-report-") as scratch:
         if args.export is not None:  # the export into a scratch SQLite file: the report never needs a server
-            from db.transfer import import_
+            from kvleague.db.transfer import import_
 
             url = f"sqlite:///{Path(scratch) / 'import.db'}"
             import_(get_engine(url), args.export)

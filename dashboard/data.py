@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from analysis import queries as q
+from kvleague.analysis import queries as q
 
 FINGERPRINT_TTL_S = 3
 

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from analysis import queries as q
-from dashboard.data import Context, cached, engine_for, fingerprint
-from dashboard.views import PAGES
-from runner.engine.errors import KvleagueError
+from kvleague.analysis import queries as q
+from kvleague.dashboard.data import Context, cached, engine_for, fingerprint
+from kvleague.dashboard.views import PAGES
+from kvleague.runner.engine.errors import KvleagueError
 
 SLUGS = {title: page.slug for title, page in PAGES.items()}
 
@@ -112,7 +112,7 @@ def main() -> None:
 
 def _display(url: str) -> str:
     try:
-        from db.session import display_url
+        from kvleague.db.session import display_url
 
         return display_url(url)
     except Exception:  # noqa: BLE001 - only for display

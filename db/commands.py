@@ -6,7 +6,7 @@ DB_HELP = "database URL (default: $KVLEAGUE_DB, else sqlite:///kvleague.db)"
 
 
 def cmd_db_upgrade(args) -> int:
-    from db.session import display_url, get_engine, upgrade
+    from kvleague.db.session import display_url, get_engine, upgrade
 
     engine = get_engine(args.db)
     revision = upgrade(engine)
@@ -15,8 +15,8 @@ def cmd_db_upgrade(args) -> int:
 
 
 def cmd_db_status(args) -> int:
-    from db import store
-    from db.session import check_connection, current_revision, display_url, get_engine, head_revision
+    from kvleague.db import store
+    from kvleague.db.session import check_connection, current_revision, display_url, get_engine, head_revision
 
     engine = get_engine(args.db)
     check_connection(engine)
@@ -36,9 +36,9 @@ def _summary(counts: dict[str, int]) -> str:
 def cmd_db_export(args) -> int:
     from pathlib import Path
 
-    from db.session import check_connection, display_url, get_engine
-    from db.transfer import export
-    from runner.engine.errors import KvleagueError
+    from kvleague.db.session import check_connection, display_url, get_engine
+    from kvleague.db.transfer import export
+    from kvleague.runner.engine.errors import KvleagueError
 
     if not args.out.endswith(".jsonl.gz"):
         raise KvleagueError(f"--out: an export file ends in .jsonl.gz, got {args.out!r}")
@@ -53,8 +53,8 @@ def cmd_db_export(args) -> int:
 
 
 def cmd_db_import(args) -> int:
-    from db.session import display_url, get_engine
-    from db.transfer import import_
+    from kvleague.db.session import display_url, get_engine
+    from kvleague.db.transfer import import_
 
     engine = get_engine(args.db)
     counts = import_(engine, args.file)

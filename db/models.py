@@ -33,7 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from runner.engine.protocol import Protocol
+from kvleague.runner.engine.protocol import Protocol
 
 # Deterministic constraint names, so migrations are identical on SQLite and PostgreSQL.
 NAMING = {

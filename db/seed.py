@@ -19,8 +19,8 @@ from typing import Any, Iterable
 
 from sqlalchemy.engine import Engine
 
-from db import store
-from db.models import (
+from kvleague.db import store
+from kvleague.db.models import (
     Environment,
     GenerationSpec,
     MethodSpec,
@@ -28,7 +28,7 @@ from db.models import (
     ProtocolSpec,
     TaskSpec,
 )
-from db.spec_hash import canonical_json, spec_hash
+from kvleague.db.spec_hash import canonical_json, spec_hash
 
 
 def _hash(value: Any) -> str:
@@ -37,7 +37,7 @@ def _hash(value: Any) -> str:
 
 class Seeder:
     def __init__(self, engine: Engine, migrate: bool = True):
-        from db.session import upgrade
+        from kvleague.db.session import upgrade
 
         self.engine = engine
         if migrate:
@@ -215,7 +215,7 @@ def seed_realistic(engine: Engine, spec: RealisticSpec | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from db.session import get_engine
+    from kvleague.db.session import get_engine
 
     p = argparse.ArgumentParser(prog="python -m db.seed", description="Write a synthetic realistic sweep into a database.")
     p.add_argument("--db", required=True)

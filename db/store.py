@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import Engine
 
-from db.models import (
+from kvleague.db.models import (
     MEASURE_FIDELITY,
     STATUS_FAILED,
     STATUS_OK,

@@ -76,7 +76,7 @@ def drop_database(url: str) -> None:
     import psycopg
     from sqlalchemy.engine import make_url
 
-    from db.session import dispose_engines
+    from kvleague.db.session import dispose_engines
 
     dispose_engines()  # close pooled connections before dropping
     name = make_url(url).database

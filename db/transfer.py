@@ -24,9 +24,9 @@ from typing import Any, Iterator
 from sqlalchemy import DateTime, Table, insert, inspect, select
 from sqlalchemy.engine import Engine
 
-from db.models import Base
-from db.session import current_revision, head_revision, known_revisions, upgrade
-from runner.engine.errors import KvleagueError
+from kvleague.db.models import Base
+from kvleague.db.session import current_revision, head_revision, known_revisions, upgrade
+from kvleague.runner.engine.errors import KvleagueError
 
 FORMAT = "kvleague-export/1"
 _CHUNK = 500

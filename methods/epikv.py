@@ -14,10 +14,10 @@ from typing import Literal, Sequence
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import PositionTable
-from methods.registry import register_method
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.kernels import PositionTable
+from kvleague.methods.registry import register_method
+from kvleague.runner.engine.errors import KvleagueError
 
 #: added to the score of a ``value_reserve`` token: far above any z-score difference (|z| < sqrt(W))
 RESERVE_OFFSET = 1e9

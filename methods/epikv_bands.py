@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from methods.epikv import EpiKVFamily, depth_to_layer
-from methods.registry import register_method
+from kvleague.methods.epikv import EpiKVFamily, depth_to_layer
+from kvleague.methods.registry import register_method
 
 
 def band_layers(band: tuple[float, float], n_layers: int) -> list[int]:

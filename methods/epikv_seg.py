@@ -5,9 +5,9 @@ from typing import Literal
 
 import torch
 
-from runner.engine.contract import CacheView, Needs, Observation, SequenceInfo
-from methods.epikv import EpiKV
-from methods.kernels import (
+from kvleague.runner.engine.contract import CacheView, Needs, Observation, SequenceInfo
+from kvleague.methods.epikv import EpiKV
+from kvleague.methods.kernels import (
     PositionTable,
     rank_in_unit,
     rank_within,
@@ -15,7 +15,7 @@ from methods.kernels import (
     tertile_types,
     top_by_score_then_position,
 )
-from methods.registry import register_method
+from kvleague.methods.registry import register_method
 
 #: score tiers (added to a value in [0, 1) that orders tokens inside a tier)
 TIER_RECENT, TIER_QUOTA, TIER_FILL = 2.0, 1.0, 0.0

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
-from methods.kernels import per_kv_head
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
+from kvleague.methods.kernels import per_kv_head
+from kvleague.methods.registry import register_method
 
 
 def carry(values: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import SequenceInfo
-from methods.epikv import EpiKV
-from methods.registry import register_method
+from kvleague.runner.engine.contract import SequenceInfo
+from kvleague.methods.epikv import EpiKV
+from kvleague.methods.registry import register_method
 
 
 class _RollingMean:

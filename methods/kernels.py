@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from runner.engine.probe import attention_rows
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.probe import attention_rows
 
 
 class PositionTable:

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
-from methods.registry import register_method
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from kvleague.methods.registry import register_method
 
 
 @register_method("keydiff")

@@ -6,9 +6,9 @@ from typing import ClassVar
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import PositionTable
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.kernels import PositionTable
+from kvleague.methods.registry import register_method
 
 
 @dataclass

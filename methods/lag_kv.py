@@ -5,8 +5,8 @@ from typing import Literal
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, EvictionMethod
+from kvleague.methods.registry import register_method
 
 
 def lag_std(x: torch.Tensor, lag: int, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, Observation, SequenceInfo
-from methods.kernels import NotableAttention, PositionTable
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, Observation, SequenceInfo
+from kvleague.methods.kernels import NotableAttention, PositionTable
+from kvleague.methods.registry import register_method
 
 
 @register_method("lazy_eviction")

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.registry import register_method
-from methods.kernels import last_query_row
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.registry import register_method
+from kvleague.methods.kernels import last_query_row
 
 
 @register_method("longflow_authors")

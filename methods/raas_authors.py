@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import PositionTable, last_query_row
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.kernels import PositionTable, last_query_row
+from kvleague.methods.registry import register_method
 
 
 @register_method("raas_authors")

@@ -9,13 +9,13 @@ import dataclasses
 import typing
 from typing import Any, Callable, TypeVar
 
-from runner.engine.contract import EvictionMethod
-from runner.engine.registry import Registry
+from kvleague.runner.engine.contract import EvictionMethod
+from kvleague.runner.engine.registry import Registry
 
 ENTRY_POINT_GROUP = "kvleague.methods"
 
 METHODS: Registry[type[EvictionMethod]] = Registry(
-    "method", EvictionMethod, package="methods", group=ENTRY_POINT_GROUP,
+    "method", EvictionMethod, package="kvleague.methods", group=ENTRY_POINT_GROUP,
     option_word="hyperparameter", fields=lambda cls: cls.hyperparameters(),
 )
 

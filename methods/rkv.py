@@ -6,9 +6,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs
-from methods.registry import register_method
-from methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs
+from kvleague.methods.registry import register_method
+from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance
 
 
 def redundancy(keys: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.registry import register_method
-from methods.kernels import check_window_kernel, last_query_row
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.registry import register_method
+from kvleague.methods.kernels import check_window_kernel, last_query_row
 
 
 def standardise(x: torch.Tensor) -> torch.Tensor:

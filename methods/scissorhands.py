@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import QueryWindow, per_kv_head
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.kernels import QueryWindow, per_kv_head
+from kvleague.methods.registry import register_method
 
 
 @register_method("scissorhands")

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
-from methods.kernels import ObservesQueryWindow, check_window_kernel, pool, window_importance
-from methods.registry import register_method
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, pool, window_importance
+from kvleague.methods.registry import register_method
 
 
 @register_method("snapkv")

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import PositionTable, rank_in_unit, rank_within
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.kernels import PositionTable, rank_in_unit, rank_within
+from kvleague.methods.registry import register_method
 
 REASONING, EXECUTION, TRANSITION = "R", "E", "T"
 #: score tiers (plus a rank in [0, 1) by accumulated attention inside each tier)

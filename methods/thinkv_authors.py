@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from methods.kernels import last_query_row, segment_bounds, tertile_types, top_by_score_then_position
-from methods.registry import register_method
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.kernels import last_query_row, segment_bounds, tertile_types, top_by_score_then_position
+from kvleague.methods.registry import register_method
 
 
 def attention_entropy(row: torch.Tensor) -> float:

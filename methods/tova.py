@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
-from methods.registry import register_method
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
+from kvleague.methods.registry import register_method
+from kvleague.runner.engine.errors import KvleagueError
 
 
 @register_method("tova")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runner.bench import batch, decode_speed, engine_vs_generate, feasible_context, vs_kvpress
-from runner.bench.cli import add_common, finish
+from kvleague.runner.bench import batch, decode_speed, engine_vs_generate, feasible_context, vs_kvpress
+from kvleague.runner.bench.cli import add_common, finish
 
 BENCHES = {
     "context": (feasible_context, "longest prompt per method under a memory cap"),
@@ -65,11 +65,11 @@ def cmd_all(args) -> int:
 
 
 def cmd_store(args) -> int:
-    from db.session import default_url, display_url
-    from runner.bench.harness import read_report
-    from runner.bench.storage import check_storable, store_report
-    from runner.engine.errors import KvleagueError
-    from runner.sweep_config import clip
+    from kvleague.db.session import default_url, display_url
+    from kvleague.runner.bench.harness import read_report
+    from kvleague.runner.bench.storage import check_storable, store_report
+    from kvleague.runner.engine.errors import KvleagueError
+    from kvleague.runner.sweep_config import clip
 
     for path in args.reports:
         try:

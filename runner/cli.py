@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import sys
 
-from dashboard import commands as dashboard_commands
-from db import commands as db_commands
-from runner import bench_commands, fidelity_commands, generate_commands, sweep, task_commands
-from runner.signals import commands as signals_commands
-from runner.cli_args import OneLineParser, add_protocol_arguments, protocol_from_args  # noqa: F401 - importable from here
-from runner.engine.errors import KvleagueError
+from kvleague.dashboard import commands as dashboard_commands
+from kvleague.db import commands as db_commands
+from kvleague.runner import bench_commands, fidelity_commands, generate_commands, sweep, task_commands
+from kvleague.runner.signals import commands as signals_commands
+from kvleague.runner.cli_args import OneLineParser, add_protocol_arguments, protocol_from_args  # noqa: F401 - importable from here
+from kvleague.runner.engine.errors import KvleagueError
 
 #: the command groups, in the order ``kvleague --help`` lists them
 COMMAND_GROUPS = (generate_commands, task_commands, sweep, db_commands, dashboard_commands, bench_commands,

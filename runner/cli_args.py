@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from runner.engine.errors import KvleagueError, OneLineParser  # noqa: F401 - the commands import it from here
-from runner.engine.protocol import PRESETS, Protocol, protocol_fields
+from kvleague.runner.engine.errors import KvleagueError, OneLineParser  # noqa: F401 - the commands import it from here
+from kvleague.runner.engine.protocol import PRESETS, Protocol, protocol_fields
 
 
 def parse_assignment(text: str, flag: str) -> tuple[str, Any]:

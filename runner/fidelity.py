@@ -27,10 +27,10 @@ from typing import Sequence
 
 import torch
 
-from runner.engine.contract import EvictionMethod
-from runner.engine import Engine, GenerationResult
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import Protocol
+from kvleague.runner.engine.contract import EvictionMethod
+from kvleague.runner.engine import Engine, GenerationResult
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import Protocol
 
 Segment = tuple[list[int], bool]  # (token ids, scored)
 
@@ -181,8 +181,8 @@ def measure_batch(
 
     ``seconds`` of a batched result: its own prompt feed plus the batch's teacher-forced wall time
     split evenly over its sequences (their throughput, not the latency one sequence saw)."""
-    from runner.engine.batch import auto_batch_size, check_batch_arguments, teacher_force_batch
-    from runner.engine.session import Session
+    from kvleague.runner.engine.batch import auto_batch_size, check_batch_arguments, teacher_force_batch
+    from kvleague.runner.engine.session import Session
 
     n = len(samples)
     if not (len(methods) == len(budgets) == n):

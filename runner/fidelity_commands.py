@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 
 def register(subparsers) -> None:
-    from runner.cli_args import add_protocol_arguments
+    from kvleague.runner.cli_args import add_protocol_arguments
 
     p = subparsers.add_parser("fidelity", help="KL to the full cache, delta NLL and top-1 agreement on reference continuations")
     p.add_argument("--model", default="smollm2-135m")
@@ -39,11 +39,11 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from methods.registry import build_method
-    from runner import fidelity
-    from runner.cli_args import protocol_from_args
-    from runner.models import load_engine
-    from runner.reference_tasks import load_samples, reference_task, write_report
+    from kvleague.methods.registry import build_method
+    from kvleague.runner import fidelity
+    from kvleague.runner.cli_args import protocol_from_args
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.reference_tasks import load_samples, reference_task, write_report
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (method, budget): sample means of the per-sample means, with bootstrap intervals over samples
     (the dashboard's, :func:`analysis.fidelity_tables.bootstrap_mean_interval`)."""
-    from analysis.fidelity_tables import bootstrap_mean_interval
+    from kvleague.analysis.fidelity_tables import bootstrap_mean_interval
     out = []
     for key in dict.fromkeys((r["method"], r["budget"]) for r in rows):
         mine = [r for r in rows if (r["method"], r["budget"]) == key]

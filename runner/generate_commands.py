@@ -8,12 +8,12 @@ import sys
 import time
 from pathlib import Path
 
-from runner.cli_args import add_protocol_arguments, parse_assignment, protocol_from_args
-from runner.engine.errors import KvleagueError
+from kvleague.runner.cli_args import add_protocol_arguments, parse_assignment, protocol_from_args
+from kvleague.runner.engine.errors import KvleagueError
 
 
 def cmd_make_tiny_model(args) -> int:
-    from runner.models.tiny import make_tiny_model
+    from kvleague.runner.models.tiny import make_tiny_model
 
     out = make_tiny_model(
         args.arch, args.out, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed
@@ -23,7 +23,7 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    from methods.registry import available_methods, describe
+    from kvleague.methods.registry import available_methods, describe
 
     described = [describe(cls) for cls in available_methods().values()]
     if args.json:
@@ -102,9 +102,9 @@ def _progress(message: str) -> None:
 
 
 def cmd_generate(args) -> int:
-    from methods.registry import build_method
-    from runner.models import load_engine
-    from runner.engine.protocol import GenerationSettings
+    from kvleague.methods.registry import build_method
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.engine.protocol import GenerationSettings
 
     text = prompt_text(args)
     method = build_method(args.method, dict(parse_assignment(p, "--param") for p in args.param))

@@ -35,8 +35,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import Protocol, parse_bool, parse_optional, protocol_fields
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import Protocol, parse_bool, parse_optional, protocol_fields
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class KvleagueLM(LM):
         **extra: Any,
     ) -> None:
         super().__init__()
-        from methods.registry import build_method
+        from kvleague.methods.registry import build_method
         protocol_keys = [f.name for f in protocol_fields()]
         params: dict[str, Any] = {}
         protocol: dict[str, Any] = {}
@@ -111,7 +111,7 @@ class KvleagueLM(LM):
             if pretrained is None:
                 raise KvleagueError("model_args: pretrained is required (a known name such as smollm2-135m, a .gguf file, "
                                     "a checkpoint directory or a Hub id)")
-            from runner.models import load_engine
+            from kvleague.runner.models import load_engine
 
             engine = load_engine(str(pretrained), attn_implementation=attn_implementation, dtype=dtype, device=_device(device))
         self.engine = engine
@@ -173,7 +173,7 @@ class KvleagueLM(LM):
     # -- one request ---------------------------------------------------------------------------------
     def settings(self, gen_kwargs: dict[str, Any] | None):
         """lm-eval generation kwargs -> kvleague ``GenerationSettings``."""
-        from runner.engine.protocol import GenerationSettings
+        from kvleague.runner.engine.protocol import GenerationSettings
 
         kwargs = dict(gen_kwargs or {})
         until = kwargs.get("until") or []
@@ -204,7 +204,7 @@ class KvleagueLM(LM):
         return [int(i) for i in self.tokenizer(context, add_special_tokens=add)["input_ids"]]
 
     def generate(self, context: str, gen_kwargs: dict[str, Any] | None = None) -> str:
-        from methods.registry import build_method
+        from kvleague.methods.registry import build_method
 
         ids = self.encode(context)
         method = build_method(self.method_name, self.method_params)  # fresh per-sequence state
@@ -229,6 +229,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from runner.lm_eval_model import main as _main
+    from kvleague.runner.lm_eval_model import main as _main
 
     _main()

@@ -16,7 +16,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from db.spec_hash import spec_hash
+from kvleague.db.spec_hash import spec_hash
 
 GIT_COMMIT_ENV = "KVLEAGUE_GIT_COMMIT"
 GIT_DIRTY_ENV = "KVLEAGUE_GIT_DIRTY"  # "1" / "0", with GIT_COMMIT_ENV

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 #: what a study scores as the answer: the task's reference continuation, or the model's own greedy one
 #: (here, not in ``runner.signals.study``, so that the CLI can list them without importing torch)
@@ -18,8 +18,8 @@ TRACES = ("reference", "greedy")
 def reference_task(name: str, options: list[str], why: str):
     """Task ``name`` with ``NAME=VALUE`` ``options``; a one-line error when it has no reference
     continuation (``why``: what the reference is needed for)."""
-    from runner.cli_args import parse_assignment
-    from tasks.registry import build_task
+    from kvleague.runner.cli_args import parse_assignment
+    from kvleague.tasks.registry import build_task
 
     task = build_task(name, dict(parse_assignment(o, "--option") for o in options))
     if not task.has_reference():

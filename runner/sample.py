@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.episode import EpisodicTask
+from kvleague.tasks.episode import EpisodicTask
 
 
 @dataclass

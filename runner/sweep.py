@@ -24,7 +24,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     _sys.path[:] = [p for p in _sys.path if p != _here]
     if _root not in _sys.path:
         _sys.path.insert(0, _root)
-    from runner.sweep import main as _main
+    from kvleague.runner.sweep import main as _main
 
     raise SystemExit(_main())
 
@@ -33,12 +33,12 @@ import json
 import os
 import sys
 
-from runner.cli_args import OneLineParser
-from runner.engine.errors import KvleagueError
-from runner.sweep_config import clip, load_config
-from runner.sweeping.checks import check_config, project_dir
+from kvleague.runner.cli_args import OneLineParser
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.sweep_config import clip, load_config
+from kvleague.runner.sweeping.checks import check_config, project_dir
 # the sweep's public names, importable from here as before the split
-from runner.sweeping import CellWorker, SweepRunner, SweepSummary, expand, load_tokenizer, print_summary  # noqa: F401
+from kvleague.runner.sweeping import CellWorker, SweepRunner, SweepSummary, expand, load_tokenizer, print_summary  # noqa: F401
 
 # ------------------------------------------------------------------------------------------------
 # Command line (shared by ``python runner/sweep.py`` and ``kvleague sweep``)
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from db.session import parse_url
+    from kvleague.db.session import parse_url
 
     base = project_dir()
     if args.workers is not None and args.workers < 1:

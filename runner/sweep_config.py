@@ -38,10 +38,10 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import PRESETS, Protocol
-from db.spec_hash import spec_hash
-from tasks.base import Domain
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import PRESETS, Protocol
+from kvleague.db.spec_hash import spec_hash
+from kvleague.tasks.base import Domain
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("sdpa", "eager", "flash_attention_2")
@@ -249,7 +249,7 @@ class SweepConfig(_Strict):
     def _all_methods(cls, value: Any) -> Any:
         """``methods: all`` is every registered method at its defaults (the stored config lists them)."""
         if isinstance(value, dict) and value.get("methods") == "all":
-            from methods.registry import available_methods
+            from kvleague.methods.registry import available_methods
 
             value = {**value, "methods": list(available_methods())}
         return value
@@ -428,7 +428,7 @@ def load_config(path: str | os.PathLike[str], *, check: bool = True, base_dir: P
     try:
         config = parse_config(data)
         if check:
-            from runner.sweeping.checks import check_config
+            from kvleague.runner.sweeping.checks import check_config
 
             check_config(config, base_dir=base_dir)
     except KvleagueError as exc:

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.cli_args import parse_assignment
-from runner.engine.errors import KvleagueError
+from kvleague.runner.cli_args import parse_assignment
+from kvleague.runner.engine.errors import KvleagueError
 
 
 def register(subparsers: Any) -> None:
@@ -42,7 +42,7 @@ def _source_text(src: dict[str, Any]) -> str:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from tasks.registry import available_tasks, describe_task
+    from kvleague.tasks.registry import available_tasks, describe_task
 
     described = [describe_task(cls) for cls in available_tasks().values()]
     if getattr(args, "json", False):
@@ -108,7 +108,7 @@ def read_completions(path: str | Path) -> list[tuple[str, str]]:
 def score_file(task_name: str, completions: str | Path, data_dir: str | None = None,
                options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Score a completions file: ``{"task", "scorer_version", "metrics", "results"}``."""
-    from tasks.registry import build_task
+    from kvleague.tasks.registry import build_task
 
     task = build_task(task_name, options or {})
     pairs = read_completions(completions)

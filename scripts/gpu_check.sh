@@ -49,9 +49,9 @@ cat "$out/environment.txt"
 
 step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py \
   --junitxml "$out/cuda-tests.xml"
-[ -f "$model/model.safetensors" ] || step model 240 "$PY" -m runner.cli make-tiny-model --arch llama --layers 16 \
+[ -f "$model/model.safetensors" ] || step model 240 "$PY" -m kvleague.runner.cli make-tiny-model --arch llama --layers 16 \
   --hidden 2048 --heads 32 --kv-heads 8 --out "$model"
-bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" "$PY" -m runner.cli bench "$@" --model "$model" --json "$out/$name.json"; }
+bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" "$PY" -m kvleague.runner.cli bench "$@" --model "$model" --json "$out/$name.json"; }
 # batch 1, no eviction: the engine against model.generate; the first decode over new KV lengths against a second
 bench generate 150 generate --prompt-tokens 1024 --new-tokens 256 --rounds 2 --clock wall
 # the same first-pass figure with SDPA's cuDNN kernel allowed: what the engine turns off, and why

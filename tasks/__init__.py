@@ -1,8 +1,8 @@
 """Evaluation tasks: math, code, long-document QA and agentic (see :mod:`tasks.base` for the
 contract and :mod:`tasks.registry` for lookup)."""
 
-from tasks.base import DataSource, Sample, ScoreResult, Task
-from tasks.registry import available_tasks, build_task, register_task, register_task_family, task_class
+from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
+from kvleague.tasks.registry import available_tasks, build_task, register_task, register_task_family, task_class
 
 __all__ = [
     "DataSource",

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.base import DataSource, Sample, ScoreResult
-from tasks.episode import EpisodicTask, Transcript
-from tasks.tool_calls import TOOL_CALL_OPEN, ToolCall, format_tool_call, tools_system_prompt
-from tasks.registry import register_task
+from kvleague.tasks.base import DataSource, Sample, ScoreResult
+from kvleague.tasks.episode import EpisodicTask, Transcript
+from kvleague.tasks.tool_calls import TOOL_CALL_OPEN, ToolCall, format_tool_call, tools_system_prompt
+from kvleague.tasks.registry import register_task
 
 SOURCE = DataSource(
     dataset="kv_agent",

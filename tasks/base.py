@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
-from runner.engine.errors import KvleagueError
-from tasks.data import DataSource, resolve_data_dir
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.data import DataSource, resolve_data_dir
 
 __all__ = ["DOMAINS", "DataSource", "Domain", "Sample", "ScoreResult", "Task"]
 

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.engine.errors import KvleagueError
-from tasks.base import DataSource, Sample, ScoreResult
-from tasks.data import iter_file
-from tasks.episode import EpisodicTask, Transcript
-from tasks.tool_calls import ToolCall, format_tool_call, tools_system_prompt
-from tasks.registry import register_task
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.base import DataSource, Sample, ScoreResult
+from kvleague.tasks.data import iter_file
+from kvleague.tasks.episode import EpisodicTask, Transcript
+from kvleague.tasks.tool_calls import ToolCall, format_tool_call, tools_system_prompt
+from kvleague.tasks.registry import register_task
 
 BFCL_EVAL_VERSION = "2026.3.23"
 INSTALL_HINT = f"pip install --no-deps bfcl-eval=={BFCL_EVAL_VERSION} mpmath"

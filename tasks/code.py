@@ -16,10 +16,10 @@ from math import comb
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
-from tasks.base import DataSource, Sample, ScoreResult, Task
-from tasks.data import load_records
-from tasks.registry import register_task
-from tasks.sandbox import SandboxLimits, SandboxResult, run_many
+from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
+from kvleague.tasks.data import load_records
+from kvleague.tasks.registry import register_task
+from kvleague.tasks.sandbox import SandboxLimits, SandboxResult, run_many
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
 

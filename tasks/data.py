@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 DATA_DIR_ENV = "KVLEAGUE_DATA_DIR"
 #: seconds the Hub has to accept a connection (name lookup included) before it counts as unreachable

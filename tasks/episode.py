@@ -45,9 +45,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from runner.engine.errors import KvleagueError
-from tasks.base import Sample, ScoreResult, Task
-from tasks.tool_calls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolCall, parse_tool_calls
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.base import Sample, ScoreResult, Task
+from kvleague.tasks.tool_calls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolCall, parse_tool_calls
 
 TRANSCRIPT_FORMAT = "kvleague-episode/1"
 #: marks the previous assistant message when rendering the template's continuation

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from runner.engine.errors import KvleagueError
-from tasks.base import DataSource, Sample, ScoreResult, Task
-from tasks.registry import register_task_family
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
+from kvleague.tasks.registry import register_task_family
 
 PREFIX = "lmeval"
 INCLUDE_ENV = "KVLEAGUE_LMEVAL_INCLUDE_PATH"

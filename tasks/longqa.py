@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
-from runner.engine.errors import KvleagueError
-from tasks.base import DataSource, Sample, ScoreResult, Task
-from tasks.data import load_records
-from tasks.math import Gsm8k, parse_number
-from tasks.registry import register_task
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
+from kvleague.tasks.data import load_records
+from kvleague.tasks.math import Gsm8k, parse_number
+from kvleague.tasks.registry import register_task
 
 # ------------------------------------------------------------------------------------------------
 # metrics

@@ -19,9 +19,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import ClassVar
 
-from tasks.base import DataSource, Sample, ScoreResult, Task
-from tasks.data import load_records
-from tasks.registry import register_task
+from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
+from kvleague.tasks.data import load_records
+from kvleague.tasks.registry import register_task
 
 MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 

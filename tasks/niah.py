@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
-from runner.engine.errors import KvleagueError
-from tasks.base import DataSource, Sample, ScoreResult, Task
-from tasks.data import local_path, missing_dataset_error
-from tasks.registry import register_task
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
+from kvleague.tasks.data import local_path, missing_dataset_error
+from kvleague.tasks.registry import register_task
 
 
 _NIAH_KEYS = (

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
-from runner.engine.errors import KvleagueError
-from runner.engine.registry import Registry
-from tasks.base import DOMAINS, Task
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.registry import Registry
+from kvleague.tasks.base import DOMAINS, Task
 
 ENTRY_POINT_GROUP = "kvleague.tasks"
 
@@ -31,7 +31,7 @@ def _check_domain(cls: type[Task], name: str) -> None:
         raise KvleagueError(f"task {name!r}: domain {domain!r} is not one of {', '.join(DOMAINS)}")
 
 
-TASKS: Registry[type[Task]] = Registry("task", Task, package="tasks", group=ENTRY_POINT_GROUP, check=_check_domain)
+TASKS: Registry[type[Task]] = Registry("task", Task, package="kvleague.tasks", group=ENTRY_POINT_GROUP, check=_check_domain)
 
 T = TypeVar("T", bound=type[Task])
 

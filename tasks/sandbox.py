@@ -55,8 +55,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner.engine.errors import KvleagueError
-from tasks.sandbox_supervisor import EXIT_SUPERVISOR_ERROR, EXIT_TIMEOUT, INFO_TAG
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.sandbox_supervisor import EXIT_SUPERVISOR_ERROR, EXIT_TIMEOUT, INFO_TAG
 
 MARKER_ENV = "KVLEAGUE_SANDBOX_ID"
 MODE_ENV = "KVLEAGUE_SANDBOX_MODE"

@@ -16,7 +16,7 @@ DATA_DIR = REPO.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One random-weight checkpoint per architecture (GQA: 4 query heads, 2 KV heads)."""
-    from runner.models.tiny import make_tiny_model
+    from kvleague.runner.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(arch, root / arch, seed=i) for i, arch in enumerate(ARCHS)}
@@ -24,7 +24,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def engines(tiny_models):
-    from runner.models import load_engine
+    from kvleague.runner.models import load_engine
 
     torch.set_num_threads(1)
     return {arch: load_engine(str(path)) for arch, path in tiny_models.items()}
@@ -39,7 +39,7 @@ def prompt_ids(engines) -> list[int]:
 @pytest.fixture(scope="session")
 def pg_server() -> str:
     """A PostgreSQL server for the database tests: $KVLEAGUE_PG_URL, or one started from Debian's binaries."""
-    from db.testing import postgres_server_url
+    from kvleague.db.testing import postgres_server_url
 
     url = postgres_server_url()
     if url is None:
@@ -53,7 +53,7 @@ def db_url(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'results.db'}"
         return
-    from db.testing import create_database, drop_database
+    from kvleague.db.testing import create_database, drop_database
 
     url = create_database(request.getfixturevalue("pg_server"))
     yield url

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.knorm import KeyNorm
+from kvleague.methods.knorm import KeyNorm
 
 #: scores this close (relative) are one tie up to float32 rounding of keys computed by different kernels
 TIE_RTOL = 1e-5

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from runner.engine.protocol import GenerationSettings
-from runner.models.tiny import CHAT_TEMPLATE, byte_level_tokenizer
-from tasks.episode import ScriptedSession, Transcript
-from tasks.tool_calls import ToolCall, format_tool_call, parse_tool_calls
-from tasks.registry import build_task
+from kvleague.runner.engine.protocol import GenerationSettings
+from kvleague.runner.models.tiny import CHAT_TEMPLATE, byte_level_tokenizer
+from kvleague.tasks.episode import ScriptedSession, Transcript
+from kvleague.tasks.tool_calls import ToolCall, format_tool_call, parse_tool_calls
+from kvleague.tasks.registry import build_task
 from tests.conftest import DATA_DIR
 
 
@@ -57,7 +57,7 @@ def test_parse_tool_calls_blocks_errors_and_truncation():
 
 
 def test_transcript_rejects_plain_text():
-    from runner.engine.errors import KvleagueError
+    from kvleague.runner.engine.errors import KvleagueError
 
     with pytest.raises(KvleagueError, match="transcript"):
         Transcript.parse("just an answer")
@@ -101,7 +101,7 @@ GROUPING_TEMPLATE = (
 
 @pytest.mark.parametrize("template", ["chatml", "grouping"])
 def test_episode_feeds_each_increment_once_in_order(template):
-    from tasks.agentic import optimal_agent
+    from kvleague.tasks.agentic import optimal_agent
 
     tok = byte_level_tokenizer()
     if template == "grouping":
@@ -125,7 +125,7 @@ def test_episode_feeds_each_increment_once_in_order(template):
 
 
 def test_episode_plain_layout_without_chat_template(tok):
-    from tasks.agentic import optimal_agent
+    from kvleague.tasks.agentic import optimal_agent
 
     plain = byte_level_tokenizer()
     plain.chat_template = None
@@ -144,7 +144,7 @@ def test_episode_plain_layout_without_chat_template(tok):
 
 
 def test_episode_template_without_system_or_tool_role(tok):
-    from tasks.agentic import optimal_agent
+    from kvleague.tasks.agentic import optimal_agent
 
     strict = byte_level_tokenizer()
     strict.chat_template = (
@@ -205,8 +205,8 @@ class _Recorder:
 
 
 def test_real_tiny_model_episode_on_one_session(engines):
-    from methods.registry import build_method
-    from runner.engine.protocol import Protocol
+    from kvleague.methods.registry import build_method
+    from kvleague.runner.engine.protocol import Protocol
 
     engine = engines["llama"]
     task = build_task("kv_agent", {"n_episodes": 1, "n_lockers": 2, "n_queries": 1, "n_logs": 0})
@@ -301,7 +301,7 @@ def test_bfcl_observations_match_bfcl_executor(bfcl):
 
     from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
 
-    from tasks.bfcl import _signatures, bfcl_call_string, parse_bfcl_call
+    from kvleague.tasks.bfcl import _signatures, bfcl_call_string, parse_bfcl_call
 
     task, samples = bfcl
     for sample in samples[::10]:
@@ -363,7 +363,7 @@ def _success_rate(task, samples, make_agent, tok) -> float:
 
 
 def test_kv_agent_optimal_agent_succeeds_always(kv, tok):
-    from tasks.agentic import optimal_agent
+    from kvleague.tasks.agentic import optimal_agent
 
     task, samples = kv
     assert len(samples) == 200
@@ -371,7 +371,7 @@ def test_kv_agent_optimal_agent_succeeds_always(kv, tok):
 
 
 def test_kv_agent_random_and_amnesic_agents_fail(kv, tok):
-    from tasks.agentic import amnesic_agent, random_agent
+    from kvleague.tasks.agentic import amnesic_agent, random_agent
 
     task, samples = kv
     assert _success_rate(task, samples[:100], random_agent, tok) < 0.10
@@ -430,7 +430,7 @@ def test_kv_agent_generation_is_deterministic_and_option_dependent():
 
 
 def test_agentic_tasks_are_registered():
-    from tasks.registry import available_tasks
+    from kvleague.tasks.registry import available_tasks
 
     tasks = available_tasks()
     for name in ("bfcl_multi_turn", "kv_agent"):

@@ -28,11 +28,11 @@ TOP = ("methods", "tasks", "runner", "db", "analysis", "dashboard")
 #: part and the layers below, never a layer above nor another part of its own layer. A part is a
 #: package (or module) named by its dotted prefix; the longest prefix that matches a module wins.
 LAYERS = (
-    ("runner.engine",),                  # the ground floor: generation, the method contract, errors
-    ("methods", "tasks", "db"),          # methods, tasks, the results database
-    ("analysis",),                       # statistics, tables, the paper's claims, the report
-    ("runner", "dashboard"),             # running (models, sweeps, benchmarks, studies); the Streamlit app
-    ("runner.cli",),                     # the kvleague command line: registers every command group
+    ("kvleague.runner.engine",),                        # the ground floor: generation, the method contract, errors
+    ("kvleague.methods", "kvleague.tasks", "kvleague.db"),  # methods, tasks, the results database
+    ("kvleague.analysis",),                             # statistics, tables, the paper's claims, the report
+    ("kvleague.runner", "kvleague.dashboard"),          # running (models, sweeps, benchmarks, studies); the Streamlit app
+    ("kvleague.runner.cli",),                           # the kvleague command line: registers every command group
 )
 
 #: transformers modules and names that are the model's cache and attention internals
@@ -60,11 +60,11 @@ class Edge:
 
 
 def module_names(root: Path = REPO) -> dict[str, Path]:
-    """Dotted module name -> file, packages by their ``__init__.py``."""
+    """Dotted module name (under ``kvleague``, as installed) -> file, packages by their ``__init__.py``."""
     out = {}
     for path in modules(root):
         parts = path.relative_to(root).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        out[".".join(("kvleague", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
     return out
 
 
@@ -174,8 +174,9 @@ def test_no_import_cycles_between_modules():
 
 #: what every layer imports for errors, names and plugins: no torch or transformers behind it (seconds to
 #: import), so that the CLI's parser, the database, the analysis layer and the dashboard never pay for them
-LIGHT_GROUND_FLOOR = ("runner.engine", "runner.engine.errors", "runner.engine.registry", "runner.engine.protocol",
-                      "runner.engine.contract", "methods", "methods.registry", "tasks", "tasks.base", "tasks.registry")
+LIGHT_GROUND_FLOOR = ("kvleague.runner.engine", "kvleague.runner.engine.errors", "kvleague.runner.engine.registry",
+                      "kvleague.runner.engine.protocol", "kvleague.runner.engine.contract", "kvleague.methods",
+                      "kvleague.methods.registry", "kvleague.tasks", "kvleague.tasks.base", "kvleague.tasks.registry")
 
 
 def test_the_ground_floor_and_the_registries_import_without_torch():
@@ -191,31 +192,61 @@ def test_the_ground_floor_and_the_registries_import_without_torch():
 def test_the_import_checker_catches_planted_violations(tmp_path):
     files = {
         "runner/engine/__init__.py": "",
-        "runner/engine/errors.py": "def f():\n    from runner import sweep  # inside a function\n",
+        "runner/engine/errors.py": "def f():\n    from kvleague.runner import sweep  # inside a function\n",
         "runner/__init__.py": "",
-        "runner/sweep.py": "from dashboard import ui\n",
-        "runner/cli.py": "from dashboard import ui\nfrom runner import sweep\n",
-        "methods/__init__.py": "from tasks.base import DOMAINS\n",
+        "runner/sweep.py": "from kvleague.dashboard import ui\n",
+        "runner/cli.py": "from kvleague.dashboard import ui\nfrom kvleague.runner import sweep\n",
+        "methods/__init__.py": "from kvleague.tasks.base import DOMAINS\n",
         "tasks/__init__.py": "",
-        "tasks/base.py": "from runner.engine.errors import f\n",
+        "tasks/base.py": "from kvleague.runner.engine.errors import f\n",
         "db/__init__.py": "",
         "analysis/__init__.py": "",
         "dashboard/__init__.py": "",
         "dashboard/ui.py": "from . import views\n",
-        "dashboard/views.py": "def g():\n    from dashboard.ui import main\n",
-        "dashboard/types.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dashboard.ui import x\n",
-        "analysis/stats.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dashboard.ui import x\n",
+        "dashboard/views.py": "def g():\n    from kvleague.dashboard.ui import main\n",
+        "dashboard/types.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvleague.dashboard.ui import x\n",
+        "analysis/stats.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvleague.dashboard.ui import x\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     edges = import_graph(tmp_path)
-    found = {v.split(": ", 1)[1].split("  [")[0] for v in layer_violations(edges)}
+    found = {v.split(": ", 1)[1].split("  [")[0].replace("kvleague.", "") for v in layer_violations(edges)}
     assert found == {"runner.engine.errors -> runner.sweep", "runner.sweep -> dashboard.ui",
                      "methods -> tasks.base", "analysis.stats -> dashboard.ui (TYPE_CHECKING)"}  # runner.cli may
     cycles = import_cycles(edges)
-    assert [sorted(str(e).split(": ", 1)[1] for e in c) for c in cycles] == [
+    assert [sorted(str(e).split(": ", 1)[1].replace("kvleague.", "") for e in c) for c in cycles] == [
         ["dashboard.ui -> dashboard.views", "dashboard.views -> dashboard.ui"]]  # the TYPE_CHECKING one does not run
+
+
+def bare_imports(path: Path, source: str) -> list[str]:
+    """Imports of a top-level folder by its bare name (``from tasks import ...``): outside the
+    ``kvleague`` namespace they would load a second copy of a module (two registries), or a user's
+    own ``tasks`` package."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+        out += [f"{path}:{node.lineno}: {name}" for name in names if name.split(".")[0] in TOP]
+    return out
+
+
+def test_every_import_of_kvleague_goes_through_its_namespace():
+    sources = [*modules(), *sorted((REPO / "tests").glob("*.py"))]
+    found = [v for path in sources for v in bare_imports(path.relative_to(REPO), path.read_text())]
+    assert not found, "imports of kvleague's folders by their bare names (use kvleague.<folder>):\n" + "\n".join(found)
+    assert bare_imports(Path("x.py"), "import runner.cli\nfrom tasks import base\nfrom kvleague.db import store")  == [
+        "x.py:1: runner.cli", "x.py:2: tasks"]
+
+
+def test_pyproject_installs_every_package_under_kvleague():
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"kvleague." + ".".join(init.parent.relative_to(REPO).parts)
+               for top in TOP for init in (REPO / top).rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders | {"kvleague"}
+    assert setuptools["package-dir"] == {"kvleague": "kvleague", **{f"kvleague.{top}": top for top in TOP}}
 
 
 def seam_violations(path: Path, source: str) -> list[str]:

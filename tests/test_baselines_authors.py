@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from methods import build_method
-from runner.engine.contract import EvictionMethod
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import build_method
+from kvleague.runner.engine.contract import EvictionMethod
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 from tests.test_epikv_reference import _prompt, _z, keep_only, kvleague_decode, oracle_decode
 

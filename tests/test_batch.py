@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from methods import available_methods, build_method
-from methods.knorm import KeyNorm
-from runner.engine.batch import auto_batch_size
-from runner.engine.contract import CacheView, EvictionMethod
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import available_methods, build_method
+from kvleague.methods.knorm import KeyNorm
+from kvleague.runner.engine.batch import auto_batch_size
+from kvleague.runner.engine.contract import CacheView, EvictionMethod
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 from tests.test_engine import Recorder
 
@@ -42,7 +42,7 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def engines64(tiny_models):
-    from runner.models import load_engine
+    from kvleague.runner.models import load_engine
 
     torch.set_num_threads(1)
     out = {}
@@ -190,7 +190,7 @@ def test_score_batch_override_sees_the_padded_caches_of_the_evicting_sequences(e
 
 def test_slabs_that_must_grow_keep_every_row(engines64, prompts, monkeypatch):
     """Slabs that start with one free slot per row grow as the rows do, every row intact."""
-    from runner.engine.decode import DecodeLoop
+    from kvleague.runner.engine.decode import DecodeLoop
 
     monkeypatch.setattr(DecodeLoop, "_initial_capacity", lambda self: max(s.cache.length for s in self.sessions) + 1)
     engine = engines64["qwen2"]

@@ -6,9 +6,9 @@ import importlib.util
 import pytest
 import torch
 
-from methods import build_method
-from runner.engine.protocol import GenerationSettings, Protocol
-from runner.models import load_engine
+from kvleague.methods import build_method
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.runner.models import load_engine
 from tests.rounding_ties import LoggedKnorm, assert_parted_only_at_a_rounding_tie
 
 pytestmark = [

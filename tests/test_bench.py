@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from runner.bench import harness as h
-from runner.bench import storage
-from runner.engine.errors import KvleagueError
+from kvleague.runner.bench import harness as h
+from kvleague.runner.bench import storage
+from kvleague.runner.engine.errors import KvleagueError
 
 
 # -- the limit search ---------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_storing_an_invalid_report_writes_nothing(tmp_path):
 
 
 def test_probe_subprocess_reports_the_peak_and_is_stopped_over_the_cap(tiny_models):
-    from runner.bench.feasible_context import GIB, measure_in_subprocess
+    from kvleague.runner.bench.feasible_context import GIB, measure_in_subprocess
 
     spec = {"model": str(tiny_models["llama"]), "method": "h2o", "tokens": 48, "budget": 16, "decode_steps": 4,
             "prefill_chunk": None, "threads": 1}
@@ -154,8 +154,8 @@ def test_probe_subprocess_reports_the_peak_and_is_stopped_over_the_cap(tiny_mode
 def _cli(argv):
     import argparse
 
-    from runner import bench_commands
-    from runner.cli_args import OneLineParser
+    from kvleague.runner import bench_commands
+    from kvleague.runner.cli_args import OneLineParser
 
     parser = OneLineParser(prog="kvleague")
     bench_commands.register(parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser))

@@ -3,7 +3,7 @@ never its speed (speed targets live in the benchmark's own output)."""
 
 from __future__ import annotations
 
-from runner.bench import harness as h
+from kvleague.runner.bench import harness as h
 from tests.test_bench import _cli
 
 

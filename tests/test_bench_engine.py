@@ -10,12 +10,12 @@ import torch
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import repeat_kv
 
-import runner.engine.cache as bc
-from methods import build_method
-from runner.engine.contract import Needs
-from runner.engine.probe import attention_rows
-from runner.engine.cache import BudgetedCache, SlabLayer
-from runner.engine.protocol import GenerationSettings, Protocol
+import kvleague.runner.engine.cache as bc
+from kvleague.methods import build_method
+from kvleague.runner.engine.contract import Needs
+from kvleague.runner.engine.probe import attention_rows
+from kvleague.runner.engine.cache import BudgetedCache, SlabLayer
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
 L, H, D = 3, 2, 4
 

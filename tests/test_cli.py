@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from runner.cli import main
+from kvleague.runner.cli import main
 
 PLUGIN = textwrap.dedent(
     '''
@@ -16,7 +16,7 @@ PLUGIN = textwrap.dedent(
 
     import torch
 
-    from methods import EvictionMethod
+    from kvleague.methods import EvictionMethod
 
 
     @dataclass
@@ -66,7 +66,7 @@ def run_cli(*args, pythonpath=None, timeout=180):
     if pythonpath:
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(
-        [sys.executable, "-m", "runner.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "kvleague.runner.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
 
 
@@ -127,9 +127,9 @@ README_CHECK = textwrap.dedent(
     """
     import sys, torch
     from transformers import DynamicCache
-    from methods import build_method
-    from runner.models import load_engine
-    from runner.engine.protocol import Protocol
+    from kvleague.methods import build_method
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.engine.protocol import Protocol
     import value_norm  # the README's example, registered on import
 
     engine = load_engine(sys.argv[1])
@@ -165,10 +165,10 @@ def test_readme_method_example_runs(tmp_path, tiny_models):
 def test_every_protocol_field_is_a_flag_and_a_model_arg():
     """The protocol's flags, the sweep YAML's protocol and lm-eval's model_args come from one field list:
     each field set by its flag gives the Protocol with that field, and text values parse the same way."""
-    from runner.cli import build_parser
-    from runner.cli_args import protocol_from_args
-    from runner.engine.protocol import Protocol, protocol_fields
-    from runner.sweep_config import ProtocolConfig, ProtocolOverride
+    from kvleague.runner.cli import build_parser
+    from kvleague.runner.cli_args import protocol_from_args
+    from kvleague.runner.engine.protocol import Protocol, protocol_fields
+    from kvleague.runner.sweep_config import ProtocolConfig, ProtocolOverride
 
     given = {"cadence": "buffer=8", "positions": "compact", "sink": "4", "recent": "16", "protect_prompt": "true",
              "prefill_chunk": "32", "recent_max_fraction": "0.25", "prompt_over_budget": "keep"}
@@ -191,7 +191,7 @@ HEAVY_MODULES = ("torch", "transformers", "ray", "streamlit", "pandas", "matplot
 IMPORT_CHECK = textwrap.dedent(
     """
     import argparse, contextlib, io, json, sys
-    from runner.cli import build_parser, main
+    from kvleague.runner.cli import build_parser, main
 
     def subcommands(parser, prefix=()):
         for action in parser._actions:
@@ -301,7 +301,7 @@ class _Writes:
 def test_generate_streams_the_completion_as_it_is_decoded(tiny_models, capsys, monkeypatch, stop):
     """Without --json the completion reaches stdout while decoding runs, and the streamed text is the
     completion --json reports (ending before a stop string, none of which is streamed)."""
-    from runner.engine.generation import Session
+    from kvleague.runner.engine.generation import Session
 
     base = ["generate", "--model", str(tiny_models["qwen2"]), "--method", "streaming_llm", "--budget", "32", "--chat", "off",
             "--prompt", "the cache keeps " * 6, "--max-new-tokens", "40"]

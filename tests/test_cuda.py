@@ -5,9 +5,9 @@ import importlib.util
 import pytest
 import torch
 
-from methods import available_methods, build_method
-from runner.models import load_engine
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import available_methods, build_method
+from kvleague.runner.models import load_engine
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.rounding_ties import LoggedKnorm, assert_parted_only_at_a_rounding_tie
 from tests.test_engine import Recorder
 

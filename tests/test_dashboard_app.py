@@ -19,8 +19,8 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from db.seed import Seeder  # noqa: E402
-from db.session import get_engine  # noqa: E402
+from kvleague.db.seed import Seeder  # noqa: E402
+from kvleague.db.session import get_engine  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 TIMEOUT = 60
@@ -510,7 +510,7 @@ BENCH_ENV = {
 def bench_report(benchmark, figures, created_at):
     """A report as ``kvleague bench`` writes it (validated by make_report), with figures named the way
     runner/bench/decode_speed.py and feasible_context.py name theirs."""
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     report = h.make_report(benchmark, config={"model": "tiny", "model_label": "tiny-bench"}, rows=[],
                            figures=[h.figure(*f[:3], **f[3]) for f in figures], summary={}, env=dict(BENCH_ENV))
@@ -555,8 +555,8 @@ def cost_page() -> AppTest:
 
 
 def test_cost_and_scorecard_show_stored_systems_benchmarks(seeded, tmp_path, monkeypatch):
-    from dashboard import ui
-    from runner.bench.storage import store_report
+    from kvleague.dashboard import ui
+    from kvleague.runner.bench.storage import store_report
 
     url = f"sqlite:///{seeded_copy(seeded, tmp_path, monkeypatch)}"
     at = cost_page()
@@ -617,7 +617,7 @@ def test_missing_database_is_a_message(tmp_path, monkeypatch):
 
 
 def test_empty_database_is_a_message(tmp_path, monkeypatch):
-    from db.session import upgrade
+    from kvleague.db.session import upgrade
 
     url = f"sqlite:///{tmp_path}/empty.db"
     engine = get_engine(url)
@@ -630,7 +630,7 @@ def test_empty_database_is_a_message(tmp_path, monkeypatch):
 
 
 def test_new_results_invalidate_the_cache(tmp_path, monkeypatch):
-    from dashboard import ui
+    from kvleague.dashboard import ui
 
     url = f"sqlite:///{tmp_path}/grow.db"
     engine = get_engine(url)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard.browser import (
+from kvleague.dashboard.browser import (
     CHROMIUM_FLAGS,
     PAGE_SLUGS,
     ChartSpy,
@@ -46,9 +46,9 @@ if not IN_CI and (CHROMIUM is None or not HAVE_PLAYWRIGHT):
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 
-from db import seed  # noqa: E402
-from db.seed import RealisticSpec, Seeder, realistic_rows  # noqa: E402
-from db.session import get_engine  # noqa: E402
+from kvleague.db import seed  # noqa: E402
+from kvleague.db.seed import RealisticSpec, Seeder, realistic_rows  # noqa: E402
+from kvleague.db.session import get_engine  # noqa: E402
 
 #: the seeder's tasks with fewer problems (a quick screenshot database)
 PROBLEMS = {"math500": 100, "aime24": 30, "humaneval": 80, "kv_agent": 60, "niah": 60}
@@ -81,7 +81,7 @@ def test_leaderboard_in_chromium(server, realistic_db, tmp_path):
     url, rows, spec = realistic_db
     domain_of = {t[0]: t[1] for t in spec.tasks}
     # expected numbers for the first domain column (agentic: kv_agent) and every method, from the raw rows
-    from db.models import MethodSpec, TaskSpec
+    from kvleague.db.models import MethodSpec, TaskSpec
     from sqlalchemy import select
 
     engine = get_engine(url)
@@ -132,7 +132,7 @@ def test_leaderboard_in_chromium(server, realistic_db, tmp_path):
 
 @pytest.fixture(scope="module")
 def replication_url(tmp_path_factory):
-    from db.transfer import import_
+    from kvleague.db.transfer import import_
     from tests.conftest import REPO
 
     path = tmp_path_factory.mktemp("browser-replication") / "replication.db"
@@ -156,8 +156,8 @@ def _legend_labels_outside(page) -> list[str]:
 
 @pytest.mark.parametrize("db", ["seeded", "replication"])
 def test_every_page_in_chromium(db, realistic_db, replication_url, tmp_path, tmp_path_factory):
-    from dashboard import chart_checks
-    from dashboard.ui import SLUGS
+    from kvleague.dashboard import chart_checks
+    from kvleague.dashboard.ui import SLUGS
 
     if CHROMIUM is None or not HAVE_PLAYWRIGHT:
         pytest.fail("CI is set but chromium or playwright is missing: run bash scripts/chromium.sh and pip install -e '.[test]'")

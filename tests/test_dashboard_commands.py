@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from dashboard import commands
-from analysis import queries as q
-from db.seed import Seeder
-from db.session import get_engine
-from runner.engine.errors import KvleagueError
+from kvleague.dashboard import commands
+from kvleague.analysis import queries as q
+from kvleague.db.seed import Seeder
+from kvleague.db.session import get_engine
+from kvleague.runner.engine.errors import KvleagueError
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_url_resolution_order(monkeypatch):
 
 
 def test_cli_entry(tmp_path, capsys):
-    from runner import cli
+    from kvleague.runner import cli
 
     assert cli.main(["dashboard", "--db", f"sqlite:///{tmp_path}/missing.db"]) == 2
     assert "no SQLite database" in capsys.readouterr().err
@@ -150,10 +150,10 @@ def test_sigterm_to_the_dashboard_stops_its_streamlit_server(small_db):
     import time
     import urllib.request
 
-    from dashboard.browser import free_port
+    from kvleague.dashboard.browser import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "dashboard", "--db", small_db, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvleague.runner.cli", "dashboard", "--db", small_db, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: list[int] = []
     try:

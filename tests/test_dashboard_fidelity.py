@@ -18,8 +18,8 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from db.seed import Seeder  # noqa: E402
-from db.session import get_engine  # noqa: E402
+from kvleague.db.seed import Seeder  # noqa: E402
+from kvleague.db.session import get_engine  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 TIMEOUT = 60
@@ -287,8 +287,8 @@ def test_a_fidelity_only_database_shows_its_tables(tmp_path, monkeypatch):
 
 def test_the_markdown_table_holds_the_boards_figures(seeded):
     """``python -m analysis.fidelity_tables``: one line per (domain, method, budget), numbers from the seeded rows."""
-    from analysis import queries
-    from analysis import fidelity_tables as fidelity
+    from kvleague.analysis import queries
+    from kvleague.analysis import fidelity_tables as fidelity
 
     url, rows = seeded
     text = fidelity.markdown(queries.open_readonly(url))

@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import chart_checks
-from db.seed import TASKS, RealisticSpec, Seeder, realistic_rows
-from dashboard.ui import PAGES
-from db.session import get_engine
+from kvleague.dashboard import chart_checks
+from kvleague.db.seed import TASKS, RealisticSpec, Seeder, realistic_rows
+from kvleague.dashboard.ui import PAGES
+from kvleague.db.session import get_engine
 from tests.conftest import REPO
 
 APP = str(REPO / "dashboard" / "app.py")
@@ -28,7 +28,7 @@ PROBLEMS = {"math500": 60, "aime24": 30, "humaneval": 40, "kv_agent": 40, "niah"
 
 @pytest.fixture(scope="module")
 def replication_db(tmp_path_factory) -> Path:
-    from db.transfer import import_
+    from kvleague.db.transfer import import_
 
     path = tmp_path_factory.mktemp("replication") / "replication.db"
     engine = get_engine(f"sqlite:///{path}")

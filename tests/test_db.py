@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, select, text
 
-from db import store
-from db.models import Base, MethodSpec, SampleResult
-from db.session import get_engine, head_revision, upgrade
+from kvleague.db import store
+from kvleague.db.models import Base, MethodSpec, SampleResult
+from kvleague.db.session import get_engine, head_revision, upgrade
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def test_sqlite_runs_in_wal_mode(tmp_path):
 
 
 def _dims(engine) -> dict[str, int]:
-    from runner.provenance import collect_environment
+    from kvleague.runner.provenance import collect_environment
 
     ids = {
         "model_id": store.get_or_create(engine, store.DIMENSIONS["model"], {"spec_hash": "m" * 64, "name": "tiny", "source": "x/y", "dtype": "float32", "attn_implementation": "sdpa"}),
@@ -112,7 +112,7 @@ def test_provenance_has_real_values(engine, tmp_path):
     import torch
     import transformers
 
-    from runner.provenance import collect_environment, git_state
+    from kvleague.runner.provenance import collect_environment, git_state
 
     env = collect_environment()
     assert env["python_version"] == sys.version.split()[0]
@@ -137,7 +137,7 @@ def test_provenance_has_real_values(engine, tmp_path):
 
 
 def test_db_upgrade_command(db_url, capsys):
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     assert main(["db", "upgrade", "--db", db_url]) == 0
     assert "schema at revision" in capsys.readouterr().out
@@ -154,7 +154,7 @@ def test_db_upgrade_command(db_url, capsys):
     ],
 )
 def test_db_upgrade_bad_url_is_one_line(url, expected, capsys):
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     assert main(["db", "upgrade", "--db", url]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -164,9 +164,9 @@ def test_db_upgrade_bad_url_is_one_line(url, expected, capsys):
 def test_metric_and_protocol_columns_are_the_engines_fields():
     """One definition each: the stored per-sample metrics are GenerationResult's metric fields
     (runner.metrics), the protocols table's columns are Protocol's fields."""
-    from db.models import METRIC_COLUMNS, PROTOCOL_COLUMNS, ProtocolSpec
-    from runner.engine.protocol import protocol_fields
-    from runner.metrics import METRIC_FIELDS
+    from kvleague.db.models import METRIC_COLUMNS, PROTOCOL_COLUMNS, ProtocolSpec
+    from kvleague.runner.engine.protocol import protocol_fields
+    from kvleague.runner.metrics import METRIC_FIELDS
 
     assert sorted(METRIC_FIELDS) == sorted(METRIC_COLUMNS) and "selection_seconds" in METRIC_FIELDS
     assert set(METRIC_COLUMNS) <= set(SampleResult.__table__.columns.keys())

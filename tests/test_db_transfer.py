@@ -11,11 +11,11 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import MetaData, Table, insert, text
 
-from db.seed import RealisticSpec, Seeder, realistic_rows
-from db.session import get_engine, upgrade
-from db.transfer import export, import_
-from runner.cli import main
-from runner.engine.errors import KvleagueError
+from kvleague.db.seed import RealisticSpec, Seeder, realistic_rows
+from kvleague.db.session import get_engine, upgrade
+from kvleague.db.transfer import export, import_
+from kvleague.runner.cli import main
+from kvleague.runner.engine.errors import KvleagueError
 
 SMALL = RealisticSpec(tasks=(("math500", "math", 12, 0.7, 300), ("niah", "longqa", 8, 0.9, 40)),
                       budgets=(128, 256), methods=("full", "epikv", "h2o"), completion_chars=40, fail_rate=0.05)
@@ -144,7 +144,7 @@ def test_cli_export_then_import(tmp_path, capsys):
 
 
 def test_a_sweep_exported_while_running_and_again_after_is_one_sweep(tmp_path):
-    from db import store
+    from kvleague.db import store
 
     source = seeded(f"sqlite:///{tmp_path / 'source.db'}")
     with source.begin() as conn:
@@ -169,9 +169,9 @@ def test_the_one_spec_hash_reproduces_every_hash_in_the_committed_results():
     sweep config hashes (json.dumps's default separators), so db import keeps matching them."""
     from pathlib import Path
 
-    from runner.provenance import environment_hash
-    from db.spec_hash import spec_hash
-    from runner.sweep_config import UNHASHED_FIELDS, SweepConfig
+    from kvleague.runner.provenance import environment_hash
+    from kvleague.db.spec_hash import spec_hash
+    from kvleague.runner.sweep_config import UNHASHED_FIELDS, SweepConfig
 
     path = Path(__file__).resolve().parent.parent / "results" / "replication.jsonl.gz"
     with gzip.open(path, "rt") as fh:
@@ -220,7 +220,7 @@ def test_a_truncated_export_is_one_line_and_creates_nothing(tmp_path, cut):
     cut_file = tmp_path / "cut.jsonl.gz"
     cut_file.write_bytes(whole[: len(whole) // 2] if cut == "middle" else whole[:40])
     target = tmp_path / "t.db"
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", "db", "import", str(cut_file), "--db", f"sqlite:///{target}"],
+    proc = subprocess.run([sys.executable, "-m", "kvleague.runner.cli", "db", "import", str(cut_file), "--db", f"sqlite:///{target}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from methods import EvictionMethod, Needs, build_method
-from runner.engine.contract import CacheView, Observation
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
-from runner.models import load_engine
+from kvleague.methods import EvictionMethod, Needs, build_method
+from kvleague.runner.engine.contract import CacheView, Observation
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.runner.models import load_engine
 from tests.conftest import ARCHS
 from tests.naive_attention import decode_logits
 

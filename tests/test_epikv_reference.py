@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from methods import build_method
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import build_method
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 
@@ -204,11 +204,11 @@ def test_reference_arithmetic_stores_float32_scores():
 
 
 def test_epikv_paper_preset_is_one_line_in_a_sweep_and_is_stored(tmp_path):
-    from db.models import ProtocolSpec
-    from db.session import get_engine, upgrade
-    from db.store import get_or_create
-    from runner.engine.protocol import PRESETS
-    from runner.sweep_config import parse_config
+    from kvleague.db.models import ProtocolSpec
+    from kvleague.db.session import get_engine, upgrade
+    from kvleague.db.store import get_or_create
+    from kvleague.runner.engine.protocol import PRESETS
+    from kvleague.runner.sweep_config import parse_config
 
     config = parse_config({
         "name": "replication", "database": f"sqlite:///{tmp_path / 'r.db'}", "models": [{"source": "x/y"}],

@@ -23,17 +23,17 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
-from db.session import dispose_engines, get_engine, upgrade
-from runner.sweep import expand
-from runner.sweep_config import parse_config
+from kvleague.db.session import dispose_engines, get_engine, upgrade
+from kvleague.runner.sweep import expand
+from kvleague.runner.sweep_config import parse_config
 from tests.test_sweep import REPO, project, ray_head, small_config  # noqa: F401 - fixtures
 
 KILLS = int(os.environ.get("KVLEAGUE_FAULT_KILLS", "2"))
 
 DRIVER = r"""
 import json, os, signal, sys
-from runner.sweep import SweepRunner
-from runner.sweep_config import parse_config
+from kvleague.runner.sweep import SweepRunner
+from kvleague.runner.sweep_config import parse_config
 
 config, address, failures, plan = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -46,7 +46,7 @@ def on_result(runner, row):
 
 if "at_commit" in plan:  # inside a transaction (migrations, dimension rows, the sweep row, a batch), before COMMIT
     from sqlalchemy import event
-    from db.session import get_engine
+    from kvleague.db.session import get_engine
     commits = [0]
 
     @event.listens_for(get_engine(config["database"]), "commit")
@@ -104,7 +104,7 @@ def _rows(url: str) -> dict[str, tuple]:
 
 def test_database_refuses_a_second_row_for_a_cell(db_url):
     """The unique cell_key is the database's, not only the driver's bookkeeping."""
-    from db.seed import Seeder
+    from kvleague.db.seed import Seeder
 
     s = Seeder(get_engine(db_url))
     ids = {"model_id": s.model("m"), "method_spec_id": s.method("full"), "task_id": s.task("t", "math"),
@@ -127,8 +127,8 @@ def test_a_database_that_stays_away_is_one_line_after_the_retry_window(tmp_path,
 
     from sqlalchemy.exc import OperationalError
 
-    from db.session import retrying
-    from runner.engine.errors import KvleagueError
+    from kvleague.db.session import retrying
+    from kvleague.runner.engine.errors import KvleagueError
 
     with socket.socket() as s:  # a port with nothing behind it
         s.bind(("127.0.0.1", 0))
@@ -262,7 +262,7 @@ def test_two_drivers_on_one_sweep(ray_head, project, tmp_path):
 @pytest.fixture
 def own_postgres():
     """A PostgreSQL server of this test's own (it is stopped and restarted mid-sweep)."""
-    from db.testing import postgres_binaries_present
+    from kvleague.db.testing import postgres_binaries_present
 
     if not postgres_binaries_present():
         pytest.skip("PostgreSQL server binaries are not installed")
@@ -314,7 +314,7 @@ def test_cuda_out_of_memory_cell_then_the_worker_goes_on(project, tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from runner.sweep import CellWorker
+    from kvleague.runner.sweep import CellWorker
 
     cells = expand(parse_config(small_config(project, f"sqlite:///{tmp_path / 'x.db'}", methods=["full"], budgets=[64]))).cells
     worker = CellWorker(torch_threads=1, inject_failures=[{"key": cells[0].key, "allocate_mb": 10**9}])  # a petabyte

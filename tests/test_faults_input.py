@@ -20,9 +20,9 @@ import yaml
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from runner import cli
-from runner.engine.errors import KvleagueError
-from runner.sweep_config import INT32
+from kvleague.runner import cli
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.sweep_config import INT32
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVLEAGUE_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -46,7 +46,7 @@ NAMED = [("name",), ("methods", 0), ("methods", 1, "name"), ("tasks", 0, "name")
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    from runner.models.tiny import make_tiny_model
+    from kvleague.runner.models.tiny import make_tiny_model
 
     return make_tiny_model("llama", tmp_path_factory.mktemp("fuzz") / "tiny-llama", seed=0)
 
@@ -170,7 +170,7 @@ def test_fuzzed_sweep_configs(tiny_llama, tmp_path, capsys, monkeypatch):
     """240 mutants of a valid sweep YAML through `kvleague sweep --config`: each one line, exit 2, no
     traceback, and no database file (so no row). Ray is disabled: a mutant that validated would
     reach it, and fail the test with a different message."""
-    from runner.sweeping.scheduler import Scheduler
+    from kvleague.runner.sweeping.scheduler import Scheduler
 
     def no_ray(self):
         raise KvleagueError("ray: not in this test (a mutant was accepted)")
@@ -227,7 +227,7 @@ def test_config_errors_name_the_field_and_the_allowed_values(tiny_llama, tmp_pat
 
 
 def _aime_ids() -> list[str]:
-    from tasks.registry import build_task
+    from kvleague.tasks.registry import build_task
 
     return [s.sample_id for s in build_task("aime25", {}).load(data_dir=str(DATA_DIR))]
 
@@ -321,7 +321,7 @@ def test_hostile_input_through_real_processes(tiny_llama, tmp_path):
          "kvleague: error: --completions: line 1: unknown field 'extra'; allowed: sample_id, completion\n"),
     ]
     for argv, expected in cases:
-        out = subprocess.run([sys.executable, "-m", "runner.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "kvleague.runner.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert (out.returncode, out.stderr, out.stdout) == (2, expected, "")
     assert not (tmp_path / "p.db").exists()
 
@@ -342,8 +342,8 @@ WRITES = [
 
 
 def _seeded(url: str) -> int:
-    from db.seed import Seeder
-    from db.session import get_engine
+    from kvleague.db.seed import Seeder
+    from kvleague.db.session import get_engine
 
     s = Seeder(get_engine(url))
     model, method, task = s.model("m"), s.method("full"), s.task("t", "math")
@@ -357,7 +357,7 @@ def _seeded(url: str) -> int:
 def test_dashboard_engine_cannot_write(db_url):
     """Every kind of write through the dashboard's engine fails in the database driver, even after
     the session tries to switch its own protection off; the rows are unchanged."""
-    from analysis.queries import fingerprint, open_readonly
+    from kvleague.analysis.queries import fingerprint, open_readonly
 
     url = db_url
     switch_off = "PRAGMA query_only=OFF" if url.startswith("sqlite") else None
@@ -381,8 +381,8 @@ def test_dashboard_engine_cannot_write(db_url):
 
 
 def mutate_report(rng: random.Random, report: dict) -> tuple[str, bytes]:
-    from db.models import Environment
-    from runner.bench.harness import ENVIRONMENT_KEYS, FIGURE_KEYS
+    from kvleague.db.models import Environment
+    from kvleague.runner.bench.harness import ENVIRONMENT_KEYS, FIGURE_KEYS
 
     STORED_ENV = [k for k in ENVIRONMENT_KEYS if k in Environment.__table__.columns]
 
@@ -444,7 +444,7 @@ def mutate_report(rng: random.Random, report: dict) -> tuple[str, bytes]:
 def test_fuzzed_benchmark_reports(tmp_path, capsys):
     """240 mutants of a valid exported report through `kvleague bench store`: each one line, exit 2,
     and nothing in the database (no figure, no environment row)."""
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     figures = [h.figure("speed_ratio", 1.25, "x", method="epikv", budget=256, reference="full", clock="cpu"),
                h.figure("max_tokens", 4096, "tokens", method="h2o", budget=1024, at_least=False)]
@@ -453,7 +453,7 @@ def test_fuzzed_benchmark_reports(tmp_path, capsys):
     path = tmp_path / "r.json"
     db = tmp_path / "bench.db"
     url = f"sqlite:///{db}"
-    from db.session import get_engine, upgrade
+    from kvleague.db.session import get_engine, upgrade
 
     upgrade(get_engine(url))
     rng = random.Random(202)

@@ -4,11 +4,11 @@ exactly the kept positions, and the segments walk the same tokens as the full-ca
 import pytest
 import torch
 
-from methods.registry import build_method
-from runner import fidelity
-from runner.engine import Session
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods.registry import build_method
+from kvleague.runner import fidelity
+from kvleague.runner.engine import Session
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.naive_attention import decode_step
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -97,7 +97,7 @@ DATA_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent.parent /
 ])
 def test_a_reference_continuation_is_a_correct_answer(name, options, limit, engines):
     """The oracle is the task's own scorer: what fidelity teacher-forces must be a right answer."""
-    from tasks.registry import build_task
+    from kvleague.tasks.registry import build_task
 
     if not DATA_DIR.is_dir():
         pytest.skip("no local data")
@@ -110,7 +110,7 @@ def test_a_reference_continuation_is_a_correct_answer(name, options, limit, engi
         segments = task.fidelity_segments(s, tok)
         assert segments[0] == (task.build_prompt(s, tok), False) and any(scored for _, scored in segments)
         if getattr(task, "episodic", False):  # the reference agent's turns, replayed, must solve the episode
-            from tasks.episode import ScriptedSession
+            from kvleague.tasks.episode import ScriptedSession
 
             turns = iter([tok.decode(ids, skip_special_tokens=True) for ids, scored in segments if scored])
             result = task.run_episode(s, ScriptedSession(tok, lambda ctx: next(turns)), tok, GenerationSettings(max_new_tokens=8))
@@ -122,7 +122,7 @@ def test_a_reference_continuation_is_a_correct_answer(name, options, limit, engi
 
 
 def test_fidelity_of_a_task_without_references_is_one_line_exit_2(capsys):
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     assert main(["fidelity", "--task", "aime25", "--method", "full", "--budget", "64"]) == 2
     err = capsys.readouterr().err
@@ -130,7 +130,7 @@ def test_fidelity_of_a_task_without_references_is_one_line_exit_2(capsys):
 
 
 def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, capsys):
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     if not (DATA_DIR / "gsm8k").is_dir():
         pytest.skip("no local GSM8K")
@@ -166,7 +166,7 @@ def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, c
     ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
 ])
 def test_generate_and_fidelity_read_the_protocol_flags_alike(command):
-    from runner.cli import build_parser, protocol_from_args
+    from kvleague.runner.cli import build_parser, protocol_from_args
 
     parse = lambda *extra: protocol_from_args(build_parser().parse_args([*command, *extra]))  # noqa: E731
     assert parse() == Protocol()  # the same defaults in both commands: Protocol's own
@@ -186,14 +186,14 @@ def test_generate_and_fidelity_read_the_protocol_flags_alike(command):
     ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
 ])
 def test_bad_protocol_flags_are_one_line_exit_2(command, extra, message, capsys):
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     assert main([*command, "--model", "/no/such/dir", *extra]) == 2  # refused before the model is looked at
     assert capsys.readouterr().err.strip() == message
 
 
 def test_fidelity_cli_takes_the_epikv_paper_preset(tiny_models, capsys):
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     if not (DATA_DIR / "gsm8k").is_dir():
         pytest.skip("no local GSM8K")
@@ -211,7 +211,7 @@ def test_fidelity_cli_takes_the_epikv_paper_preset(tiny_models, capsys):
 def test_fidelity_cli_reports_progress_before_the_first_sample_is_done(tiny_models, capsys, monkeypatch):
     """Lines on stderr before the model loads and before the first sample's runs start: what a long first
     sample (minutes on long prompts) is doing, not only a line once it has finished."""
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     if not (DATA_DIR / "gsm8k").is_dir():
         pytest.skip("no local GSM8K")

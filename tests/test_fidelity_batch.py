@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from methods import available_methods, build_method
-from runner import fidelity
-from runner.engine.errors import KvleagueError
+from kvleague.methods import available_methods, build_method
+from kvleague.runner import fidelity
+from kvleague.runner.engine.errors import KvleagueError
 from tests.conftest import ARCHS
 from tests.test_batch import PROTOCOLS, engines64  # noqa: F401 - the float64 engines fixture
 

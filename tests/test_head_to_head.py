@@ -7,9 +7,9 @@ import random
 import pytest
 from statsmodels.stats.contingency_tables import mcnemar
 
-from analysis import common_set as cs
-from analysis import stats
-from analysis.head_to_head import pair_row
+from kvleague.analysis import common_set as cs
+from kvleague.analysis import stats
+from kvleague.analysis.head_to_head import pair_row
 
 
 def _results(outcomes: dict[int, list[int | None]]) -> cs.Results:

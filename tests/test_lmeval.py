@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from methods.registry import build_method
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods.registry import build_method
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = ["2+2", "the capital of France", "3 x 7", "a color of the sky"]
@@ -75,7 +75,7 @@ metric_list:
 
 
 def test_lmeval_task_through_kvleague_scores_with_lm_eval_metrics(engines, local_task):
-    from tasks.registry import build_task
+    from kvleague.tasks.registry import build_task
 
     root, completions = local_task
     engine = engines["llama"]
@@ -97,7 +97,7 @@ def test_lmeval_task_through_kvleague_scores_with_lm_eval_metrics(engines, local
 
 
 def test_lmeval_family_errors_are_one_line(tmp_path):
-    from tasks.registry import build_task
+    from kvleague.tasks.registry import build_task
 
     # a task whose dataset cannot be loaded (as a Hub dataset offline): one line, naming the fix
     (tmp_path / "kvl_missing.yaml").write_text(
@@ -116,7 +116,7 @@ def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from runner.lm_eval_model import KvleagueLM
+    from kvleague.runner.lm_eval_model import KvleagueLM
 
     root, completions = local_task
     lm = KvleagueLM.create_from_arg_string(
@@ -134,7 +134,7 @@ def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task):
 
 
 def test_kvleague_lm_rejects_loglikelihood_and_bad_args(engines):
-    from runner.lm_eval_model import KvleagueLM
+    from kvleague.runner.lm_eval_model import KvleagueLM
 
     lm = KvleagueLM(engine=engines["llama"], method="full", budget=64)
     with pytest.raises(NotImplementedError, match="generate_until"):
@@ -159,7 +159,7 @@ def test_console_script_and_lm_eval_registration_point_at_the_model():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, attr = scripts["kvleague-lm-eval"].partition(":")
     adapter = importlib.import_module(module)
-    assert callable(getattr(adapter, attr)) and module == "runner.lm_eval_model"
+    assert callable(getattr(adapter, attr)) and module == "kvleague.runner.lm_eval_model"
     assert get_model("kvleague") is adapter.KvleagueLM
 
 
@@ -167,7 +167,7 @@ def test_console_script_and_lm_eval_registration_point_at_the_model():
 def test_lm_eval_cli_with_kvleague_model(tiny_models, local_task, tmp_path):
     root, _ = local_task
     cmd = [
-        sys.executable, "-m", "runner.lm_eval_model", "run", "--model", "kvleague",
+        sys.executable, "-m", "kvleague.runner.lm_eval_model", "run", "--model", "kvleague",
         "--model_args", f"pretrained={tiny_models['llama']},method={METHOD},budget={BUDGET},method.n_sink={PARAMS['n_sink']}",
         "--tasks", "kvl_echo", "--include_path", str(root), "--output_path", str(tmp_path / "out"),
     ]  # fmt: skip

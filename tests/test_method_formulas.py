@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from methods import build_method
-from runner.engine.contract import CacheView, Observation, SequenceInfo
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import build_method
+from kvleague.runner.engine.contract import CacheView, Observation, SequenceInfo
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 
@@ -73,7 +73,7 @@ def np_change(h: np.ndarray) -> np.ndarray:
 
 
 def test_rolling_zscore_conventions():
-    from methods.epikv import rolling_zscore
+    from kvleague.methods.epikv import rolling_zscore
 
     # one value: population std 0 -> z = 0 (a sample std would be NaN)
     assert rolling_zscore([], torch.tensor([3.0]), 4).item() == 0.0
@@ -315,7 +315,7 @@ def test_h2o_accumulation_survives_per_head_eviction(engines, prompt_ids):
 
 
 def test_snapkv_window_attention_equals_eager_rows(engines, tiny_models, prompt_ids):
-    from methods.kernels import QueryWindow
+    from kvleague.methods.kernels import QueryWindow
 
     engine = engines["llama"]
     method = build_method("snapkv", {"window": 8})
@@ -337,7 +337,7 @@ def test_snapkv_window_attention_equals_eager_rows(engines, tiny_models, prompt_
 
 
 def test_rkv_redundancy_ranks_duplicated_keys_lowest():
-    from methods.rkv import redundancy
+    from kvleague.methods.rkv import redundancy
 
     torch.manual_seed(0)
     t, d, dup = 24, 32, [4, 11, 17]
@@ -424,7 +424,7 @@ def test_epikv_seg_keeps_tertile_quotas_ranked_by_epikv_score():
 
 
 def test_thinkv_thought_quotas():
-    from methods.thinkv import thought_quotas
+    from kvleague.methods.thinkv import thought_quotas
 
     schedule = (64, 32, 16, 8, 4)
     #           oldest ......................................... newest

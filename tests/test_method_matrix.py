@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods import available_methods, build_method
-from runner.engine.contract import EvictionMethod, Needs
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import available_methods, build_method
+from kvleague.runner.engine.contract import EvictionMethod, Needs
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 METHODS = sorted(available_methods())
@@ -93,7 +93,7 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
 @pytest.mark.parametrize("k", [7, 24, 25, 26, 43], ids=lambda k: f"k{k}")
 def test_keep_mask_keeps_highest_scores_then_most_recent_whatever_the_slot_order(shape, k):
     """Both branches (2k below and above T) against a plain lexicographic sort on (score, position)."""
-    from runner.engine.cache import _keep_mask
+    from kvleague.runner.engine.cache import _keep_mask
 
     gen = torch.Generator().manual_seed(k)
     scores = torch.randint(0, 4, shape, generator=gen).double()  # many exact ties

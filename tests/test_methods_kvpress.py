@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from methods import build_method
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import build_method
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 PRESSES = ["knorm", "streaming_llm", "snapkv", "tova", "keydiff"]

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.models import source as model_source
-from runner.cli import main
-from runner.engine.errors import KvleagueError
-from runner.models.source import KNOWN_MODELS, MARKER, resolve_model
+from kvleague.runner.models import source as model_source
+from kvleague.runner.cli import main
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.models.source import KNOWN_MODELS, MARKER, resolve_model
 
 def _available() -> bool:
     try:
@@ -151,14 +151,14 @@ def test_a_bad_model_spec_is_one_line_exit_2(spec, fragment, capsys, monkeypatch
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from runner.models import load_engine
+    from kvleague.runner.models import load_engine
 
     return load_engine("smollm2-135m")
 
 
 def test_engine_matches_model_generate_on_the_real_model(smollm2):
-    from methods.registry import build_method
-    from runner.engine.protocol import GenerationSettings
+    from kvleague.methods.registry import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings
 
     tok = smollm2.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
@@ -182,8 +182,8 @@ def test_generate_cli_sends_a_chat_turn_and_the_model_answers(capsys):
 
 def test_niah_in_a_sweep_counts_the_models_tokens(tmp_path):
     """The sweep binds the model's tokenizer: context_length is in tokens, and the ids say so."""
-    from runner.sweep import expand, load_tokenizer
-    from runner.sweep_config import parse_config
+    from kvleague.runner.sweep import expand, load_tokenizer
+    from kvleague.runner.sweep_config import parse_config
 
     data = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
     if not (data / "paul_graham_essays").is_dir():

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from db.spec_hash import spec_hash
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import Cadence, Protocol
+from kvleague.db.spec_hash import spec_hash
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import Cadence, Protocol
 
 EXPORT = Path(__file__).resolve().parent.parent / "results" / "replication.jsonl.gz"
 
@@ -59,8 +59,8 @@ def test_stored_protocol_hashes_and_cell_keys_reproduce(stored):
 def test_stored_sweep_configs_give_their_stored_protocols(stored):
     """From the YAML edge to the hash: each stored sweep config (of today's config model) resolves, per
     task, to a Protocol whose spec hash is one of the stored protocol rows."""
-    from runner.sweep_config import UNHASHED_FIELDS, SweepConfig
-    from tasks.registry import task_class
+    from kvleague.runner.sweep_config import UNHASHED_FIELDS, SweepConfig
+    from kvleague.tasks.registry import task_class
 
     hashes = {p["spec_hash"] for p in stored["protocols"]}
     fields = set(SweepConfig.model_fields)
@@ -113,8 +113,8 @@ def test_spec_leaves_out_the_fields_added_later_only_at_their_defaults():
 
 
 def test_the_protocols_table_and_the_label_follow_the_field_list():
-    from analysis.queries import PROTOCOL_LABEL_PARTS, protocol_label
-    from db.models import PROTOCOL_COLUMNS, ProtocolSpec
+    from kvleague.analysis.queries import PROTOCOL_LABEL_PARTS, protocol_label
+    from kvleague.db.models import PROTOCOL_COLUMNS, ProtocolSpec
 
     assert PROTOCOL_COLUMNS == tuple(Protocol.model_fields) == tuple(PROTOCOL_LABEL_PARTS)
     nullable = {c.name for c in ProtocolSpec.__table__.columns if c.nullable}
@@ -129,8 +129,8 @@ def test_the_protocols_table_and_the_label_follow_the_field_list():
 def test_config_checks_each_protocols_budgets_once(tmp_path, monkeypatch):
     """Tasks of one domain share a protocol, and the base protocol is one of them: each (protocol,
     budget) is checked once."""
-    from runner.sweep_config import parse_config
-    from runner.sweeping.checks import check_config
+    from kvleague.runner.sweep_config import parse_config
+    from kvleague.runner.sweeping.checks import check_config
 
     checked: list[tuple[Protocol, int]] = []
     real = Protocol.check_budget

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import methods.registry as method_registry
-import runner.engine.registry as generic
-from methods import EvictionMethod, available_methods, build_method, method_class, register_method
-from runner.engine.errors import KvleagueError
-from runner.engine.registry import Registry
-from tasks import available_tasks
+import kvleague.methods.registry as method_registry
+import kvleague.runner.engine.registry as generic
+from kvleague.methods import EvictionMethod, available_methods, build_method, method_class, register_method
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.registry import Registry
+from kvleague.tasks import available_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD_NAME = re.compile(r'^@register_method\("([^"]+)"\)', re.M)
@@ -30,8 +30,8 @@ def test_every_builtin_in_the_package_is_registered():
     files = {f: f.read_text() for f in (ROOT / "methods").glob("*.py")}
     declared = {name for text in files.values() for name in METHOD_NAME.findall(text)}
     assert len(declared) >= 20 and set(available_methods()) == declared
-    modules = {f"tasks.{f.stem}" for f in (ROOT / "tasks").glob("*.py") if REGISTERS_TASKS.search(f.read_text())}
-    assert {"tasks.math", "tasks.code", "tasks.longqa", "tasks.agentic", "tasks.bfcl"} <= modules
+    modules = {f"kvleague.tasks.{f.stem}" for f in (ROOT / "tasks").glob("*.py") if REGISTERS_TASKS.search(f.read_text())}
+    assert {"kvleague.tasks.math", "kvleague.tasks.code", "kvleague.tasks.longqa", "kvleague.tasks.agentic", "kvleague.tasks.bfcl"} <= modules
     assert {cls.__module__ for cls in available_tasks().values()} == modules
 
 
@@ -43,7 +43,7 @@ def toy_package(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "registry.py").write_text(textwrap.dedent("""
         from dataclasses import dataclass
-        from runner.engine.registry import Registry
+        from kvleague.runner.engine.registry import Registry
 
         class Base:
             pass

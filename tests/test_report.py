@@ -12,10 +12,10 @@ import pytest
 from scipy.stats import wilcoxon
 from statsmodels.stats.multitest import multipletests
 
-from db.seed import Seeder
-from db.session import get_engine
-from db.transfer import export
-from runner.cli import main
+from kvleague.db.seed import Seeder
+from kvleague.db.session import get_engine
+from kvleague.db.transfer import export
+from kvleague.runner.cli import main
 
 N = 30
 BUDGETS = (64, 128)
@@ -71,7 +71,7 @@ def seed(path: Path) -> None:
                              "wall_seconds": 2.0, "generation_id": forced, "measure": "fidelity", "kl_mean": kl(m, 64, i) + dkl(i),
                              "top1_agreement": 0.5, "delta_nll_mean": 0.0, "scored_tokens": 32})
     s.write(rows)
-    from db.models import SignalCorrelation
+    from kvleague.db.models import SignalCorrelation
 
     # a signal study on 10 layers built to show the paper's pattern: layers 3-4 (30-40% of depth) above 0,
     # layers 6-7 (60-70%) below 0, the rest covering 0
@@ -252,7 +252,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
     import pandas as pd
 
-    from analysis.report import fidelity_findings
+    from kvleague.analysis.report import fidelity_findings
 
     board = pd.DataFrame([
         {"method": "epikv(series=all)", "KL": 0.1, "KL 95% CI": "[0.08, 0.12]", "top-1 %": 90.0, "top-1 95% CI": "[88, 92]", "samples": 30},
@@ -281,7 +281,7 @@ def test_findings_take_the_direction_and_the_ties_from_the_test():
     higher or lower by its signed ranks, even where one sample pulls the mean the other way."""
     import pandas as pd
 
-    from analysis.report import fidelity_findings
+    from kvleague.analysis.report import fidelity_findings
 
     board = pd.DataFrame([{"method": "epikv", "KL": 5.2, "KL 95% CI": "[5.0, 5.4]", "top-1 %": 18.5, "top-1 95% CI": "[16, 21]",
                            "samples": 13}])
@@ -315,7 +315,7 @@ def test_budget_figures_tick_every_budget_and_keep_the_legend_off_the_bands(tmp_
     axes, where it cannot cover a curve or its band: read off the figure's matplotlib objects."""
     import pandas as pd
 
-    from analysis import report_figures
+    from kvleague.analysis import report_figures
 
     budgets = [48, 96, 192, 320, 512]
     methods = [f"method_{i}" for i in range(15)]

@@ -19,7 +19,7 @@ from scipy.stats import rankdata, wilcoxon
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.proportion import proportion_confint
 
-from runner.cli import main
+from kvleague.runner.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 EXPORT = REPO / "results" / "replication.jsonl.gz"
@@ -194,7 +194,7 @@ def test_niah_variants_that_share_prompts_are_found_from_the_rows(rows):
     """Generation rows store the needle (gold): the demo's 18-needle task and the 30-needle task hold 4
     identical prompts (same depth, same needle). Fidelity rows store the full cache's NLL of the
     reference: the 4 x 5 and 6 x 5 variants hold 6. analysis.identity finds exactly those."""
-    from analysis.identity import representatives
+    from kvleague.analysis.identity import representatives
 
     tasks = _niah_tasks(rows)
     gold: dict[tuple[int, str], str] = {}
@@ -225,9 +225,9 @@ def test_niah_variants_that_share_prompts_are_found_from_the_rows(rows):
 def test_the_content_key_is_the_generators(rows):
     """tasks/niah.py itself, on the stored options (in characters: the draws and depths do not depend
     on the unit): two samples hold the same prompt and reference exactly when their keys agree."""
-    from analysis.identity import content_key
+    from kvleague.analysis.identity import content_key
 
-    niah = pytest.importorskip("tasks.niah")
+    niah = pytest.importorskip("kvleague.tasks.niah")
     data = Path(os.environ.get("KVLEAGUE_DATA_DIR", "data"))
     if not (data / "paul_graham_essays").is_dir():
         pytest.skip("no niah corpus here")

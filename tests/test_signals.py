@@ -15,15 +15,15 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
-from methods.registry import build_method
-from runner.engine import Engine
-from runner.models import load_engine
-from runner.signals.method_panel import MethodPanel
-from runner.engine.protocol import Protocol
-from runner.signals.correlation import SampleBootstrap, pooled_partial_spearman, pooled_spearman
-from runner.signals.study import MEAN_FAMILIES, SignalOptions, model_signals, occlusion_windows, study_sample, token_labels
-from runner.models.tiny import make_tiny_model
-from tasks.base import ScoreResult
+from kvleague.methods.registry import build_method
+from kvleague.runner.engine import Engine
+from kvleague.runner.models import load_engine
+from kvleague.runner.signals.method_panel import MethodPanel
+from kvleague.runner.engine.protocol import Protocol
+from kvleague.runner.signals.correlation import SampleBootstrap, pooled_partial_spearman, pooled_spearman
+from kvleague.runner.signals.study import MEAN_FAMILIES, SignalOptions, model_signals, occlusion_windows, study_sample, token_labels
+from kvleague.runner.models.tiny import make_tiny_model
+from kvleague.tasks.base import ScoreResult
 from tests.naive_attention import _rope
 
 
@@ -398,7 +398,7 @@ def test_planted_fact_is_found_and_a_random_signal_is_not(tmp_path):
     ],
 )
 def test_bad_input_is_one_line_naming_the_field_exit_2(capsys, argv, field):
-    from runner.cli import main
+    from kvleague.runner.cli import main
 
     assert main(["signals", "--task", "math500", "--no-store", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -412,9 +412,9 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
 
     from sqlalchemy import select
 
-    from db.models import Environment, SignalCorrelation
-    from db.session import get_engine
-    from runner.cli import main
+    from kvleague.db.models import Environment, SignalCorrelation
+    from kvleague.db.session import get_engine
+    from kvleague.runner.cli import main
 
     if not (DATA_DIR / "paul_graham_essays").is_dir():
         pytest.skip(f"no NIAH haystack under {DATA_DIR}")

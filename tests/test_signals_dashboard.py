@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from analysis.paper import PUBLISHED_LAYER_RHO  # noqa: E402
+from kvleague.analysis.paper import PUBLISHED_LAYER_RHO  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 N_LAYERS = 32
@@ -51,7 +51,7 @@ def paper_like(layer: int) -> float:
 
 @pytest.fixture()
 def signals_db(tmp_path, monkeypatch):
-    from runner.signals.store import store_correlations
+    from kvleague.runner.signals.store import store_correlations
 
     url = f"sqlite:///{tmp_path / 'signals.db'}"
     store_correlations(report("old", "math500", "math", lambda layer: -0.5, "2026-01-01T00:00:00+00:00"), url)
@@ -115,9 +115,9 @@ def test_signals_page_shows_the_latest_runs_bands_and_methods(signals_db):
 
 def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
     """A database at revision 0006 (no partial columns) reads, and after the upgrade its rows have no partial rho."""
-    from db.session import get_engine, upgrade
-    from analysis.signal_tables import markdown, read_correlations
-    from runner.signals.store import store_correlations
+    from kvleague.db.session import get_engine, upgrade
+    from kvleague.analysis.signal_tables import markdown, read_correlations
+    from kvleague.runner.signals.store import store_correlations
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     engine = get_engine(url)
@@ -144,7 +144,7 @@ def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
 
 def test_reference_series_are_the_authors_csv_figures():
     """Spot checks against the issue's quotation of the paper (MATH-500: +0.112 at layer 10, -0.209 at 21)."""
-    from analysis.signal_tables import reference_series
+    from kvleague.analysis.signal_tables import reference_series
 
     ref = reference_series()
     math = ref[ref["dataset"] == "math500"].set_index("layer")["rho"]
@@ -153,7 +153,7 @@ def test_reference_series_are_the_authors_csv_figures():
 
 
 def test_signals_page_on_a_database_without_studies(tmp_path, monkeypatch):
-    from db.session import get_engine, upgrade
+    from kvleague.db.session import get_engine, upgrade
 
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     upgrade(get_engine(url))

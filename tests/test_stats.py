@@ -9,8 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from analysis import common_set, multiplicity, ranking, score_tests, stats
-from analysis.queries import QUESTION_CELL_COLUMNS
+from kvleague.analysis import common_set, multiplicity, ranking, score_tests, stats
+from kvleague.analysis.queries import QUESTION_CELL_COLUMNS
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 sm_tables = pytest.importorskip("statsmodels.stats.contingency_tables")

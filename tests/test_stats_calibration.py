@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from analysis import calibration
+from kvleague.analysis import calibration
 
 REPS = 3000
 TOLERANCE = 0.015

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from analysis import stats, tables
-from analysis import queries as q
-from db.seed import Seeder
-from db.session import get_engine
+from kvleague.analysis import stats, tables
+from kvleague.analysis import queries as q
+from kvleague.db.seed import Seeder
+from kvleague.db.session import get_engine
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 sm_tables = pytest.importorskip("statsmodels.stats.contingency_tables")
@@ -80,7 +80,7 @@ def test_finding1_one_problem_is_no_evidence_and_small_n_keeps_its_level():
     assert stats.verdict(five, five.pvalue) == stats.TOO_FEW
     # under a true null with 3 samples per question (was 8.8-12.7% at n = 5 and 6-7% at n = 10; the
     # percentile interval covered 83-85% at n = 5)
-    from analysis import calibration
+    from kvleague.analysis import calibration
 
     for n in (5, 10):
         cal = calibration.paired(n, 3, reps=1500, seed=n)
@@ -226,7 +226,7 @@ def test_finding9_ranks_respect_uncertainty_weighting_is_stated_p_is_not_overpri
     assert row(detail(url, weighting="problem").by_domain, method="h2o")["accuracy"] == pytest.approx(100 * 21 / 36)
     assert row(detail(url, weighting="task").by_domain, method="h2o")["accuracy"] == pytest.approx(100 * (0.5 + 1) / 2)
     pytest.importorskip("streamlit")
-    from dashboard.views.common import fmt_p
+    from kvleague.dashboard.views.common import fmt_p
 
     assert [fmt_p(x) for x in (0.012345, 4e-5, 0.5, 0.0049, 1.0)] == ["0.012", "<0.001", "0.50", "0.0049", "1"]
     assert not math.isnan(row(lb.by_domain, method="h2o")["p_value"])

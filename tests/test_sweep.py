@@ -15,10 +15,10 @@ import pytest
 import yaml
 from sqlalchemy import text
 
-from db import store
-from db.session import get_engine
-from runner.sweep import SweepRunner, expand
-from runner.sweep_config import load_config, parse_config
+from kvleague.db import store
+from kvleague.db.session import get_engine
+from kvleague.runner.sweep import SweepRunner, expand
+from kvleague.runner.sweep_config import load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVLEAGUE_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -58,7 +58,7 @@ def ray_head(tmp_path_factory):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """A project directory holding artifacts/tiny-llama (the fast model of the sweep tests)."""
-    from runner.models.tiny import make_tiny_model
+    from kvleague.runner.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("project")
     make_tiny_model("llama", root / "artifacts" / "tiny-llama", seed=0)
@@ -145,8 +145,8 @@ def test_demo_through_the_ray_jobs_api(ray_head, project, tmp_path):
 DRIVER = r"""
 import json, sys
 import ray
-from runner.sweep import SweepRunner
-from runner.sweep_config import parse_config
+from kvleague.runner.sweep import SweepRunner
+from kvleague.runner.sweep_config import parse_config
 
 config, address, failures = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 seen, killed = [0], []

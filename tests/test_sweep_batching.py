@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from runner.engine.errors import KvleagueError
-from runner.sweep_config import parse_config
-from runner.sweeping.cell import CellWorker
-from runner.sweeping.grid import AUTO_BATCH_LIMIT, batches, expand
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.sweep_config import parse_config
+from kvleague.runner.sweeping.cell import CellWorker
+from kvleague.runner.sweeping.grid import AUTO_BATCH_LIMIT, batches, expand
 
 
 def config(model, tmp_path, **over) -> dict:

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.sweep import expand, main as sweep_main
-from runner.sweep_config import load_config, parse_config
-from runner.sweeping.checks import project_dir
+from kvleague.runner.sweep import expand, main as sweep_main
+from kvleague.runner.sweep_config import load_config, parse_config
+from kvleague.runner.sweeping.checks import project_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    from runner.models.tiny import make_tiny_model
+    from kvleague.runner.models.tiny import make_tiny_model
 
     return make_tiny_model("llama", tmp_path_factory.mktemp("sweep-cfg") / "tiny-llama", seed=0)
 
@@ -158,7 +158,7 @@ def test_script_and_cli_exit_2_in_a_real_process(tmp_path, tiny_llama):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for argv in ([sys.executable, "runner/sweep.py"], [sys.executable, "-m", "runner.cli", "sweep"]):
+    for argv in ([sys.executable, "runner/sweep.py"], [sys.executable, "-m", "kvleague.runner.cli", "sweep"]):
         out = subprocess.run([*argv, "--config", str(path), "--dry-run"], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2, out.stderr
@@ -174,8 +174,8 @@ def test_shipped_configs_validate():
     rep = load_config(REPO / "sweeps" / "replication.yaml")  # full semantic check: every name is registered
     assert rep.models[0].source.startswith("deepseek-ai/DeepSeek-R1-Distill")
     assert rep.budgets == [512, 1024, 2048, 4096, 8192]
-    from methods.registry import available_methods
-    from tasks.registry import task_class
+    from kvleague.methods.registry import available_methods
+    from kvleague.tasks.registry import task_class
 
     assert {m.name for m in rep.methods} == set(available_methods())
     assert {task_class(t.name).domain for t in rep.tasks} == {"math", "code", "agentic", "longqa"}
@@ -217,7 +217,7 @@ def test_optional_unregistered_task_is_skipped_with_a_warning(tiny_llama, tmp_pa
 
 def test_project_dir_inside_an_uploaded_ray_working_dir(tmp_path, monkeypatch):
     """A Ray job's cwd is an uploaded copy without ignored files: relative paths go to the checkout."""
-    from runner.sweeping.checks import editable_checkout
+    from kvleague.runner.sweeping.checks import editable_checkout
 
     checkout = editable_checkout()
     if checkout is None:
@@ -263,7 +263,7 @@ def test_a_method_that_needs_eager_attention_is_announced(tiny_llama, tmp_path):
 
 def test_summary_keeps_task_specs_of_one_name_apart(capsys):
     """Two niah lengths are two rows, labelled by the option that differs."""
-    from runner.sweep import SweepSummary, print_summary
+    from kvleague.runner.sweep import SweepSummary, print_summary
 
     def row(length, score):
         return {"model": "m", "task": "niah", "task_options": {"context_length": length, "seed": 0}, "method": "full",
@@ -277,7 +277,7 @@ def test_summary_keeps_task_specs_of_one_name_apart(capsys):
 
 def test_no_progress_still_prints_a_heartbeat(monkeypatch, capsys):
     """--no-progress (bar=False) prints a status line every 60 s, even while no cell finishes."""
-    from runner.sweeping import progress as sweep_progress
+    from kvleague.runner.sweeping import progress as sweep_progress
 
     clock = [1000.0]
     monkeypatch.setattr(sweep_progress.time, "monotonic", lambda: clock[0])
@@ -326,14 +326,14 @@ def test_a_cells_row_carries_every_engine_metric_to_the_database(tiny_llama, tmp
     not timings equal those of a direct Engine.generate run of the same cell."""
     from sqlalchemy import select
 
-    from db.seed import Seeder
-    from db import store
-    from db.models import METRIC_COLUMNS, SampleResult
-    from db.session import get_engine
-    from methods.registry import build_method
-    from runner.engine.protocol import GenerationSettings
-    from runner.sweeping.cell import CellWorker
-    from tasks.registry import build_task
+    from kvleague.db.seed import Seeder
+    from kvleague.db import store
+    from kvleague.db.models import METRIC_COLUMNS, SampleResult
+    from kvleague.db.session import get_engine
+    from kvleague.methods.registry import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings
+    from kvleague.runner.sweeping.cell import CellWorker
+    from kvleague.tasks.registry import build_task
 
     cfg = {**base_config(tiny_llama, tmp_path), "methods": ["streaming_llm"], "budgets": [32],
            "tasks": [{"name": "niah", "limit": 1, "options": {"context_length": 96}}]}

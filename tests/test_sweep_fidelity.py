@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from db.session import get_engine
-from runner.sweep import expand
-from runner.sweep_config import parse_config
+from kvleague.db.session import get_engine
+from kvleague.runner.sweep import expand
+from kvleague.runner.sweep_config import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVLEAGUE_DATA_DIR") or REPO.parent / "shared" / "data")
@@ -24,8 +24,8 @@ DATA_DIR = Path(os.environ.get("KVLEAGUE_DATA_DIR") or REPO.parent / "shared" / 
 # `stop_after` results (as Ctrl-C would), then again to the end
 DRIVER = r"""
 import json, sys
-from runner.sweep import SweepRunner
-from runner.sweep_config import parse_config
+from kvleague.runner.sweep import SweepRunner
+from kvleague.runner.sweep_config import parse_config
 
 config, stop_after = json.loads(sys.argv[1]), int(sys.argv[2])
 seen = [0]
@@ -95,10 +95,10 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
     assert all(r["max_new_tokens"] == 12 and r["scored_tokens"] == 12 for r in rows)
 
     # the independent path: the same samples measured here, one full-cache pass each, compared per row
-    from methods.registry import build_method
-    from runner import fidelity
-    from runner.engine.protocol import Protocol
-    from tasks.registry import build_task
+    from kvleague.methods.registry import build_method
+    from kvleague.runner import fidelity
+    from kvleague.runner.engine.protocol import Protocol
+    from kvleague.tasks.registry import build_task
 
     engine = engines["llama"]
     task = build_task("gsm8k", {})

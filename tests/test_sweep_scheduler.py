@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from runner.sweep_config import ResourcesConfig
-from runner.sweeping.scheduler import Scheduler
+from kvleague.runner.sweep_config import ResourcesConfig
+from kvleague.runner.sweeping.scheduler import Scheduler
 
 
 class Ref:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.base import ScoreResult
-from tasks.code import extract_code, pass_at_k
-from tasks.registry import build_task
+from kvleague.tasks.base import ScoreResult
+from kvleague.tasks.code import extract_code, pass_at_k
+from kvleague.tasks.registry import build_task
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

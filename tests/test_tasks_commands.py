@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.engine.errors import KvleagueError
-from runner.task_commands import cmd_score, cmd_tasks, register, score_file
-from tasks.registry import build_task
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.task_commands import cmd_score, cmd_tasks, register, score_file
+from kvleague.tasks.registry import build_task
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -135,7 +135,7 @@ def test_an_unreachable_hub_fails_in_one_line_naming_the_data_dir(tmp_path):
 
     env = _unreachable_hub_env(tmp_path)
     completions = _write(tmp_path / "c.jsonl", [{"sample_id": "HumanEval/0", "completion": "pass"}])
-    out = subprocess.run([sys.executable, "-m", "runner.cli", "score", "--task", "humaneval", "--completions", str(completions)],
+    out = subprocess.run([sys.executable, "-m", "kvleague.runner.cli", "score", "--task", "humaneval", "--completions", str(completions)],
                          env=env, capture_output=True, text=True, timeout=120)
     source = build_task("humaneval").source
     assert out.returncode == 2

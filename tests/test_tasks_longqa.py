@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from runner.engine.errors import KvleagueError
-from tasks.longqa import (
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.longqa import (
     extract_choices,
     longbench_qa_f1,
     longbench_score,
     normalize_squad,
     token_f1,
 )
-from tasks.niah import Niah
-from tasks.registry import available_tasks, build_task
+from kvleague.tasks.niah import Niah
+from kvleague.tasks.registry import available_tasks, build_task
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -227,7 +227,7 @@ def test_longbench_qa_f1_on_hand_made_inputs():
 
 @pytest.mark.parametrize("subset", ["narrativeqa", "qasper", "hotpotqa", "2wikimqa", "multifieldqa_en"])
 def test_longbench_tasks_score_gold_and_report_missing_data(subset, tmp_path):
-    from tasks.base import Sample
+    from kvleague.tasks.base import Sample
 
     task = build_task(f"longbench_{subset}")
     assert task.source.hub_id == "THUDM/LongBench" and task.metric == "f1"
@@ -252,7 +252,7 @@ def test_leval_subset_sampling_is_seeded():
 
 def test_niah_lists_the_unit_of_its_context_length():
     """`kvleague tasks --json` says what context_length counts (it is tokens in a sweep)."""
-    from tasks.registry import task_class
+    from kvleague.tasks.registry import task_class
 
     opts = {o["name"]: o for o in task_class("niah").describe()["options"]}
     assert opts["context_length"]["unit"].startswith("tokens of the model's tokenizer")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.math import MATH_SUFFIX, aime_integer, gsm8k_gold, last_boxed, last_boxed_span, math_equal, parse_number
-from tasks.registry import build_task
+from kvleague.tasks.math import MATH_SUFFIX, aime_integer, gsm8k_gold, last_boxed, last_boxed_span, math_equal, parse_number
+from kvleague.tasks.registry import build_task
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -9,12 +9,12 @@ from typing import ClassVar
 
 import pytest
 
-import runner.engine.registry as generic
-import tasks.registry as registry
-from runner.engine.errors import KvleagueError
-from tasks.base import DOMAINS, DataSource, Sample, ScoreResult, Task
-from tasks.data import DATA_DIR_ENV, resolve_data_dir
-from tasks.registry import available_tasks, build_task, register_task, register_task_family, task_class
+import kvleague.runner.engine.registry as generic
+import kvleague.tasks.registry as registry
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.tasks.base import DOMAINS, DataSource, Sample, ScoreResult, Task
+from kvleague.tasks.data import DATA_DIR_ENV, resolve_data_dir
+from kvleague.tasks.registry import available_tasks, build_task, register_task, register_task_family, task_class
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

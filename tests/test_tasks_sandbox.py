@@ -16,7 +16,7 @@ import pytest
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox's containment is Linux-specific", allow_module_level=True)
 
-from tasks.sandbox import SandboxLimits, isolation_available, run_many, run_python  # noqa: E402
+from kvleague.tasks.sandbox import SandboxLimits, isolation_available, run_many, run_python  # noqa: E402
 
 TIMEOUT = 2.0
 LIMITS = SandboxLimits(timeout_s=TIMEOUT)
@@ -77,8 +77,8 @@ def test_plain_programs_pass_and_fail():
 def test_the_supervisor_is_a_module_run_by_path_and_importing_it_runs_nothing(monkeypatch):
     import subprocess
 
-    import tasks.sandbox_supervisor as supervisor
-    from tasks.sandbox import SUPERVISOR
+    import kvleague.tasks.sandbox_supervisor as supervisor
+    from kvleague.tasks.sandbox import SUPERVISOR
 
     assert SUPERVISOR == Path(supervisor.__file__).resolve() and SUPERVISOR.is_file()
     forks = []

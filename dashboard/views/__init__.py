@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from dashboard.data import Context
-from dashboard.views import cost, curves, leaderboard, provenance, samples, scorecard, signals
+from kvleague.dashboard.data import Context
+from kvleague.dashboard.views import cost, curves, leaderboard, provenance, samples, scorecard, signals
 
 
 @dataclass(frozen=True)

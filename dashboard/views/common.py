@@ -8,7 +8,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from analysis import queries as q
+from kvleague.analysis import queries as q
 
 PCT = st.column_config.NumberColumn(format="%.1f")
 PP = st.column_config.NumberColumn(format="%+.1f")

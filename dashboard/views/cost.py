@@ -7,9 +7,9 @@ from __future__ import annotations
 import altair as alt
 import streamlit as st
 
-from analysis import queries as q
-from analysis import tables
-from dashboard.views.common import PCT, empty, height_with_legend, method_colour, pick_slice
+from kvleague.analysis import queries as q
+from kvleague.analysis import tables
+from kvleague.dashboard.views.common import PCT, empty, height_with_legend, method_colour, pick_slice
 
 #: below this spread of the mean peak KV memory (largest over smallest point) a memory axis shows nothing
 MIN_MEMORY_SPREAD = 1.25

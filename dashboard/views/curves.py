@@ -6,10 +6,10 @@ from __future__ import annotations
 import altair as alt
 import streamlit as st
 
-from analysis import queries as q
-from analysis import fidelity_tables
-from analysis import tables
-from dashboard.views.common import (PCT, coinciding_note, empty, height_with_legend, method_colour,
+from kvleague.analysis import queries as q
+from kvleague.analysis import fidelity_tables
+from kvleague.analysis import tables
+from kvleague.dashboard.views.common import (PCT, coinciding_note, empty, height_with_legend, method_colour,
                                     pick_slice, pick_weighting)
 
 PLOT_HEIGHT = 320

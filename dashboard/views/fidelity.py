@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import fidelity_tables
-from dashboard.views.common import INT, styled
+from kvleague.analysis import fidelity_tables
+from kvleague.dashboard.views.common import INT, styled
 
 BOARD_SHOWN = ["method", "domain", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens"]
 KL_FORMAT = {"KL": "{:.4f}", "ΔNLL": "{:+.4f}", "Δ KL (A−B)": "{:+.4f}", "KL A": "{:.4f}", "KL B": "{:.4f}"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import head_to_head as h2h
-from dashboard.views.common import INT, styled
+from kvleague.analysis import head_to_head as h2h
+from kvleague.dashboard.views.common import INT, styled
 
 
 def section(ctx, budget: int) -> None:

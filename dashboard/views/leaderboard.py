@@ -6,10 +6,10 @@ import math
 
 import streamlit as st
 
-from analysis import stats
-from analysis import tables
-from dashboard.views import fidelity, head_to_head
-from dashboard.views.common import INT, empty, pick_budget, pick_weighting, styled
+from kvleague.analysis import stats
+from kvleague.analysis import tables
+from kvleague.dashboard.views import fidelity, head_to_head
+from kvleague.dashboard.views.common import INT, empty, pick_budget, pick_weighting, styled
 
 DETAIL_COLUMNS = {
     "rank": "rank", "rank_interval": "rank interval", "tied_best": "tied with best", "method": "method", "domain": "domain", "accuracy": "accuracy %", "interval": "95% CI",

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pandas as pd
 import streamlit as st
 
-from analysis import queries as q
-from dashboard.views.common import empty
+from kvleague.analysis import queries as q
+from kvleague.dashboard.views.common import empty
 
 SWEEP_COLUMNS = ["id", "name", "status", "rows", "ok_rows", "git_commit", "git_dirty", "started_at", "finished_at",
                  "config_path", "config_hash", "ray_job_id", "hostname", "gpu_name", "gpu_count", "torch_version",

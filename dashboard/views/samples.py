@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import queries as q
-from analysis import tables
-from dashboard.views.common import empty, most_data
+from kvleague.analysis import queries as q
+from kvleague.analysis import tables
+from kvleague.dashboard.views.common import empty, most_data
 
 MARK = {True: "correct", False: "wrong", None: "-"}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import paper, stats
-from analysis import fidelity_tables
-from analysis import tables
-from dashboard.views.common import empty, pick_weighting, styled
+from kvleague.analysis import paper, stats
+from kvleague.analysis import fidelity_tables
+from kvleague.analysis import tables
+from kvleague.dashboard.views.common import empty, pick_weighting, styled
 
 
 def render(ctx) -> None:

@@ -9,8 +9,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from analysis import signal_tables as sig
-from analysis.paper import (
+from kvleague.analysis import signal_tables as sig
+from kvleague.analysis.paper import (
     N_LAYERS,
     NEGATIVE_BAND,
     NEGATIVE_LAYERS,
@@ -19,8 +19,8 @@ from analysis.paper import (
     SOURCE_COMMIT,
     SOURCE_REPOSITORY,
 )
-from dashboard.data import engine_for
-from dashboard.views.common import INT
+from kvleague.dashboard.data import engine_for
+from kvleague.dashboard.views.common import INT
 
 RHO = st.column_config.NumberColumn(format="%+.3f")
 RHOS = {c: RHO for c in ("rho", "rho_lo", "rho_hi", "partial_rho", "partial_lo", "partial_hi")}

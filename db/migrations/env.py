@@ -9,7 +9,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from db.models import Base
+from kvleague.db.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def time_engine(engine, prompts: list[list[int]], method: str, budget: int, new_tokens: int) -> dict:
-    from methods import build_method
-    from runner.engine.protocol import GenerationSettings, Protocol
+    from kvleague.methods import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
     results = engine.generate_batch(
         prompts, [build_method(method) for _ in prompts], budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens),
@@ -53,8 +53,8 @@ def time_engine(engine, prompts: list[list[int]], method: str, budget: int, new_
 
 def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens: int) -> dict:
     """``Engine.generate`` (the single-sequence path), for the batch-1 comparison."""
-    from methods import build_method
-    from runner.engine.protocol import GenerationSettings, Protocol
+    from kvleague.methods import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
     result = engine.generate(prompt, build_method(method), budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens))
     decode = result.decode_seconds_mean * result.generated_tokens
@@ -64,8 +64,8 @@ def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens:
 def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> dict:
     import torch
 
-    from runner.bench.engine_vs_generate import StepClock
-    from runner.engine.anchors import plain_attention
+    from kvleague.runner.bench.engine_vs_generate import StepClock
+    from kvleague.runner.engine.anchors import plain_attention
 
     streamer = StepClock(clock)
     with plain_attention(engine) as model, torch.inference_mode():
@@ -77,8 +77,8 @@ def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> d
 
 
 def run(args) -> dict:
-    from runner.bench import harness as h
-    from runner.models import load_engine
+    from kvleague.runner.bench import harness as h
+    from kvleague.runner.models import load_engine
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -151,7 +151,7 @@ def run(args) -> dict:
 
 
 def print_report(report: dict) -> None:
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     print("\nbatched decoding, decode only (tokens/s summed over the batch)")
     print(h.table(report["rows"], [("method", "runner", ""), ("batch_size", "batch", "d"),
@@ -170,7 +170,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runner.bench.cli import common_parser, finish
+    from kvleague.runner.bench.cli import common_parser, finish
 
     parser = common_parser(__doc__)
     add_arguments(parser)

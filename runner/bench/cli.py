@@ -6,7 +6,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -33,19 +33,19 @@ def run_script(module: ModuleType, argv: list[str] | None = None) -> dict:
 
 
 def finish(report: dict, args) -> dict:
-    from runner.bench.harness import write_report
+    from kvleague.runner.bench.harness import write_report
 
     if getattr(args, "json", None):
         path = write_report(report, args.json)
         print(f"\nwrote {path}")
     if getattr(args, "store", False):
-        from runner.bench.storage import store_report
+        from kvleague.runner.bench.storage import store_report
 
         try:
             n = store_report(report, args.db)
         except KvleagueError:
             raise
-        from db.session import default_url, display_url
+        from kvleague.db.session import default_url, display_url
 
         print(f"stored {n} figures (run {report['run_id'][:12]}) in {display_url(args.db or default_url())}")
     return report

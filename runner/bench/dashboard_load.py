@@ -21,9 +21,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from analysis import queries as q  # noqa: E402
-from analysis import tables  # noqa: E402
-from db.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows  # noqa: E402
+from kvleague.analysis import queries as q  # noqa: E402
+from kvleague.analysis import tables  # noqa: E402
+from kvleague.db.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows  # noqa: E402
 
 TARGET_S = 2.0
 BUDGETS = (1024, 2048, 4096, 8192)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    from db.session import get_engine
+    from kvleague.db.session import get_engine
 
     tmp = None
     if args.db is None:

@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from analysis import paper
+from kvleague.analysis import paper
 
 DEFAULT_METHODS = ("full", "epikv", "h2o")
 QUICK_METHODS = ("full", "epikv")
@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def measure(engine, name: str, budget: int, prompt: list[int], steps: int, protocol, clock) -> dict:
-    from methods import build_method
-    from runner.engine.protocol import GenerationSettings
+    from kvleague.methods import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings
 
     method = build_method(name)
     cache_budget = budget if not method.never_evicts else 1 << 40
@@ -84,9 +84,9 @@ def measure(engine, name: str, budget: int, prompt: list[int], steps: int, proto
 
 
 def run(args) -> dict:
-    from runner.bench import harness as h
-    from runner.models import load_engine
-    from runner.engine.protocol import Protocol
+    from kvleague.runner.bench import harness as h
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.engine.protocol import Protocol
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -158,7 +158,7 @@ def run(args) -> dict:
 
 
 def print_report(report: dict) -> None:
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     print(f"\ndecode speed ({report['config']['clock']} clock; {report['config']['gen_factor']:g}x the budget decoded after a full cache)")
     print(h.table(report["rows"], [
@@ -173,7 +173,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runner.bench.cli import run_script
+    from kvleague.runner.bench.cli import run_script
 
     return run_script(sys.modules[__name__], argv)
 

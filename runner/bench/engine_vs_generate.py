@@ -56,7 +56,7 @@ def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None,
 
     import torch
 
-    from runner.engine.anchors import plain_attention
+    from kvleague.runner.engine.anchors import plain_attention
 
     streamer = StepClock(clock)
     start = clock.now()
@@ -71,8 +71,8 @@ def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None,
 
 
 def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str = "full", budget: int = 1 << 40, protocol=None) -> dict:
-    from methods import build_method
-    from runner.engine.protocol import GenerationSettings
+    from kvleague.methods import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings
 
     start = clock.now()
     with engine.session(build_method(method), budget, protocol) as session:
@@ -85,9 +85,9 @@ def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str =
 
 
 def run(args) -> dict:
-    from runner.bench import harness as h
-    from runner.engine import Engine
-    from runner.models import load_engine
+    from kvleague.runner.bench import harness as h
+    from kvleague.runner.engine import Engine
+    from kvleague.runner.models import load_engine
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -146,7 +146,7 @@ def run(args) -> dict:
 
 
 def print_report(report: dict) -> None:
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     print("\nengine vs model.generate (no eviction), decode only")
     print(h.table(report["rows"], [("method", "runner", ""), ("decode_tokens_per_second", "tok/s", ".2f"),
@@ -159,7 +159,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runner.bench.cli import run_script
+    from kvleague.runner.bench.cli import run_script
 
     return run_script(sys.modules[__name__], argv)
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from analysis import paper
+from kvleague.analysis import paper
 
 ATTENTION_FREE = ("epikv", "lag_kv", "knorm", "streaming_llm")
 ATTENTION_BASED = ("h2o", "snapkv", "tova")
@@ -83,10 +83,10 @@ def run_probe(spec: dict) -> dict:
     """Load the model, prefill ``spec['tokens']`` random tokens, decode; report what happened."""
     import torch
 
-    from methods import build_method
-    from runner.bench.harness import random_prompt
-    from runner.models import load_engine
-    from runner.engine.protocol import GenerationSettings, Protocol
+    from kvleague.methods import build_method
+    from kvleague.runner.bench.harness import random_prompt
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
@@ -141,7 +141,7 @@ def measure_in_subprocess(spec: dict, cap_bytes: int, timeout: float, poll: floa
 
     The peak is ``ru_maxrss`` of the child from ``wait4`` (its whole life: imports, model load,
     prefill, decode). The child is killed once its RSS passes ``cap_bytes`` or it outlives ``timeout``."""
-    cmd = [sys.executable, "-m", "runner.bench.feasible_context", "--probe", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "kvleague.runner.bench.feasible_context", "--probe", json.dumps(spec)]
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
         proc = subprocess.Popen(cmd, stdout=out_file, stderr=err_file, env=env)
@@ -201,7 +201,7 @@ def cap_bytes_for(args) -> tuple[int, str]:
 
 
 def run(args) -> dict:
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     started = time.perf_counter()
     methods = args.methods or list(ATTENTION_FREE + ATTENTION_BASED)
@@ -271,7 +271,7 @@ def run(args) -> dict:
 
 
 def print_report(report: dict) -> None:
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     rows = [{**r, "max": f"{'>=' if r['at_least'] else ''}{r['max_tokens']}"} for r in report["rows"]]
     print("\nfeasible context (longest prompt under the memory cap)")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         argv = sys.argv[1:]
     if argv[:1] == ["--probe"]:
         sys.exit(probe_main(argv[1]))
-    from runner.bench.cli import run_script
+    from kvleague.runner.bench.cli import run_script
 
     return run_script(sys.modules[__name__], argv)
 

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 SCHEMA_VERSION = 1
 BENCHMARKS = ("feasible_context", "decode_speed", "vs_kvpress", "engine_vs_generate", "batch")
@@ -73,7 +73,7 @@ def environment() -> dict[str, Any]:
     to an ``environments`` row) with the CPU model, usable cores, torch threads and the load."""
     import torch
 
-    from runner.provenance import collect_environment
+    from kvleague.runner.provenance import collect_environment
 
     env = collect_environment()
     try:
@@ -375,7 +375,7 @@ def default_model(root: str | os.PathLike[str] | None = None, **overrides: Any) 
     """A random-weight checkpoint built offline (cached by shape under ``root``, default a temp dir)."""
     import tempfile
 
-    from runner.models.tiny import make_tiny_model
+    from kvleague.runner.models.tiny import make_tiny_model
 
     spec = {**DEFAULT_ARCH, **overrides}
     root = Path(root or os.environ.get("KVLEAGUE_BENCH_MODELS") or Path(tempfile.gettempdir()) / "kvleague-bench-models")

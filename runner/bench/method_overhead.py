@@ -43,11 +43,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from methods import available_methods, build_method  # noqa: E402
-from runner.engine import Engine  # noqa: E402
-from runner.models import load_engine  # noqa: E402
-from runner.engine.protocol import GenerationSettings, Protocol  # noqa: E402
-from runner.models.tiny import make_tiny_model  # noqa: E402
+from kvleague.methods import available_methods, build_method  # noqa: E402
+from kvleague.runner.engine import Engine  # noqa: E402
+from kvleague.runner.models import load_engine  # noqa: E402
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol  # noqa: E402
+from kvleague.runner.models.tiny import make_tiny_model  # noqa: E402
 
 #: the paper cadence of methods that compress every N steps rather than every step
 BUFFERED = {"snapkv": 128, "rkv": 128}

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from analysis import calibration
+from kvleague.analysis import calibration
 
 NS = (5, 10, 30, 100)
 SAMPLES = (1, 3)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from runner.bench.harness import validate_report
-from db.spec_hash import spec_hash
+from kvleague.runner.bench.harness import validate_report
+from kvleague.db.spec_hash import spec_hash
 
 
 def _insert(engine, table):
@@ -35,7 +35,7 @@ def check_storable(report: dict[str, Any]) -> None:
 
     from sqlalchemy import Boolean, Float, Integer, String
 
-    from db.models import BenchmarkResult, Environment
+    from kvleague.db.models import BenchmarkResult, Environment
 
     def check(where: str, column, value: Any) -> None:
         kind = column.type
@@ -75,9 +75,9 @@ def check_storable(report: dict[str, Any]) -> None:
 
 def store_report(report: dict[str, Any], url: str | None = None) -> int:
     """Write every figure of ``report`` (migrating the schema first); returns how many are new."""
-    from db import store
-    from db.models import BenchmarkResult
-    from db.session import get_engine, upgrade
+    from kvleague.db import store
+    from kvleague.db.models import BenchmarkResult
+    from kvleague.db.session import get_engine, upgrade
 
     check_storable(report)
     engine = get_engine(url)
@@ -109,8 +109,8 @@ def read_figures(url: str | None = None, *, run_id: str | None = None, benchmark
     """Stored figures (oldest first), optionally of one run or one benchmark."""
     from sqlalchemy import select
 
-    from db.models import BenchmarkResult
-    from db.session import get_engine
+    from kvleague.db.models import BenchmarkResult
+    from kvleague.db.session import get_engine
 
     table = BenchmarkResult.__table__
     query = select(table).order_by(table.c.id)

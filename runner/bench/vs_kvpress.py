@@ -47,7 +47,7 @@ def kvpress_press(name: str, budget: int):
 
 
 def time_kvpress(engine, name: str, budget: int, prompt: list[int], new_tokens: int, clock) -> dict:
-    from runner.bench.engine_vs_generate import time_generate
+    from kvleague.runner.bench.engine_vs_generate import time_generate
 
     return time_generate(engine, prompt, new_tokens, clock, press=kvpress_press(name, budget))
 
@@ -55,10 +55,10 @@ def time_kvpress(engine, name: str, budget: int, prompt: list[int], new_tokens: 
 def run(args) -> dict:
     import logging
 
-    from runner.bench import harness as h
-    from runner.bench.engine_vs_generate import time_engine
-    from runner.engine.anchors import kvpress_reference_tokens
-    from runner.models import load_engine
+    from kvleague.runner.bench import harness as h
+    from kvleague.runner.bench.engine_vs_generate import time_engine
+    from kvleague.runner.engine.anchors import kvpress_reference_tokens
+    from kvleague.runner.models import load_engine
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # "compression_ratio will be overridden" on every press
     started = time.perf_counter()
@@ -119,7 +119,7 @@ def _agreeing_prefix(a: list[int], b: list[int]) -> int:
 
 
 def print_report(report: dict) -> None:
-    from runner.bench import harness as h
+    from kvleague.runner.bench import harness as h
 
     print("\nengine vs kvpress (DecodingPress, compression every step), decode tokens/s")
     print(h.table(report["rows"], [("method", "method", ""), ("budget", "B", "d"), ("engine_tokens_per_second", "engine", ".2f"),
@@ -130,7 +130,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from runner.bench.cli import run_script
+    from kvleague.runner.bench.cli import run_script
 
     return run_script(sys.modules[__name__], argv)
 

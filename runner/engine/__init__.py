@@ -17,8 +17,8 @@ it imports nothing from them. Its modules, one job each:
 * ``errors``  :class:`KvleagueError`, the one-line input error every layer raises.
 """
 
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
 # ``generation`` and ``session`` import torch and transformers (seconds); loaded on first use so that
 # importing ``runner.engine.errors`` (every CLI command does) stays cheap
@@ -29,8 +29,8 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f"runner.engine.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'runner.engine' has no attribute {name!r}")
+        return getattr(importlib.import_module(f"kvleague.runner.engine.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'kvleague.runner.engine' has no attribute {name!r}")
 
 
 __all__ = ["DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]

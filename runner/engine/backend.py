@@ -18,8 +18,8 @@ from typing import Any, Iterator
 
 import torch
 
-from runner.engine.cache import BudgetedCache
-from runner.engine.probe import wrapper_name
+from kvleague.runner.engine.cache import BudgetedCache
+from kvleague.runner.engine.probe import wrapper_name
 
 
 class HFBackend:

@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from runner.engine.contract import EvictionMethod
-from runner.engine.decode import DecodeLoop
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import GenerationSettings, Protocol
-from runner.engine.session import GenerationResult, Session
+from kvleague.runner.engine.contract import EvictionMethod
+from kvleague.runner.engine.decode import DecodeLoop
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.runner.engine.session import GenerationResult, Session
 
 #: the most sequences the automatic batch size puts in one batch
 MAX_AUTO_BATCH = 64

@@ -28,9 +28,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from runner.engine.contract import CacheView, Phase
-from runner.engine.errors import KvleagueError
-from runner.engine.protocol import Protocol
+from kvleague.runner.engine.contract import CacheView, Phase
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import Protocol
 
 #: growth factor of a slab that must grow past its reserve (amortised O(1) appends without a budget)
 _GROWTH = 1.5

@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from runner.engine.cache import SlabLayer
-from runner.engine.contract import BatchCacheView, Observation
-from runner.engine.errors import KvleagueError
-from runner.engine.probe import BatchAttentionRecorder, recording
-from runner.engine.protocol import GenerationSettings
+from kvleague.runner.engine.cache import SlabLayer
+from kvleague.runner.engine.contract import BatchCacheView, Observation
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.probe import BatchAttentionRecorder, recording
+from kvleague.runner.engine.protocol import GenerationSettings
 
 if TYPE_CHECKING:
-    from runner.engine.session import Session
+    from kvleague.runner.engine.session import Session
 
 
 @dataclass

@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-from runner.engine.backend import HFBackend
-from runner.engine.contract import EvictionMethod
-from runner.engine.decode import DecodeOutput
-from runner.engine.protocol import GenerationSettings, Protocol
-from runner.engine.resources import device_clock
-from runner.engine.session import GenerationResult, Session
+from kvleague.runner.engine.backend import HFBackend
+from kvleague.runner.engine.contract import EvictionMethod
+from kvleague.runner.engine.decode import DecodeOutput
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.runner.engine.resources import device_clock
+from kvleague.runner.engine.session import GenerationResult, Session
 
 __all__ = ["DecodeOutput", "Engine", "GenerationResult", "Session"]
 
@@ -69,7 +69,7 @@ class Engine:
         memory). ``methods[i]`` is prompt i's own instance, ``seeds[i]`` its seed (default 0).
         Result i equals ``generate(prompts[i], methods[i], budget, protocol, settings, seeds[i])`` in
         tokens and kept positions; see ``runner/engine/batch.py``."""
-        from runner.engine.batch import generate_batch  # batch.py builds on this module's sessions
+        from kvleague.runner.engine.batch import generate_batch  # batch.py builds on this module's sessions
 
         return generate_batch(self, prompts, methods, budget, protocol, settings, seeds, batch_size)
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, get_args, get_orig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import core_schema
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 POSITION_MODES = ("absolute", "compact")
 PROMPT_OVER_BUDGET = ("error", "keep")

@@ -23,7 +23,7 @@ from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 C = TypeVar("C", bound=type)
 

@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runner.engine.contract import EvictionMethod, Observation, SequenceInfo
-from runner.engine.decode import DecodeLoop, DecodeOutput
-from runner.engine.errors import KvleagueError
-from runner.engine.probe import AttentionRecorder, recording
-from runner.engine.protocol import GenerationSettings, Protocol
-from runner.engine.resources import PeakMemory
+from kvleague.runner.engine.contract import EvictionMethod, Observation, SequenceInfo
+from kvleague.runner.engine.decode import DecodeLoop, DecodeOutput
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.probe import AttentionRecorder, recording
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.runner.engine.resources import PeakMemory
 
 
 @dataclass

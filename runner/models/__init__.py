@@ -2,6 +2,6 @@
 checkpoint (``source``), building tiny random-weight test models (``tiny``), and loading either into
 an engine (``loading``)."""
 
-from runner.models.loading import load_engine
+from kvleague.runner.models.loading import load_engine
 
 __all__ = ["load_engine"]

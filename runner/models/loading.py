@@ -10,10 +10,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.engine import Engine
-from runner.engine.errors import KvleagueError, first_line
-from runner.engine.probe import INNER_IMPLEMENTATIONS
-from runner.models.source import resolve_model
+from kvleague.runner.engine import Engine
+from kvleague.runner.engine.errors import KvleagueError, first_line
+from kvleague.runner.engine.probe import INNER_IMPLEMENTATIONS
+from kvleague.runner.models.source import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

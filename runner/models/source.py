@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.engine.errors import KvleagueError, first_line
+from kvleague.runner.engine.errors import KvleagueError, first_line
 
 MARKER = "kvleague-source.json"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

@@ -18,7 +18,7 @@ from transformers import (
     AutoModelForCausalLM,
 )
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>")

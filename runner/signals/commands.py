@@ -16,14 +16,14 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 #: the control signal (the token's absolute index in the context) that the partial rho holds fixed
 POSITION = "position"
 
 
 def register(subparsers) -> None:
-    from runner.reference_tasks import TRACES
+    from kvleague.runner.reference_tasks import TRACES
 
     p = subparsers.add_parser("signals", help="Spearman rho of per-token signals against occlusion importance labels")
     p.add_argument("--model", default="smollm2-135m")
@@ -59,7 +59,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runner.signals.study import SignalOptions
+    from kvleague.runner.signals.study import SignalOptions
 
     options = SignalOptions(window=args.window, stride=args.stride, rolling=args.rolling, max_tokens=args.max_tokens,
                             trace=args.trace, flip_label=args.flip_label, flip_tokens=args.flip_tokens,
@@ -75,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from methods.registry import available_methods, build_method
-    from runner.models import load_engine
-    from runner.provenance import collect_environment
-    from runner.reference_tasks import load_samples, reference_task, write_report
-    from runner.signals.study import LABELS, filler_token, study_sample
-    from runner.signals.correlation import SampleBootstrap
+    from kvleague.methods.registry import available_methods, build_method
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.provenance import collect_environment
+    from kvleague.runner.reference_tasks import load_samples, reference_task, write_report
+    from kvleague.runner.signals.study import LABELS, filler_token, study_sample
+    from kvleague.runner.signals.correlation import SampleBootstrap
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_report(args.json, report)
     if not args.no_store:
-        from db.session import default_url, display_url
-        from runner.signals.store import store_correlations
+        from kvleague.db.session import default_url, display_url
+        from kvleague.runner.signals.store import store_correlations
 
         n = store_correlations(report, args.db)
         print(f"stored {n} correlations of run {run_id[:12]} in {display_url(args.db or default_url())}", file=sys.stderr)

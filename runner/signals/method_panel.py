@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from runner.engine.contract import EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import EvictionMethod, Needs, Observation, SequenceInfo
 
 
 def union_needs(methods: Sequence[EvictionMethod]) -> Needs:

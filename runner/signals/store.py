@@ -33,9 +33,9 @@ def store_correlations(report: dict[str, Any], url: str | None = None) -> int:
     """Write every correlation of ``report`` (migrating the schema first); returns how many are new."""
     from sqlalchemy import func, select
 
-    from db import store
-    from db.models import SignalCorrelation
-    from db.session import get_engine, upgrade
+    from kvleague.db import store
+    from kvleague.db.models import SignalCorrelation
+    from kvleague.db.session import get_engine, upgrade
 
     engine = get_engine(url)
     upgrade(engine)

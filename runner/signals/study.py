@@ -62,13 +62,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from runner.engine import Engine
-from runner.engine.backend import Analysis, Prefix
-from runner.engine.errors import KvleagueError
-from runner.fidelity import Segment, truncate
-from runner.signals.method_panel import MethodPanel
-from runner.engine.protocol import Protocol
-from runner.reference_tasks import TRACES
+from kvleague.runner.engine import Engine
+from kvleague.runner.engine.backend import Analysis, Prefix
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.fidelity import Segment, truncate
+from kvleague.runner.signals.method_panel import MethodPanel
+from kvleague.runner.engine.protocol import Protocol
+from kvleague.runner.reference_tasks import TRACES
 #: per-layer signal families, in display order
 LAYER_FAMILIES = ("hs_l2_diff_rolling64", "hs_l2_diff", "key_norm", "key_var", "value_norm", "value_var", "h2o", "attn_entropy")
 #: families that also get an all-layer mean (the authors' kv and attention signals are all-layer means)

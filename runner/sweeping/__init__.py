@@ -7,8 +7,8 @@ whose key already has a row are skipped, so an interrupted sweep resumes where i
 finished one re-runs in seconds without writing anything.
 """
 
-from runner.sweeping.cell import CellWorker
-from runner.sweeping.driver import SweepRunner, SweepSummary, print_summary
-from runner.sweeping.grid import Cell, Grid, expand, load_tokenizer
+from kvleague.runner.sweeping.cell import CellWorker
+from kvleague.runner.sweeping.driver import SweepRunner, SweepSummary, print_summary
+from kvleague.runner.sweeping.grid import Cell, Grid, expand, load_tokenizer
 
 __all__ = ["Cell", "CellWorker", "Grid", "SweepRunner", "SweepSummary", "expand", "load_tokenizer", "print_summary"]

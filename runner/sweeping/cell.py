@@ -17,8 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from db.spec_hash import canonical_json
-from runner.sweeping.grid import Cell
+from kvleague.db.spec_hash import canonical_json
+from kvleague.runner.sweeping.grid import Cell
 
 
 #: keys of an injected-failure rule that say what happens (the others select cells)
@@ -67,7 +67,7 @@ class CellWorker:
                  memory_limit_gb: float | None = None):
         import torch
 
-        from runner.provenance import collect_environment
+        from kvleague.runner.provenance import collect_environment
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
@@ -92,7 +92,7 @@ class CellWorker:
     def _engine_for(self, model: dict[str, Any]):
         key = canonical_json(model)
         if key != self._engine_key:
-            from runner.models import load_engine
+            from kvleague.runner.models import load_engine
 
             self._engine = None
             self._engine_key = None
@@ -105,7 +105,7 @@ class CellWorker:
     def _task(self, name: str, options: dict[str, Any]):
         key = canonical_json([name, options])
         if key not in self._tasks:
-            from tasks.registry import build_task
+            from kvleague.tasks.registry import build_task
 
             self._tasks[key] = build_task(name, options)
         return self._tasks[key]
@@ -149,8 +149,8 @@ class CellWorker:
         return {"cell_key": cell.key, "worker": self.worker, "environment": self.env}
 
     def _run_batch(self, cells: list[Cell]) -> list[dict[str, Any]]:
-        from methods.registry import build_method
-        from runner.sample import run_samples
+        from kvleague.methods.registry import build_method
+        from kvleague.runner.sample import run_samples
 
         first = cells[0]
         engine = self._engine_for(first.model)
@@ -177,8 +177,8 @@ class CellWorker:
             raise RuntimeError(rule.get("message") or f"injected failure for cell {cell.describe()}")
 
     def _run(self, cell: Cell) -> dict[str, Any]:
-        from methods.registry import build_method
-        from runner.sample import run_sample
+        from kvleague.methods.registry import build_method
+        from kvleague.runner.sample import run_sample
 
         engine = self._engine_for(cell.model)
         task = self._task(cell.task, cell.task_options)
@@ -191,7 +191,7 @@ class CellWorker:
     def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
         """Teacher-force the sample's reference continuation under the method and compare every scored
         token with the full cache (``runner.fidelity.measure``)."""
-        from runner import fidelity
+        from kvleague.runner import fidelity
 
         segments, reference, reference_seconds, shared = self._fidelity_reference(cell, engine, task)
         r = fidelity.measure(engine, segments, method, cell.budget, protocol, seed=cell.gen_seed, reference=reference)
@@ -200,8 +200,8 @@ class CellWorker:
     def _run_fidelity_batch(self, cells: list[Cell], engine) -> list[dict[str, Any]]:
         """One sample's fidelity cells (methods x budgets), one full-cache pass, the answers
         teacher-forced together (``runner.fidelity.measure_batch``)."""
-        from methods.registry import build_method
-        from runner import fidelity
+        from kvleague.methods.registry import build_method
+        from kvleague.runner import fidelity
 
         first = cells[0]
         segments, reference, reference_seconds, shared = self._fidelity_reference(first, engine, self._task(first.task, first.task_options))
@@ -219,7 +219,7 @@ class CellWorker:
     def _fidelity_reference(self, cell: Cell, engine, task):
         """``(segments, full-cache log-probabilities, their seconds, shared)`` of the cell's sample;
         ``shared``: an earlier cell of the sample computed them (the last sample's pass is kept)."""
-        from runner import fidelity
+        from kvleague.runner import fidelity
 
         segments = fidelity.truncate(task.fidelity_segments(cell.sample, engine.tokenizer), cell.generation["max_new_tokens"])
         key = canonical_json([self._engine_key, cell.task, cell.task_options, cell.sample_id, segments])
@@ -234,7 +234,7 @@ class CellWorker:
 
 
 def _settings(cell: Cell):
-    from runner.engine.protocol import GenerationSettings
+    from kvleague.runner.engine.protocol import GenerationSettings
 
     gen = cell.generation
     return GenerationSettings(max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"],
@@ -275,7 +275,7 @@ def _generation_row(score, generation, completion, details: dict[str, Any], engi
 def _instrumentation(generation, engine) -> dict[str, Any]:
     """A cell's cost and cache figures (``runner.metrics``), the same for generation and fidelity rows,
     and the Hub commit the checkpoint was loaded from (None for a local directory)."""
-    from runner.metrics import metrics  # imports torch: only where a cell runs
+    from kvleague.runner.metrics import metrics  # imports torch: only where a cell runs
 
     return {**metrics(generation), "model_revision": engine.describe()["model_revision"]}
 

@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.engine.errors import KvleagueError
-from db.spec_hash import spec_hash
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.db.spec_hash import spec_hash
 
 if TYPE_CHECKING:  # a type only: load_config (runner/sweep_config.py) calls check_config
-    from runner.sweep_config import SweepConfig
+    from kvleague.runner.sweep_config import SweepConfig
 
 PROJECT_DIR_ENV = "KVLEAGUE_PROJECT_DIR"
 
@@ -67,7 +67,7 @@ def editable_checkout() -> Path | None:
 def resolve_model_source(source: str, base_dir: Path | None = None) -> str:
     """Local paths made absolute (from the project directory); known names and Hub ids unchanged:
     each worker resolves those on its own machine (``runner.models.source``)."""
-    from runner.models.source import absolute_spec
+    from kvleague.runner.models.source import absolute_spec
 
     return absolute_spec(source, base_dir or project_dir())
 
@@ -92,11 +92,11 @@ def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]
 
 
 def _check(config: SweepConfig, base: Path) -> list[str]:
-    from db.session import parse_url
-    from methods.registry import available_methods, build_method
-    from runner.models.source import check_spec
-    from runner.engine.protocol import Protocol
-    from tasks.registry import build_task, task_class
+    from kvleague.db.session import parse_url
+    from kvleague.methods.registry import available_methods, build_method
+    from kvleague.runner.models.source import check_spec
+    from kvleague.runner.engine.protocol import Protocol
+    from kvleague.tasks.registry import build_task, task_class
 
     warnings: list[str] = []
     parse_url(config.database, base)

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from runner.engine.errors import KvleagueError
-from runner.sweep_config import SweepConfig
-from runner.sweeping.checks import project_dir
-from runner.sweeping.grid import Cell, batches, expand
-from runner.sweeping.progress import Progress
-from runner.sweeping.scheduler import Scheduler
-from runner.sweeping.writer import ResultWriter, display
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.sweep_config import SweepConfig
+from kvleague.runner.sweeping.checks import project_dir
+from kvleague.runner.sweeping.grid import Cell, batches, expand
+from kvleague.runner.sweeping.progress import Progress
+from kvleague.runner.sweeping.scheduler import Scheduler
+from kvleague.runner.sweeping.writer import ResultWriter, display
 
 
 @dataclass
@@ -90,9 +90,9 @@ class SweepRunner:
         return self.scheduler.started_ray
 
     def run(self) -> SweepSummary:
-        from db import store
-        from db.session import get_engine, retrying, upgrade
-        from runner.provenance import collect_environment, resolved_git_state
+        from kvleague.db import store
+        from kvleague.db.session import get_engine, retrying, upgrade
+        from kvleague.runner.provenance import collect_environment, resolved_git_state
 
         t0 = time.monotonic()
         grid = expand(self.config, self.base_dir)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.engine.errors import KvleagueError, first_line
-from runner.engine.protocol import Protocol
-from db.spec_hash import canonical_json, spec_hash
-from runner.sweep_config import SweepConfig
-from runner.sweeping.checks import check_config, project_dir, resolve_data_dir, resolve_model_source
+from kvleague.runner.engine.errors import KvleagueError, first_line
+from kvleague.runner.engine.protocol import Protocol
+from kvleague.db.spec_hash import canonical_json, spec_hash
+from kvleague.runner.sweep_config import SweepConfig
+from kvleague.runner.sweeping.checks import check_config, project_dir, resolve_data_dir, resolve_model_source
 
 
 @dataclass
@@ -73,8 +73,8 @@ class Grid:
 
 def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
     """Cells of ``config`` in a deterministic order (grouped by model, then task and sample)."""
-    from methods.registry import build_method
-    from tasks.registry import build_task, task_class
+    from kvleague.methods.registry import build_method
+    from kvleague.tasks.registry import build_task, task_class
 
     base = base_dir or project_dir()
     warnings = check_config(config, base)
@@ -202,7 +202,7 @@ def load_tokenizer(model_spec: str):
     """The tokenizer of a model spec (converting a GGUF model on first use; no weights loaded)."""
     from transformers import AutoTokenizer
 
-    from runner.models.source import resolve_model
+    from kvleague.runner.models.source import resolve_model
 
     try:
         return AutoTokenizer.from_pretrained(resolve_model(model_spec))
@@ -223,8 +223,8 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     full-cache pass serves the group and its answers are teacher-forced together. At most
     ``batch_size`` cells a group (``auto``: :data:`AUTO_BATCH_LIMIT`). Episodes stay alone
     (multi-turn: batch 1). Each group stands where its first cell stood."""
-    from tasks.episode import EpisodicTask
-    from tasks.registry import task_class
+    from kvleague.tasks.episode import EpisodicTask
+    from kvleague.tasks.registry import task_class
 
     limit = AUTO_BATCH_LIMIT if batch_size == "auto" else int(batch_size)
     groups: list[list[Cell]] = []

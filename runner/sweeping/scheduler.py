@@ -23,9 +23,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from runner.engine.errors import KvleagueError
-from runner.sweeping.cell import CellWorker, error_text
-from runner.sweeping.grid import Cell
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.sweeping.cell import CellWorker, error_text
+from kvleague.runner.sweeping.grid import Cell
 
 #: environment variables a worker gets from the driver (offline mode, caches, data)
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "KVLEAGUE_DATA_DIR",

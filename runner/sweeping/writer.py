@@ -13,12 +13,12 @@ import sys
 import time
 from typing import Any
 
-from runner.engine.errors import KvleagueError
+from kvleague.runner.engine.errors import KvleagueError
 
 
 def display(engine) -> str:
     """The database's URL, password masked."""
-    from db.session import display_url
+    from kvleague.db.session import display_url
 
     return display_url(engine.url)
 
@@ -41,7 +41,7 @@ class ResultWriter:
     def _write(self, rows: list[dict[str, Any]]) -> None:
         """Workers' environments, model revisions, then the results: every step idempotent, so the
         whole is retried after a lost connection."""
-        from db import store
+        from kvleague.db import store
 
         engine, out = self.engine, []
         for row in rows:
@@ -62,7 +62,7 @@ class ResultWriter:
         """Write the buffer when due (``force``: now, waiting up to what is left of ``db_retry_seconds``)."""
         from sqlalchemy.exc import SQLAlchemyError
 
-        from db.session import error_reason, retrying, transient
+        from kvleague.db.session import error_reason, retrying, transient
 
         res, buffer = self.res, self.buffer
         now = time.monotonic()
