@@ -163,7 +163,7 @@ def test_an_unreachable_hub_still_loads_a_copy_in_the_hub_cache(tmp_path):
     cached = repo / "snapshots" / commit / source.hub_file
     cached.parent.mkdir(parents=True)
     shutil.copy(local, cached)
-    code = "from tasks.registry import build_task; print(len(build_task('leval_coursera').load(limit=3, seed=0, data_dir=None)))"
+    code = "from kvleague.tasks.registry import build_task; print(len(build_task('leval_coursera').load(limit=3, seed=0, data_dir=None)))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3" and "Retry" not in out.stderr
