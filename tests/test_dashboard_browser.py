@@ -175,6 +175,9 @@ def test_every_page_in_chromium(db, realistic_db, replication_url, tmp_path, tmp
                 continue
             alerts = [a.inner_text() for a in page.locator("[data-testid='stAlert']").all()]
             assert not [a for a in alerts if "match" in a], (slug, alerts)
+            # a table's grid is code the browser loads on first use: under load it can mount after the
+            # page's elements have settled (a page without any fails here, as below)
+            page.locator("[data-testid='stDataFrame'], [data-testid='stVegaLiteChart']").first.wait_for(timeout=60_000)
             grids = page.locator("[data-testid='stDataFrame']").count()
             drawn = page.locator("[data-testid='stVegaLiteChart']").count()
             assert grids + drawn > 0, (slug, body[-1500:])
