@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator,
+                      model_serializer, model_validator)
 
+from kvleague.runner.engine import BACKENDS
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.protocol import PRESETS, Protocol
 from kvleague.db.spec_hash import spec_hash
@@ -62,11 +64,21 @@ class ModelConfig(_Strict):
     name: str | None = None
     dtype: Literal[DTYPES] = "auto"
     attn_implementation: Literal[ATTN] = "sdpa"
+    #: the engine backend (``runner/engine/backend.py``)
+    backend: Literal[BACKENDS] = "hf"
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         return {"source": value} if isinstance(value, str) else value
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler) -> dict[str, Any]:
+        # added after sweeps were stored: left out at its default, so stored configs keep their hash
+        data = handler(self)
+        if data.get("backend") == "hf":
+            del data["backend"]
+        return data
 
     @property
     def label(self) -> str:

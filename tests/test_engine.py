@@ -360,3 +360,11 @@ def test_decode_streams_each_token_as_it_is_chosen(engines, prompt_ids):
         out = session.decode(greedy(9), on_token=lambda token: seen.append((token, len(session.generated))))
     # every token, in order, before the decode call returned (generated is extended only at its end)
     assert [t for t, _ in seen] == out.token_ids and all(n == 0 for _, n in seen)
+
+
+def test_load_engine_names_its_backend_and_refuses_an_unknown_one(tiny_models):
+    engine = load_engine(str(tiny_models["llama"]), backend="hf")
+    assert engine.describe()["backend"] == "hf" and engine.describe()["parameters"] == sum(
+        p.numel() for p in engine.model.parameters())
+    with pytest.raises(KvleagueError, match=r"^backend: unknown 'vllm'; allowed: hf$"):
+        load_engine(str(tiny_models["llama"]), backend="vllm")

@@ -61,6 +61,7 @@ _DELETE = object()
 
 # (id, path to change, new value, text the one-line error must contain)
 INVALID = [
+    ("unknown-backend", "models.0.backend", "vllm", "models[0].backend: Input should be 'hf'"),
     ("unknown-method", "methods.0", "no_such_method", "methods[0].name: unknown 'no_such_method'; valid names:"),
     ("unknown-task", "tasks.0.name", "no_such_task", "tasks[0].name: unknown 'no_such_task'; valid names:"),
     ("negative-budget", "budgets", [64, -8], "budgets: must be positive integers, got -8"),
@@ -198,6 +199,11 @@ def test_grid_and_cell_keys_are_deterministic(tiny_llama, tmp_path):
     # the canonical hyperparameters are in the key: an explicit default equals the implicit one
     explicit = {**cfg, "methods": [{"name": "full"}, {"name": "streaming_llm", "grid": {"n_sink": [2, 4]}}]}
     assert keys == [c.key for c in expand(parse_config(explicit)).cells]
+    # the backend, named or left to its default (hf), changes neither the cells' keys nor the sweep's hash
+    named = {**cfg, "models": [{**cfg["models"][0], "backend": "hf"}]}
+    assert keys == [c.key for c in expand(parse_config(named)).cells]
+    assert parse_config(named).config_hash() == parse_config(cfg).config_hash()
+    assert all("backend" not in c.model for c in grid.cells)
 
 
 def test_n_samples_and_seeds_expand(tiny_llama, tmp_path):

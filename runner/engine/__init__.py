@@ -20,6 +20,10 @@ it imports nothing from them. Its modules, one job each:
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
+#: the engine backends a model can run on (``backend.py``; ``HFBackend.name``), as sweeps and
+#: ``load_engine`` name them: here, not in backend.py, so that configs check names without torch
+BACKENDS = ("hf",)
+
 # ``generation`` and ``session`` import torch and transformers (seconds); loaded on first use so that
 # importing ``runner.engine.errors`` (every CLI command does) stays cheap
 _LAZY = {"DecodeOutput": "decode", "Engine": "generation", "GenerationResult": "session", "Session": "session"}
@@ -33,4 +37,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvleague.runner.engine' has no attribute {name!r}")
 
 
-__all__ = ["DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]
+__all__ = ["BACKENDS", "DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]

@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvleague.runner.engine import Engine
+from kvleague.runner.engine import BACKENDS, Engine
 from kvleague.runner.engine.errors import KvleagueError, first_line
 from kvleague.runner.engine.probe import INNER_IMPLEMENTATIONS
 from kvleague.runner.models.source import resolve_model
@@ -24,9 +24,13 @@ def load_engine(
     attn_implementation: str = "sdpa",
     dtype: str = "auto",
     device: str = "auto",
+    backend: str = "hf",
 ) -> Engine:
     """Load a model spec (a known name, a ``.gguf`` file, a checkpoint directory or a Hub id; see
-    ``runner.models.source``) through the same path for tiny test models and real ones."""
+    ``runner.models.source``) through the same path for tiny test models and real ones, on ``backend``
+    (``BACKENDS``; today Hugging Face's forward pass)."""
+    if backend not in BACKENDS:
+        raise KvleagueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
     if attn_implementation not in INNER_IMPLEMENTATIONS:
         raise KvleagueError(f"attn_implementation: unknown {attn_implementation!r}; allowed: {', '.join(INNER_IMPLEMENTATIONS)}")
     if device == "auto":

@@ -98,7 +98,8 @@ class CellWorker:
             self._engine_key = None
             self._reference = None
             free_accelerator_memory()
-            self._engine = load_engine(model["resolved"], attn_implementation=model["attn_implementation"], dtype=model["dtype"])
+            self._engine = load_engine(model["resolved"], attn_implementation=model["attn_implementation"], dtype=model["dtype"],
+                                       backend=model.get("backend", "hf"))
             self._engine_key = key
         return self._engine
 

@@ -154,6 +154,8 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
             "dtype": model_cfg.dtype,
             "attn_implementation": model_cfg.attn_implementation,
         }
+        if model_cfg.backend != "hf":  # the default stays out of cell keys, so stored cells keep theirs
+            model["backend"] = model_cfg.backend
         m_spec = {k: model[k] for k in ("source", "dtype", "attn_implementation")}
         m_hash = spec_hash(m_spec)
         dims["model"][m_hash] = {"spec_hash": m_hash, "name": model["name"], "revision": None, **m_spec}
