@@ -63,19 +63,7 @@ def serve(db_url: str, log_path: str | Path, start_timeout_s: float = 90) -> Ite
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"streamlit exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"streamlit did not answer within {start_timeout_s:.0f}s:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.3)
+        wait_until_serving(base, proc, start_timeout_s, log)
         yield base
     finally:
         if proc.poll() is None:
@@ -85,6 +73,25 @@ def serve(db_url: str, log_path: str | Path, start_timeout_s: float = 90) -> Ite
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+def wait_until_serving(base: str, proc: subprocess.Popen, timeout_s: float, log: Path | None = None) -> None:
+    """Return once Streamlit at ``base`` answers its health check; raise if ``proc`` exits or
+    ``timeout_s`` passes first (with the end of ``log``, when given)."""
+    tail = lambda: f":\n{log.read_text(errors='replace')[-3000:]}" if log is not None else ""  # noqa: E731
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"streamlit exited with {proc.returncode}{tail()}")
+        try:
+            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"streamlit did not answer within {timeout_s:.0f}s{tail()}")
+        time.sleep(0.3)
 
 
 def check_browser() -> str:

@@ -150,23 +150,14 @@ def test_sigterm_to_the_dashboard_stops_its_streamlit_server(small_db):
     import time
     import urllib.request
 
-    from kvleague.dashboard.browser import free_port
+    from kvleague.dashboard.browser import free_port, wait_until_serving
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvleague.runner.cli", "dashboard", "--db", small_db, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the dashboard did not start"
-            time.sleep(0.3)
+        wait_until_serving(f"http://127.0.0.1:{port}", proc, 90)
         children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
         assert children, "streamlit runs as a child of the command"
         proc.send_signal(signal.SIGTERM)

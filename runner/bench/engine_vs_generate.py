@@ -86,7 +86,6 @@ def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str =
 
 def run(args) -> dict:
     from kvleague.runner.bench import harness as h
-    from kvleague.runner.engine import Engine
     from kvleague.runner.models import load_engine
 
     started = time.perf_counter()

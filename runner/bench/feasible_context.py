@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from kvleague.analysis import paper
 
