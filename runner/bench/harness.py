@@ -113,15 +113,12 @@ class Clock:
         if kind == "cpu" and torch.cuda.is_available():
             raise KvleagueError("clock: cpu time does not count GPU work; use --clock wall on a CUDA machine")
         self.kind = kind
-        self.now = time.process_time if kind == "cpu" else _synchronized_wall
+        if kind == "cpu":
+            self.now = time.process_time
+        else:  # the engine's own clock: one definition of "wait for the device, then read"
+            from kvleague.runner.engine.resources import device_clock
 
-
-def _synchronized_wall() -> float:
-    import torch
-
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
+            self.now = device_clock(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def set_threads(clock: Clock, threads: int | None) -> int:

@@ -129,7 +129,7 @@ class DecodeLoop:
         #: one sequence decodes on its own cache; several on shared slabs
         self.shared = len(sessions) > 1
         self.rows = _Rows()
-        self.logits = torch.stack([s.logits for s in sessions]) if all(s.logits is not None for s in sessions) else None
+        self.logits = torch.stack([s.logits for s in sessions])  # every session was fed: its next token's logits
         if self.shared:
             for s in sessions:
                 if not all(isinstance(layer, SlabLayer) for layer in s.cache.cache.layers):
