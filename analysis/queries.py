@@ -188,6 +188,8 @@ PROTOCOL_LABEL_PARTS: dict[str, Callable[[Any], str | None] | None] = {
     "prefill_chunk": lambda v: f"prefill chunk {v}" if v else None,
     "recent_max_fraction": None,
     "prompt_over_budget": None,
+    # NULL (rows before the field) and "none" are absolute budgets, which the labels never said
+    "budget_base": lambda v: "budget = prompt + B" if v == "prompt" else None,
 }
 
 

@@ -144,7 +144,7 @@ class TaskSpec(Base):
 
 
 #: the width of each text column of a protocol field (what the migrations created)
-PROTOCOL_TEXT_WIDTHS = {"cadence": 64, "positions": 32, "prompt_over_budget": 16}
+PROTOCOL_TEXT_WIDTHS = {"cadence": 64, "positions": 32, "prompt_over_budget": 16, "budget_base": 16}
 
 
 def protocol_columns() -> list[Column]:
@@ -201,7 +201,11 @@ class SampleResult(Base):
     protocol_id: Mapped[int] = mapped_column(ForeignKey("protocols.id"))
     generation_id: Mapped[int] = mapped_column(ForeignKey("generation_settings.id"))
     environment_id: Mapped[int | None] = mapped_column(ForeignKey("environments.id"), nullable=True)
+    #: the budget as the sweep gave it: cache entries, or room on top of the prompt under a
+    #: protocol with ``budget_base: prompt`` (then ``resolved_budget`` is the sample's own)
     budget: Mapped[int] = mapped_column(Integer)
+    #: the cache budget the engine ran (NULL: rows before it, where it is ``budget``)
+    resolved_budget: Mapped[int | None] = mapped_column(Integer, nullable=True)
     sample_id: Mapped[str] = mapped_column(String(255))
     sample_index: Mapped[int] = mapped_column(Integer)  # 0..n_samples-1 (pass@k)
     seed: Mapped[int] = mapped_column(Integer)
@@ -226,6 +230,8 @@ class SampleResult(Base):
     wall_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     evictions: Mapped[int | None] = mapped_column(Integer, nullable=True)
     evicted_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: evictions in which the method's ranking decided (some candidate kept, some dropped)
+    ranked_evictions: Mapped[int | None] = mapped_column(Integer, nullable=True)
     peak_cache_entries: Mapped[int | None] = mapped_column(Integer, nullable=True)
     peak_kv_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -327,7 +333,7 @@ TABLES = [t.name for t in Base.metadata.sorted_tables]
 METRIC_COLUMNS = (
     "prompt_tokens", "generated_tokens", "attn_implementation", "prefill_seconds", "decode_seconds_mean",
     "decode_seconds_p50", "decode_seconds_p95", "tokens_per_second", "method_seconds", "selection_seconds", "evictions",
-    "evicted_tokens", "peak_cache_entries", "peak_kv_bytes", "peak_memory_bytes", "peak_memory_source",
+    "evicted_tokens", "ranked_evictions", "peak_cache_entries", "peak_kv_bytes", "peak_memory_bytes", "peak_memory_source",
 )
 #: the protocols columns that hold a protocol's fields (``protocol_columns``)
 PROTOCOL_COLUMNS = tuple(c.name for c in ProtocolSpec.__table__.columns if c.name not in ("id", "spec_hash"))

@@ -71,6 +71,57 @@ def truncate(segments: Sequence[Segment], max_scored: int | None) -> list[Segmen
     return [s for s in out if s[0]]
 
 
+def prompt_tokens(segments: Sequence[Segment]) -> int:
+    """Tokens fed before the first scored one: the prompt a relative budget (``budget_base: prompt``)
+    counts from."""
+    n = 0
+    for ids, scored in segments:
+        if scored:
+            break
+        n += len(ids)
+    return n
+
+
+def self_traces(engine: Engine, prompts: Sequence[list[int]], n_tokens: int) -> list[list[int]]:
+    """The model's own greedy continuation of each prompt under the full cache, ``n_tokens`` long:
+    the reference trace of the paper's regime, where a method evicts among the tokens the model
+    generated. End-of-turn and every other special token are banned (``GenerationSettings.suppress``,
+    as ``min_new_tokens`` does for EOS), so a model that would stop early keeps reasoning in plain text
+    and every trace has the same length; the teacher-forced comparison is over the unbanned
+    distribution. Decoded together (``Engine.generate_batch``); each equals its sequence alone."""
+    from kvleague.methods.registry import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings
+
+    banned = sorted(set(engine.tokenizer.all_special_ids) | set(engine.eos_ids))
+    settings = GenerationSettings(max_new_tokens=n_tokens, suppress=tuple(banned))
+    longest = max(len(p) for p in prompts) + n_tokens
+    results = engine.generate_batch([list(p) for p in prompts], [build_method("full", {}) for _ in prompts], longest,
+                                    Protocol(), settings)
+    traces = [r.token_ids for r in results]
+    for trace in traces:
+        if len(trace) != n_tokens:  # a stop reason other than length: the ban did not hold
+            raise AssertionError(f"fidelity: a self-generated trace has {len(trace)} tokens, not {n_tokens}")
+    return traces
+
+
+def self_trace_segments(segments: Sequence[Segment], trace: list[int]) -> list[Segment]:
+    """``segments``' prompt (the unscored segments before the first scored one), then ``trace`` scored."""
+    prompt: list[Segment] = []
+    for ids, scored in segments:
+        if scored:
+            break
+        prompt.append((list(ids), False))
+    return [*prompt, (list(trace), True)]
+
+
+def trace_hash(segments: Sequence[Segment]) -> str:
+    """SHA-256 of the scored token ids: every method and budget of a sample must see the same trace."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([ids for ids, scored in segments if scored]).encode()).hexdigest()
+
+
 def check_segments(segments: Sequence[Segment]) -> None:
     if not segments or segments[0][1]:
         raise KvleagueError("fidelity: a sample must start with an unscored prompt segment")
@@ -141,11 +192,12 @@ def measure(
     (``reference``: :func:`full_cache_logprobs` of the same segments, computed here when not given;
     pass it to reuse one full-cache pass across methods and budgets)."""
     check_segments(segments)
+    protocol, budget = (protocol or Protocol()).for_prompt(budget, prompt_tokens(segments))
     start = time.perf_counter()
     comparison = _Comparison(reference if reference is not None else full_cache_logprobs(engine, segments))
     reference_seconds = time.perf_counter() - start if reference is None else 0.0
     start = time.perf_counter()
-    with engine.session(method, budget, protocol or Protocol(), seed) as session:
+    with engine.session(method, budget, protocol, seed) as session:
         for ids, scored in segments:
             if scored:
                 session.teacher_force(ids, comparison.on_logits)
@@ -189,6 +241,8 @@ def measure_batch(
         raise KvleagueError(f"fidelity: {n} samples, {len(methods)} methods and {len(budgets)} budgets; give one of each per sequence")
     check_batch_arguments(methods, batch_size)
     protocol = protocol or Protocol()
+    # each sequence's own protocol and budget (a relative budget counts from its own prompt)
+    resolved = [protocol.for_prompt(budgets[i], prompt_tokens(samples[i])) for i in range(n)]
     seeds = [0] * n if seeds is None else list(seeds)
     results: list[FidelityResult | None] = [None] * n
     comparisons: list[_Comparison | None] = [None] * n
@@ -207,11 +261,11 @@ def measure_batch(
             results[i].reference_seconds = reference_seconds[i]
     size = batch_size or auto_batch_size(
         engine, [sum(len(ids) for ids, _ in samples[i]) for i in batched], max((len(samples[i][-1][0]) for i in batched), default=1),
-        max((budgets[i] for i in batched), default=1), protocol, never_evicts=all(methods[i].never_evicts for i in batched),
+        max((resolved[i][1] for i in batched), default=1), protocol, never_evicts=all(methods[i].never_evicts for i in batched),
     )
     for at in range(0, len(batched), size):
         chunk = batched[at : at + size]
-        sessions = [Session(engine, methods[i], budgets[i], protocol, seeds[i]) for i in chunk]
+        sessions = [Session(engine, methods[i], resolved[i][1], resolved[i][0], seeds[i]) for i in chunk]
         fed = []
         for session, i in zip(sessions, chunk):
             start = time.perf_counter()

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvleague.runner.engine.errors import KvleagueError
 from kvleague.tasks.episode import EpisodicTask
 
 
@@ -31,8 +32,13 @@ class SampleRun:
 def run_sample(engine, task, sample, method, budget: int, protocol, settings, seed: int) -> SampleRun:
     """Run ``sample`` of ``task`` under ``method`` at ``budget`` and score it."""
     if not isinstance(task, EpisodicTask):
-        generation = engine.generate(task.build_prompt(sample, engine.tokenizer), method, budget, protocol, settings, seed)
+        prompt = task.build_prompt(sample, engine.tokenizer)
+        protocol, budget = protocol.for_prompt(budget, len(prompt))
+        generation = engine.generate(prompt, method, budget, protocol, settings, seed)
         return _scored(task, sample, generation)
+    if protocol.budget_base != "none":
+        raise KvleagueError(f"budget_base: {protocol.budget_base!r} needs the prompt before the episode starts; "
+                            f"episodic task {task.name!r} allows: none (or measure: fidelity)")
     with engine.session(method, budget, protocol, seed) as session:
         episode = task.run_episode(sample, session, engine.tokenizer, settings)
         generation = episode.generation if episode.generation is not None else session.result()
@@ -51,6 +57,9 @@ def run_samples(engine, task, samples, methods, budget: int, protocol, settings,
     if isinstance(task, EpisodicTask):
         raise TypeError(f"task {task.name!r} is episodic: its samples run one at a time (run_sample)")
     prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
+    if protocol.budget_base != "none":  # each prompt its own budget: one batch per budget
+        return [run_sample(engine, task, sample, method, budget, protocol, settings, seed)
+                for sample, method, seed in zip(samples, methods, seeds)]
     generations = engine.generate_batch(prompts, list(methods), budget, protocol, settings, list(seeds))
     return [_scored(task, sample, generation) for sample, generation in zip(samples, generations)]
 

@@ -190,6 +190,17 @@ class GenerationConfig(_Strict):
 class FidelityConfig(_Strict):
     #: teacher-forced (scored) tokens per sample at most: the reference continuation is cut there
     max_scored_tokens: int = Field(default=64, ge=1, le=INT32)
+    #: what is teacher-forced: ``task``, the task's reference continuation; ``self``, the model's own
+    #: greedy full-cache continuation of the prompt, exactly ``max_scored_tokens`` long
+    #: (``runner.fidelity.self_traces``: long traces, the paper's regime)
+    reference: Literal["task", "self"] = "task"
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler) -> dict[str, Any]:
+        data = handler(self)  # added after sweeps were stored: left out at its default (their hash)
+        if data.get("reference") == "task":
+            del data["reference"]
+        return data
 
 
 class ResourcesConfig(_Strict):
@@ -265,6 +276,32 @@ class SweepConfig(_Strict):
 
             value = {**value, "methods": list(available_methods())}
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _relative_budgets(cls, value: Any) -> Any:
+        """``budgets: [prompt+64, prompt+128]``: room on top of each sample's prompt, i.e. budgets 64
+        and 128 under the protocol with ``budget_base: prompt`` (every budget relative, or none)."""
+        if not isinstance(value, dict) or not isinstance(value.get("budgets"), list):
+            return value
+        budgets = value["budgets"]
+        relative = [isinstance(b, str) for b in budgets]
+        if not any(relative):
+            return value
+        parsed = []
+        for b in budgets:
+            text = str(b).replace(" ", "")
+            if not (isinstance(b, str) and text.startswith("prompt+") and text[7:].isdigit()):
+                raise KvleagueError(f"budgets: got {b!r}; allowed: all integers, or all prompt+N (N a positive integer)")
+            parsed.append(int(text[7:]))
+        protocol = value.get("protocol") or {}
+        if isinstance(protocol, str):
+            if protocol not in PRESETS:
+                return value  # the protocol's own validator names the unknown preset
+            protocol = {**PRESETS[protocol].model_dump(), "budget_base": None}
+        if protocol.get("budget_base") not in (None, "prompt"):
+            raise KvleagueError(f"budgets: prompt+N needs protocol.budget_base prompt, got {protocol['budget_base']!r}")
+        return {**value, "budgets": parsed, "protocol": {**(protocol or {}), "budget_base": "prompt"}}
 
     @field_validator("budgets", "seeds")
     @classmethod

@@ -182,6 +182,8 @@ class BudgetedCache:
         self.bytes_per_slot = 0
         #: the slabs are rows of a batched slab (runner/engine/decode.py): never reallocate them
         self.pinned = False
+        #: whether the last :meth:`evict` was decided by the method's ranking (not by the protocol alone)
+        self.ranked = False
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -294,6 +296,7 @@ class BudgetedCache:
             )
         # prompt_over_budget "keep": the whole prompt stays even beyond B (then nothing else does)
         kept = max(budget, n_prompt)
+        self.ranked = False
         if kept >= length:
             return 0
         # tiers: protected prompt (+inf) > sink / recent window (largest finite) > the method's scores
@@ -313,6 +316,9 @@ class BudgetedCache:
                     "every layer and KV head of a cache holds the same number of slots"
                 )
             kept = int(keepable.min())
+        # the method's ranking decides only when some of its candidates stay and some go; otherwise
+        # the protocol alone chose (nothing to drop, or every candidate dropped)
+        self.ranked = 0 < length - kept < length - n_protected
         keep = _keep_mask(ranked, kept, pos)  # shape of scores
         budget = kept
         if keep.dim() == 1:  # one plan for every layer

@@ -237,7 +237,7 @@ class DecodeLoop:
                     on_logits(self.logits[r], token)
                     chosen.append(token)
             elif settings.greedy:
-                chosen = self.logits.argmax(dim=-1).tolist()
+                chosen = suppressed(self.logits, settings).argmax(dim=-1).tolist()
             else:
                 chosen = [self.sessions[i].sample_token(self.logits[r], settings) for r, i in enumerate(self.active)]
             keep_rows = []
@@ -376,3 +376,10 @@ class DecodeLoop:
             return keys, values
 
         return build
+
+
+def suppressed(logits: torch.Tensor, settings: GenerationSettings) -> torch.Tensor:
+    """``logits`` with ``settings.suppress``'s tokens at -inf (never chosen)."""
+    if not settings.suppress:
+        return logits
+    return logits.index_fill(-1, torch.tensor(settings.suppress, device=logits.device), float("-inf"))

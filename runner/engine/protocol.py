@@ -85,6 +85,13 @@ class Protocol(BaseModel):
       each chunk, so the cache never holds more than B + chunk entries; ``None`` = whole prompt.
     * ``recent_max_fraction``: when set, the recent window is ``min(recent, int(B * fraction))``
       (the EpiKV authors' harness: ``min(128, B // 4)``); ``None`` = ``recent`` as given.
+    * ``budget_base``: ``"none"``: B is the number of cache entries; ``"prompt"``: B is room for
+      generated tokens on top of the prompt, so every sample, whatever its prompt length, has the
+      same room (the EpiKV paper's regime: its budgets of 4,096-8,192 entries are nearly all room for
+      reasoning tokens beside prompts of ~100-200). A sample's budget is resolved where its prompt is
+      known (:meth:`for_prompt`): prompt tokens + B, with the recent window counted from B (a
+      quarter of the room under the authors' ``recent_max_fraction``), so the engine only ever sees
+      an absolute budget.
     * ``prompt_over_budget`` (with ``protect_prompt``): ``"error"`` refuses a prompt that, with the
       sink and recent window, does not fit in B; ``"keep"`` (the EpiKV authors' harness) keeps the
       whole prompt even when it alone exceeds B: the cache then holds max(B, prompt) entries, the
@@ -117,12 +124,14 @@ class Protocol(BaseModel):
     recent_max_fraction: float | None = Field(default=None, ge=0, le=1, description="cap the recent window at this fraction of the budget")
     prompt_over_budget: Literal["error", "keep"] = Field(
         default="error", description="with protect_prompt, a prompt over the budget: error or keep")
+    budget_base: Literal["none", "prompt"] = Field(
+        default="none", description="none (B cache entries) or prompt (B entries on top of the prompt)")
 
     #: Fields added after results were stored (with the presets, issue 14). A protocol whose value of
     #: one is the field's default leaves it out of its spec (hashed, and stored with NULL in its
     #: column), so the spec hashes stored before the field existed (cell keys, protocol rows) still
     #: match. The one place this rule lives: :meth:`spec` and :meth:`from_spec` apply it.
-    ADDED_LATER: ClassVar[tuple[str, ...]] = ("recent_max_fraction", "prompt_over_budget")
+    ADDED_LATER: ClassVar[tuple[str, ...]] = ("recent_max_fraction", "prompt_over_budget", "budget_base")
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -166,6 +175,15 @@ class Protocol(BaseModel):
         if self.recent_max_fraction is None:
             return self.recent
         return min(self.recent, int(budget * self.recent_max_fraction))
+
+    def for_prompt(self, budget: int, prompt_tokens: int) -> tuple["Protocol", int]:
+        """``(protocol, budget)`` the engine runs for one sample whose prompt has ``prompt_tokens``
+        tokens: unchanged under ``budget_base: none``; under ``prompt``, an absolute protocol whose
+        recent window is the one of room ``budget`` and the budget ``prompt_tokens + budget``."""
+        if self.budget_base == "none":
+            return self, budget
+        fields = {**self.model_dump(), "budget_base": "none", "recent": self.recent_for(budget), "recent_max_fraction": None}
+        return type(self)(**fields), prompt_tokens + budget
 
     def check_budget(self, budget: int) -> None:
         if budget < 1:
@@ -251,6 +269,9 @@ class GenerationSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
+    #: token ids never chosen (their logits set to -inf before sampling): a reference trace bans the
+    #: end-of-turn and other special tokens so it runs its full length (``runner/fidelity.py``)
+    suppress: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -260,6 +281,7 @@ class GenerationSettings:
         if not 0 < self.top_p <= 1:
             raise KvleagueError(f"top_p: must be in (0, 1], got {self.top_p}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "suppress", tuple(int(t) for t in self.suppress))
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvleague.runner.engine.contract import EvictionMethod, Observation, SequenceInfo
-from kvleague.runner.engine.decode import DecodeLoop, DecodeOutput
+from kvleague.runner.engine.decode import DecodeLoop, DecodeOutput, suppressed
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import AttentionRecorder, recording
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
@@ -47,6 +47,9 @@ class GenerationResult:
     method_seconds: float
     evictions: int
     evicted_tokens: int
+    #: evictions in which the method's ranking decided what stayed (some of its candidates kept,
+    #: some dropped); the others dropped nothing or every candidate, as the protocol dictated
+    ranked_evictions: int
     peak_cache_entries: int
     peak_kv_bytes: int
     peak_memory_bytes: int
@@ -103,6 +106,7 @@ class Session:
         self.selection_seconds = 0.0
         self.evictions = 0
         self.evicted_tokens = 0
+        self.ranked_evictions = 0
         self.peak_entries = 0
         self.peak_kv_bytes = 0
         self.memory = PeakMemory(engine.device)
@@ -186,6 +190,7 @@ class Session:
 
     def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> int:
         """The next token from ``logits`` under ``settings`` (greedy, or sampled with this session's generator)."""
+        logits = suppressed(logits, settings)
         if settings.greedy:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float() / settings.temperature, dim=-1)
@@ -221,6 +226,7 @@ class Session:
         start = clock()
         self.evicted_tokens += self.cache.evict(scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots)
         self.evictions += 1
+        self.ranked_evictions += self.cache.ranked
         took = clock() - start
         self.method_seconds += scoring_seconds + took
         self.selection_seconds += took
@@ -283,6 +289,7 @@ class Session:
             selection_seconds=self.selection_seconds,
             evictions=self.evictions,
             evicted_tokens=self.evicted_tokens,
+            ranked_evictions=self.ranked_evictions,
             peak_cache_entries=self.peak_entries,
             peak_kv_bytes=self.peak_kv_bytes,
             peak_memory_bytes=self.memory.peak,

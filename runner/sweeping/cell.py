@@ -82,6 +82,8 @@ class CellWorker:
         #: the last sample's full-cache pass ``(key, (log-probabilities, targets), seconds)``: a
         #: sample's fidelity cells run back to back, so one pass serves all its methods and budgets
         self._reference: tuple[str, Any, float] | None = None
+        #: self-generated reference traces (``fidelity.reference: self``) by sample, most recent last
+        self._traces: dict[str, tuple[list[int], float]] = {}
 
     def ping(self) -> str:
         return self.worker
@@ -196,37 +198,85 @@ class CellWorker:
 
         segments, reference, reference_seconds, shared = self._fidelity_reference(cell, engine, task)
         r = fidelity.measure(engine, segments, method, cell.budget, protocol, seed=cell.gen_seed, reference=reference)
-        return _fidelity_row(r, segments, reference_seconds, shared, engine)
+        return _fidelity_row(r, segments, reference_seconds, shared, engine, self._trace_seconds(cell, shared))
 
     def _run_fidelity_batch(self, cells: list[Cell], engine) -> list[dict[str, Any]]:
-        """One sample's fidelity cells (methods x budgets), one full-cache pass, the answers
+        """Fidelity cells of one sample (methods x budgets), or of a few whole samples when each is
+        scored on its own trace (``grid.batches``): one full-cache pass per sample, the answers
         teacher-forced together (``runner.fidelity.measure_batch``)."""
         from kvleague.methods.registry import build_method
         from kvleague.runner import fidelity
 
         first = cells[0]
-        segments, reference, reference_seconds, shared = self._fidelity_reference(first, engine, self._task(first.task, first.task_options))
+        self._prepare_traces(cells, engine)
+        per_cell, seen = [], set()
+        for c in cells:
+            if c.sample_id in seen:
+                segments, reference, reference_seconds, _ = per_cell[-1]
+                per_cell.append((segments, reference, reference_seconds, True))  # a sample's cells are adjacent
+            else:
+                seen.add(c.sample_id)
+                per_cell.append(self._fidelity_reference(c, engine, self._task(c.task, c.task_options), keep_previous=True))
         results = fidelity.measure_batch(
-            engine, [segments] * len(cells), [build_method(c.method, c.params) for c in cells], [c.budget for c in cells],
-            first.protocol, [c.gen_seed for c in cells], [reference] * len(cells),
+            engine, [p[0] for p in per_cell], [build_method(c.method, c.params) for c in cells], [c.budget for c in cells],
+            first.protocol, [c.gen_seed for c in cells], [p[1] for p in per_cell],
         )
         rows = []
-        for i, r in enumerate(results):  # the first cell of the group paid the full-cache pass, if any did
-            row = _fidelity_row(r, segments, reference_seconds, shared or i > 0, engine)
+        for c, r, (segments, _, reference_seconds, shared) in zip(cells, results, per_cell):
+            # the first cell of each sample paid its full-cache pass (and trace), if any did
+            row = _fidelity_row(r, segments, reference_seconds, shared, engine, self._trace_seconds(c, shared))
             row["details"]["batch"] = {"cells": len(cells)}
             rows.append(row)
         return rows
 
-    def _fidelity_reference(self, cell: Cell, engine, task):
-        """``(segments, full-cache log-probabilities, their seconds, shared)`` of the cell's sample;
-        ``shared``: an earlier cell of the sample computed them (the last sample's pass is kept)."""
+    def _trace_key(self, cell: Cell) -> str:
+        return canonical_json([self._engine_key, cell.task, cell.task_options, cell.sample_id, cell.generation["max_new_tokens"]])
+
+    def _trace_seconds(self, cell: Cell, shared: bool) -> float | None:
+        if cell.fidelity_reference != "self":
+            return None
+        return 0.0 if shared else self._traces[self._trace_key(cell)][1]
+
+    def _prepare_traces(self, cells: list[Cell], engine) -> None:
+        """The self-generated traces the cells need and this worker lacks, decoded together (greedy,
+        full cache: each as it would be alone); a few recent ones are kept."""
         from kvleague.runner import fidelity
 
-        segments = fidelity.truncate(task.fidelity_segments(cell.sample, engine.tokenizer), cell.generation["max_new_tokens"])
+        todo = {}
+        for c in cells:
+            if c.fidelity_reference == "self" and self._trace_key(c) not in self._traces:
+                todo.setdefault(self._trace_key(c), c)
+        if not todo:
+            return
+        prompts = []
+        for c in todo.values():
+            segments = self._task(c.task, c.task_options).fidelity_segments(c.sample, engine.tokenizer)
+            prompts.append([t for ids, _ in fidelity.self_trace_segments(segments, [])[:-1] for t in ids])
+        start = time.perf_counter()
+        traces = fidelity.self_traces(engine, prompts, next(iter(todo.values())).generation["max_new_tokens"])
+        seconds = (time.perf_counter() - start) / len(traces)
+        for key, trace in zip(todo, traces):
+            self._traces[key] = (trace, seconds)
+        while len(self._traces) > 64:
+            self._traces.pop(next(iter(self._traces)))
+
+    def _fidelity_reference(self, cell: Cell, engine, task, keep_previous: bool = False):
+        """``(segments, full-cache log-probabilities, their seconds, shared)`` of the cell's sample;
+        ``shared``: an earlier cell of the sample computed them (the last sample's pass is kept).
+        Under ``fidelity.reference: self`` the scored segment is the sample's self-generated trace."""
+        from kvleague.runner import fidelity
+
+        segments = task.fidelity_segments(cell.sample, engine.tokenizer)
+        if cell.fidelity_reference == "self":
+            self._prepare_traces([cell], engine)
+            segments = fidelity.self_trace_segments(segments, self._traces[self._trace_key(cell)][0])
+        else:
+            segments = fidelity.truncate(segments, cell.generation["max_new_tokens"])
         key = canonical_json([self._engine_key, cell.task, cell.task_options, cell.sample_id, segments])
         shared = self._reference is not None and self._reference[0] == key
         if not shared:
-            self._reference = None  # free the previous sample's before computing the next
+            if not keep_previous:
+                self._reference = None  # free the previous sample's before computing the next
             start = time.perf_counter()
             reference = fidelity.full_cache_logprobs(engine, segments)
             self._reference = (key, reference, time.perf_counter() - start)
@@ -242,8 +292,12 @@ def _settings(cell: Cell):
                               stop=tuple(gen["stop"]))
 
 
-def _fidelity_row(r, segments, reference_seconds: float, shared: bool, engine) -> dict[str, Any]:
-    """A fidelity cell's stored fields: KL, delta NLL and top-1 agreement, cost and cache figures."""
+def _fidelity_row(r, segments, reference_seconds: float, shared: bool, engine, trace_seconds: float | None = None) -> dict[str, Any]:
+    """A fidelity cell's stored fields: KL, delta NLL and top-1 agreement, cost and cache figures;
+    the scored tokens' hash, so an audit can check every method and budget saw the same ones."""
+    from kvleague.runner import fidelity
+
+    trace = {} if trace_seconds is None else {"self_trace_seconds": trace_seconds}
     return {
         "measure": "fidelity",
         "kl_mean": r.kl_mean,
@@ -251,11 +305,13 @@ def _fidelity_row(r, segments, reference_seconds: float, shared: bool, engine) -
         "top1_agreement": r.top1_agreement,
         "scored_tokens": r.tokens,
         **_instrumentation(r.generation, engine),
+        "resolved_budget": r.generation.budget,
         "details": {"backend": engine.describe()["backend"], "fidelity": {
             "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
             "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
             # the full-cache pass: its time, and whether an earlier cell of this sample paid it
             "reference_seconds": reference_seconds, "reference_shared": shared,
+            "scored_sha256": fidelity.trace_hash(segments), **trace,
         }},
     }
 
@@ -269,6 +325,7 @@ def _generation_row(score, generation, completion, details: dict[str, Any], engi
         "completion": completion,
         "stop_reason": generation.stop_reason,
         **_instrumentation(generation, engine),
+        "resolved_budget": generation.budget,
         "details": {**details, "backend": engine.describe()["backend"]},
     }
 

@@ -96,6 +96,7 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
     from kvleague.methods.registry import available_methods, build_method
     from kvleague.runner.models.source import check_spec
     from kvleague.runner.engine.protocol import Protocol
+    from kvleague.tasks.episode import EpisodicTask
     from kvleague.tasks.registry import build_task, task_class
 
     warnings: list[str] = []
@@ -140,6 +141,14 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
             task = build_task(entry.name, entry.options)
         except KvleagueError as exc:
             raise KvleagueError(f"tasks[{i}].options: {exc}") from None
+        if entry.measure == "both" and config.fidelity.reference == "self":
+            raise KvleagueError(f"tasks[{i}].measure: with fidelity.reference self a task is scored against the model's "
+                                "own trace, a different task from its generation; allowed: generation or fidelity "
+                                "(two sweeps for both)")
+        if entry.measure != "fidelity" and issubclass(cls, EpisodicTask) and (
+                config.protocol_for(cls.domain, cls.protect_prompt).budget_base != "none"):
+            raise KvleagueError(f"tasks[{i}].measure: {entry.name} is episodic, so a budget relative to the prompt "
+                                "(budget_base: prompt) cannot be resolved before it runs; allowed for it: fidelity")
         if entry.measure != "generation" and not cls.has_reference():
             raise KvleagueError(f"tasks[{i}].measure: {entry.name} has no reference continuation, so {entry.measure!r} "
                                 "cannot be measured; allowed for it: generation")

@@ -48,6 +48,9 @@ class Cell:
     attempts: int = 0
     #: "generation" or "fidelity" (then ``generation["max_new_tokens"]`` is the cap on scored tokens)
     measure: str = "generation"
+    #: a fidelity cell's scored tokens: the task's reference continuation, or the model's own greedy
+    #: trace of the prompt (``fidelity.reference: self``)
+    fidelity_reference: str = "task"
 
     @property
     def sample_id(self) -> str:
@@ -116,6 +119,8 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         }
         if model_source is not None:  # lengths in this model's tokens: a different task per model
             t_spec["options"] = {**options, "length_unit": f"tokens of {model_source}"}
+        if config.fidelity.reference == "self":  # scored against the model's own trace: a different task
+            t_spec["options"] = {**t_spec["options"], "fidelity_reference": "self"}
         t_hash = spec_hash(t_spec)
         dims["task"][t_hash] = {"spec_hash": t_hash, **t_spec}
         protocol = config.protocol_for(cls.domain, cls.protect_prompt)
@@ -183,6 +188,8 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
                                         spec.update(sample_index=index, generation=gen)
                                     else:
                                         spec.update(measure=measure, max_scored_tokens=gen["max_new_tokens"])
+                                        if config.fidelity.reference != "task":
+                                            spec.update(reference=config.fidelity.reference)
                                     cells.append(
                                         Cell(
                                             key=spec_hash(spec), model=model, method=name, params=params, budget=budget,
@@ -191,7 +198,7 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
                                             gen_seed=derived_seed(seed, index), protocol=protocol, generation=gen,
                                             dims={"model": m_hash, "method": meth_hash, "task": t_hash,
                                                   "protocol": p_hash, "generation": g_hash},
-                                            measure=measure,
+                                            measure=measure, fidelity_reference=config.fidelity.reference,
                                         )
                                     )
     keys = [c.key for c in cells]
@@ -222,7 +229,9 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     A generation group is cells of one plain task under one model, method (and hyperparameters),
     budget, protocol, generation settings and seed: different samples. A fidelity group is cells of
     one sample under one model, protocol, token cap and seed: different methods and budgets, so one
-    full-cache pass serves the group and its answers are teacher-forced together. At most
+    full-cache pass serves the group and its answers are teacher-forced together; scored on
+    self-generated traces, it holds whole samples (at least ``batch_size`` cells, a sample never split,
+    so every cell of a sample sees the one trace), whose traces decode together. At most
     ``batch_size`` cells a group (``auto``: :data:`AUTO_BATCH_LIMIT`). Episodes stay alone
     (multi-turn: batch 1). Each group stands where its first cell stood."""
     from kvleague.tasks.episode import EpisodicTask
@@ -235,8 +244,19 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     for cell in cells:
         if cell.task not in episodic:
             episodic[cell.task] = issubclass(task_class(cell.task), EpisodicTask)
-        if limit == 1 or episodic[cell.task]:
+        self_trace = cell.measure == "fidelity" and cell.fidelity_reference == "self"
+        # an episode is multi-turn (batch 1) unless scored on its own trace (one prompt, one answer)
+        if limit == 1 or (episodic[cell.task] and not self_trace):
             groups.append([cell])
+            continue
+        if self_trace:  # whole samples together: their traces decode as one batch, then all their cells
+            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, cell.dims["protocol"],
+                                  cell.generation, cell.seed])
+            group = open_groups.get(key)
+            if group is None or (len(group) >= limit and group[-1].sample_id != cell.sample_id):
+                group = open_groups[key] = []
+                groups.append(group)
+            group.append(cell)
             continue
         if cell.measure == "fidelity":
             key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, cell.sample_id, cell.dims["protocol"],
