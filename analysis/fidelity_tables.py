@@ -40,6 +40,7 @@ from kvleague.analysis import identity, multiplicity, stats
 from kvleague.analysis import queries as q
 from kvleague.analysis.paper import PAPER_BASELINES, REFERENCE_FAMILY
 from kvleague.analysis.tables import full_cache_ids, full_reference_budget, method_label
+from kvleague.runner.engine.protocol import Protocol
 
 LEVEL = stats.LEVEL
 N_RESAMPLES = 2000
@@ -65,6 +66,9 @@ class SampleFidelity:
     delta_nll: float
     tokens: int
     top1_share: Fraction | None = None  # top-1 agreement as the exact mean over cells of agreeing / scored tokens
+    #: whether the method's own ranking decided what was evicted in some cell of the sample
+    #: (:func:`ranked`); False: nothing was evicted, or every candidate was, as the protocol dictated
+    ranked: bool = True
 
 
 #: method spec id -> budget -> question -> figures
@@ -149,11 +153,36 @@ def ranks_text(r: SignedRank, first: str, second: str) -> str:
     return {1: f"{first} > {second}", -1: f"{first} < {second}", 0: f"{first} = {second}"}[r.sign] if r.n else "-"
 
 
+def ranked(evicted_tokens: int | None, ranked_evictions: int | None, prompt_tokens: int | None, budget: int,
+           protocol: Protocol) -> bool:
+    """Whether a cell's method ranked anything: some eviction kept some of its candidates and dropped
+    others (``ranked_evictions``, stored since migration 0008). For rows stored before it: not when
+    nothing was evicted, nor when the protocol keeps the prompt and the prompt with the sink and recent
+    window fills the budget (then every other token goes as soon as it is fed: the protocol chose, not
+    the method)."""
+    if ranked_evictions is not None:
+        return ranked_evictions > 0
+    if not evicted_tokens:
+        return False
+    protected = (prompt_tokens or 0) + protocol.sink + protocol.recent_for(budget)
+    return not (protocol.protect_prompt and protected >= budget)
+
+
+def _protocols(engine) -> dict[int, Protocol]:
+    from sqlalchemy import select
+
+    with engine.connect() as conn:
+        return {int(r["id"]): Protocol.from_spec(r) for r in (dict(x._mapping) for x in conn.execute(select(q.P)))}
+
+
 def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fidelity:
     """The fidelity rows under the filters, one entry per sample (its cells averaged)."""
     cells: dict[tuple[int, int, Question], list[tuple]] = defaultdict(list)
-    for m, b, t, s, _model, _proto, _seed, kl, top1, dnll, tokens in q.fidelity_rows(engine, filters, budgets):
-        cells[(int(m), int(b), (int(t), str(s)))].append((float(kl), float(top1), float(dnll or 0.0), int(tokens or 0)))
+    protocols = _protocols(engine)
+    for (m, b, t, s, _model, proto, _seed, kl, top1, dnll, tokens, evicted, n_ranked, prompt,
+         resolved) in q.fidelity_rows(engine, filters, budgets):
+        chose = ranked(evicted, n_ranked, prompt, int(resolved or b), protocols[int(proto)])
+        cells[(int(m), int(b), (int(t), str(s)))].append((float(kl), float(top1), float(dnll or 0.0), int(tokens or 0), chose))
     out: Fidelity = defaultdict(lambda: defaultdict(dict))
     for (m, b, question), vals in cells.items():
         arr = np.array([v[:3] for v in vals])
@@ -161,7 +190,8 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
         # a cell's top-1 agreement is agreeing / scored tokens: recover the count, keep the share exact
         shares = [Fraction(round(v[1] * v[3]), v[3]) for v in vals if v[3] > 0]
         share = sum(shares, Fraction(0)) / len(shares) if len(shares) == len(vals) else None
-        out[m][b][question] = SampleFidelity(float(kl), float(top1), float(dnll), sum(v[3] for v in vals), share)
+        out[m][b][question] = SampleFidelity(float(kl), float(top1), float(dnll), sum(v[3] for v in vals), share,
+                                             any(v[4] for v in vals))
     return out
 
 
@@ -208,12 +238,22 @@ def _summary_rows(samples, methods, questions, dims, **where) -> list[dict[str, 
             "top-1 95% CI": _fmt(t_lo, t_hi, 1),
             "ΔNLL": float(np.mean([v.delta_nll for v in vals])) if vals else math.nan,
             "samples": len(vals), "tokens": sum(v.tokens for v in vals),
+            "ranked": sum(v.ranked for v in vals),
         })
     return rows
 
 
 BOARD_COLUMNS = ["method", "domain", "task", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens",
-                 "KL lo", "KL hi", "top-1 lo", "top-1 hi", "method_id"]
+                 "ranked", "KL lo", "KL hi", "top-1 lo", "top-1 hi", "method_id"]
+#: what a pair's ``signed ranks`` says when it is not tested (:func:`chose_nothing`)
+NOT_A_FINDING = "not a finding"
+
+
+def chose_nothing(samples, m: int, questions: list[Question], full_ids: Iterable[int]) -> bool:
+    """Whether ``m`` (not a full cache) ranked nothing in any of ``questions``: every eviction dropped
+    nothing or every candidate, as the protocol dictated, so its figures are the protocol's, not the
+    method's, and a comparison involving it is not tested."""
+    return m not in set(full_ids) and bool(questions) and not any(samples[m][qn].ranked for qn in questions)
 
 
 @dataclass
@@ -297,18 +337,27 @@ def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     with bootstrap intervals, the signed-rank test of the KL differences (:func:`signed_rank`) and its
     Holm adjustment over all the pairs in the table. ``sign``: the test's direction (+1: A higher)."""
     dims = dims or q.dimensions(engine)
-    samples = _pooled(at_budget(load(engine, filters), budget, full_cache_ids(dims))[0], dims)
+    full_ids = full_cache_ids(dims)
+    samples = _pooled(at_budget(load(engine, filters), budget, full_ids)[0], dims)
     rows = []
     for domain, tasks in _domains(samples, dims).items():
         methods = sorted(_present(samples, tasks), key=lambda m: (method_label(dims["methods"], m), m))
         questions = common_questions(samples, methods, tasks)
         for a, b in itertools.combinations(methods, 2):
-            rows.append({"domain": domain, "A": method_label(dims["methods"], a), "B": method_label(dims["methods"], b), **_paired(samples, a, b, questions)})
+            row = {"domain": domain, "A": method_label(dims["methods"], a), "B": method_label(dims["methods"], b),
+                   **_paired(samples, a, b, questions)}
+            if chose_nothing(samples, a, questions, full_ids) or chose_nothing(samples, b, questions, full_ids):
+                row.update({"signed ranks": NOT_A_FINDING, "p (Wilcoxon)": math.nan})  # shown, never tested
+            rows.append(row)
     if not rows:
         return pd.DataFrame(columns=PAIR_COLUMNS)
-    for r, adjusted in zip(rows, multiplicity.holm([r["p (Wilcoxon)"] for r in rows])):
+    tested = [r for r in rows if r["signed ranks"] != NOT_A_FINDING]
+    for r, adjusted in zip(tested, multiplicity.holm([r["p (Wilcoxon)"] for r in tested])):
         r["p (Holm)"] = adjusted
-        r["sign"] = r.pop("_test").sign
+    for r in rows:
+        r.setdefault("p (Holm)", math.nan)
+        r["sign"] = 0 if r["signed ranks"] == NOT_A_FINDING else r["_test"].sign
+        r.pop("_test")
     df = pd.DataFrame(rows)[PAIR_COLUMNS + ["Δ KL lo", "Δ KL hi", "sign"]]
     return df.sort_values(["domain", "p (Wilcoxon)", "A", "B"], kind="stable").reset_index(drop=True)
 
@@ -341,7 +390,8 @@ def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any
     rows = []
     for a, b in itertools.combinations(protocols, 2):
         changed = [k for k in settings if a[k] != b[k]]
-        if len(changed) != 1:
+        # budgets of different kinds (cache entries, room on top of the prompt) are not one budget
+        if len(changed) != 1 or (a.get("budget_base") or "none") != (b.get("budget_base") or "none"):
             continue
         da, db = fidelity_under(a), fidelity_under(b)
         methods = sorted(set(da) & set(db) - full_ids, key=label)
@@ -360,7 +410,8 @@ def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any
                     lo, hi = bootstrap_mean_interval(d)
                     test = signed_rank(kl_b, kl_a)
                     rows.append({"field": changed[0], "A": f"#{a['id']}: {a[changed[0]]}", "B": f"#{b['id']}: {b[changed[0]]}",
-                                 "domain": domain, "budget": int(budget), "method": method_label(dims["methods"], m),
+                                 "domain": domain, "budget": q.budget_label(int(budget), a.get("budget_base")),
+                                 "method": method_label(dims["methods"], m),
                                  "samples": len(questions), "tied": test.ties,
                                  "KL A": float(np.mean(kl_a)) if questions else math.nan,
                                  "KL B": float(np.mean(kl_b)) if questions else math.nan,
@@ -443,6 +494,8 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
             why = "no accuracy results" if accuracy is None else f"full-cache accuracy {accuracy:.1f}% < {floor:g}%"
             for f, b in itertools.product(family, baselines):
                 p = _paired(samples, f, b, questions)
+                if chose_nothing(samples, f, questions, full_ids) or chose_nothing(samples, b, questions, full_ids):
+                    p["p (Wilcoxon)"] = math.nan  # the protocol chose what was kept: not a finding, not tested
                 rows.append({"domain": domain, "budget": int(budget), "method": method_label(dims["methods"], f),
                              "claim": f"closer to full cache than {name(b)}", "reference": method_label(dims["methods"], b), "why fidelity": why,
                              "KL": p["KL A"], "reference KL": p["KL B"], "Δ KL": p["Δ KL (A−B)"],
@@ -454,7 +507,9 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
     enough = [r["samples"] >= stats.MIN_PROBLEMS for r in rows]
     for r, ok, p_adj in zip(rows, enough, multiplicity.holm([r["p"] if ok else math.nan for r, ok in zip(rows, enough)])):
         r["p (Holm)"] = p_adj
-        if not ok:
+        if math.isnan(r["p"]) and r["samples"]:
+            r["verdict"], r["signed ranks"] = NOT_A_FINDING, NOT_A_FINDING
+        elif not ok:
             r["verdict"] = stats.TOO_FEW
         elif p_adj < stats.ALPHA:
             r["verdict"] = "replicates" if r["_sign"] < 0 else "does not replicate"

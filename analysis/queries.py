@@ -193,6 +193,12 @@ PROTOCOL_LABEL_PARTS: dict[str, Callable[[Any], str | None] | None] = {
 }
 
 
+def budget_label(budget: int, budget_base: str | None) -> str:
+    """A budget as its protocol means it: ``192`` cache entries, or ``prompt+64`` (room on top of each
+    sample's prompt, ``budget_base: prompt``)."""
+    return f"prompt+{budget}" if budget_base == "prompt" else str(budget)
+
+
 def protocol_label(row: dict[str, Any]) -> str:
     """``#id: every_step, absolute, sink 4, recent 16, prompt compressed``: the protocol's fields in order."""
     parts = [part(row.get(name)) for name in PROTOCOL_COLUMNS if (part := PROTOCOL_LABEL_PARTS[name])]
@@ -407,7 +413,8 @@ def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | No
 
 
 FIDELITY_COLUMNS = ("method_spec_id", "budget", "task_id", "sample_id", "model_id", "protocol_id", "seed",
-                    "kl_mean", "top1_agreement", "delta_nll_mean", "scored_tokens")
+                    "kl_mean", "top1_agreement", "delta_nll_mean", "scored_tokens",
+                    "evicted_tokens", "ranked_evictions", "prompt_tokens", "resolved_budget")
 
 
 def fidelity_rows(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[tuple]:

@@ -85,18 +85,23 @@ class Slice:
     model: str
     protocol_id: int
     protocol: str
+    budget_base: str | None = None
 
     @property
     def filters(self) -> q.Filters:
         return q.Filters(models=(self.model_id,), protocols=(self.protocol_id,))
+
+    def budget(self, b: int) -> str:
+        return q.budget_label(b, self.budget_base)
 
 
 def slices(engine, opts: q.Options) -> list[Slice]:
     with engine.connect() as conn:
         pairs = conn.execute(select(R.c.model_id, R.c.protocol_id).distinct().order_by(R.c.model_id, R.c.protocol_id)).all()
     models = {m["id"]: m["name"] for m in opts.models}
-    protocols = {p["id"]: p["label"] for p in opts.protocols}
-    return [Slice(int(m), models.get(m, f"#{m}"), int(p), protocols.get(p, f"#{p}")) for m, p in pairs]
+    protocols = {p["id"]: p for p in opts.protocols}
+    return [Slice(int(m), models.get(m, f"#{m}"), int(p), protocols.get(p, {}).get("label", f"#{p}"),
+                  protocols.get(p, {}).get("budget_base")) for m, p in pairs]
 
 
 def totals(engine, filters: q.Filters | None = None, tasks: Mapping[int, Any] | None = None) -> dict[str, Any]:
@@ -178,6 +183,8 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
         other = row["B"] if first else row["A"]
         if name_of.get(other, other) not in paper.ATTENTION_SCORING:
             continue
+        if fidelity and row["signed ranks"] == fid.NOT_A_FINDING:
+            continue  # the protocol chose what was kept: nothing to say about either method
         d = row[delta] if first else -row[delta]
         sign = int(row["sign"]) * (1 if first else -1) if fidelity else (d > 0) - (d < 0)  # EpiKV's side
         kind = _direction(row["p (Holm)"], sign, lower_is_better)
@@ -206,7 +213,7 @@ GLANCE = ["domain", "budget", "EpiKV spec", "measure", "EpiKV vs full cache", "b
           "no significant difference", "baselines that beat EpiKV"]
 
 
-def _glance(domain: str, budget: int, label: str, measure: str, vs_full: str,
+def _glance(domain: str, budget: int | str, label: str, measure: str, vs_full: str,
             groups: dict[str, list[tuple[str, str]]]) -> dict[str, Any]:
     def names(kind: str) -> list[str]:
         return [name for name, _ in groups.get(kind, [])]
@@ -228,12 +235,19 @@ def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
     return f"Δ {_signed(d)} [{_signed(lo)}, {_signed(hi)}]"
 
 
-def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int,
+def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int | str,
                       name_of: Mapping[str, str]) -> list[Finding]:
     """How close each EpiKV spec stays to the full cache, and whether it matches the attention
     baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
+        if not e["ranked"]:
+            text = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): not a finding. In none of its "
+                    f"samples did {_who(e['method'])}'s ranking decide what was evicted (each eviction dropped nothing or every "
+                    "candidate, as the protocol dictated), so its KL and every comparison of it are the protocol's, untested.")
+            out.append(Finding(text, {**_glance(domain, budget, e["method"], "fidelity (KL)", "not a finding (the protocol chose)", {}),
+                                      "no significant difference": "-"}))
+            continue
         line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
                 f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
         groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, fidelity=True)
@@ -249,7 +263,7 @@ def _pair_of(pairs: pd.DataFrame, a: str, b: str) -> pd.Series | None:
     return None if hit.empty else hit.iloc[0]
 
 
-def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int,
+def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int | str,
                       name_of: Mapping[str, str]) -> list[Finding]:
     """Each EpiKV spec's accuracy against full cache and against the attention baselines, at one budget in
     one domain: the paired tests of the head-to-head table (on the domain table's problems, Holm over its
@@ -285,7 +299,7 @@ def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, bud
 # ------------------------------------------------------------------------------------------------
 
 _BOARD = ["method", "accuracy", "interval", "delta_full", "delta_lo", "delta_hi", "p_value", "rank_interval", "problems", "failed"]
-_FID = ["method", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens"]
+_FID = ["method", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "ranked", "tokens"]
 _FID_PAIRS = ["A", "B", "samples", "tied", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)", "Δ top-1 95% CI", "signed ranks",
               "p (Wilcoxon)", "p (Holm)"]
 _ACC_PAIRS = ["A", "B", "problems", "A only", "B only", "A %", "B %", "Δ A−B (pts)", "test", "p", "p (Holm)"]
@@ -348,7 +362,7 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
         non_full = (board["test"] != "reference").any() if not board.empty else False
         if not non_full and (fboard.empty or (_named(fboard["method"], w.name_of) == "full").all()):
             continue
-        w.add(f"#### {domain}, budget {b}", "")
+        w.add(f"#### {domain}, budget {s.budget(b)}", "")
         if non_full:
             w.add("Accuracy (95% interval; Δ vs full cache with the interval of its test: exact McNemar below 25 discordant "
                   "problems, else McNemar's score test; rank interval):", "",
@@ -358,13 +372,15 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
                 w.add("Paired accuracy tests against full cache and against EpiKV, on the problems of the table above (A only / "
                       "B only: the discordant problems; Holm over all pairs in the domain):", "",
                       markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}), "")
-            w.found(s, accuracy_findings(board, pairs, domain, b, w.name_of))
+            w.found(s, accuracy_findings(board, pairs, domain, s.budget(b), w.name_of))
         if not fboard.empty:
             fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
             fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
-            full_at = f"; full cache's rows from budget {fb.full_budget}" if fb.full_budget not in (None, b) else ""
+            full_at = f"; full cache's rows from budget {s.budget(fb.full_budget)}" if fb.full_budget not in (None, b) else ""
             w.add("Fidelity (mean over samples of per-token KL(full || method) in nats, 95% bootstrap interval; top-1 "
-                  f"agreement, 95% Wilson interval over tokens with the design effect of their samples{full_at}):", "",
+                  "agreement, 95% Wilson interval over tokens with the design effect of their samples; ranked: samples in which "
+                  "the method's own ranking decided what was evicted, the others evicted nothing or every candidate, as the "
+                  f"protocol dictated, and a method ranked in none is not a finding{full_at}):", "",
                   markdown_table(fboard, _FID, {"KL": 4, "top-1 %": 1, "ΔNLL": 4}), "")
             shown = _involves(fpairs, ("full", EPIKV), w.name_of)
             if not shown.empty:
@@ -372,7 +388,7 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
                       "per-sample means, bootstrap interval; Wilcoxon signed-rank: differences within float32 rounding are "
                       "tied and left out, the signed ranks give the direction; Holm over all pairs in the domain):", "",
                       markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}), "")
-            w.found(s, fidelity_findings(fpairs, fboard, domain, b, w.name_of))
+            w.found(s, fidelity_findings(fpairs, fboard, domain, s.budget(b), w.name_of))
 
 
 def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> None:
