@@ -157,12 +157,14 @@ def ranked(evicted_tokens: int | None, ranked_evictions: int | None, prompt_toke
            protocol: Protocol) -> bool:
     """Whether a cell's method ranked anything: some eviction kept some of its candidates and dropped
     others (``ranked_evictions``, stored since migration 0008). For rows stored before it: not when
-    nothing was evicted, nor when the protocol keeps the prompt and the prompt with the sink and recent
+    nothing was evicted (a row without eviction counts is taken to have ranked), nor when the protocol keeps the prompt and the prompt with the sink and recent
     window fills the budget (then every other token goes as soon as it is fed: the protocol chose, not
     the method)."""
     if ranked_evictions is not None:
         return ranked_evictions > 0
-    if not evicted_tokens:
+    if evicted_tokens is None:
+        return True  # not recorded: nothing says the protocol chose, so the row is tested
+    if evicted_tokens == 0:
         return False
     protected = (prompt_tokens or 0) + protocol.sink + protocol.recent_for(budget)
     return not (protocol.protect_prompt and protected >= budget)

@@ -183,7 +183,7 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
         other = row["B"] if first else row["A"]
         if name_of.get(other, other) not in paper.ATTENTION_SCORING:
             continue
-        if fidelity and row["signed ranks"] == fid.NOT_A_FINDING:
+        if fidelity and row.get("signed ranks") == fid.NOT_A_FINDING:
             continue  # the protocol chose what was kept: nothing to say about either method
         d = row[delta] if first else -row[delta]
         sign = int(row["sign"]) * (1 if first else -1) if fidelity else (d > 0) - (d < 0)  # EpiKV's side
@@ -241,11 +241,11 @@ def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, bud
     baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
-        if not e["ranked"]:
+        if e.get("ranked", 1) == 0:  # (a board without the column: every method ranked)
             text = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): not a finding. In none of its "
                     f"samples did {_who(e['method'])}'s ranking decide what was evicted (each eviction dropped nothing or every "
                     "candidate, as the protocol dictated), so its KL and every comparison of it are the protocol's, untested.")
-            out.append(Finding(text, {**_glance(domain, budget, e["method"], "fidelity (KL)", "not a finding (the protocol chose)", {}),
+            out.append(Finding(text, {**_glance(domain, budget, e["method"], "fidelity (KL)", f"not a finding: the protocol chose ({int(e['samples'])} samples)", {}),
                                       "no significant difference": "-"}))
             continue
         line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "

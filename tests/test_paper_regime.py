@@ -97,7 +97,8 @@ def test_self_traces_are_hf_greedy_generation_with_special_tokens_suppressed(eng
         assert len(trace) == 48 and not set(trace) & set(banned)
 
 
-def test_a_self_trace_sweep_scores_every_cell_of_a_sample_on_one_trace(tiny_models, tmp_path):
+def test_a_self_trace_sweep_scores_every_cell_of_a_sample_on_one_trace(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLEAGUE_TRACE_CACHE", str(tmp_path / "traces"))
     cells = expand(parse_config(_sweep(tiny_models["llama"], tmp_path, batch_size=7))).cells
     groups = batches(cells, 7)
     per_sample = 1 + 2 * 2  # full once, two methods at two budgets
@@ -120,8 +121,16 @@ def test_a_self_trace_sweep_scores_every_cell_of_a_sample_on_one_trace(tiny_mode
             assert row["evicted_tokens"] > 0 and 0 < row["ranked_evictions"] <= row["evictions"]
     assert all(len(hashes) == 1 for hashes in by_sample.values()) and len(by_sample) == 3
     # a cell run alone (a fresh worker: the trace generated again, at batch 1) sees the same trace
+    monkeypatch.delenv("KVLEAGUE_TRACE_CACHE")
     alone = CellWorker(torch_threads=1).run(cells[-1])
     assert alone["details"]["fidelity"]["scored_sha256"] in by_sample[cells[-1].sample_id]
+    assert alone["details"]["fidelity"]["self_trace_seconds"] > 0
+    # ... and with the trace cache, a later worker reads the stored one instead of decoding it
+    monkeypatch.setenv("KVLEAGUE_TRACE_CACHE", str(tmp_path / "traces"))
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 3
+    cached = CellWorker(torch_threads=1).run(cells[0])
+    assert cached["details"]["fidelity"]["self_trace_seconds"] == 0.0
+    assert cached["details"]["fidelity"]["scored_sha256"] in by_sample[cells[0].sample_id]
 
 
 # -- whether the method chose ------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def report(tmp_path_factory) -> str:
 
 
 def ids(rows, table: str, **match) -> list[int]:
-    return [r["id"] for r in rows[table] if all(r[k] == v for k, v in match.items())]
+    return [r["id"] for r in rows[table] if all(r.get(k) == v for k, v in match.items())]
 
 
 def spec(rows, name: str, **params) -> int:
@@ -57,7 +57,9 @@ def spec(rows, name: str, **params) -> int:
 
 
 def protocol(rows, **settings) -> int:
-    (found,) = ids(rows, "protocols", **settings)
+    """The one protocol with these settings and absolute budgets (``budget_base`` NULL: those stored before
+    budgets could count from the prompt), unless ``budget_base`` is given."""
+    (found,) = ids(rows, "protocols", **{"budget_base": None, **settings})
     return found
 
 
@@ -166,7 +168,7 @@ def test_every_sentence_states_the_n_of_its_table(report):
     """Each fidelity section: the board, every paired row and the glance row rest on one sample set."""
     glance = table(report.split("At a glance")[1].split("\n- **")[0], "protocol")
     checked = 0
-    for number in (1, 2, 3):
+    for number in sorted({int(n) for n in re.findall(r"— protocol #(\d+):", report)}):
         part = protocol_section(report, number)
         for heading in re.findall(r"^#### .*$", part, flags=re.M):
             block = section(part, heading)
@@ -175,7 +177,7 @@ def test_every_sentence_states_the_n_of_its_table(report):
             board, pairs = block.split("Paired fidelity tests")
             (n,) = {r["samples"] for r in table(board, "method")}
             assert {r["samples"] for r in table(pairs, "A")} == {n}, heading
-            domain, budget = re.match(r"#### (\w+), budget (\d+)", heading).groups()
+            domain, budget = re.match(r"#### (\w+), budget ([\w+]+)", heading).groups()
             for g in glance:
                 if (g["protocol"], g["domain"], g["budget"], g["measure"]) == (f"#{number}", domain, budget, "fidelity (KL)"):
                     assert g["EpiKV vs full cache"].endswith(f"({n} samples)"), (heading, g)
@@ -310,3 +312,47 @@ def test_full_cache_comes_from_the_budget_with_most_samples_as_the_report_says(r
     assert next(r for r in table(block.split("Fidelity (mean")[1], "method") if r["method"] == "full")["samples"] == "30"
     doc = (REPO / "docs" / "statistics.md").read_text()
     assert "at the budget where it has the most samples" in doc and "at the budget asked for, or" not in doc
+
+
+# the paper's regime (issue 30, section 1) ------------------------------------------------------------
+
+
+def test_rows_where_the_protocol_chose_everything_are_not_findings(rows, report):
+    """#2 (the authors' protocol, prompt kept beyond the budget) agentic: every prompt (723-831 tokens)
+    fills the budget with its sink and recent window, so each generated token is evicted right after its
+    own pass whatever the method scores: recomputed from the rows, and the report tests none of it."""
+    p2 = protocol(rows, positions="compact")
+    agent = ids(rows, "tasks", name="kv_agent")
+    full = spec(rows, "full")
+    cells = [r for r in rows["sample_results"] if r["protocol_id"] == p2 and r["task_id"] in agent
+             and r["status"] == "ok" and r["method_spec_id"] != full]
+    assert len(cells) > 20
+    for r in cells:  # recent = min(128, B/4), no sink: the kept prompt plus the window fill B
+        assert r["prompt_tokens"] + min(128, r["budget"] // 4) >= r["budget"] and r["evicted_tokens"] > 0
+    block = section(protocol_section(report, 2), "#### agentic, budget 128")
+    pairs = table(block.split("Paired fidelity tests")[1], "A")
+    assert pairs and all(p["signed ranks"] == "not a finding" and p["p (Wilcoxon)"] == "-" for p in pairs)
+    assert all(r["ranked"] == "0" for r in table(block.split("Paired fidelity tests")[0], "method"))
+    for line in finding(report, "agentic, budget 128** (fidelity"):
+        assert "not a finding" in line and "lower than" not in line and "higher than" not in line
+
+
+def test_the_paper_regime_rows_rank_and_score_one_trace_per_sample(rows):
+    """The regime the paper evicts in (sweeps/replication_cpu_trace*.yaml): budgets count from each
+    prompt, every cell of a sample scored the same self-generated tokens, and the methods ranked."""
+    relative = ids(rows, "protocols", budget_base="prompt")
+    assert relative
+    cells = [r for r in rows["sample_results"] if r["protocol_id"] in relative and r["status"] == "ok"]
+    hashes: dict[tuple, set] = defaultdict(set)
+    for r in cells:
+        assert r["resolved_budget"] == r["prompt_tokens"] + r["budget"] and r["scored_tokens"] == 512
+        hashes[(r["task_id"], r["sample_id"])].add(json.loads(r["details"])["fidelity"]["scored_sha256"]
+                                                   if isinstance(r["details"], str) else r["details"]["fidelity"]["scored_sha256"])
+        if r["evictions"]:
+            assert 0 < r["ranked_evictions"] <= r["evictions"]
+    domains = {t["id"]: t["domain"] for t in rows["tasks"]}
+    per_domain = defaultdict(set)
+    for task, sample in hashes:
+        per_domain[domains[task]].add(sample)
+    assert all(len(h) == 1 for h in hashes.values())
+    assert {d: len(s) >= 30 for d, s in per_domain.items()} == {"math": True, "code": True, "longqa": True, "agentic": True}

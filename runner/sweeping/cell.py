@@ -10,6 +10,7 @@ serves all of a sample's methods and budgets.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -17,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kvleague.db.spec_hash import canonical_json
+from kvleague.db.spec_hash import canonical_json, spec_hash
 from kvleague.runner.sweeping.grid import Cell
 
 
@@ -239,7 +240,10 @@ class CellWorker:
 
     def _prepare_traces(self, cells: list[Cell], engine) -> None:
         """The self-generated traces the cells need and this worker lacks, decoded together (greedy,
-        full cache: each as it would be alone); a few recent ones are kept."""
+        full cache: each as it would be alone); a few recent ones are kept. With ``$KVLEAGUE_TRACE_CACHE``
+        (a directory) a trace is also kept on disk under the hash of everything it depends on (model,
+        dtype, prompt, length), so later sweeps on the same samples reuse the very same tokens; every
+        row stores the scored tokens' hash either way."""
         from kvleague.runner import fidelity
 
         todo = {}
@@ -248,15 +252,27 @@ class CellWorker:
                 todo.setdefault(self._trace_key(c), c)
         if not todo:
             return
-        prompts = []
-        for c in todo.values():
+        store = os.environ.get("KVLEAGUE_TRACE_CACHE")
+        prompts, files = {}, {}
+        for key, c in todo.items():
             segments = self._task(c.task, c.task_options).fidelity_segments(c.sample, engine.tokenizer)
-            prompts.append([t for ids, _ in fidelity.self_trace_segments(segments, [])[:-1] for t in ids])
-        start = time.perf_counter()
-        traces = fidelity.self_traces(engine, prompts, next(iter(todo.values())).generation["max_new_tokens"])
-        seconds = (time.perf_counter() - start) / len(traces)
-        for key, trace in zip(todo, traces):
-            self._traces[key] = (trace, seconds)
+            prompt = [t for ids, _ in fidelity.self_trace_segments(segments, [])[:-1] for t in ids]
+            n = c.generation["max_new_tokens"]
+            if store:
+                files[key] = Path(store) / f"{spec_hash([c.model['resolved'], c.model['dtype'], prompt, n])}.json"
+                if files[key].is_file():
+                    self._traces[key] = (json.loads(files[key].read_text()), 0.0)
+                    continue
+            prompts[key] = prompt
+        if prompts:
+            start = time.perf_counter()
+            traces = fidelity.self_traces(engine, list(prompts.values()), next(iter(todo.values())).generation["max_new_tokens"])
+            seconds = (time.perf_counter() - start) / len(traces)
+            for key, trace in zip(prompts, traces):
+                self._traces[key] = (trace, seconds)
+                if key in files:
+                    files[key].parent.mkdir(parents=True, exist_ok=True)
+                    files[key].write_text(json.dumps(trace))
         while len(self._traces) > 64:
             self._traces.pop(next(iter(self._traces)))
 
