@@ -170,3 +170,28 @@ def test_unknown_backend_and_flash_attention_are_one_line_errors(tiny_models):
     hf = load_engine(str(tiny_models["llama"]))
     with pytest.raises(KvleagueError, match="backend slab: attn_implementation 'flash_attention_2'"):
         SlabBackend(hf.model, hf.tokenizer, "flash_attention_2")
+
+
+def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys):
+    """``--backend hf --backend slab``: one report, every figure tagged with its backend, and the slab
+    backend's tokens/s over hf's per figure (the CPU's numbers; the tokens are the test above's job)."""
+    from kvleague.runner.bench import harness as h
+    from tests.test_bench import _cli
+
+    model = str(tiny_models["llama"])
+    _cli(["bench", "generate", "--model", model, "--prompt-tokens", "24", "--new-tokens", "8", "--rounds", "1",
+          "--backend", "hf", "--backend", "slab", "--json", str(tmp_path / "g.json")])
+    g = h.read_report(tmp_path / "g.json")
+    assert g["config"]["backends"] == ["hf", "slab"] and set(g["summary"]["by_backend"]) == {"hf", "slab"}
+    assert all(s["same_tokens"] for s in g["summary"]["by_backend"].values())  # both reproduce model.generate
+    assert {(r["backend"], r["method"]) for r in g["rows"]} == {(b, m) for b in ("hf", "slab") for m in ("generate", "engine")}
+    ratios = [f for f in g["figures"] if f["metric"] == "backend_speed_ratio"]
+    assert {(f["method"], f["details"]["backend"], f["reference"]) for f in ratios} == {
+        ("generate", "slab", "backend hf"), ("engine", "slab", "backend hf")}
+    assert all(f["value"] > 0 for f in ratios)
+    _cli(["bench", "speed", "--model", model, "--budgets", "8", "--methods", "knorm", "--gen-factor", "2",
+          "--backend", "slab", "--json", str(tmp_path / "s.json")])
+    s = h.read_report(tmp_path / "s.json")
+    assert s["config"]["backend"] == "slab" and {r["backend"] for r in s["rows"]} == {"slab"}
+    assert all(r["evictions"] == (0 if r["method"] == "full" else r["steps"]) for r in s["rows"])
+    assert "backends side by side" in capsys.readouterr().out

@@ -7,7 +7,8 @@ and the forward pass:
 
 * **Fixed slabs.** Per layer, K and V are one ``[batch, kv_heads, capacity, head_dim]`` buffer each,
   allocated zeroed once at ``capacity`` = budget + what one pass appends (the prefill chunk, or the
-  cadence's buffer + 1; a first prefill longer than that sizes it once to the prompt). Lengths and
+  cadence's buffer + 1; a first prefill longer than that sizes it once to the prompt; a budget past
+  the model's context, i.e. no eviction, grows it geometrically instead). Lengths and
   absolute positions are device tensors (``BudgetedCache``'s bookkeeping); the slab is never
   reallocated by an eviction and never shrinks.
 * **Compaction in place.** An eviction moves the kept slots to the front with one gather per buffer
@@ -60,7 +61,7 @@ class FixedSlabLayer(SlabLayer):
             return self.capacity
         if self.capacity == 0:
             return max(self.reserve or 0, needed)
-        return max(needed, int(self.capacity * 1.5), self.capacity + 256)
+        return max(needed, int(self.capacity * 1.5), self.capacity + 256)  # (a budget past the context)
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return self.planned(self.get_seq_length() + cache_position.shape[0]), 0
@@ -119,6 +120,9 @@ class SlabStore(BudgetedCache):
         cache = DynamicCache(config=config)
         if any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise KvleagueError("backend slab: every layer must be a full-attention layer (no sliding-window cache); use backend hf")
+        limit = getattr(config, "max_position_embeddings", None)
+        if reserve is not None and limit is not None and reserve > limit:
+            reserve = None  # a budget past the model's context (no eviction): the slab grows as it fills
         cache.layers = [FixedSlabLayer(reserve) for _ in cache.layers]
         self.cache = cache
 
