@@ -85,6 +85,27 @@ def test_slab_equals_hf_alone_and_batched(pairs, prompts, name, arch):
         assert sum(r.evictions > 0 for r in oracle) >= 2
 
 
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "epikv"])
+def test_multi_turn_sessions_and_teacher_forcing_equal_hf(pairs, prompts, name):
+    """Feed, decode, feed again (the pending token flushed), decode; then teacher forcing as fidelity
+    runs it: the same tokens, kept positions and (to float rounding) logits on both backends."""
+    protocol, settings = Protocol(sink=1, recent=2, cadence="buffer=2"), GenerationSettings(max_new_tokens=6)
+    out = {}
+    for backend, engine in zip(("hf", "slab"), pairs["qwen3"]):
+        logits = []
+        with engine.session(build_method(name), BUDGET, protocol) as session:
+            session.feed(prompts[1])
+            first = session.decode(settings).token_ids
+            session.feed(prompts[0])
+            second = session.decode(settings).token_ids
+            session.teacher_force(prompts[2][:8], lambda l, t: logits.append(l.clone()))
+            out[backend] = (first, second, session.kept_positions(), session.evictions, torch.stack(logits))
+    hf, slab = out["hf"], out["slab"]
+    assert slab[:4] == hf[:4]
+    torch.testing.assert_close(slab[4], hf[4], rtol=1e-5, atol=1e-5)
+
+
 def _watch_key_widths(monkeypatch, engine) -> list[int]:
     """The key length every decode step's attention call of ``engine`` sees (one query per row)."""
     import transformers.modeling_utils as mu
