@@ -216,3 +216,26 @@ def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys
     assert s["config"]["backend"] == "slab" and {r["backend"] for r in s["rows"]} == {"slab"}
     assert all(r["evictions"] == (0 if r["method"] == "full" else r["steps"]) for r in s["rows"])
     assert "backends side by side" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", [*UNOBSERVED, "snapkv"])
+def test_captured_decode_steps_equal_hf_on_cuda(tiny_models, prompts, name):
+    """On CUDA (``scripts/gpu_check.sh``; never run yet, no GPU was lent): float32, the slab backend
+    with its decode steps replayed as CUDA graphs against the hf backend on the same GPU, alone and
+    batched; ``snapkv`` observes queries, so its steps run eagerly."""
+    from kvleague.runner.models import load_engine
+
+    hf = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda")
+    slab = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda", backend="slab")
+    hf.eos_ids, slab.eos_ids = set(), set()
+    protocol, settings = Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=NEW_TOKENS)
+    oracle = [hf.generate(p, build_method(name), BUDGET, protocol, settings) for p in prompts]
+    alone = [slab.generate(p, build_method(name), BUDGET, protocol, settings) for p in prompts]
+    batched = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings)
+    for expected, single, in_batch in zip(oracle, alone, batched):
+        _same(expected, single)
+        _same(expected, in_batch)
+    steps = slab.describe()["decode_steps"]
+    assert (steps["graph"] > 0) == (name != "snapkv") and steps["static"] == 0
