@@ -33,7 +33,8 @@ slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -169,21 +170,15 @@ class SlabBackend(HFBackend):
     def batch_layer(self, keys: torch.Tensor, values: torch.Tensor, rows) -> FixedBatchSlabLayer:
         return FixedBatchSlabLayer(keys, values, rows)
 
-    def observing(self, kernel: str, hidden_layers: list[int], on_hidden):
+    @contextmanager
+    def observing(self, kernel: str, hidden_layers: list[int], on_hidden) -> Iterator[None]:
         """As the HF backend's, counting the hidden-state hooks (a step that feeds one is not captured)."""
-        outer = super().observing(kernel, hidden_layers, on_hidden)
-        backend = self
-
-        class _Counting:
-            def __enter__(self):
-                outer.__enter__()
-                backend._hidden_hooks += len(hidden_layers)
-
-            def __exit__(self, *exc):
-                backend._hidden_hooks -= len(hidden_layers)
-                return outer.__exit__(*exc)
-
-        return _Counting()
+        with super().observing(kernel, hidden_layers, on_hidden):
+            self._hidden_hooks += len(hidden_layers)
+            try:
+                yield
+            finally:
+                self._hidden_hooks -= len(hidden_layers)
 
     # -- one forward pass over the slabs ------------------------------------------------------------
 
