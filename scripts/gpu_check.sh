@@ -4,9 +4,11 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]      # default gpu-check/
 #
 # 1. the CUDA tests (`pytest -m cuda`): the engine against model.generate and eager attention on the
-#    GPU, ragged batches against each sequence alone, every registered method on CUDA against CPU;
+#    GPU, ragged batches against each sequence alone, every registered method on CUDA against CPU,
+#    the slab backend's captured decode steps against the hf backend;
 # 2. a random-weight llama of 0.57B parameters (16 layers, hidden 2048, 32/8 heads) built offline;
-# 3. on it, in bf16: `kvleague bench generate / batch / speed / kvpress / context`, wall clock with
+# 3. on it, in bf16: `kvleague bench generate / batch / speed / kvpress / context` (and speed on both
+#    backends, hf and slab), wall clock with
 #    the device synchronized, each under its own time limit.
 # Everything lands in OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit
 # code, seconds). Exit code: 0 when every step passed. About 6 minutes on an H200 (docs/gpu.md).
@@ -47,7 +49,7 @@ cat "$out/environment.txt"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "gpu_check: torch sees no CUDA device" >&2; exit 2; }
 
-step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py \
+step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py tests/test_backend_slab.py \
   --junitxml "$out/cuda-tests.xml"
 [ -f "$model/model.safetensors" ] || step model 240 "$PY" -m kvleague.runner.cli make-tiny-model --arch llama --layers 16 \
   --hidden 2048 --heads 32 --kv-heads 8 --out "$model"
@@ -60,6 +62,8 @@ bench batch 180 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-s
 bench batch-attention 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,8 --methods h2o,snapkv --clock wall
 bench speed 150 speed --budgets 256 --gen-factor 1 --methods epikv knorm tova snapkv h2o --clock wall
 bench kvpress 120 kvpress --budgets 256 --new-tokens 128 --rounds 1 --clock wall
+# the slab backend (fixed slabs, CUDA-graph decode steps) beside hf, one run: knorm's steps are captured, snapkv's not
+bench slab-speed 150 speed --budgets 256 --gen-factor 1 --methods knorm snapkv --clock wall --backend hf --backend slab
 bench context 150 context --methods full knorm snapkv --memory-gib 8 --max-tokens 16384 --probe-timeout 60
 
 echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo some steps FAILED); reports in $out/"

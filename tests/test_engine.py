@@ -366,5 +366,5 @@ def test_load_engine_names_its_backend_and_refuses_an_unknown_one(tiny_models):
     engine = load_engine(str(tiny_models["llama"]), backend="hf")
     assert engine.describe()["backend"] == "hf" and engine.describe()["parameters"] == sum(
         p.numel() for p in engine.model.parameters())
-    with pytest.raises(KvleagueError, match=r"^backend: unknown 'vllm'; allowed: hf$"):
+    with pytest.raises(KvleagueError, match=r"^backend: unknown 'vllm'; allowed: hf, slab$"):
         load_engine(str(tiny_models["llama"]), backend="vllm")

@@ -61,7 +61,7 @@ _DELETE = object()
 
 # (id, path to change, new value, text the one-line error must contain)
 INVALID = [
-    ("unknown-backend", "models.0.backend", "vllm", "models[0].backend: Input should be 'hf'"),
+    ("unknown-backend", "models.0.backend", "vllm", "models[0].backend: Input should be 'hf' or 'slab'"),
     ("unknown-method", "methods.0", "no_such_method", "methods[0].name: unknown 'no_such_method'; valid names:"),
     ("unknown-task", "tasks.0.name", "no_such_task", "tasks[0].name: unknown 'no_such_task'; valid names:"),
     ("negative-budget", "budgets", [64, -8], "budgets: must be positive integers, got -8"),

@@ -21,12 +21,15 @@ import argparse
 import sys
 import time
 
+from kvleague.runner.bench.cli import add_backend
+
 #: targets of the batch-8 / batch-1 speed-up per method, and of engine / generate
 SPEEDUP_TARGETS = {"full": 3.0, "epikv": 2.5}
 GENERATE_TARGET = 0.9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_backend(p)
     p.add_argument("--prompt-tokens", type=int, default=None, help="default 400 (quick 64)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (quick 16)")
     p.add_argument("--budget", type=int, default=None, help="KV budget of the evicting methods (default prompt // 2)")
@@ -77,6 +80,13 @@ def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> d
 
 
 def run(args) -> dict:
+    """The benchmark on each ``--backend`` in turn (``harness.across_backends``)."""
+    from kvleague.runner.bench import harness as h
+
+    return h.across_backends(args, run_one)
+
+
+def run_one(args) -> dict:
     from kvleague.runner.bench import harness as h
     from kvleague.runner.models import load_engine
 
@@ -89,7 +99,7 @@ def run(args) -> dict:
     sizes = [int(x) for x in (args.batch_sizes or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     methods = [m for m in args.methods.split(",") if m]
     source = str(args.model or h.default_model())
-    engine = load_engine(source)
+    engine = load_engine(source, backend=args.backend)
     engine.eos_ids = set()
     engine.clock = clock.now  # the engine's step times on the clock that times model.generate
     label = h.model_label(engine, args.model)

@@ -17,6 +17,15 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", metavar="URL", help="database URL for --store (default: $KVLEAGUE_DB or sqlite:///kvleague.db)")
 
 
+def add_backend(p: argparse.ArgumentParser) -> None:
+    """``--backend NAME`` (repeatable): the engine backends a benchmark runs, side by side in one run."""
+    from kvleague.runner.engine import BACKENDS
+
+    p.add_argument("--backend", action="append", choices=BACKENDS,
+                   help=f"engine backend ({', '.join(BACKENDS)}; default hf); repeat it to run each in turn in one run, "
+                        "every figure tagged with its backend, and report the later backends' tokens/s over the first's")
+
+
 def common_parser(doc: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
     add_common(parser)

@@ -23,6 +23,7 @@ import sys
 import time
 
 from kvleague.analysis import paper
+from kvleague.runner.bench.cli import add_backend
 
 DEFAULT_METHODS = ("full", "epikv", "h2o")
 QUICK_METHODS = ("full", "epikv")
@@ -30,6 +31,7 @@ SEGMENTS = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_backend(p)
     p.add_argument("--budgets", type=int, nargs="+", help="default 256 1024 4096 (quick: 256 1024)")
     p.add_argument("--methods", nargs="+", help=f"default {' '.join(DEFAULT_METHODS)} (full is always added)")
     p.add_argument("--gen-factor", type=float, default=4.0, help="decode this many times the budget (>= 4 for the issue's claim)")
@@ -84,6 +86,13 @@ def measure(engine, name: str, budget: int, prompt: list[int], steps: int, proto
 
 
 def run(args) -> dict:
+    """The benchmark on each ``--backend`` in turn (``harness.across_backends``)."""
+    from kvleague.runner.bench import harness as h
+
+    return h.across_backends(args, run_one)
+
+
+def run_one(args) -> dict:
     from kvleague.runner.bench import harness as h
     from kvleague.runner.models import load_engine
     from kvleague.runner.engine.protocol import Protocol
@@ -95,7 +104,7 @@ def run(args) -> dict:
     budgets = args.budgets or ([256, 1024] if args.quick else [256, 1024, 4096])
     names = list(dict.fromkeys(["full", *(args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS))]))
     source = str(args.model or h.default_model())
-    engine = load_engine(source)
+    engine = load_engine(source, backend=args.backend)
     engine.eos_ids = set()  # every run decodes exactly its number of tokens
     label = h.model_label(engine, args.model)
     protocol = Protocol(cadence=args.cadence, prefill_chunk=args.prefill_chunk)

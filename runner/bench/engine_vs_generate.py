@@ -19,11 +19,14 @@ import argparse
 import sys
 import time
 
+from kvleague.runner.bench.cli import add_backend
+
 TARGET = 0.9
 FIRST_PASS_TARGET = 0.9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_backend(p)
     p.add_argument("--prompt-tokens", type=int, default=None, help="default 1024 (quick 256)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 512 (quick 128)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; quick 3)")
@@ -85,6 +88,13 @@ def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str =
 
 
 def run(args) -> dict:
+    """The benchmark on each ``--backend`` in turn (``harness.across_backends``)."""
+    from kvleague.runner.bench import harness as h
+
+    return h.across_backends(args, run_one)
+
+
+def run_one(args) -> dict:
     from kvleague.runner.bench import harness as h
     from kvleague.runner.models import load_engine
 
@@ -96,7 +106,7 @@ def run(args) -> dict:
     new_tokens = args.new_tokens or (128 if args.quick else 512)
     rounds = args.rounds or (3 if args.quick else 5)
     source = str(args.model or h.default_model())
-    engine = load_engine(source)
+    engine = load_engine(source, backend=args.backend)
     engine.eos_ids = set()
     label = h.model_label(engine, args.model)
     prompt = h.random_prompt(prompt_tokens, seed=1)

@@ -10,6 +10,8 @@
 * :func:`make_report` / :func:`validate_report` / :func:`write_report`: one JSON layout for every
   benchmark: wide ``rows`` to read, and long ``figures`` (one number each, with its unit, method,
   budget and reference) that ``--store`` writes to the database unchanged;
+* :func:`across_backends`: one benchmark on each engine backend of ``--backend`` in one run, the
+  figures tagged with their backend and the backends' tokens/s ratios added;
 * :func:`default_model`: the offline CPU model (a random-weight llama of 41M parameters).
 """
 
@@ -276,6 +278,64 @@ def make_report(
     }
     validate_report(report)
     return report
+
+
+def across_backends(args, run_one: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``run_one(args)`` once per backend of ``args.backend`` (``--backend``, default ``hf``), each run
+    given its backend as ``args.backend``. Every row and figure is tagged with its backend. With one
+    backend that is its report; with several, one report holds them all (rows and figures in turn,
+    ``summary.by_backend``) plus a ``backend_speed_ratio`` figure for every tokens/s figure of a later
+    backend over the same figure (metric, method, budget, details) of the first."""
+    import argparse
+
+    backends = list(dict.fromkeys(getattr(args, "backend", None) or ["hf"]))
+    reports = []
+    for backend in backends:
+        sub = argparse.Namespace(**vars(args))
+        sub.backend = backend
+        report = run_one(sub)
+        report["config"]["backend"] = backend
+        for row in report["rows"]:
+            row["backend"] = backend
+        for fig in report["figures"]:
+            fig["details"]["backend"] = backend
+        reports.append(report)
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+
+    def key(fig: dict) -> tuple:
+        details = {k: v for k, v in fig["details"].items() if k != "backend"}
+        return fig["metric"], fig["method"], fig["budget"], fig["reference"], json.dumps(details, sort_keys=True, default=str)
+
+    reference = {key(f): f for f in first["figures"] if f["unit"] == "tokens/s"}
+    ratios, extra = [], []
+    for backend, report in zip(backends[1:], reports[1:]):
+        for fig in report["figures"]:
+            base = reference.get(key(fig)) if fig["unit"] == "tokens/s" else None
+            if base is None:
+                continue
+            value = ratio(fig["value"], base["value"])
+            which = ", ".join(f"{k} {v}" for k, v in fig["details"].items() if k in ("runner", "batch_size"))
+            ratios.append({"backend": backend, "reference": backends[0], "metric": fig["metric"], "method": fig["method"],
+                           "budget": fig["budget"], "which": which, "ratio": value})
+            extra.append(figure("backend_speed_ratio", value, "x", method=fig["method"], budget=fig["budget"],
+                                reference=f"backend {backends[0]}", of=fig["metric"],
+                                **{k: v for k, v in fig["details"].items()}))
+    config = {**first["config"], "backend": None, "backends": backends}
+    merged = make_report(
+        first["benchmark"], config=config,
+        rows=[row for r in reports for row in r["rows"]],
+        figures=[f for r in reports for f in r["figures"]] + extra,
+        summary={"backends": backends, "by_backend": {b: r["summary"] for b, r in zip(backends, reports)},
+                 "backend_ratios": ratios},
+        env=first["environment"],
+    )
+    merged["elapsed_seconds"] = sum(r["elapsed_seconds"] or 0 for r in reports)
+    print(f"\nbackends side by side: tokens/s of {', '.join(backends[1:])} over {backends[0]}")
+    print(table(ratios, [("backend", "backend", ""), ("metric", "figure", ""), ("method", "method", ""),
+                         ("budget", "budget", ""), ("which", "", ""), ("ratio", "ratio", ".3f")]))
+    return merged
 
 
 def validate_report(report: Any) -> None:

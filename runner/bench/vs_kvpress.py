@@ -24,11 +24,14 @@ import argparse
 import sys
 import time
 
+from kvleague.runner.bench.cli import add_backend
+
 METHODS = {"streaming_llm": "StreamingLLMPress", "knorm": "KnormPress"}
 TARGET = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_backend(p)
     p.add_argument("--budgets", type=int, nargs="+", help="default 1024 (quick 256)")
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps (default 512; quick 128)")
     p.add_argument("--methods", nargs="+", choices=sorted(METHODS), help="default: both")
@@ -53,6 +56,13 @@ def time_kvpress(engine, name: str, budget: int, prompt: list[int], new_tokens: 
 
 
 def run(args) -> dict:
+    """The benchmark on each ``--backend`` in turn (``harness.across_backends``)."""
+    from kvleague.runner.bench import harness as h
+
+    return h.across_backends(args, run_one)
+
+
+def run_one(args) -> dict:
     import logging
 
     from kvleague.runner.bench import harness as h
@@ -70,7 +80,7 @@ def run(args) -> dict:
     rounds = args.rounds or 3
     names = args.methods or list(METHODS)
     source = str(args.model or h.default_model())
-    engine = load_engine(source)
+    engine = load_engine(source, backend=args.backend)
     engine.eos_ids = set()
     label = h.model_label(engine, args.model)
     env = h.environment()

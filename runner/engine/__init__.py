@@ -6,6 +6,7 @@ it imports nothing from them. Its modules, one job each:
 * ``contract``  what a method is and sees (:class:`EvictionMethod`, :class:`Needs`, observations);
 * ``generation``  :class:`Engine`: sessions over one backend, ``generate`` and ``generate_batch``;
 * ``backend``  the seam to a model runtime (:class:`~runner.engine.backend.HFBackend`: Hugging Face's forward);
+* ``slab``  the slab backend: fixed-size KV slabs compacted in place, decode steps capturable as CUDA graphs;
 * ``session``  :class:`Session`: one sequence's cache, prefill, decode and teacher forcing;
 * ``decode``  the one decode loop: a step (forward, track, observe, evict) for any number of sequences;
 * ``batch``  batching policy: which sequences decode together, and how many fit;
@@ -20,9 +21,10 @@ it imports nothing from them. Its modules, one job each:
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
-#: the engine backends a model can run on (``backend.py``; ``HFBackend.name``), as sweeps and
+#: the engine backends a model can run on (``backend.py``: ``HFBackend.name``; ``slab.py``: fixed KV slabs,
+#: CUDA-graph decode steps), as sweeps and
 #: ``load_engine`` name them: here, not in backend.py, so that configs check names without torch
-BACKENDS = ("hf",)
+BACKENDS = ("hf", "slab")
 
 # ``generation`` and ``session`` import torch and transformers (seconds); loaded on first use so that
 # importing ``runner.engine.errors`` (every CLI command does) stays cheap

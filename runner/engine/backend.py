@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from kvleague.runner.engine.cache import BudgetedCache
+from kvleague.runner.engine.decode import BatchSlabLayer
 from kvleague.runner.engine.probe import wrapper_name
 
 
@@ -80,6 +81,10 @@ class HFBackend:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def batch_layer(self, keys: torch.Tensor, values: torch.Tensor, rows) -> BatchSlabLayer:
+        """One layer of the batched cache over slabs ``keys`` / ``values`` ``[N, H, capacity, d]`` (``decode.py``)."""
+        return BatchSlabLayer(keys, values, rows)
 
     def forward(self, token_ids: torch.Tensor, rope_positions: torch.Tensor, cache, start_slot: int,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -166,7 +166,7 @@ class DecodeLoop:
                 length = layer.keys.shape[-2]
                 k[r : r + 1, :, :length].copy_(layer.keys)
                 v[r : r + 1, :, :length].copy_(layer.values)
-            layers.append(BatchSlabLayer(k, v, self.rows))
+            layers.append(self.backend.batch_layer(k, v, self.rows))
         self.cache = self.backend.empty_batch_cache()
         self.cache.layers = layers
         self.capacity = capacity

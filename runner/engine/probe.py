@@ -43,6 +43,9 @@ class AttentionRecorder:
     k_new: list = field(default_factory=list)
     v_new: list = field(default_factory=list)
     rows: list = field(default_factory=list)
+    #: the cache's valid slots when the kernel saw a fixed slab's whole capacity (``slab.py``); None:
+    #: every key the kernel saw is a cached slot
+    kv_length: int | None = None
 
     def start(self, new_tokens: int) -> None:
         self.new_tokens = new_tokens
@@ -53,6 +56,9 @@ class AttentionRecorder:
 
     def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
         c = self.new_tokens
+        if self.kv_length is not None:
+            key, value = key[:, :, : self.kv_length], value[:, :, : self.kv_length]
+            weights = weights[..., : self.kv_length] if weights is not None else None
         if self.queries:
             self.q[layer] = query[0]
         if self.new_keys_values:
@@ -125,6 +131,11 @@ def attention_rows(
         last_visible = torch.arange(t - w, t, device=scores.device)
         scores.masked_fill_(slots[None, :] > last_visible[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1)
+
+
+def active_recorder() -> AttentionRecorder | None:
+    """The recorder of the forward passes running now (None when nothing records)."""
+    return _ACTIVE.get()
 
 
 class recording:

@@ -28,7 +28,7 @@ def load_engine(
 ) -> Engine:
     """Load a model spec (a known name, a ``.gguf`` file, a checkpoint directory or a Hub id; see
     ``runner.models.source``) through the same path for tiny test models and real ones, on ``backend``
-    (``BACKENDS``; today Hugging Face's forward pass)."""
+    (``BACKENDS``: Hugging Face's forward pass, ``hf``, or the same model over fixed KV slabs, ``slab``)."""
     if backend not in BACKENDS:
         raise KvleagueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
     if attn_implementation not in INNER_IMPLEMENTATIONS:
@@ -50,6 +50,10 @@ def load_engine(
         ).to(device)
     except OSError as exc:
         raise KvleagueError(f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}") from None
+    if backend == "slab":
+        from kvleague.runner.engine.slab import SlabBackend
+
+        return Engine(backend=SlabBackend(hf_model, tokenizer, attn_implementation))
     return Engine(hf_model, tokenizer, attn_implementation)
 
 

@@ -1,0 +1,299 @@
+"""The slab backend: fixed-size KV slabs compacted in place, attention over the whole slab under a
+validity mask, and decode steps that can be captured as CUDA graphs (``BACKENDS``: ``"slab"``).
+
+It runs the same Hugging Face model as :class:`~runner.engine.backend.HFBackend` and the same engine
+loops (``session.py``, ``decode.py``: track, observe, score, select); what differs is the KV store
+and the forward pass:
+
+* **Fixed slabs.** Per layer, K and V are one ``[batch, kv_heads, capacity, head_dim]`` buffer each,
+  allocated zeroed once at ``capacity`` = budget + what one pass appends (the prefill chunk, or the
+  cadence's buffer + 1; a first prefill longer than that sizes it once to the prompt; a budget past
+  the model's context, i.e. no eviction, grows it geometrically instead). Lengths and
+  absolute positions are device tensors (``BudgetedCache``'s bookkeeping); the slab is never
+  reallocated by an eviction and never shrinks.
+* **Compaction in place.** An eviction moves the kept slots to the front with one gather per buffer
+  (into a reused scratch, then one copy back): the same slot layout the HF store's memmove / hole
+  filling produce (``_Plan.order``), so the two backends hold the same entries in the same slots.
+* **Constant shapes.** Every forward attends over the whole slab (``capacity`` keys) with a 4D mask
+  (slot visible iff valid and causally before the query), built here on the device from the start
+  slot and the decode loop's padding mask; HF's own mask logic, which synchronizes with the host, is
+  bypassed. A decode step therefore has the same shapes whatever the cache holds.
+* **CUDA graphs** (:class:`GraphedStep`, only on CUDA): a decode step of a batch whose methods need
+  no observation from the step (no hidden states, queries, keys or attention rows) is captured once
+  per (batch, capacity, slab buffers) and replayed: tokens, RoPE positions, write slots and the mask
+  are static device buffers filled before each replay; K/V are written at device-held slots. Steps
+  that need observations, prefill, and every step on the CPU run eagerly; :meth:`SlabBackend.describe`
+  counts which path ran (``decode_steps``: ``eager`` / ``graph`` / ``static``). The method's scoring and the
+  engine's top-k selection run eagerly between steps on either path (they synchronize with the host
+  to decide how many slots to keep).
+
+Methods that read attention rows get them from the attention wrapper (``probe.py``) over the valid
+slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s per-row lengths).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvleague.runner.engine.backend import HFBackend
+from kvleague.runner.engine.cache import BudgetedCache, SlabLayer, _Plan
+from kvleague.runner.engine.decode import BatchSlabLayer
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.probe import active_recorder
+
+
+class FixedSlabLayer(SlabLayer):
+    """One sequence's layer: a zeroed ``[1, H, capacity, d]`` slab; ``update`` writes the new entries
+    in place and returns the **whole** slab (the mask hides the free slots)."""
+
+    #: device-held write slot ``[1]`` of a captured step (None: write at the host-known length)
+    slots: torch.Tensor | None = None
+
+    def planned(self, needed: int) -> int:
+        """The capacity a pass that needs ``needed`` slots runs at: the current one while it fits; the
+        reserve (budget + one pass) or the first prompt, whichever is larger, at first; past that
+        (a method that never evicts) geometric growth, as the HF store's."""
+        if needed <= self.capacity:
+            return self.capacity
+        if self.capacity == 0:
+            return max(self.reserve or 0, needed)
+        return max(needed, int(self.capacity * 1.5), self.capacity + 256)  # (a budget past the context)
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.planned(self.get_seq_length() + cache_position.shape[0]), 0
+
+    def resize(self, capacity: int) -> None:
+        """Zeroed, not empty: a free slot is masked, but 0 x NaN garbage would still be NaN."""
+        n = self._nk
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:-2], capacity, old.shape[-1]))
+            new.narrow(-2, 0, n).copy_(old.narrow(-2, 0, n))
+            setattr(self, name, new)
+        self.regrowths = getattr(self, "regrowths", -1) + 1  # the first allocation is not a regrowth
+        self._refresh()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
+        if not self.is_initialized or self._k.dim() < 2:
+            self.lazy_initialization(key_states, value_states)
+        n, c = self._nk, key_states.shape[-2]
+        if n + c > self.capacity:
+            self.resize(self.planned(n + c))
+        if self.slots is not None:  # captured: the slot comes from a device buffer
+            self._k.index_copy_(2, self.slots, key_states)
+            self._v.index_copy_(2, self.slots, value_states)
+            return self._k, self._v
+        self._k.narrow(-2, n, c).copy_(key_states)
+        self._v.narrow(-2, n, c).copy_(value_states)
+        self._nk = self._nv = n + c
+        self._refresh()
+        return self._k, self._v
+
+
+class FixedBatchSlabLayer(BatchSlabLayer):
+    """A batched decode step's layer (``decode.py``): as :class:`BatchSlabLayer`, but attention sees
+    the whole ``[N, H, capacity, d]`` slab under the backend's mask."""
+
+    #: device-held write slot per row ``[N]`` of a captured step (None: ``rows``' host-side rule)
+    slots: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
+        if self.slots is not None:
+            rows = torch.arange(self.slab_k.shape[0], device=self.slab_k.device)
+            self.slab_k[rows, :, self.slots] = key_states[:, :, 0]
+            self.slab_v[rows, :, self.slots] = value_states[:, :, 0]
+        else:
+            super().update(key_states, value_states, cache_kwargs)
+        return self.slab_k, self.slab_v
+
+
+class SlabStore(BudgetedCache):
+    """The budgeted cache over fixed slabs: ``BudgetedCache``'s bookkeeping and selection, one gather
+    per buffer to compact, no shrinking."""
+
+    def __init__(self, config, n_layers: int, n_kv_heads: int, device: torch.device, reserve: int | None = None):
+        super().__init__(config, n_layers, n_kv_heads, device, reserve)
+        cache = DynamicCache(config=config)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise KvleagueError("backend slab: every layer must be a full-attention layer (no sliding-window cache); use backend hf")
+        limit = getattr(config, "max_position_embeddings", None)
+        if reserve is not None and limit is not None and reserve > limit:
+            reserve = None  # a budget past the model's context (no eviction): the slab grows as it fills
+        cache.layers = [FixedSlabLayer(reserve) for _ in cache.layers]
+        self.cache = cache
+
+    def _evict_layer(self, layer, plan: _Plan) -> None:
+        order = plan.order()  # [B] or [H, B]: the old slot of every new slot, as the HF store lays them out
+        budget = plan.budget
+        for buf in layer.buffers:  # [1, H, capacity, d]
+            index = (order[None, None, :, None] if order.dim() == 1 else order[None, :, :, None])
+            index = index.expand(buf.shape[0], buf.shape[1], budget, buf.shape[-1])
+            tmp = self._scratch_view(buf, tuple(index.shape))
+            torch.gather(buf, -2, index, out=tmp)
+            buf.narrow(-2, 0, budget).copy_(tmp)
+        layer.truncate(budget)
+
+    def _shrink(self, budget: int) -> None:
+        """Fixed slabs: never reallocated."""
+
+
+class SlabBackend(HFBackend):
+    """Hugging Face's model over fixed KV slabs (see the module docstring)."""
+
+    name = "slab"
+
+    def __init__(self, model, tokenizer, attn_implementation: str = "sdpa", graphs: bool | None = None):
+        if attn_implementation not in ("sdpa", "eager"):
+            raise KvleagueError(f"backend slab: attn_implementation {attn_implementation!r} takes no 4D mask; allowed: sdpa, eager")
+        super().__init__(model, tokenizer, attn_implementation)
+        #: capture decode steps as CUDA graphs (default: on CUDA only; True on the CPU runs the captured
+        #: body eagerly, so its static-buffer writes and mask are checked without a GPU)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        #: decode steps per path: ``eager`` (dynamic), ``graph`` (a CUDA graph replayed), ``static`` (the
+        #: graph's body run eagerly over its static buffers: ``graphs=True`` off CUDA, for tests)
+        self.steps = {"eager": 0, "graph": 0, "static": 0}
+        self._hidden_hooks = 0
+        self._graphed: dict[tuple, GraphedStep] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "decode_steps": dict(self.steps),
+                "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off"}
+
+    def new_cache(self, reserve: int) -> SlabStore:
+        return SlabStore(self.model.config, self.n_layers, self.n_kv_heads, self.device, reserve=reserve)
+
+    def batch_layer(self, keys: torch.Tensor, values: torch.Tensor, rows) -> FixedBatchSlabLayer:
+        return FixedBatchSlabLayer(keys, values, rows)
+
+    @contextmanager
+    def observing(self, kernel: str, hidden_layers: list[int], on_hidden) -> Iterator[None]:
+        """As the HF backend's, counting the hidden-state hooks (a step that feeds one is not captured)."""
+        with super().observing(kernel, hidden_layers, on_hidden):
+            self._hidden_hooks += len(hidden_layers)
+            try:
+                yield
+            finally:
+                self._hidden_hooks -= len(hidden_layers)
+
+    # -- one forward pass over the slabs ------------------------------------------------------------
+
+    def forward(self, token_ids: torch.Tensor, rope_positions: torch.Tensor, cache, start_slot: int,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`HFBackend.forward`, attending over the whole slab: ``attention_mask`` ``[N, S]``
+        (valid slots of a ragged batch) is widened to the slab's capacity and made causal here."""
+        n, c = token_ids.shape
+        layer = cache.layers[0]
+        capacity = layer.slab_k.shape[-2] if isinstance(layer, BatchSlabLayer) else layer.planned(start_slot + c)
+        recorder = active_recorder()
+        if recorder is not None:
+            recorder.kv_length = start_slot + c  # a single sequence's valid slots (a batch's recorder cuts per row)
+        if c == 1 and self.graphs and recorder is None and not self._hidden_hooks:
+            self.steps["graph" if self.device.type == "cuda" else "static"] += 1
+            return self._graph_step(token_ids, rope_positions, cache, start_slot, attention_mask, capacity)
+        if c == 1:
+            self.steps["eager"] += 1
+        mask = self.slab_mask(n, c, capacity, start_slot, attention_mask)
+        out = self.model(
+            input_ids=token_ids,
+            position_ids=rope_positions,
+            attention_mask=mask,
+            cache_position=torch.arange(start_slot, start_slot + c, device=self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def slab_mask(self, n: int, c: int, capacity: int, start_slot: int, valid: torch.Tensor | None) -> torch.Tensor:
+        """``[N, 1, c, capacity]``: query j (at slot ``start_slot + j``) sees slot s iff s <= its slot
+        and s is valid (``valid[:, s]``, True beyond nothing: slots past ``valid``'s width are free).
+        Boolean for SDPA; additive (0 / the dtype's min, as HF builds it) for eager."""
+        slots = torch.arange(capacity, device=self.device)
+        visible = slots[None, None, :] <= (start_slot + torch.arange(c, device=self.device))[None, :, None]  # [1, c, cap]
+        if valid is not None:
+            wide = torch.zeros((n, capacity), dtype=torch.bool, device=self.device)
+            wide[:, : valid.shape[-1]] = valid
+            visible = visible & wide[:, None, :]
+        visible = visible.expand(n, c, capacity)[:, None]
+        if self.model.config._attn_implementation.endswith("eager"):
+            return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return visible
+
+    # -- CUDA graphs (taken on CUDA only) -----------------------------------------------------------
+
+    def _graph_step(self, token_ids, rope_positions, cache, start_slot, attention_mask, capacity) -> torch.Tensor:
+        n = token_ids.shape[0]
+        layers = cache.layers
+        if isinstance(layers[0], BatchSlabLayer):
+            slots = (attention_mask.sum(dim=-1) - 1) if attention_mask is not None else torch.full((n,), start_slot, device=self.device)
+        else:
+            slots = torch.full((1,), start_slot, device=self.device)
+        key = (n, capacity, self.model.config._attn_implementation, *(layer.buffers[0].data_ptr() if isinstance(layer, SlabLayer)
+                                                                     else layer.slab_k.data_ptr() for layer in layers))
+        step = self._graphed.get(key)
+        if step is None:
+            self._graphed = {key: GraphedStep(self, cache, n, capacity)}  # one live graph: older slabs are gone
+            step = self._graphed[key]
+        logits = step.run(token_ids, rope_positions, slots, self.slab_mask(n, 1, capacity, start_slot, attention_mask), start_slot)
+        if not isinstance(layers[0], BatchSlabLayer):
+            for layer in layers:  # the replay wrote the slot; the host-side length follows
+                layer.set_length(start_slot + 1)
+        return logits
+
+
+class GraphedStep:
+    """One decode step (batch ``n``, slab ``capacity``) captured as a CUDA graph over static buffers.
+
+    On CUDA the body is captured once and replayed; elsewhere (tests) it runs eagerly over the same
+    static buffers. The capture itself has not run here: this repository's machines have no GPU
+    (docs/gpu.md, GPU figures "not measured")."""
+
+    def __init__(self, backend: SlabBackend, cache, n: int, capacity: int):
+        self.backend, self.cache = backend, cache
+        device = backend.device
+        self.tokens = torch.zeros((n, 1), dtype=torch.long, device=device)
+        self.rope = torch.zeros((n, 1), dtype=torch.long, device=device)
+        self.slots = torch.zeros((n,), dtype=torch.long, device=device)
+        self.cache_position = torch.zeros((1,), dtype=torch.long, device=device)
+        self.mask = backend.slab_mask(n, 1, capacity, 0, None).clone()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def _body(self) -> torch.Tensor:
+        for layer in self.cache.layers:
+            layer.slots = self.slots
+        try:
+            out = self.backend.model(input_ids=self.tokens, position_ids=self.rope, attention_mask=self.mask,
+                                     cache_position=self.cache_position, past_key_values=self.cache, use_cache=True,
+                                     logits_to_keep=1)
+        finally:
+            for layer in self.cache.layers:
+                layer.slots = None
+        return out.logits[:, -1]
+
+    def run(self, token_ids, rope, slots, mask, start_slot: int) -> torch.Tensor:
+        self.tokens.copy_(token_ids)
+        self.rope.copy_(rope)
+        self.slots.copy_(slots)
+        self.mask.copy_(mask)
+        self.cache_position.fill_(start_slot)
+        if self.backend.device.type != "cuda":
+            return self._body()
+        if self.graph is None:
+            # warm up on a side stream (allocator pools, lazy kernels), then capture; the warm-up
+            # wrote this step's K/V already, and the capture only records
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._body()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._body()
+        self.graph.replay()
+        return self.logits.clone()

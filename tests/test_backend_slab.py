@@ -1,0 +1,241 @@
+"""The slab backend (``runner/engine/slab.py``) against the Hugging Face backend, the oracle.
+
+Every registered method on tiny llama / qwen2 / qwen3 in float32, one sequence and a ragged batch:
+the slab backend must give the same tokens, kept positions and eviction counts as ``backend: hf``.
+Each architecture runs under a different protocol (sinks and a recent window; compact positions,
+a buffered cadence and the prompt kept whole; chunked prefill and seeded sampling). Then what makes
+it a slab backend: attention sees the whole fixed slab at every step, evictions never reallocate
+it, and the graph-ready decode step (static buffers, device-held write slots) gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvleague.methods import available_methods, build_method
+from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from tests.conftest import ARCHS
+
+METHODS = sorted(available_methods())
+BUDGET = 16
+NEW_TOKENS = 10
+LENGTHS = (9, 20, 27)  # below and above the budget
+PROTOCOLS = {
+    "llama": Protocol(sink=2, recent=3),
+    "qwen2": Protocol(positions="compact", cadence="buffer=3", recent=2, protect_prompt=True, prompt_over_budget="keep"),
+    "qwen3": Protocol(sink=1, prefill_chunk=7),
+}
+SETTINGS = {
+    "llama": GenerationSettings(max_new_tokens=NEW_TOKENS),
+    "qwen2": GenerationSettings(max_new_tokens=NEW_TOKENS),
+    "qwen3": GenerationSettings(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9),
+}
+#: methods that observe nothing at a decode step: their steps take the graph-ready path
+UNOBSERVED = ("full", "keydiff", "knorm", "random", "streaming_llm")
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_models):
+    """Per architecture, (hf engine, slab engine) over the same checkpoint, float32, no EOS."""
+    from kvleague.runner.models import load_engine
+
+    torch.set_num_threads(1)
+    out = {}
+    for arch, path in tiny_models.items():
+        hf, slab = load_engine(str(path)), load_engine(str(path), backend="slab")
+        hf.eos_ids, slab.eos_ids = set(), set()  # every sequence decodes NEW_TOKENS
+        out[arch] = (hf, slab)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(pairs) -> list[list[int]]:
+    text = "Once the cache is full, every new token costs an old one; which one goes is the whole question. " * 2
+    ids = pairs["llama"][0].tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [ids[3 * i : 3 * i + n] for i, n in enumerate(LENGTHS)]
+
+
+def _same(oracle, result) -> None:
+    assert result.token_ids == oracle.token_ids
+    assert result.kept_positions == oracle.kept_positions
+    for name in ("evictions", "evicted_tokens", "ranked_evictions", "peak_cache_entries", "generated_tokens",
+                 "attn_implementation", "completion"):
+        assert getattr(result, name) == getattr(oracle, name), name
+
+
+def test_registered_methods_are_all_covered():
+    assert len(METHODS) >= 26 and set(UNOBSERVED) <= set(METHODS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", METHODS)
+def test_slab_equals_hf_alone_and_batched(pairs, prompts, name, arch):
+    hf, slab = pairs[arch]
+    protocol, settings = PROTOCOLS[arch], SETTINGS[arch]
+    seeds = list(range(7, 7 + len(prompts)))
+    oracle = [hf.generate(p, build_method(name), BUDGET, protocol, settings, seed=s) for p, s in zip(prompts, seeds)]
+    alone = [slab.generate(p, build_method(name), BUDGET, protocol, settings, seed=s) for p, s in zip(prompts, seeds)]
+    batched = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, seeds)
+    for expected, single, in_batch in zip(oracle, alone, batched):
+        _same(expected, single)
+        _same(expected, in_batch)
+    if not build_method(name).never_evicts:
+        assert sum(r.evictions > 0 for r in oracle) >= 2
+
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "epikv"])
+def test_multi_turn_sessions_and_teacher_forcing_equal_hf(pairs, prompts, name):
+    """Feed, decode, feed again (the pending token flushed), decode; then teacher forcing as fidelity
+    runs it: the same tokens, kept positions and (to float rounding) logits on both backends."""
+    protocol, settings = Protocol(sink=1, recent=2, cadence="buffer=2"), GenerationSettings(max_new_tokens=6)
+    out = {}
+    for backend, engine in zip(("hf", "slab"), pairs["qwen3"]):
+        logits = []
+        with engine.session(build_method(name), BUDGET, protocol) as session:
+            session.feed(prompts[1])
+            first = session.decode(settings).token_ids
+            session.feed(prompts[0])
+            second = session.decode(settings).token_ids
+            session.teacher_force(prompts[2][:8], lambda l, t: logits.append(l.clone()))
+            out[backend] = (first, second, session.kept_positions(), session.evictions, torch.stack(logits))
+    hf, slab = out["hf"], out["slab"]
+    assert slab[:4] == hf[:4]
+    torch.testing.assert_close(slab[4], hf[4], rtol=1e-5, atol=1e-5)
+
+
+def _watch_key_widths(monkeypatch, engine) -> list[int]:
+    """The key length every decode step's attention call of ``engine`` sees (one query per row)."""
+    import transformers.modeling_utils as mu
+
+    widths = []
+    name = engine.model.config._attn_implementation
+    inner = mu.ALL_ATTENTION_FUNCTIONS[name]
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        if query.shape[-2] == 1:
+            widths.append(key.shape[-2])
+        return inner(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(mu.ALL_ATTENTION_FUNCTIONS._global_mapping, name, spy)
+    return widths
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batch"])
+def test_decode_steps_see_the_whole_fixed_slab_and_evictions_never_reallocate(pairs, prompts, monkeypatch, batched):
+    hf, slab = pairs["llama"]
+    protocol, settings = Protocol(sink=1, prefill_chunk=5), GenerationSettings(max_new_tokens=12)
+    with slab.session(build_method("snapkv"), BUDGET, protocol) as session:
+        session.feed(prompts[1])
+        buffers = [layer.buffers[0].data_ptr() for layer in session.cache.cache.layers]
+        capacity = session.cache.cache.layers[0].capacity
+        assert capacity == BUDGET + 5  # budget + the prefill chunk (no pass of it is a single token)
+        widths = _watch_key_widths(monkeypatch, slab)
+        if batched:
+            results = slab.generate_batch(prompts, [build_method("snapkv") for _ in prompts], BUDGET, protocol, settings)
+            assert all(r.evictions for r in results[1:])
+        else:
+            session.decode(settings)
+            assert session.evictions > 3
+            assert [layer.buffers[0].data_ptr() for layer in session.cache.cache.layers] == buffers
+            assert session.cache.cache.layers[0].capacity == capacity
+        monkeypatch.undo()
+    assert len(widths) >= 11 * hf.n_layers and len(set(widths)) == 1, set(widths)
+    assert widths[0] == (capacity if not batched else BUDGET + 1)  # a batch's slab: B + the cadence's buffer + 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", UNOBSERVED)
+def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):
+    """``graphs=True`` off CUDA runs the captured step's body eagerly: static buffers, K/V written at
+    device-held slots, the mask copied in. Same tokens and kept positions as the oracle."""
+    hf, slab = pairs[arch]
+    protocol, settings = PROTOCOLS[arch], SETTINGS[arch]
+    oracle = [hf.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
+    backend = slab.backend
+    backend.graphs = True
+    try:
+        before = backend.steps["static"]
+        alone = [slab.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
+        batched = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * 3)
+        assert backend.steps["static"] - before == (len(prompts) + 1) * (NEW_TOKENS - 1)  # every decode step: 3 alone, 1 batch
+    finally:
+        backend.graphs = False
+    for expected, single, in_batch in zip(oracle, alone, batched):
+        _same(expected, single)
+        _same(expected, in_batch)
+
+
+def test_observed_steps_run_eagerly_and_describe_says_which_path_ran(pairs, prompts):
+    _, slab = pairs["llama"]
+    backend = slab.backend
+    backend.graphs = True
+    try:
+        before = dict(backend.steps)
+        slab.generate(prompts[2], build_method("tova"), BUDGET, Protocol(), GenerationSettings(max_new_tokens=5))
+        assert backend.steps["static"] == before["static"] and backend.steps["eager"] > before["eager"]
+    finally:
+        backend.graphs = False
+    about = slab.describe()
+    assert about["backend"] == "slab" and about["cuda_graphs"] == "off" and set(about["decode_steps"]) == {"eager", "graph", "static"}
+
+
+def test_unknown_backend_and_flash_attention_are_one_line_errors(tiny_models):
+    from kvleague.runner.engine.slab import SlabBackend
+    from kvleague.runner.models import load_engine
+
+    with pytest.raises(KvleagueError, match="backend: unknown 'vllm'; allowed: hf, slab"):
+        load_engine(str(tiny_models["llama"]), backend="vllm")
+    hf = load_engine(str(tiny_models["llama"]))
+    with pytest.raises(KvleagueError, match="backend slab: attn_implementation 'flash_attention_2'"):
+        SlabBackend(hf.model, hf.tokenizer, "flash_attention_2")
+
+
+def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys):
+    """``--backend hf --backend slab``: one report, every figure tagged with its backend, and the slab
+    backend's tokens/s over hf's per figure (the CPU's numbers; the tokens are the test above's job)."""
+    from kvleague.runner.bench import harness as h
+    from tests.test_bench import _cli
+
+    model = str(tiny_models["llama"])
+    _cli(["bench", "generate", "--model", model, "--prompt-tokens", "24", "--new-tokens", "8", "--rounds", "1",
+          "--backend", "hf", "--backend", "slab", "--json", str(tmp_path / "g.json")])
+    g = h.read_report(tmp_path / "g.json")
+    assert g["config"]["backends"] == ["hf", "slab"] and set(g["summary"]["by_backend"]) == {"hf", "slab"}
+    assert all(s["same_tokens"] for s in g["summary"]["by_backend"].values())  # both reproduce model.generate
+    assert {(r["backend"], r["method"]) for r in g["rows"]} == {(b, m) for b in ("hf", "slab") for m in ("generate", "engine")}
+    ratios = [f for f in g["figures"] if f["metric"] == "backend_speed_ratio"]
+    assert {(f["method"], f["details"]["backend"], f["reference"]) for f in ratios} == {
+        ("generate", "slab", "backend hf"), ("engine", "slab", "backend hf")}
+    assert all(f["value"] > 0 for f in ratios)
+    _cli(["bench", "speed", "--model", model, "--budgets", "8", "--methods", "knorm", "--gen-factor", "2",
+          "--backend", "slab", "--json", str(tmp_path / "s.json")])
+    s = h.read_report(tmp_path / "s.json")
+    assert s["config"]["backend"] == "slab" and {r["backend"] for r in s["rows"]} == {"slab"}
+    assert all(r["evictions"] == (0 if r["method"] == "full" else r["steps"]) for r in s["rows"])
+    assert "backends side by side" in capsys.readouterr().out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", [*UNOBSERVED, "snapkv"])
+def test_captured_decode_steps_equal_hf_on_cuda(tiny_models, prompts, name):
+    """On CUDA (``scripts/gpu_check.sh``; never run yet, no GPU was lent): float32, the slab backend
+    with its decode steps replayed as CUDA graphs against the hf backend on the same GPU, alone and
+    batched; ``snapkv`` observes queries, so its steps run eagerly."""
+    from kvleague.runner.models import load_engine
+
+    hf = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda")
+    slab = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda", backend="slab")
+    hf.eos_ids, slab.eos_ids = set(), set()
+    protocol, settings = Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=NEW_TOKENS)
+    oracle = [hf.generate(p, build_method(name), BUDGET, protocol, settings) for p in prompts]
+    alone = [slab.generate(p, build_method(name), BUDGET, protocol, settings) for p in prompts]
+    batched = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings)
+    for expected, single, in_batch in zip(oracle, alone, batched):
+        _same(expected, single)
+        _same(expected, in_batch)
+    steps = slab.describe()["decode_steps"]
+    assert (steps["graph"] > 0) == (name != "snapkv") and steps["static"] == 0
