@@ -127,10 +127,11 @@ def cmd_generate(args) -> int:
                             protocol.positions)
     if warning:
         _progress(warning)
+    protocol, budget = protocol.for_prompt(args.budget, len(prompt))  # --budget-base prompt: room on top of it
     start = time.perf_counter()
-    with engine.session(method, args.budget, protocol, args.seed) as session:
+    with engine.session(method, budget, protocol, args.seed) as session:
         if not args.json:
-            _progress(f"prefill of {len(prompt):,} prompt tokens under budget {args.budget:,}")
+            _progress(f"prefill of {len(prompt):,} prompt tokens under budget {budget:,}")
         session.feed(prompt)
         if not args.json:
             _progress(f"prefill done in {time.perf_counter() - start:.1f}s; decoding up to {args.max_new_tokens:,} tokens")

@@ -208,7 +208,8 @@ class KvleagueLM(LM):
 
         ids = self.encode(context)
         method = build_method(self.method_name, self.method_params)  # fresh per-sequence state
-        result = self.engine.generate(ids, method, self.budget, self.protocol, self.settings(gen_kwargs), self.seed)
+        protocol, budget = self.protocol.for_prompt(self.budget, len(ids))  # budget_base=prompt: room on top of it
+        result = self.engine.generate(ids, method, budget, protocol, self.settings(gen_kwargs), self.seed)
         info = result.to_dict()
         info.pop("kept_positions", None)
         self.generations.append(info)

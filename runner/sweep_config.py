@@ -17,12 +17,13 @@ Layout (see ``sweeps/demo.yaml``)::
     methods:                                # or "methods: all" (every registered method, defaults)
       - full
       - {name: streaming_llm, params: {...}, grid: {hyperparameter: [v1, v2]}}
-    budgets: [32, 64]
+    budgets: [32, 64]                       # or [prompt+64, prompt+128]: room on top of each prompt
     tasks: [{name: math500, limit: 2, options: {}, optional: false, measure: generation}]  # or fidelity, both
     protocol: {cadence: every_step, positions: absolute, sink: 0, recent: 0, protect_prompt: null, prefill_chunk: null}
     protocol_by_domain: {longqa: {protect_prompt: false, prefill_chunk: 512}}
     generation: {temperature: 0.0, top_p: 1.0, n_samples: 1, max_new_tokens: null, stop: null}
-    fidelity: {max_scored_tokens: 64}       # for tasks with measure: fidelity or both
+    fidelity: {max_scored_tokens: 64, reference: task}   # measure: fidelity or both; reference: self =
+                                            # the model's own greedy trace, max_scored_tokens long
     seeds: [0]
     resources: {workers: null, cpus_per_worker: 1, gpus_per_worker: null, ...}
 """

@@ -156,3 +156,8 @@ def test_ranked_evictions_count_only_evictions_the_methods_ranking_decided(engin
         s.feed(prompt_ids[:40])
         r = s.result()
     assert r.evictions == r.ranked_evictions == 0
+
+
+def test_a_session_refuses_a_budget_that_was_never_resolved(engines):
+    with pytest.raises(KvleagueError, match="budget_base: 'prompt' is resolved per prompt before a session starts"):
+        engines["llama"].session(build_method("h2o", {}), 64, Protocol(budget_base="prompt"), 0)

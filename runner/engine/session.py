@@ -68,6 +68,9 @@ class Session:
     """One sequence on one KV cache. Use as a context manager (it installs and removes hooks)."""
 
     def __init__(self, engine, method: EvictionMethod, budget: int, protocol: Protocol, seed: int):
+        if protocol.budget_base != "none":
+            raise KvleagueError(f"budget_base: {protocol.budget_base!r} is resolved per prompt before a session starts "
+                                "(Protocol.for_prompt); a session takes an absolute budget, allowed: none")
         protocol.check_budget(budget)
         self.engine, self.method, self.budget, self.protocol, self.seed = engine, method, budget, protocol, seed
         needs = method.needs
