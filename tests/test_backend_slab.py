@@ -17,21 +17,13 @@ from kvleague.methods import available_methods, build_method
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
+# the batch tests' protocols (sinks and windows; compact positions, a buffered cadence and a kept
+# prompt; chunked prefill and seeded sampling) and settings
+from tests.test_batch import NEW_TOKENS, PROTOCOLS, SETTINGS
 
 METHODS = sorted(available_methods())
 BUDGET = 16
-NEW_TOKENS = 10
 LENGTHS = (9, 20, 27)  # below and above the budget
-PROTOCOLS = {
-    "llama": Protocol(sink=2, recent=3),
-    "qwen2": Protocol(positions="compact", cadence="buffer=3", recent=2, protect_prompt=True, prompt_over_budget="keep"),
-    "qwen3": Protocol(sink=1, prefill_chunk=7),
-}
-SETTINGS = {
-    "llama": GenerationSettings(max_new_tokens=NEW_TOKENS),
-    "qwen2": GenerationSettings(max_new_tokens=NEW_TOKENS),
-    "qwen3": GenerationSettings(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9),
-}
 #: methods that observe nothing at a decode step: their steps take the graph-ready path
 UNOBSERVED = ("full", "keydiff", "knorm", "random", "streaming_llm")
 

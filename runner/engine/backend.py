@@ -92,12 +92,17 @@ class HFBackend:
         raw cache object), writing at storage slots ``start_slot`` .. ``start_slot + C - 1`` (so the causal
         mask is right for a shrunken cache); ``attention_mask`` ``[N, S]`` hides padded slots. Returns
         the last position's logits ``[N, V]``."""
-        c = token_ids.shape[1]
+        return self.model_step(token_ids, rope_positions, cache, start_slot, attention_mask)
+
+    def model_step(self, token_ids: torch.Tensor, rope_positions: torch.Tensor, cache, start_slot: int,
+                   attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The model's own forward over ``cache`` at storage slots from ``start_slot``, under the mask
+        given (a backend with its own KV layout builds a different one): the last position's logits."""
         out = self.model(
             input_ids=token_ids,
             position_ids=rope_positions,
             attention_mask=attention_mask,
-            cache_position=torch.arange(start_slot, start_slot + c, device=self.device),
+            cache_position=torch.arange(start_slot, start_slot + token_ids.shape[1], device=self.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,

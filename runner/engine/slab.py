@@ -197,17 +197,7 @@ class SlabBackend(HFBackend):
             return self._graph_step(token_ids, rope_positions, cache, start_slot, attention_mask, capacity)
         if c == 1:
             self.steps["eager"] += 1
-        mask = self.slab_mask(n, c, capacity, start_slot, attention_mask)
-        out = self.model(
-            input_ids=token_ids,
-            position_ids=rope_positions,
-            attention_mask=mask,
-            cache_position=torch.arange(start_slot, start_slot + c, device=self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1]
+        return self.model_step(token_ids, rope_positions, cache, start_slot, self.slab_mask(n, c, capacity, start_slot, attention_mask))
 
     def slab_mask(self, n: int, c: int, capacity: int, start_slot: int, valid: torch.Tensor | None) -> torch.Tensor:
         """``[N, 1, c, capacity]``: query j (at slot ``start_slot + j``) sees slot s iff s <= its slot
