@@ -56,7 +56,7 @@ def store_correlations(report: dict[str, Any], url: str | None = None) -> int:
             "partial_lo": _finite(c.get("partial_lo", float("nan"))),
             "partial_hi": _finite(c.get("partial_hi", float("nan"))),
             "partial_p_value": _finite(c.get("partial_p_value", float("nan"))),
-            "occluded": config["options"].get("occluded", "context"),
+            "occluded": config.get("options", {}).get("occluded", "context"),
         })
     if not rows:
         return 0
