@@ -323,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", action="append", default=None, help="importance label(s) (default: every label stored)")
     args = p.parse_args(argv)
     df = read_correlations(get_engine(args.db))
-    settings = [x for x in SETTINGS if (df["occluded"] == x).any()]
     for label in args.label or [x for x in ("occlusion_nll", "answer_flip") if (df["label"] == x).any()]:
+        settings = [x for x in SETTINGS if ((df["occluded"] == x) & (df["label"] == label)).any()]
         if len(settings) <= 1:  # one setting: its tables, as before the trace setting existed
             print(markdown(df, label))
             continue
