@@ -219,7 +219,7 @@ def _side_by_side(comp: pd.DataFrame, group: str) -> pd.DataFrame:
             n = int(t[f"n_samples_{setting}"].max())
             out[f"{task} {setting} (n={n})"] = cells.apply(_interval, axis=1)
         out[f"{task}: sign, overlap"] = t["sign"] + ", " + t["overlap"].map({True: "overlap", False: "apart"})
-    wide = pd.DataFrame(out)
+    wide = pd.DataFrame(out).fillna("—")  # a signal compared in some tasks only
     if group == f"{DEPTH_FAMILY} per layer":
         wide = wide.loc[sorted(wide.index, key=lambda name: int(name.rsplit("_l", 1)[1]))]
     return wide
