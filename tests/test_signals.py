@@ -574,4 +574,4 @@ def test_cli_trace_setting_stores_rows_tagged_with_it_over_the_self_traces(tiny,
     df = read_correlations(get_engine(url))
     assert set(df["occluded"]) == {"context", "trace"}  # the latest run of each setting, not of each task
     comparison = setting_comparison(df)
-    assert set(comparison["signal"]) >= {"method:h2o", "h2o_mean", "position"}
+    assert set(comparison["signal"]) >= {"h2o_mean", "key_norm_mean", "position"}
