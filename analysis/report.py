@@ -461,14 +461,24 @@ def _signals(w: _Writer) -> None:
           "Spearman's rho between per-token signals and importance by occlusion (the increase in the reference "
           "continuation's NLL when a window is occluded), pooled over samples as the EpiKV authors pool, with 95% "
           "bootstrap intervals over samples. The paper's bands: positive at "
-          f"{paper.band_text(paper.POSITIVE_LAYERS)} of depth, negative at {paper.band_text(paper.NEGATIVE_LAYERS)}.", "",
-          signals.markdown(df), "")
-    for _, v in signals.band_verdicts(signals.depth_table(df)).iterrows():
-        w.findings.append(
-            f"**{v['domain']} ({v['task']}), signal study** ({v['samples']} samples, {v['model']}): the paper's sign pattern "
-            f"{v['verdict']} (early band: {v['early band: layers > 0']} of {v['early band: layers']} layers above 0, "
-            f"{v['early band: layers < 0']} below; late band: {v['late band: layers < 0']} of {v['late band: layers']} below 0, "
-            f"{v['late band: layers > 0']} above).")
+          f"{paper.band_text(paper.POSITIVE_LAYERS)} of depth, negative at {paper.band_text(paper.NEGATIVE_LAYERS)}.", "")
+    settings = [x for x in signals.SETTINGS if (df["occluded"] == x).any()]
+    for setting in settings:  # each setting of the occlusion windows on its own, never pooled
+        rows = df[df["occluded"] == setting]
+        if len(settings) > 1:
+            w.add(f"### Signal studies with {signals.SETTING_TITLES[setting]}", "")
+        w.add(signals.markdown(rows), "")
+        where = f", windows over the {setting}" if len(settings) > 1 else ""
+        for _, v in signals.band_verdicts(signals.depth_table(rows)).iterrows():
+            w.findings.append(
+                f"**{v['domain']} ({v['task']}), signal study** ({v['samples']} samples, {v['model']}{where}): the paper's "
+                f"sign pattern {v['verdict']} (early band: {v['early band: layers > 0']} of {v['early band: layers']} layers "
+                f"above 0, {v['early band: layers < 0']} below; late band: {v['late band: layers < 0']} of "
+                f"{v['late band: layers']} below 0, {v['late band: layers > 0']} above).")
+    if len(settings) > 1:
+        comparison = signals.comparison_markdown(df)
+        if comparison:
+            w.add("### Signal studies: the two settings of the windows side by side", "", comparison, "")
 
 
 def _provenance(w: _Writer) -> None:

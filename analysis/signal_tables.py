@@ -1,7 +1,10 @@
 """Tables of the signal studies (``kvleague signals``, table ``signal_correlations``) for the Signals page
 and docs/signals.md: rho against layer depth per domain, rho per method per domain, and whether the
 paper's sign pattern holds in its bands, judged by the per-layer intervals; each both raw and with the
-token's position held fixed (the rank partial rho, ``partial_*`` columns; runs stored before it have none).
+token's position held fixed (the rank partial rho, ``partial_*`` columns; runs stored before it have none);
+each per setting of the occlusion windows (``occluded``: over the context, or over the trace as the EpiKV
+authors slide them; rows before migration 0009 are ``context``), and the two settings side by side
+(:func:`setting_comparison`, :func:`setting_agreement`).
 
 Run ``python -m analysis.signal_tables --db URL`` for the Markdown tables of a database.
 """
@@ -19,25 +22,31 @@ from kvleague.analysis.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBL
 #: the paper's per-layer signal
 DEPTH_FAMILY = "hs_l2_diff_rolling64"
 COLUMNS = ["run_id", "model", "task", "domain", "label", "signal", "family", "layer", "n_layers", "rho", "rho_lo",
-           "rho_hi", "p_value", "n_samples", "n_pairs", "created_at", "control", "partial_rho", "partial_lo", "partial_hi"]
+           "rho_hi", "p_value", "n_samples", "n_pairs", "created_at", "control", "partial_rho", "partial_lo", "partial_hi",
+           "occluded"]
 #: the two kinds of rho: as measured, and with the control (the token's position) held fixed
 RAW, PARTIAL = "raw", "position held fixed"
+#: where the occlusion windows slid (``signal_correlations.occluded``), in display order
+SETTINGS = ("context", "trace")
+SETTING_TITLES = {"context": "windows over the context before the answer (prompt included)",
+                  "trace": "windows over the model's own trace (the prompt never occluded; the EpiKV authors' setting)"}
 
 
 def read_correlations(engine) -> pd.DataFrame:
-    """The latest run's rows of each (model, task, label); empty on a schema without the table."""
+    """The latest run's rows of each (model, task, label, occluded); empty on a schema without the table."""
     from kvleague.db.models import SignalCorrelation
 
     if "signal_correlations" not in inspect(engine).get_table_names():
         return pd.DataFrame(columns=COLUMNS)
     t = SignalCorrelation.__table__
-    present = {c["name"] for c in inspect(engine).get_columns("signal_correlations")}  # a database not yet at 0007
+    present = {c["name"] for c in inspect(engine).get_columns("signal_correlations")}  # a database not yet at 0007/0009
     with engine.connect() as conn:
         rows = conn.execute(select(*[t.c[c] for c in COLUMNS if c in present]))
         df = pd.DataFrame([dict(r._mapping) for r in rows], columns=COLUMNS)
     if df.empty:
         return df
-    latest = df.sort_values("created_at").groupby(["model", "task", "label"])["run_id"].last()
+    df["occluded"] = df["occluded"].fillna("context")
+    latest = df.sort_values("created_at").groupby(["model", "task", "label", "occluded"])["run_id"].last()
     return df[df["run_id"].isin(set(latest))].reset_index(drop=True)
 
 
@@ -133,6 +142,110 @@ def signal_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
     return sel[cols].sort_values(["domain", "signal"]).reset_index(drop=True)
 
 
+def headline(signal: str) -> bool:
+    """The signals with intervals by default (``kvleague signals`` without ``--all-intervals``): the paper's
+    per-layer signal, the all-layer signals, the position control and the methods."""
+    return signal.startswith((f"{DEPTH_FAMILY}_l", "method:")) or signal.endswith("_mean") or signal == "position"
+
+
+def _group(signal: str) -> str:
+    if signal.startswith("method:"):
+        return "methods"
+    if signal.startswith(f"{DEPTH_FAMILY}_l"):
+        return f"{DEPTH_FAMILY} per layer"
+    return "all-layer signals and position"
+
+
+def _sign(lo: float, hi: float) -> int:
+    """+1 / -1 when the interval lies above / below 0, 0 when it covers 0 (or there is none)."""
+    return 1 if lo > 0 else -1 if hi < 0 else 0
+
+
+def setting_comparison(df: pd.DataFrame, label: str = "occlusion_nll", kind: str = RAW) -> pd.DataFrame:
+    """Per (model, domain, task) and headline signal, the rho of each setting of the windows side by side
+    (``kind``: raw, or with position held fixed), and how they compare: ``sign`` (both intervals on the
+    same side of 0: "same"; on opposite sides: "opposite"; else "one covers 0" / "both cover 0") and
+    ``overlap`` (whether the two intervals overlap). Only signals with an interval in both settings."""
+    rows = df if kind == RAW else position_held_fixed(df)
+    sel = rows[(rows["label"] == label) & rows["signal"].map(headline)].dropna(subset=["rho", "rho_lo", "rho_hi"])
+    if kind == PARTIAL:
+        sel = sel[sel["signal"] != "position"]
+    keys = ["model", "domain", "task", "signal"]
+    cols = ["rho", "rho_lo", "rho_hi", "n_samples"]
+    context = sel[sel["occluded"] == "context"][keys + cols]
+    trace = sel[sel["occluded"] == "trace"][keys + cols]
+    both = context.merge(trace, on=keys, suffixes=("_context", "_trace"))
+    if both.empty:
+        return pd.DataFrame(columns=[*keys, "group", "sign", "overlap"])
+    signs = [(_sign(r.rho_lo_context, r.rho_hi_context), _sign(r.rho_lo_trace, r.rho_hi_trace)) for r in both.itertuples()]
+    both["sign"] = ["same" if a and a == b else "opposite" if a and b else "both cover 0" if not a and not b
+                    else "one covers 0" for a, b in signs]
+    both["overlap"] = (both["rho_lo_context"] <= both["rho_hi_trace"]) & (both["rho_lo_trace"] <= both["rho_hi_context"])
+    both["group"] = both["signal"].map(_group)
+    return both.sort_values(["domain", "task", "group", "signal"], key=lambda c: _domain_order(c) if c.name == "domain" else c
+                            ).reset_index(drop=True)
+
+
+def setting_agreement(df: pd.DataFrame, label: str = "occlusion_nll", kind: str = RAW) -> pd.DataFrame:
+    """Per (model, domain, task) and signal group (the per-layer signal, the all-layer signals, the
+    methods), how far the two settings agree: signals compared, how many have intervals on the same side
+    of 0 in both, on opposite sides, covering 0 in one or both, how many intervals overlap, and Spearman's
+    rho between the two settings' rhos over the group's signals (do they rank the signals alike)."""
+    from scipy.stats import spearmanr
+
+    comp = setting_comparison(df, label, kind)
+    rows = []
+    for (model, domain, task, group), g in comp.groupby(["model", "domain", "task", "group"], sort=False):
+        rank = spearmanr(g["rho_context"], g["rho_trace"]).statistic if len(g) > 2 else float("nan")
+        rows.append({"model": model, "domain": domain, "task": task, "signals": group,
+                     "n context": int(g["n_samples_context"].max()), "n trace": int(g["n_samples_trace"].max()),
+                     "compared": len(g), "same sign": int((g["sign"] == "same").sum()),
+                     "opposite sign": int((g["sign"] == "opposite").sum()),
+                     "one covers 0": int((g["sign"] == "one covers 0").sum()),
+                     "both cover 0": int((g["sign"] == "both cover 0").sum()),
+                     "intervals overlap": int(g["overlap"].sum()), "rank rho of the rhos": rank})
+    return pd.DataFrame(rows)
+
+
+def _side_by_side(comp: pd.DataFrame, group: str) -> pd.DataFrame:
+    """Signal by task, each task a (context, trace) pair of rho [lo, hi] cells."""
+    g = comp[comp["group"] == group]
+    tasks = list(dict.fromkeys(g.sort_values("domain", key=_domain_order, kind="stable")["task"]))
+    out = {}
+    for task in tasks:
+        t = g[g["task"] == task].set_index("signal")
+        for setting in SETTINGS:
+            cells = t[[f"rho_{setting}", f"rho_lo_{setting}", f"rho_hi_{setting}"]].set_axis(["rho", "rho_lo", "rho_hi"], axis=1)
+            n = int(t[f"n_samples_{setting}"].max())
+            out[f"{task} {setting} (n={n})"] = cells.apply(_interval, axis=1)
+        out[f"{task}: sign, overlap"] = t["sign"] + ", " + t["overlap"].map({True: "overlap", False: "apart"})
+    wide = pd.DataFrame(out).fillna("—")  # a signal compared in some tasks only
+    if group == f"{DEPTH_FAMILY} per layer":
+        wide = wide.loc[sorted(wide.index, key=lambda name: int(name.rsplit("_l", 1)[1]))]
+    return wide
+
+
+def comparison_markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
+    """The two settings of the windows side by side for ``label``: the agreement per task and signal group,
+    then the all-layer signals and the methods (raw, then with position held fixed); empty unless a task
+    has both settings."""
+    out = []
+    for kind in (RAW, PARTIAL):
+        comp = setting_comparison(df, label, kind)
+        if comp.empty:
+            continue
+        what = "rho" if kind == RAW else "partial rho, position held fixed"
+        agree = setting_agreement(df, label, kind)
+        agree["signals"] = agree["signals"].astype(str)
+        out += [f"### Windows over the context vs over the trace: agreement ({label}, {what})", "",
+                agree.drop(columns=["model"]).to_markdown(index=False, floatfmt="+.3f"), ""]
+        for group in ("all-layer signals and position", "methods", f"{DEPTH_FAMILY} per layer"):
+            if (comp["group"] == group).any():
+                out += [f"#### {group}: context vs trace ({label}, {what}, 95% interval)", "",
+                        _side_by_side(comp, group).to_markdown(), ""]
+    return "\n".join(out)
+
+
 def reference_series() -> pd.DataFrame:
     """The authors' published per-layer rho (analysis/paper.yaml) at depth = layer / 32."""
     rows = [{"dataset": name, "layer": i, "depth": i / N_LAYERS, "rho": rho, "source": source}
@@ -211,7 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     df = read_correlations(get_engine(args.db))
     for label in args.label or [x for x in ("occlusion_nll", "answer_flip") if (df["label"] == x).any()]:
-        print(markdown(df, label))
+        settings = [x for x in SETTINGS if ((df["occluded"] == x) & (df["label"] == label)).any()]
+        if len(settings) <= 1:  # one setting: its tables, as before the trace setting existed
+            print(markdown(df, label))
+            continue
+        for setting in settings:
+            print(f"## {label}: {SETTING_TITLES[setting]}\n")
+            print(markdown(df[df["occluded"] == setting], label))
+        comparison = comparison_markdown(df, label)
+        if comparison:
+            print(f"## {label}: the two settings side by side\n")
+            print(comparison)
     return 0
 
 

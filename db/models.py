@@ -289,7 +289,8 @@ class SignalCorrelation(Base):
     """One figure of a signal study (``kvleague signals``, issue 21): Spearman's rho between a per-token
     signal and an occlusion importance label, pooled over the run's samples, with a 95% bootstrap
     interval over samples. ``run_id`` groups one invocation; ``config`` holds its options (model, task
-    and its options, samples, window, stride, trace, seeds...); the environment row holds the git
+    and its options, samples, window, stride, trace, seeds...) and ``occluded`` where its windows slid;
+    the environment row holds the git
     commit and library versions. ``row_key`` (a hash of run, label and signal) makes storing the same
     run twice a no-op."""
 
@@ -321,6 +322,9 @@ class SignalCorrelation(Base):
     partial_lo: Mapped[float | None] = mapped_column(Float, nullable=True)
     partial_hi: Mapped[float | None] = mapped_column(Float, nullable=True)
     partial_p_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # where the occlusion windows slid: "context" (before the answer, prompt included; every row before
+    # migration 0009) or "trace" (the answer's trace only, the EpiKV authors' setting)
+    occluded: Mapped[str] = mapped_column(String(16), default="context", server_default="context")
 
     __table_args__ = (Index("ix_signal_correlations_task_label", "task", "label"),)
 

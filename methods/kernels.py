@@ -37,6 +37,9 @@ class PositionTable:
         self.data.index_add_(0, positions.cpu(), values.to(torch.float64).cpu())
 
     def read(self, positions: torch.Tensor) -> torch.Tensor:
+        """The values at ``positions``; ``fill`` at positions never written (past the table's end too)."""
+        if positions.numel():
+            self._grow(positions)
         return self.data[positions.cpu()]
 
 

@@ -10,9 +10,14 @@ import os
 
 from kvleague.runner.engine.errors import KvleagueError
 
-#: what a study scores as the answer: the task's reference continuation, or the model's own greedy one
+#: what a study scores as the answer: the task's reference continuation, the model's own greedy one (stops at
+#: EOS), or its own greedy full-cache trace of exactly ``--max-tokens`` tokens after the prompt, special
+#: tokens suppressed (``runner.fidelity.self_traces``, the paper's regime)
 #: (here, not in ``runner.signals.study``, so that the CLI can list them without importing torch)
-TRACES = ("reference", "greedy")
+TRACES = ("reference", "greedy", "self")
+#: where a signal study's occlusion windows slide: over the context before the answer (prompt included),
+#: or over the answer's trace only, each window scored on the trace tokens after it (the EpiKV authors')
+OCCLUDED = ("context", "trace")
 
 
 def reference_task(name: str, options: list[str], why: str):

@@ -21,7 +21,16 @@ from kvleague.runner.models import load_engine
 from kvleague.runner.signals.method_panel import MethodPanel
 from kvleague.runner.engine.protocol import Protocol
 from kvleague.runner.signals.correlation import SampleBootstrap, pooled_partial_spearman, pooled_spearman
-from kvleague.runner.signals.study import MEAN_FAMILIES, SignalOptions, model_signals, occlusion_windows, study_sample, token_labels
+from kvleague.runner.fidelity import self_traces
+from kvleague.runner.signals.study import (
+    MEAN_FAMILIES,
+    SignalOptions,
+    model_signals,
+    occlusion_windows,
+    study_sample,
+    token_labels,
+    trace_windows,
+)
 from kvleague.runner.models.tiny import make_tiny_model
 from kvleague.tasks.base import ScoreResult
 from tests.naive_attention import _rope
@@ -176,6 +185,61 @@ def test_answer_flip_label_as_the_authors_define_it(tiny):
     expected = [int(not greedy_text(context[:s] + [pad] * (e - s) + context[e:]).startswith(right)) for s, e in r.windows]
     assert r.window_flips == expected
     assert r.labels["answer_flip"].tolist() == [expected[t // 8] for t in range(24)]
+
+
+def test_trace_windows_slide_over_the_trace_only_and_leave_a_later_token():
+    assert trace_windows(10, 20, 8, 8) == [(10, 18), (18, 26)]  # (26, 30) has no later trace token
+    assert trace_windows(10, 20, 8, 4) == [(10, 18), (14, 22), (18, 26)]  # (22, 30) and (26, 30) neither
+    for prompt, trace, window, stride in ((5, 64, 32, 32), (7, 33, 32, 16), (100, 256, 32, 32), (1, 40, 6, 5)):
+        windows = trace_windows(prompt, trace, window, stride)
+        assert windows and all(prompt <= s < e < prompt + trace for s, e in windows)
+        assert [s for s, _ in windows] == list(range(prompt, prompt + trace, stride))[: len(windows)]
+
+
+def test_windows_over_the_self_trace_never_cover_the_prompt_and_label_the_later_trace(tiny):
+    """Under ``trace="self"``, ``occluded="trace"``: the answer is exactly ``self_traces``' trace of the
+    prompt; every window lies inside the trace; a window's label is the mean NLL of the trace tokens after
+    it with the window occluded minus the same tokens' unoccluded, computed here by whole forward passes
+    (no cache reuse); the signals are the whole sequence's, cut to the studied trace tokens, and the
+    position control is the index in the trace."""
+    path, engine = tiny
+    gen = torch.Generator().manual_seed(6)
+    prompt = [int(t) for t in torch.randint(3, 250, (20,), generator=gen)]
+    reference = [int(t) for t in torch.randint(3, 250, (7,), generator=gen)]  # replaced by the self trace
+    task = FixedTask({"s": (prompt, reference)}, {"s": "x"})
+    options = SignalOptions(window=8, stride=8, rolling=8, max_tokens=30, trace="self", occluded="trace")
+    result = study_sample(engine, task, FixedSample("s"), {"h2o": build_method("h2o", {})}, options)
+    trace = self_traces(engine, [prompt], 30)[0]
+    assert result.answer == trace and result.answer_tokens == 30 and result.context_tokens == 20
+    assert result.occluded == "trace" and result.span_start == 20
+    assert result.windows == [(20, 28), (28, 36), (36, 44)]  # (44, 50) has no later token
+    assert all(s >= len(prompt) for s, _ in result.windows)  # the prompt is never occluded
+    assert result.studied_tokens == 24 and len(result.signals["method:h2o"]) == 24
+
+    ids = prompt + trace
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    pad = engine.tokenizer.pad_token_id
+
+    def token_nll(seq):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].double(), -1)
+        return np.array([-float(logp[t - 1, ids[t]]) for t in range(len(seq))[1:]])  # the true tokens' NLL
+
+    base = token_nll(ids)
+    expected = []
+    for s, e in result.windows:
+        occluded = token_nll(ids[:s] + [pad] * (e - s) + ids[e:])
+        expected.append(float(occluded[e - 1:].mean() - base[e - 1:].mean()))  # tokens e.. (index t-1)
+    np.testing.assert_allclose(result.window_delta_nll, expected, atol=1e-5)
+    assert result.answer_nll == pytest.approx(base[len(prompt) - 1:].mean(), abs=1e-5)
+    np.testing.assert_allclose(result.labels["occlusion_nll"], np.repeat(expected, 8), atol=1e-5)
+    with torch.no_grad():
+        whole = model_signals(engine.backend.analysis_pass(ids, 1), rolling=8)
+    np.testing.assert_allclose(result.signals["hs_l2_diff_rolling64_l1"], whole["hs_l2_diff_rolling64_l1"][20:44])
+    assert result.signals["position"].tolist() == list(range(24))
+    # the trace handed in (as the command decodes many together) is the one studied
+    given = study_sample(engine, task, FixedSample("s"), {}, options, trace=trace)
+    assert given.answer == trace and given.window_delta_nll == pytest.approx(result.window_delta_nll)
 
 
 def test_method_scores_through_the_panel_equal_each_method_run_alone(tiny):
@@ -395,6 +459,10 @@ def test_planted_fact_is_found_and_a_random_signal_is_not(tmp_path):
         (["--score-budget-fraction", "1.5"], "score-budget-fraction"),
         (["--bootstrap", "10"], "bootstrap"),
         (["--max-seconds", "0"], "max-seconds"),
+        (["--occlude", "sideways"], "--occlude"),
+        (["--occlude", "trace", "--flip-label"], "flip-label"),
+        (["--occlude", "trace", "--max-tokens", "32"], "max-tokens"),
+        (["--trace", "self", "--trace-batch", "0"], "trace-batch"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_field_exit_2(capsys, argv, field):
@@ -457,3 +525,53 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
     assert main(argv[:-2] + ["--db", url, "--no-store"]) == 0  # (a second run, not stored: the table is unchanged)
     with get_engine(url).connect() as conn:
         assert len(conn.execute(select(SignalCorrelation.__table__)).all()) == len(rows)
+
+
+def test_cli_trace_setting_stores_rows_tagged_with_it_over_the_self_traces(tiny, tmp_path):
+    """``--trace self --occlude trace``: each sample's answer is ``self_traces``' trace of its prompt (decoded
+    alone here, in batches of two there), every window lies in the trace, and every stored row says
+    ``occluded = trace``; a default run beside it stays ``context`` and the tables read both."""
+    import json
+
+    from sqlalchemy import select
+
+    from kvleague.analysis.signal_tables import read_correlations, setting_comparison
+    from kvleague.db.models import SignalCorrelation
+    from kvleague.db.session import get_engine
+    from kvleague.runner.cli import main
+    from kvleague.runner.reference_tasks import load_samples, reference_task
+    from kvleague.runner.signals.study import prompt_ids
+
+    if not (DATA_DIR / "paul_graham_essays").is_dir():
+        pytest.skip(f"no NIAH haystack under {DATA_DIR}")
+    path, engine = tiny
+    url = f"sqlite:///{tmp_path / 'signals.db'}"
+    common = ["signals", "--model", str(path), "--task", "niah", "--option", "context_length=160", "--limit", "3",
+              "--method", "h2o", "--bootstrap", "200", "--data-dir", str(DATA_DIR), "--db", url]
+    out = tmp_path / "trace.json"
+    assert main([*common, "--trace", "self", "--occlude", "trace", "--max-tokens", "24", "--window", "8", "--stride", "8",
+                 "--trace-batch", "2", "--json", str(out)]) == 0
+    assert main([*common, "--max-tokens", "8"]) == 0
+    report = json.loads(out.read_text())
+    task = reference_task("niah", ["context_length=160"], "")
+    samples = {s.sample_id: s for s in load_samples(task, engine.tokenizer, 3, 0, str(DATA_DIR))}
+    assert len(report["samples"]) == 3
+    for s in report["samples"]:
+        prompt = prompt_ids(task.fidelity_segments(samples[s["sample_id"]], engine.tokenizer))
+        assert s["answer_ids"] == self_traces(engine, [prompt], 24)[0]
+        assert s["context_tokens"] == len(prompt) == s["span_start"]
+        assert s["windows"] == [[len(prompt) + i, len(prompt) + i + 8] for i in (0, 8)]
+        assert s["studied_tokens"] == 16
+    with get_engine(url).connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(select(SignalCorrelation.__table__))]
+    by_run = {}
+    for r in rows:
+        by_run.setdefault(r["run_id"], set()).add(r["occluded"])
+    assert sorted(map(sorted, by_run.values())) == [["context"], ["trace"]]
+    trace_rows = [r for r in rows if r["run_id"] == report["run_id"]]
+    assert {r["occluded"] for r in trace_rows} == {"trace"} and len(trace_rows) == len(report["correlations"])
+    assert trace_rows[0]["config"]["options"]["occluded"] == "trace" and trace_rows[0]["config"]["options"]["trace"] == "self"
+    df = read_correlations(get_engine(url))
+    assert set(df["occluded"]) == {"context", "trace"}  # the latest run of each setting, not of each task
+    comparison = setting_comparison(df)
+    assert set(comparison["signal"]) >= {"h2o_mean", "key_norm_mean", "position"}

@@ -163,3 +163,77 @@ def test_signals_page_on_a_database_without_studies(tmp_path, monkeypatch):
     at.run()
     assert not at.exception, at.exception
     assert "No signal studies stored yet" in at.info[0].value
+
+
+def test_the_two_settings_of_the_windows_stay_apart_and_compare_side_by_side(tmp_path):
+    """A run with windows over the trace is stored beside the context run of the same task (the latest of each
+    setting is read, not the latest of the task); the comparison says per signal whether the two intervals are
+    on the same side of 0 and overlap, and ranks the signals' rhos across settings."""
+    from kvleague.analysis.signal_tables import (
+        comparison_markdown,
+        markdown,
+        read_correlations,
+        setting_agreement,
+        setting_comparison,
+    )
+    from kvleague.runner.signals.store import store_correlations
+
+    url = f"sqlite:///{tmp_path / 'settings.db'}"
+    context = report("ctx", "math500", "math", lambda layer: 0.1 * (layer % 3) - 0.1, "2026-02-01T00:00:00+00:00")
+    trace = report("trc", "math500", "math", lambda layer: 0.3 * ((layer % 3) - 1), "2026-03-01T00:00:00+00:00", n=20)
+    trace["config"]["options"] = {"occluded": "trace", "trace": "self"}
+    trace["correlations"][-3].update(rho=-0.2, lo=-0.3, hi=-0.1)  # snapkv: +0.2 [+0.1, +0.3] over the context
+    trace["correlations"][-1].update(rho=-0.4, lo=-0.5, hi=-0.3)  # h2o_mean: -0.1 [-0.2, 0.0] over the context
+    store_correlations(context, url)
+    store_correlations(trace, url)
+    from kvleague.db.session import get_engine
+
+    df = read_correlations(get_engine(url))
+    assert sorted(df.groupby("occluded")["run_id"].first().items()) == [("context", "ctx"), ("trace", "trc")]
+    comp = setting_comparison(df).set_index("signal")
+    assert comp.loc["method:snapkv", "sign"] == "opposite" and not comp.loc["method:snapkv", "overlap"]
+    assert comp.loc["h2o_mean", "sign"] == "one covers 0" and not comp.loc["h2o_mean", "overlap"]
+    layer0, layer1 = comp.loc["hs_l2_diff_rolling64_l0"], comp.loc["hs_l2_diff_rolling64_l1"]
+    assert (layer0["rho_context"], layer0["rho_trace"], layer0["sign"], layer0["overlap"]) == (-0.1, -0.3, "same", False)
+    assert (layer1["sign"], layer1["overlap"]) == ("both cover 0", True)  # 0.0 [-0.05, +0.05] in both
+    agree = setting_agreement(df).set_index("signals")
+    per_layer = agree.loc["hs_l2_diff_rolling64 per layer"]
+    assert (per_layer["n context"], per_layer["n trace"], per_layer["compared"]) == (30, 20, 32)
+    assert per_layer["rank rho of the rhos"] == pytest.approx(1.0)  # the same ranking of the layers
+    assert "method:epikv" not in comp.index  # no rho in either setting: not compared
+    text = comparison_markdown(df)
+    (line,) = [x for x in text.splitlines() if x.startswith("| method:snapkv")]
+    assert [c.strip() for c in line.strip("|").split("|")] == ["method:snapkv", "+0.200 [+0.100, +0.300]",
+                                                               "-0.200 [-0.300, -0.100]", "opposite, apart"]
+    assert "math500 context (n=30)" in text and "math500 trace (n=20)" in text
+    alone = markdown(df[df["occluded"] == "context"])  # one setting's tables, as before the trace setting
+    assert "+0.200 [+0.100, +0.300]" in alone and "-0.200 [-0.300, -0.100]" not in alone
+
+
+def test_the_report_renders_each_setting_of_the_windows_apart(tmp_path):
+    """``kvleague report``'s signal section: one block of tables and one finding per task for each setting
+    of the windows (never pooled), then the two side by side."""
+    from types import SimpleNamespace
+
+    from kvleague.analysis import report as report_module
+    from kvleague.db.session import get_engine
+    from kvleague.runner.signals.store import store_correlations
+
+    url = f"sqlite:///{tmp_path / 'settings.db'}"
+    store_correlations(report("ctx", "math500", "math", paper_like, "2026-02-01T00:00:00+00:00"), url)
+    trace = report("trc", "math500", "math", lambda layer: -paper_like(layer), "2026-03-01T00:00:00+00:00", n=20)
+    trace["config"]["options"] = {"occluded": "trace"}
+    store_correlations(trace, url)
+    lines: list[str] = []
+    w = SimpleNamespace(engine=get_engine(url), findings=[], add=lambda *x: lines.extend(x))
+    report_module._signals(w)
+    text = "\n".join(lines)
+    context_at = text.index("### Signal studies with windows over the context")
+    trace_at = text.index("### Signal studies with windows over the model's own trace")
+    side_at = text.index("### Signal studies: the two settings of the windows side by side")
+    assert context_at < trace_at < side_at
+    assert "| 7 | 0.22 | positive | +0.200 [+0.150, +0.250] |" in text[context_at:trace_at]
+    assert "| 7 | 0.22 | positive | -0.200 [-0.250, -0.150] |" in text[trace_at:side_at]
+    assert len(w.findings) == 2
+    assert "(30 samples, tiny, windows over the context): the paper's sign pattern holds" in w.findings[0]
+    assert "(20 samples, tiny, windows over the trace)" in w.findings[1] and "holds" not in w.findings[1]

@@ -72,11 +72,22 @@ def render(ctx) -> None:
     models = sorted(rows["model"].unique())
     model = st.selectbox("Model", models, key="sig_model") if len(models) > 1 else models[0]
     rows = rows[rows["model"] == model]
+    settings = [x for x in sig.SETTINGS if (rows["occluded"] == x).any()]
+    if len(settings) > 1:
+        setting = st.radio("Occlusion windows", settings, horizontal=True, key="sig_occluded",
+                           format_func=lambda x: sig.SETTING_TITLES[x],
+                           help="context: windows over the context before the answer, prompt included; trace: over the "
+                                "model's own trace only (the EpiKV authors' setting), each scored on the trace after it")
+        rows = rows[rows["occluded"] == setting]
+        if not (rows["label"] == label).any():
+            st.info(f"No {label} rows with {sig.SETTING_TITLES[setting]}.")
+            return
     st.caption(
         "Per sample, windows of the context (32 tokens every 16 by default) are replaced by the pad token and the label "
         "of a token is the largest effect of a window covering it; each signal is correlated with the label by one "
         "Spearman rho over every context token of every sample (the EpiKV authors' pooling), with a 95% percentile "
-        "bootstrap interval that resamples samples. The latest run of each task is shown.")
+        "bootstrap interval that resamples samples. The latest run of each task is shown (of each setting of the windows: "
+        "over the context, or over the model's own trace as the EpiKV authors slide them).")
 
     kind = st.radio("Rho", [sig.RAW, sig.PARTIAL], horizontal=True, key="sig_kind",
                     help="position held fixed: the rank partial correlation given the token's index in the context "

@@ -23,7 +23,7 @@ POSITION = "position"
 
 
 def register(subparsers) -> None:
-    from kvleague.runner.reference_tasks import TRACES
+    from kvleague.runner.reference_tasks import OCCLUDED, TRACES
 
     p = subparsers.add_parser("signals", help="Spearman rho of per-token signals against occlusion importance labels")
     p.add_argument("--model", default="smollm2-135m")
@@ -31,9 +31,17 @@ def register(subparsers) -> None:
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="task option")
     p.add_argument("--limit", type=int, default=30, help="samples")
     p.add_argument("--sample-seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=64, help="answer tokens at most (the scored tokens, as in kvleague fidelity)")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="answer tokens at most (the scored tokens, as in kvleague fidelity); with --trace self, exactly")
     p.add_argument("--trace", default="reference", choices=TRACES,
-                   help="the answer: the task's reference continuation, or the model's own greedy continuation")
+                   help="the answer: the task's reference continuation, the model's own greedy continuation (to EOS), "
+                        "or self: its own greedy full-cache trace of exactly --max-tokens tokens after the prompt, "
+                        "special tokens suppressed (runner.fidelity.self_traces, the paper's regime)")
+    p.add_argument("--occlude", default="context", choices=OCCLUDED,
+                   help="where the windows slide: over the context before the answer, prompt included (default), or "
+                        "over the answer's trace only, each window scored on the trace tokens after it (the EpiKV "
+                        "authors' setting; the prompt is never occluded)")
+    p.add_argument("--trace-batch", type=int, default=8, help="with --trace self: prompts decoded together")
     p.add_argument("--window", type=int, default=32, help="occlusion window (tokens)")
     p.add_argument("--stride", type=int, default=16, help="occlusion stride (tokens)")
     p.add_argument("--rolling", type=int, default=64, help="trailing window of the smoothed hidden-state change")
@@ -62,9 +70,11 @@ def run(args: argparse.Namespace) -> int:
     from kvleague.runner.signals.study import SignalOptions
 
     options = SignalOptions(window=args.window, stride=args.stride, rolling=args.rolling, max_tokens=args.max_tokens,
-                            trace=args.trace, flip_label=args.flip_label, flip_tokens=args.flip_tokens,
+                            trace=args.trace, occluded=args.occlude, flip_label=args.flip_label, flip_tokens=args.flip_tokens,
                             score_budget_fraction=args.score_budget_fraction, seed=args.seed)
     options.check()
+    if args.trace_batch < 1:
+        raise KvleagueError(f"trace-batch: must be a positive integer, got {args.trace_batch}")
     if args.limit < 1:
         raise KvleagueError(f"limit: must be a positive integer, got {args.limit}")
     if args.bootstrap < 100:
@@ -79,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from kvleague.runner.models import load_engine
     from kvleague.runner.provenance import collect_environment
     from kvleague.runner.reference_tasks import load_samples, reference_task, write_report
-    from kvleague.runner.signals.study import LABELS, filler_token, study_sample
+    from kvleague.runner.fidelity import self_traces
+    from kvleague.runner.signals.study import LABELS, filler_token, prompt_ids, study_sample
     from kvleague.runner.signals.correlation import SampleBootstrap
 
     if args.threads:
@@ -101,16 +112,25 @@ def run(args: argparse.Namespace) -> int:
     studied = []
     per_sample: list[dict] = []
     start = time.perf_counter()
+    traces: dict[int, list[int]] = {}  # --trace self: sample index -> its trace, decoded --trace-batch at a time
     for i, sample in enumerate(samples):
         if args.max_seconds is not None and time.perf_counter() - start > args.max_seconds:
             print(f"[{args.task}] --max-seconds {args.max_seconds:.0f} reached: {i} of {len(samples)} samples studied",
                   file=sys.stderr, flush=True)
             break
-        s = study_sample(engine, task, sample, methods, options)
+        if options.trace == "self" and i not in traces:
+            batch = range(i, min(i + args.trace_batch, len(samples)))
+            prompts = [prompt_ids(task.fidelity_segments(samples[j], engine.tokenizer)) for j in batch]
+            t0 = time.perf_counter()
+            traces.update(zip(batch, self_traces(engine, prompts, options.max_tokens)))
+            print(f"[{args.task}] self traces of samples {batch.start + 1}-{batch.stop}: {time.perf_counter() - t0:.0f}s",
+                  file=sys.stderr, flush=True)
+        s = study_sample(engine, task, sample, methods, options, traces.pop(i, None))
         studied.append(s)
         per_sample.append(s.to_dict())
         print(f"[{args.task}] {i + 1}/{len(samples)} {sample.sample_id}: {s.context_tokens} context tokens, "
-              f"{len(s.windows)} windows, {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
+              f"{s.studied_tokens} studied, {len(s.windows)} windows, {time.perf_counter() - start:.0f}s",
+              file=sys.stderr, flush=True)
         if args.json:  # after every sample, so an interrupted run keeps its labels
             write_report(args.json, {"run_id": run_id, "config": config, "samples": per_sample, "correlations": []})
 
@@ -121,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
             continue
         boot = SampleBootstrap([s.labels[label] for s in mine], args.bootstrap, args.seed)
         signals = list(dict.fromkeys(name for s in mine for name in s.signals))
-        position = [np.arange(s.context_tokens, dtype=np.float64) for s in mine]
+        position = [np.arange(s.studied_tokens, dtype=np.float64) for s in mine]  # the index in the occluded span
         for name in signals:
-            values = [s.signals.get(name, _missing(s.context_tokens)) for s in mine]
+            values = [s.signals.get(name, _missing(s.studied_tokens)) for s in mine]
             headline = _headline(name)
             c = boot.correlate(values, interval=args.all_intervals or headline)
             row = {"label": label, "signal": name, **dataclasses.asdict(c)}

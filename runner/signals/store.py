@@ -1,7 +1,8 @@
 """A signal study's correlations into the results database (``signal_correlations``), with provenance:
 the environment row (git commit, library versions, machine) and the run's options in ``config``. A row
 also holds the partial rho with ``control`` (the position) held fixed, where the run computed one (NULL
-in rows written before migration 0007 and for signals without it)."""
+in rows written before migration 0007 and for signals without it), and ``occluded``: where the run's
+windows slid (``context`` or ``trace``, migration 0009)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def store_correlations(report: dict[str, Any], url: str | None = None) -> int:
             "partial_lo": _finite(c.get("partial_lo", float("nan"))),
             "partial_hi": _finite(c.get("partial_hi", float("nan"))),
             "partial_p_value": _finite(c.get("partial_p_value", float("nan"))),
+            "occluded": config.get("options", {}).get("occluded", "context"),
         })
     if not rows:
         return 0

@@ -4,7 +4,18 @@
 scored tokens as ``kvleague fidelity`` does) are split into the *context* (every segment before the
 last scored one: the prompt, and in agent episodes earlier turns and observations) and the *answer*
 (the last scored segment: the task's reference continuation, or with ``trace="greedy"`` the model's
-own greedy continuation of the context, ``max_tokens`` tokens at most).
+own greedy continuation of the context, ``max_tokens`` tokens at most). With ``trace="self"`` the
+context is the sample's prompt (the unscored segments before its first scored one, as fidelity's
+``reference: self`` takes it) and the answer the model's own greedy full-cache trace of exactly
+``max_tokens`` tokens, special tokens suppressed (``runner.fidelity.self_traces``).
+
+**Where the windows slide** (``occluded``): over the *context* (the default, below), or over the
+*trace* (``occluded="trace"``, the EpiKV authors' setting: the prompt is never occluded, being
+important by definition). Over the trace, windows start every ``stride`` tokens from the first trace
+token while at least one trace token follows the window; a window's label is the increase of the
+mean NLL of the trace tokens *after* it (its own tokens are occluded, so they are not scored), and
+the studied tokens are the trace tokens the windows cover. The ``position`` control is then the
+token's index in the trace. The answer-flip label is not defined there.
 
 **Occlusion** (the EpiKV authors' ``scripts/label_importance.py``): windows of ``window`` tokens start
 every ``stride`` tokens from the first context token while the start is inside the context; the last
@@ -49,7 +60,8 @@ overlapping windows for the binary label; the maximum for the continuous one).
   every prompt token ``+inf``: on a context that is all prompt their signal is constant and rho is
   undefined (stored as null), which says that the method does not rank those tokens at all.
 
-Every signal and label is reported for the context tokens only (the answer is never occluded).
+Every signal and label is reported for the occluded tokens only: the context tokens (the answer is never
+occluded), or under ``occluded="trace"`` the trace tokens the windows cover.
 """
 
 from __future__ import annotations
@@ -65,10 +77,11 @@ import torch
 from kvleague.runner.engine import Engine
 from kvleague.runner.engine.backend import Analysis, Prefix
 from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.fidelity import Segment, truncate
+from kvleague.runner.fidelity import Segment, self_trace_segments, self_traces, truncate
 from kvleague.runner.signals.method_panel import MethodPanel
 from kvleague.runner.engine.protocol import Protocol
-from kvleague.runner.reference_tasks import TRACES
+from kvleague.runner.reference_tasks import OCCLUDED, TRACES
+
 #: per-layer signal families, in display order
 LAYER_FAMILIES = ("hs_l2_diff_rolling64", "hs_l2_diff", "key_norm", "key_var", "value_norm", "value_var", "h2o", "attn_entropy")
 #: families that also get an all-layer mean (the authors' kv and attention signals are all-layer means)
@@ -83,6 +96,7 @@ class SignalOptions:
     rolling: int = 64
     max_tokens: int = 64
     trace: str = "reference"
+    occluded: str = "context"
     flip_label: bool = False
     flip_tokens: int = 64
     score_budget_fraction: float = 0.5
@@ -94,6 +108,13 @@ class SignalOptions:
                 raise KvleagueError(f"{name.replace('_', '-')}: must be a positive integer, got {getattr(self, name)}")
         if self.trace not in TRACES:
             raise KvleagueError(f"trace: unknown {self.trace!r}; allowed: {', '.join(TRACES)}")
+        if self.occluded not in OCCLUDED:
+            raise KvleagueError(f"occlude: unknown {self.occluded!r}; allowed: {', '.join(OCCLUDED)}")
+        if self.occluded == "trace" and self.flip_label:
+            raise KvleagueError("flip-label: the answer-flip label needs windows over the context (--occlude context)")
+        if self.occluded == "trace" and self.max_tokens <= self.window:
+            raise KvleagueError(f"max-tokens: windows over the trace need a trace longer than a window ({self.window}), "
+                                f"got {self.max_tokens}")
         if not 0.0 < self.score_budget_fraction <= 1.0:
             raise KvleagueError(f"score-budget-fraction: must be in (0, 1], got {self.score_budget_fraction}")
 
@@ -113,14 +134,30 @@ class SampleSignals:
     signals: dict[str, np.ndarray]  # signal name -> [context_tokens]
     method_errors: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: where the windows slid ("context" or "trace"); ``windows`` are absolute indices in context + answer
+    occluded: str = "context"
+    #: the absolute index of the first studied token (0 over the context; the context's length over the trace)
+    span_start: int = 0
+    #: the answer's token ids (kept for ``trace="self"``, whose answer is the model's own)
+    answer: list[int] | None = None
+
+    @property
+    def studied_tokens(self) -> int:
+        """How many tokens the labels and signals cover (the context, or the trace tokens under windows)."""
+        return len(next(iter(self.labels.values())))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "sample_id": self.sample_id, "context_tokens": self.context_tokens, "answer_tokens": self.answer_tokens,
             "windows": self.windows, "answer_nll": self.answer_nll, "window_delta_nll": self.window_delta_nll,
             "full_correct": self.full_correct, "window_flips": self.window_flips,
             "method_errors": self.method_errors, "seconds": self.seconds,
         }
+        if self.occluded != "context":
+            out.update(occluded=self.occluded, span_start=self.span_start, studied_tokens=self.studied_tokens)
+        if self.answer is not None:
+            out["answer_ids"] = self.answer
+        return out
 
 
 def split_context_answer(segments: list[Segment], max_tokens: int) -> tuple[list[int], list[int]]:
@@ -136,6 +173,20 @@ def split_context_answer(segments: list[Segment], max_tokens: int) -> tuple[list
 def occlusion_windows(context_tokens: int, window: int, stride: int) -> list[tuple[int, int]]:
     """``[start, end)`` of every window: starts every ``stride`` tokens inside the context, cut at its end."""
     return [(s, min(s + window, context_tokens)) for s in range(0, context_tokens, stride)]
+
+
+def trace_windows(context_tokens: int, trace_tokens: int, window: int, stride: int) -> list[tuple[int, int]]:
+    """``[start, end)`` (absolute) of every window over a trace that follows ``context_tokens`` tokens:
+    starts every ``stride`` tokens from the trace's first token, cut at its end, kept while at least one
+    trace token follows the window (the tokens a window's label is scored on)."""
+    end = context_tokens + trace_tokens
+    out = [(s, min(s + window, end)) for s in range(context_tokens, end, stride)]
+    return [(s, e) for s, e in out if e < end]
+
+
+def prompt_ids(segments: list[Segment]) -> list[int]:
+    """The prompt of a sample: the unscored segments before its first scored one (what a self trace follows)."""
+    return [t for ids, _ in self_trace_segments(segments, [])[:-1] for t in ids]
 
 
 def filler_token(tokenizer) -> int:
@@ -166,8 +217,13 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 def _answer_nll(logits: torch.Tensor, answer: list[int]) -> float:
     """Mean NLL of ``answer`` from the last ``len(answer) + 1`` positions' logits (the last one unused)."""
+    return float(_token_nll(logits, answer).mean())
+
+
+def _token_nll(logits: torch.Tensor, answer: list[int]) -> torch.Tensor:
+    """Per-token NLL ``[len(answer)]`` (float64) of ``answer`` from the first ``len(answer)`` rows of ``logits``."""
     logp = torch.log_softmax(logits[: len(answer)].double(), dim=-1)
-    return float(-logp[torch.arange(len(answer)), torch.tensor(answer)].mean())
+    return -logp[torch.arange(len(answer)), torch.tensor(answer)]
 
 
 @torch.inference_mode()
@@ -266,35 +322,63 @@ def _per_position(raw: torch.Tensor, positions: np.ndarray, view) -> np.ndarray:
 # -- one sample --------------------------------------------------------------------------------
 
 
-def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOptions) -> SampleSignals:
-    """Labels and signals of one sample (see the module docstring)."""
+def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOptions,
+                 trace: list[int] | None = None) -> SampleSignals:
+    """Labels and signals of one sample (see the module docstring). ``trace``: the sample's self trace
+    when the caller generated it already (``self_traces`` decodes many prompts together); under
+    ``trace="self"`` it is generated here otherwise."""
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    context, answer = split_context_answer(task.fidelity_segments(sample, engine.tokenizer), options.max_tokens)
+    segments = task.fidelity_segments(sample, engine.tokenizer)
+    if options.trace == "self":
+        context = prompt_ids(segments)
+        answer = list(trace) if trace is not None else self_traces(engine, [context], options.max_tokens)[0]
+        if len(answer) != options.max_tokens:
+            raise KvleagueError(f"signals: sample {sample.sample_id}: a self trace of {len(answer)} tokens, "
+                                f"not --max-tokens {options.max_tokens}")
+    else:
+        context, answer = split_context_answer(segments, options.max_tokens)
     if options.trace == "greedy":
         answer = _greedy(engine, engine.backend.empty_prefix(), 0, context, options.max_tokens)
         if not answer:
             raise KvleagueError(f"signals: sample {sample.sample_id}: the greedy trace is empty (EOS first)")
+    seconds["trace"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     ids = context + answer
     n = len(context)
+    over_trace = options.occluded == "trace"
+    if over_trace:
+        windows = trace_windows(n, len(answer), options.window, options.stride)
+        lo, hi = n, windows[-1][1]  # the studied tokens: the trace tokens the windows cover
+    else:
+        windows = occlusion_windows(n, options.window, options.stride)
+        lo, hi = 0, n
     with torch.inference_mode():
         analysis = engine.backend.analysis_pass(ids, len(answer) + 1)
-    base_nll = _answer_nll(analysis.logits, answer)
-    signals = {name: values[:n] for name, values in model_signals(analysis, options.rolling).items()}
+    base_token_nll = _token_nll(analysis.logits, answer)
+    base_nll = float(base_token_nll.mean())
+    signals = {name: values[lo:hi] for name, values in model_signals(analysis, options.rolling).items()}
+    if over_trace:
+        signals["position"] = np.arange(hi - lo, dtype=np.float64)  # the index in the trace
     cache = analysis.prefix  # the whole sequence's cache: occlusions and regenerations start from its prefixes
     del analysis
     seconds["signals"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    windows = occlusion_windows(n, options.window, options.stride)
     fill = filler_token(engine.tokenizer)
     delta: list[float] = []
     for start, end in windows:
         occluded = ids[:start] + [fill] * (end - start) + ids[end:]
+        if over_trace:  # the trace tokens after the window, against the same tokens unoccluded
+            later = ids[end:]
+            with torch.inference_mode():
+                logits, _ = cache.continue_with(start, occluded, len(later) + 1)
+            delta.append(float(_token_nll(logits, later).mean() - base_token_nll[end - n:].mean()))
+            continue
         with torch.inference_mode():
             logits, _ = cache.continue_with(start, occluded, len(answer) + 1)
         delta.append(_answer_nll(logits, answer) - base_nll)
-    labels = {"occlusion_nll": token_labels(n, windows, delta)}
+    labels = {"occlusion_nll": token_labels(hi - lo, [(s - lo, e - lo) for s, e in windows], delta)}
     seconds["occlusion_nll"] = time.perf_counter() - t0
 
     full_correct = flips = None
@@ -315,10 +399,11 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
     seed = options.seed + zlib.crc32(str(sample.sample_id).encode())
     scores, errors = method_scores(engine, methods, context, answer, options.score_budget_fraction, seed)
     for name, values in scores.items():
-        signals[f"method:{name}"] = values[:n]
+        signals[f"method:{name}"] = values[lo:hi]
     seconds["methods"] = time.perf_counter() - t0
     return SampleSignals(sample.sample_id, n, len(answer), windows, base_nll, delta, full_correct, flips, labels,
-                         signals, errors, seconds)
+                         signals, errors, seconds, options.occluded, lo,
+                         answer if options.trace == "self" else None)
 
 
 def _answer_correct(engine: Engine, task, sample, cache: Prefix, start: int, context: list[int], options: SignalOptions) -> bool:
