@@ -154,7 +154,17 @@ def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
         annotation = f.annotation | None if nullable else f.annotation
         fields[field_name] = (Annotated[(annotation, *metadata)] if metadata else annotation,
                               Field(default=None if nullable else f.default))
-    return create_model(name, __base__=_Strict, **fields)
+    return create_model(name, __base__=_ProtocolFields, **fields)
+
+
+class _ProtocolFields(_Strict):
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler) -> dict[str, Any]:
+        # added after sweeps were stored: left out at its default (or not overridden), so stored configs keep their hash
+        data = handler(self)
+        if data.get("budget_base") in (None, "none"):
+            data.pop("budget_base", None)
+        return data
 
 
 class ProtocolConfig(_protocol_model("ProtocolConfig", overrides=False)):

@@ -171,10 +171,10 @@ def test_every_protocol_field_is_a_flag_and_a_model_arg():
     from kvleague.runner.sweep_config import ProtocolConfig, ProtocolOverride
 
     given = {"cadence": "buffer=8", "positions": "compact", "sink": "4", "recent": "16", "protect_prompt": "true",
-             "prefill_chunk": "32", "recent_max_fraction": "0.25", "prompt_over_budget": "keep"}
+             "prefill_chunk": "32", "recent_max_fraction": "0.25", "prompt_over_budget": "keep", "budget_base": "prompt"}
     assert set(given) == {f.name for f in protocol_fields()} == set(ProtocolConfig.model_fields) == set(ProtocolOverride.model_fields)
     expected = Protocol(cadence="buffer=8", positions="compact", sink=4, recent=16, protect_prompt=True, prefill_chunk=32,
-                        recent_max_fraction=0.25, prompt_over_budget="keep")
+                        recent_max_fraction=0.25, prompt_over_budget="keep", budget_base="prompt")
     argv = ["generate", "--method", "full", "--budget", "64", "--prompt", "x"]
     for name, value in given.items():
         flag = "--" + name.replace("_", "-")
