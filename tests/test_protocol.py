@@ -45,13 +45,16 @@ def test_stored_protocol_hashes_and_cell_keys_reproduce(stored):
         spec = {
             "model": {k: model[k] for k in ("source", "dtype", "attn_implementation")}, "method": method["name"],
             "params": method["params"], "budget": r["budget"], "task": task["name"],
-            "task_options": {k: v for k, v in task["options"].items() if k != "length_unit"}, "sample_id": r["sample_id"],
+            "task_options": {k: v for k, v in task["options"].items() if k not in ("length_unit", "fidelity_reference")},
+            "sample_id": r["sample_id"],
             "protocol": Protocol.from_spec(protocols[r["protocol_id"]]).spec(), "seed": r["seed"],
         }
         if r["measure"] == "generation":
             spec.update(sample_index=r["sample_index"], generation={k: generation[k] for k in ("max_new_tokens", "temperature", "top_p", "stop")})
         else:
             spec.update(measure=r["measure"], max_scored_tokens=generation["max_new_tokens"])
+            if "fidelity_reference" in task["options"]:  # scored on the model's own trace (a task row of its own)
+                spec.update(reference=task["options"]["fidelity_reference"])
         assert spec_hash(spec) == r["cell_key"], r["id"]
     assert len(stored["sample_results"]) > 1000
 
