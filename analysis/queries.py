@@ -279,7 +279,7 @@ def task_labels(tasks: Iterable[dict[str, Any]]) -> dict[int, str]:
         keys = sorted({k for o in options for k in o})
         differing = [k for k in keys if len({json.dumps(o.get(k), sort_keys=True) for o in options}) > 1]
         for t, o in zip(group, options):
-            shown = ", ".join(f"{k}={o.get(k)}" for k in differing)
+            shown = ", ".join(f"{k}={o[k]}" for k in differing if k in o)  # an option a variant lacks: not shown
             out[t["id"]] = f"{name} ({t['domain']}{'; ' + shown if shown else ''})"
     return out
 

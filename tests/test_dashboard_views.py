@@ -154,7 +154,7 @@ def test_budget_curves_open_on_the_largest_slice_and_never_join_protocols(replic
     at.radio(key="bc_measure").set_value("KL to full cache").run()
     counts = sql(replication_db, "SELECT model_id, protocol_id, generation_id, COUNT(*) FROM sample_results "
                                  "WHERE measure = 'fidelity' GROUP BY 1, 2, 3 ORDER BY 4 DESC")
-    assert len(counts) == 3
+    assert len(counts) == 5  # protocols #1-#5 (each its own fidelity settings)
     slice_box = at.selectbox(key="bc_fidelity_slice")
     assert tuple(slice_box.value) == counts[0][:3]
     for i in range(len(slice_box.options)):
@@ -185,7 +185,9 @@ def test_samples_open_on_problems_and_task_variants_are_told_apart(replication_d
     box = at.selectbox(key="sm_task")
     labels = box.options  # AppTest gives the options as shown
     assert len(set(labels)) == len(labels) == sql(replication_db, "SELECT COUNT(DISTINCT task_id) FROM sample_results")[0][0]
-    assert sum(label.startswith("niah (longqa; ") for label in labels) == 4, labels
+    # the demo, fidelity_cpu and replication variants, one more niah variant, and the one scored on its own traces
+    assert sum(label.startswith("niah (longqa; ") for label in labels) == 5, labels
+    assert "math500 (math; fidelity_reference=self)" in labels and "math500 (math)" in labels
     task, budget, _ = sql(replication_db, "SELECT task_id, budget, COUNT(*) FROM sample_results WHERE measure = 'generation' "
                                           "GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 1")[0]
     assert (box.value, at.selectbox(key="sm_budget").value) == (task, budget)
