@@ -71,15 +71,20 @@ def truncate(segments: Sequence[Segment], max_scored: int | None) -> list[Segmen
     return [s for s in out if s[0]]
 
 
-def prompt_tokens(segments: Sequence[Segment]) -> int:
-    """Tokens fed before the first scored one: the prompt a relative budget (``budget_base: prompt``)
-    counts from."""
-    n = 0
+def prompt_segments(segments: Sequence[Segment]) -> list[Segment]:
+    """The unscored segments before the first scored one: the prompt a relative budget
+    (``budget_base: prompt``) counts from, and a self-generated trace continues."""
+    out: list[Segment] = []
     for ids, scored in segments:
         if scored:
             break
-        n += len(ids)
-    return n
+        out.append((list(ids), False))
+    return out
+
+
+def prompt_tokens(segments: Sequence[Segment]) -> int:
+    """How many tokens :func:`prompt_segments` holds."""
+    return sum(len(ids) for ids, _ in prompt_segments(segments))
 
 
 def self_traces(engine: Engine, prompts: Sequence[list[int]], n_tokens: int) -> list[list[int]]:
@@ -105,13 +110,8 @@ def self_traces(engine: Engine, prompts: Sequence[list[int]], n_tokens: int) -> 
 
 
 def self_trace_segments(segments: Sequence[Segment], trace: list[int]) -> list[Segment]:
-    """``segments``' prompt (the unscored segments before the first scored one), then ``trace`` scored."""
-    prompt: list[Segment] = []
-    for ids, scored in segments:
-        if scored:
-            break
-        prompt.append((list(ids), False))
-    return [*prompt, (list(trace), True)]
+    """``segments``' prompt (:func:`prompt_segments`), then ``trace`` scored."""
+    return [*prompt_segments(segments), (list(trace), True)]
 
 
 def trace_hash(segments: Sequence[Segment]) -> str:

@@ -124,12 +124,16 @@ class SlabLayer(DynamicLayer):
             geometric = min(geometric, self.reserve)
         return max(needed, geometric)
 
+    #: free slots zeroed on allocation (a store that attends over them masked needs it: 0 x NaN is NaN)
+    zeroed = False
+
     def resize(self, capacity: int) -> None:
         """Reallocate the slab to ``capacity`` slots (>= length), keeping the held ones."""
         n = self._nk
         for name in ("_k", "_v"):
             old = getattr(self, name)
-            new = old.new_empty((*old.shape[:-2], capacity, old.shape[-1]))
+            shape = (*old.shape[:-2], capacity, old.shape[-1])
+            new = old.new_zeros(shape) if self.zeroed else old.new_empty(shape)
             new.narrow(-2, 0, n).copy_(old.narrow(-2, 0, n))
             setattr(self, name, new)
         self._refresh()

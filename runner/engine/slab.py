@@ -41,7 +41,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvleague.runner.engine.backend import HFBackend
-from kvleague.runner.engine.cache import BudgetedCache, SlabLayer, _Plan
+from kvleague.runner.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _Plan
 from kvleague.runner.engine.decode import BatchSlabLayer
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import active_recorder
@@ -53,6 +53,8 @@ class FixedSlabLayer(SlabLayer):
 
     #: device-held write slot ``[1]`` of a captured step (None: write at the host-known length)
     slots: torch.Tensor | None = None
+    #: free slots are attended over (masked), and 0 x NaN garbage would still be NaN
+    zeroed = True
 
     def planned(self, needed: int) -> int:
         """The capacity a pass that needs ``needed`` slots runs at: the current one while it fits; the
@@ -62,21 +64,10 @@ class FixedSlabLayer(SlabLayer):
             return self.capacity
         if self.capacity == 0:
             return max(self.reserve or 0, needed)
-        return max(needed, int(self.capacity * 1.5), self.capacity + 256)  # (a budget past the context)
+        return max(needed, int(self.capacity * _GROWTH), self.capacity + _MIN_GROWTH)  # (a budget past the context)
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return self.planned(self.get_seq_length() + cache_position.shape[0]), 0
-
-    def resize(self, capacity: int) -> None:
-        """Zeroed, not empty: a free slot is masked, but 0 x NaN garbage would still be NaN."""
-        n = self._nk
-        for name in ("_k", "_v"):
-            old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:-2], capacity, old.shape[-1]))
-            new.narrow(-2, 0, n).copy_(old.narrow(-2, 0, n))
-            setattr(self, name, new)
-        self.regrowths = getattr(self, "regrowths", -1) + 1  # the first allocation is not a regrowth
-        self._refresh()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
         if not self.is_initialized or self._k.dim() < 2:

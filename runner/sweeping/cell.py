@@ -210,14 +210,14 @@ class CellWorker:
 
         first = cells[0]
         self._prepare_traces(cells, engine)
-        per_cell, seen = [], set()
+        per_sample: dict[str, tuple] = {}  # sample id -> (segments, reference, its seconds, shared)
+        per_cell = []
         for c in cells:
-            if c.sample_id in seen:
-                segments, reference, reference_seconds, _ = per_cell[-1]
-                per_cell.append((segments, reference, reference_seconds, True))  # a sample's cells are adjacent
+            if c.sample_id in per_sample:  # a later cell of the sample: its pass is shared
+                per_cell.append((*per_sample[c.sample_id][:3], True))
             else:
-                seen.add(c.sample_id)
-                per_cell.append(self._fidelity_reference(c, engine, self._task(c.task, c.task_options), keep_previous=True))
+                per_sample[c.sample_id] = self._fidelity_reference(c, engine, self._task(c.task, c.task_options), keep_previous=True)
+                per_cell.append(per_sample[c.sample_id])
         results = fidelity.measure_batch(
             engine, [p[0] for p in per_cell], [build_method(c.method, c.params) for c in cells], [c.budget for c in cells],
             first.protocol, [c.gen_seed for c in cells], [p[1] for p in per_cell],
@@ -256,7 +256,7 @@ class CellWorker:
         prompts, files = {}, {}
         for key, c in todo.items():
             segments = self._task(c.task, c.task_options).fidelity_segments(c.sample, engine.tokenizer)
-            prompt = [t for ids, _ in fidelity.self_trace_segments(segments, [])[:-1] for t in ids]
+            prompt = [t for ids, _ in fidelity.prompt_segments(segments) for t in ids]
             n = c.generation["max_new_tokens"]
             if store:
                 files[key] = Path(store) / f"{spec_hash([c.model['resolved'], c.model['dtype'], prompt, n])}.json"

@@ -249,23 +249,17 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
         if limit == 1 or (episodic[cell.task] and not self_trace):
             groups.append([cell])
             continue
-        if self_trace:  # whole samples together: their traces decode as one batch, then all their cells
-            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, cell.dims["protocol"],
-                                  cell.generation, cell.seed])
-            group = open_groups.get(key)
-            if group is None or (len(group) >= limit and group[-1].sample_id != cell.sample_id):
-                group = open_groups[key] = []
-                groups.append(group)
-            group.append(cell)
-            continue
         if cell.measure == "fidelity":
-            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, cell.sample_id, cell.dims["protocol"],
+            # one sample's methods and budgets; scored on self-generated traces, whole samples together
+            # (their traces decode as one batch), a sample never split across groups
+            sample = [] if self_trace else [cell.sample_id]
+            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, *sample, cell.dims["protocol"],
                                   cell.generation, cell.seed])
         else:
             key = canonical_json([cell.model, cell.method, cell.params, cell.budget, cell.task, cell.task_options,
                                   cell.dims["protocol"], cell.generation, cell.seed])
         group = open_groups.get(key)
-        if group is None or len(group) >= limit:
+        if group is None or (len(group) >= limit and not (self_trace and group[-1].sample_id == cell.sample_id)):
             group = open_groups[key] = []
             groups.append(group)
         group.append(cell)
