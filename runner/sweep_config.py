@@ -34,7 +34,7 @@ import itertools
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator,
@@ -56,6 +56,17 @@ _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
+    #: fields added after sweeps were stored -> the values at which a dump leaves them out, so every
+    #: stored config (and its hash) still reads the same
+    ADDED_LATER: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_serializer(mode="wrap")
+    def _without_added_defaults(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        for name, defaults in self.ADDED_LATER.items():
+            if name in data and data[name] in defaults:
+                del data[name]
+        return data
 
 
 class ModelConfig(_Strict):
@@ -67,19 +78,13 @@ class ModelConfig(_Strict):
     attn_implementation: Literal[ATTN] = "sdpa"
     #: the engine backend (``runner/engine/backend.py``)
     backend: Literal[BACKENDS] = "hf"
+    ADDED_LATER = {"backend": ("hf",)}
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         return {"source": value} if isinstance(value, str) else value
 
-    @model_serializer(mode="wrap")
-    def _without_added_defaults(self, handler) -> dict[str, Any]:
-        # added after sweeps were stored: left out at its default, so stored configs keep their hash
-        data = handler(self)
-        if data.get("backend") == "hf":
-            del data["backend"]
-        return data
 
     @property
     def label(self) -> str:
@@ -158,13 +163,7 @@ def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
 
 
 class _ProtocolFields(_Strict):
-    @model_serializer(mode="wrap")
-    def _without_added_defaults(self, handler) -> dict[str, Any]:
-        # added after sweeps were stored: left out at its default (or not overridden), so stored configs keep their hash
-        data = handler(self)
-        if data.get("budget_base") in (None, "none"):
-            data.pop("budget_base", None)
-        return data
+    ADDED_LATER = {"budget_base": (None, "none")}  # at its default, or not overridden
 
 
 class ProtocolConfig(_protocol_model("ProtocolConfig", overrides=False)):
@@ -205,13 +204,7 @@ class FidelityConfig(_Strict):
     #: greedy full-cache continuation of the prompt, exactly ``max_scored_tokens`` long
     #: (``runner.fidelity.self_traces``: long traces, the paper's regime)
     reference: Literal["task", "self"] = "task"
-
-    @model_serializer(mode="wrap")
-    def _without_added_defaults(self, handler) -> dict[str, Any]:
-        data = handler(self)  # added after sweeps were stored: left out at its default (their hash)
-        if data.get("reference") == "task":
-            del data["reference"]
-        return data
+    ADDED_LATER = {"reference": ("task",)}
 
 
 class ResourcesConfig(_Strict):
