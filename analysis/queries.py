@@ -321,6 +321,8 @@ class Options:
     tasks: list[dict[str, Any]] = field(default_factory=list)  # id, name, domain
     domains: list[str] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
+    #: budget -> how the results use it: ``64``, ``prompt+64`` or ``64 / prompt+64`` (one number, two meanings)
+    budget_labels: dict[int, str] = field(default_factory=dict)
     protocols: list[dict[str, Any]] = field(default_factory=list)  # id, label, fields
     decodings: list[str] = field(default_factory=list)
     methods: dict[int, dict[str, Any]] = field(default_factory=dict)  # id -> name, params_json, label
@@ -337,6 +339,11 @@ def options(engine: Engine) -> Options:
         out.tasks = [{**t, "label": labels[t["id"]]} for t in out.tasks]
         out.domains = sorted({t["domain"] for t in out.tasks})
         out.budgets = [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().order_by(R.c.budget))]
+        meanings: dict[int, list[str]] = {}
+        for b, base in conn.execute(select(R.c.budget, P.c.budget_base).distinct().join(P, P.c.id == R.c.protocol_id)
+                                    .order_by(R.c.budget, P.c.budget_base.is_not(None), P.c.budget_base)):
+            meanings.setdefault(int(b), []).append(budget_label(int(b), base))
+        out.budget_labels = {b: " / ".join(dict.fromkeys(labels)) for b, labels in meanings.items()}
         protos = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))]
         out.protocols = [{**p, "label": protocol_label(p)} for p in protos]
         temps = [float(t) for (t,) in conn.execute(select(G.c.temperature).distinct().where(G.c.id.in_(used(R.c.generation_id))))]

@@ -180,6 +180,19 @@ def test_leaderboard_opens_on_the_budget_with_the_most_results(replication_db, m
     assert len(at.dataframe[0].value) == methods > 1
 
 
+def test_the_budget_filter_says_which_budgets_are_room_on_top_of_the_prompt(replication_db, monkeypatch):
+    """The export's 64 is only ever ``prompt+64`` (the paper-regime runs); the others are absolute."""
+    at = open_page(replication_db, "Leaderboard", monkeypatch)
+    kinds = sql(replication_db, "SELECT DISTINCT r.budget, p.budget_base FROM sample_results r "
+                                "JOIN protocols p ON p.id = r.protocol_id ORDER BY 1")
+    expected = {}
+    for budget, base in kinds:
+        expected.setdefault(budget, []).append(f"prompt+{budget}" if base == "prompt" else str(budget))
+    assert ["prompt+64"] in expected.values()
+    shown = at.sidebar.multiselect(key="f_budget").options  # as the format function writes them
+    assert sorted(shown) == sorted(" / ".join(v) for v in expected.values()), shown
+
+
 def test_samples_open_on_problems_and_task_variants_are_told_apart(replication_db, monkeypatch):
     at = open_page(replication_db, "Samples", monkeypatch)
     box = at.selectbox(key="sm_task")

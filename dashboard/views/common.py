@@ -84,6 +84,11 @@ def most_data(counts: dict[tuple, int], among: list) -> int:
     return max(range(len(among)), key=lambda i: (rows(among[i]), -i)) if among else 0
 
 
+def budget_text(ctx, budget: int) -> str:
+    """``1,024 KV entries``, or ``prompt+64 KV entries`` where the results give the budget on top of the prompt."""
+    return f"{ctx.opts.budget_labels.get(budget, f'{budget:,}')} KV entries"
+
+
 def pick_budget(ctx, label: str, key: str) -> int | None:
     """A budget among the filters' ones, opening on the budget with the most generation results (a
     fidelity-only database: the most fidelity results)."""
@@ -92,7 +97,7 @@ def pick_budget(ctx, label: str, key: str) -> int | None:
         st.info("No budget is selected in the filters.")
         return None
     counts = ctx.data(q.row_counts, ctx.filters) or ctx.data(q.row_counts, replace(ctx.filters, measure=q.MEASURE_FIDELITY))
-    return st.selectbox(label, budgets, index=most_data(counts, budgets), key=key, format_func=lambda b: f"{b:,} KV entries",
+    return st.selectbox(label, budgets, index=most_data(counts, budgets), key=key, format_func=lambda b: budget_text(ctx, b),
                         help="Opens on the budget with the most results.")
 
 

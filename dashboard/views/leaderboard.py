@@ -9,7 +9,7 @@ import streamlit as st
 from kvleague.analysis import stats
 from kvleague.analysis import tables
 from kvleague.dashboard.views import fidelity, head_to_head
-from kvleague.dashboard.views.common import INT, empty, pick_budget, pick_weighting, styled
+from kvleague.dashboard.views.common import INT, budget_text, empty, pick_budget, pick_weighting, styled
 
 DETAIL_COLUMNS = {
     "rank": "rank", "rank_interval": "rank interval", "tied_best": "tied with best", "method": "method", "domain": "domain", "accuracy": "accuracy %", "interval": "95% CI",
@@ -52,7 +52,7 @@ def render(ctx) -> None:
     elif lb.full_budget != budget:
         note = f" Full cache has no results at this budget; the reference is its run at budget {lb.full_budget:,}."
     st.caption(
-        f"Budget {budget:,} KV entries. **Problems**: each table uses only the problem cells (problem x model x protocol x "
+        f"Budget {budget_text(ctx, budget)}. **Problems**: each table uses only the problem cells (problem x model x protocol x "
         "generation setting) that *every* method in it has, so accuracy, Δ and rank rest on the same problems; **problems** "
         "is how many questions that is, **failed** how many of those samples raised: a failed sample counts as wrong. "
         "The unit is the question: its cells (models, seeds, settings) are averaged, never counted as separate problems. "

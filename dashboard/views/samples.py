@@ -6,7 +6,7 @@ import streamlit as st
 
 from kvleague.analysis import queries as q
 from kvleague.analysis import tables
-from kvleague.dashboard.views.common import empty, most_data
+from kvleague.dashboard.views.common import budget_text, empty, most_data
 
 MARK = {True: "correct", False: "wrong", None: "-"}
 
@@ -33,7 +33,7 @@ def render(ctx) -> None:
         return
     with c2:
         budget = st.selectbox("Budget", budgets, index=most_data(counts, [(task_id, b) for b in budgets]), key="sm_budget",
-                              format_func=lambda b: f"{b:,} KV entries", help="Opens on the task's budget with the most generations.")
+                              format_func=lambda b: budget_text(ctx, b), help="Opens on the task's budget with the most generations.")
     with c3:
         disagree = st.checkbox("only problems where methods disagree", value=False, key="sm_disagree")
     ids = ctx.data(q.problem_ids, ctx.filters, task_id, budget, disagree)
