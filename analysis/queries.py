@@ -176,20 +176,30 @@ class Filters:
 # ------------------------------------------------------------------------------------------------
 
 
-#: how each field of a protocol row reads in its label (None: not shown); every protocol field
-#: (``PROTOCOL_COLUMNS``) needs an entry. The preset fields are not shown: the labels, and so the
-#: published report's headings, predate them (the ``#id`` keeps two protocols apart).
-PROTOCOL_LABEL_PARTS: dict[str, Callable[[Any], str | None] | None] = {
-    "cadence": str,
-    "positions": str,
-    "sink": lambda v: f"sink {v}",
-    "recent": lambda v: f"recent {v}",
-    "protect_prompt": lambda v: "prompt protected" if v else "prompt compressed",
-    "prefill_chunk": lambda v: f"prefill chunk {v}" if v else None,
-    "recent_max_fraction": None,
+def _recent_part(row: dict[str, Any]) -> str:
+    """``recent 16``, or ``recent min(128, B/4)`` where a fraction of the budget caps the window
+    (``Protocol.recent_for``; B is the room under a relative budget)."""
+    fraction = row.get("recent_max_fraction")
+    if fraction is None:
+        return f"recent {row['recent']}"
+    share = f"B/{1 / fraction:g}" if (1 / fraction).is_integer() else f"{fraction:g}B"
+    return f"recent min({row['recent']}, {share})"
+
+
+#: how each field of a protocol row reads in its label, from the row (None: not shown, or shown in
+#: another field's part); every protocol field (``PROTOCOL_COLUMNS``) needs an entry.
+#: ``prompt_over_budget`` is not shown (the ``#id`` keeps two protocols apart).
+PROTOCOL_LABEL_PARTS: dict[str, Callable[[dict[str, Any]], str | None] | None] = {
+    "cadence": lambda r: str(r["cadence"]),
+    "positions": lambda r: str(r["positions"]),
+    "sink": lambda r: f"sink {r['sink']}",
+    "recent": _recent_part,
+    "protect_prompt": lambda r: "prompt protected" if r["protect_prompt"] else "prompt compressed",
+    "prefill_chunk": lambda r: f"prefill chunk {r['prefill_chunk']}" if r.get("prefill_chunk") else None,
+    "recent_max_fraction": None,  # in the recent window's part
     "prompt_over_budget": None,
     # NULL (rows before the field) and "none" are absolute budgets, which the labels never said
-    "budget_base": lambda v: "budget = prompt + B" if v == "prompt" else None,
+    "budget_base": lambda r: "budget = prompt + B" if r.get("budget_base") == "prompt" else None,
 }
 
 
@@ -201,7 +211,7 @@ def budget_label(budget: int, budget_base: str | None) -> str:
 
 def protocol_label(row: dict[str, Any]) -> str:
     """``#id: every_step, absolute, sink 4, recent 16, prompt compressed``: the protocol's fields in order."""
-    parts = [part(row.get(name)) for name in PROTOCOL_COLUMNS if (part := PROTOCOL_LABEL_PARTS[name])]
+    parts = [part(row) for name in PROTOCOL_COLUMNS if (part := PROTOCOL_LABEL_PARTS[name])]
     return f"#{row['id']}: " + ", ".join(p for p in parts if p)
 
 

@@ -123,8 +123,9 @@ def test_the_protocols_table_and_the_label_follow_the_field_list():
     nullable = {c.name for c in ProtocolSpec.__table__.columns if c.nullable}
     assert nullable == {"prefill_chunk", *Protocol.ADDED_LATER}
     row = {"id": 2, **Protocol.preset("epikv_paper").spec()}
-    # the published report's heading of this protocol (docs/replication.md)
-    assert protocol_label(row) == "#2: every_step, compact, sink 0, recent 128, prompt protected"
+    # the published report's heading of this protocol (docs/replication.md): the window the engine keeps
+    assert protocol_label(row) == "#2: every_step, compact, sink 0, recent min(128, B/4), prompt protected"
+    assert Protocol.preset("epikv_paper").recent_for(64) == 16 and Protocol.preset("epikv_paper").recent_for(1024) == 128
     assert protocol_label({"id": 5, **Protocol(cadence="buffer=8", prefill_chunk=64).spec()}) == \
         "#5: buffer=8, absolute, sink 0, recent 0, prompt compressed, prefill chunk 64"
 
