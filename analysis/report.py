@@ -326,7 +326,9 @@ class _Writer:
         self.glance: list[dict[str, Any]] = []
 
     def found(self, s: Slice, findings: list[Finding]) -> None:
-        self.findings += [f.text for f in findings]
+        # "**math, budget 64** ..." -> "**protocol #4, math, budget 64** ...": two protocols' findings on
+        # one domain and budget would otherwise read alike
+        self.findings += [f.text.replace("**", f"**protocol #{s.protocol_id}, ", 1) for f in findings]
         self.glance += [{"protocol": f"#{s.protocol_id}", **f.glance} for f in findings]
 
     def add(self, *lines: str) -> None:

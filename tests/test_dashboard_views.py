@@ -154,7 +154,7 @@ def test_budget_curves_open_on_the_largest_slice_and_never_join_protocols(replic
     at.radio(key="bc_measure").set_value("KL to full cache").run()
     counts = sql(replication_db, "SELECT model_id, protocol_id, generation_id, COUNT(*) FROM sample_results "
                                  "WHERE measure = 'fidelity' GROUP BY 1, 2, 3 ORDER BY 4 DESC")
-    assert len(counts) == 5  # protocols #1-#5 (each its own fidelity settings)
+    assert len(counts) == 6  # protocols #1-#6 (each its own fidelity settings)
     slice_box = at.selectbox(key="bc_fidelity_slice")
     assert tuple(slice_box.value) == counts[0][:3]
     for i in range(len(slice_box.options)):

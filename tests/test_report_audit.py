@@ -136,7 +136,7 @@ def test_float_noise_is_a_tie_and_the_direction_is_the_tests(rows, report):
                    if (r["A"], r["B"]) == (f"epikv(series={series})", "h2o"))
         assert (row["samples"], row["tied"], row["p (Wilcoxon)"]) == ("30", "29", f"{wilcoxon(kept).pvalue:.2g}")
         assert float(row["Δ KL (A−B)"]) == pytest.approx(np.mean(d), abs=5e-5)
-    for line in [f for f in finding(report, "math, budget 192** (fidelity") if "series=" in f]:
+    for line in [f for f in finding(report, "protocol #1, math, budget 192** (fidelity") if "series=" in f]:
         assert "higher than h2o" not in line and re.search(r"not significantly different from h2o \(Δ [^)]*29 of 30 tied", line)
 
 
@@ -271,7 +271,7 @@ def test_few_discordant_needles_get_exact_mcnemar_and_the_adjusted_verdict(rows,
     assert {pair["A only"], pair["B only"]} == {"0", "5"}
     board = next(r for r in table(block, "method") if r["method"] == "epikv(series=generated)")
     assert board["p_value"] == f"{exact:.2g}" and float(board["delta_lo"]) < 0 <= float(board["delta_hi"])  # the interval agrees
-    (line,) = [f for f in finding(report, "longqa, budget 512** (accuracy")]
+    (line,) = [f for f in finding(report, "protocol #1, longqa, budget 512** (accuracy")]
     assert "not significantly different from full cache" in line and f"p Holm {pair['p (Holm)']}" in line, line
 
 
@@ -333,7 +333,7 @@ def test_rows_where_the_protocol_chose_everything_are_not_findings(rows, report)
     pairs = table(block.split("Paired fidelity tests")[1], "A")
     assert pairs and all(p["signed ranks"] == "not a finding" and p["p (Wilcoxon)"] == "-" for p in pairs)
     assert all(r["ranked"] == "0" for r in table(block.split("Paired fidelity tests")[0], "method"))
-    for line in finding(report, "agentic, budget 128** (fidelity"):
+    for line in finding(report, "protocol #2, agentic, budget 128** (fidelity"):
         assert "not a finding" in line and "lower than" not in line and "higher than" not in line
 
 
@@ -350,10 +350,19 @@ def test_the_paper_regime_rows_rank_and_score_one_trace_per_sample(rows):
                                                    if isinstance(r["details"], str) else r["details"]["fidelity"]["scored_sha256"])
         if r["evictions"]:
             assert 0 < r["ranked_evictions"] <= r["evictions"]
+    assert all(len(h) == 1 for h in hashes.values())  # one trace per sample, under every protocol
     domains = {t["id"]: t["domain"] for t in rows["tasks"]}
-    per_domain = defaultdict(set)
-    for task, sample in hashes:
-        per_domain[domains[task]].add(sample)
-    assert all(len(h) == 1 for h in hashes.values())
-    # 30 on math and code; the long-prompt domains stopped at 10 (docs/replication_preamble.md says why)
-    assert {d: len(s) for d, s in per_domain.items()} == {"math": 30, "code": 30, "longqa": 10, "agentic": 10}
+    per_protocol = defaultdict(lambda: defaultdict(set))
+    for r in cells:
+        per_protocol[r["protocol_id"]][domains[r["task_id"]]].add(r["sample_id"])
+    authors = protocol(rows, positions="compact", budget_base="prompt")  # #4
+    true_positions = protocol(rows, positions="absolute", protect_prompt=True, budget_base="prompt")  # #5
+    default = protocol(rows, positions="absolute", protect_prompt=False, budget_base="prompt")  # #6
+    assert set(per_protocol) == {authors, true_positions, default}
+    counts = {p: {d: len(s) for d, s in per_protocol[p].items()} for p in per_protocol}
+    assert counts[authors] == {"math": 30, "code": 30, "longqa": 30, "agentic": 30}
+    # sweeps/replication_cpu_trace_positions.yaml says why 20 on two domains and 30 on the others
+    assert counts[true_positions] == {"math": 20, "code": 30, "longqa": 20, "agentic": 30}
+    assert counts[default] == {"math": 10, "code": 10, "longqa": 10, "agentic": 10}
+    for other in (true_positions, default):  # the same samples as #4's, so the ablations pair them
+        assert all(per_protocol[other][d] <= per_protocol[authors][d] for d in per_protocol[other])
