@@ -203,10 +203,12 @@ PROTOCOL_LABEL_PARTS: dict[str, Callable[[dict[str, Any]], str | None] | None] =
 }
 
 
-def budget_label(budget: int, budget_base: str | None) -> str:
+def budget_label(budget: int, budget_base: str | None, grouped: bool = False) -> str:
     """A budget as its protocol means it: ``192`` cache entries, or ``prompt+64`` (room on top of each
-    sample's prompt, ``budget_base: prompt``)."""
-    return f"prompt+{budget}" if budget_base == "prompt" else str(budget)
+    sample's prompt, ``budget_base: prompt``); ``grouped``: thousands separated (``1,024``), as the
+    dashboard writes numbers."""
+    number = f"{budget:,}" if grouped else str(budget)
+    return f"prompt+{number}" if budget_base == "prompt" else number
 
 
 def protocol_label(row: dict[str, Any]) -> str:
@@ -352,7 +354,7 @@ def options(engine: Engine) -> Options:
         meanings: dict[int, list[str]] = {}
         for b, base in conn.execute(select(R.c.budget, P.c.budget_base).distinct().join(P, P.c.id == R.c.protocol_id)
                                     .order_by(R.c.budget, P.c.budget_base.is_not(None), P.c.budget_base)):
-            meanings.setdefault(int(b), []).append(budget_label(int(b), base))
+            meanings.setdefault(int(b), []).append(budget_label(int(b), base, grouped=True))
         out.budget_labels = {b: " / ".join(dict.fromkeys(labels)) for b, labels in meanings.items()}
         protos = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))]
         out.protocols = [{**p, "label": protocol_label(p)} for p in protos]

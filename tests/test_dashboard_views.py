@@ -187,7 +187,7 @@ def test_the_budget_filter_says_which_budgets_are_room_on_top_of_the_prompt(repl
                                 "JOIN protocols p ON p.id = r.protocol_id ORDER BY 1")
     expected = {}
     for budget, base in kinds:
-        expected.setdefault(budget, []).append(f"prompt+{budget}" if base == "prompt" else str(budget))
+        expected.setdefault(budget, []).append(f"prompt+{budget:,}" if base == "prompt" else f"{budget:,}")
     assert ["prompt+64"] in expected.values()
     shown = at.sidebar.multiselect(key="f_budget").options  # as the format function writes them
     assert sorted(shown) == sorted(" / ".join(v) for v in expected.values()), shown
