@@ -82,9 +82,14 @@ def prompt_segments(segments: Sequence[Segment]) -> list[Segment]:
     return out
 
 
+def prompt_ids(segments: Sequence[Segment]) -> list[int]:
+    """The token ids of :func:`prompt_segments`, in order: what a self-generated trace continues."""
+    return [t for ids, _ in prompt_segments(segments) for t in ids]
+
+
 def prompt_tokens(segments: Sequence[Segment]) -> int:
     """How many tokens :func:`prompt_segments` holds."""
-    return sum(len(ids) for ids, _ in prompt_segments(segments))
+    return len(prompt_ids(segments))
 
 
 def self_traces(engine: Engine, prompts: Sequence[list[int]], n_tokens: int) -> list[list[int]]:

@@ -540,7 +540,7 @@ def test_cli_trace_setting_stores_rows_tagged_with_it_over_the_self_traces(tiny,
     from kvleague.db.session import get_engine
     from kvleague.runner.cli import main
     from kvleague.runner.reference_tasks import load_samples, reference_task
-    from kvleague.runner.signals.study import prompt_ids
+    from kvleague.runner.fidelity import prompt_ids
 
     if not (DATA_DIR / "paul_graham_essays").is_dir():
         pytest.skip(f"no NIAH haystack under {DATA_DIR}")

@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from kvleague.runner.models import load_engine
     from kvleague.runner.provenance import collect_environment
     from kvleague.runner.reference_tasks import load_samples, reference_task, write_report
-    from kvleague.runner.fidelity import self_traces
-    from kvleague.runner.signals.study import LABELS, filler_token, prompt_ids, study_sample
+    from kvleague.runner.fidelity import prompt_ids, self_traces
+    from kvleague.runner.signals.study import LABELS, filler_token, study_sample
     from kvleague.runner.signals.correlation import SampleBootstrap
 
     if args.threads:

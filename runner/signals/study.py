@@ -77,7 +77,7 @@ import torch
 from kvleague.runner.engine import Engine
 from kvleague.runner.engine.backend import Analysis, Prefix
 from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.fidelity import Segment, self_trace_segments, self_traces, truncate
+from kvleague.runner.fidelity import Segment, prompt_ids, self_traces, truncate
 from kvleague.runner.signals.method_panel import MethodPanel
 from kvleague.runner.engine.protocol import Protocol
 from kvleague.runner.reference_tasks import OCCLUDED, TRACES
@@ -182,11 +182,6 @@ def trace_windows(context_tokens: int, trace_tokens: int, window: int, stride: i
     end = context_tokens + trace_tokens
     out = [(s, min(s + window, end)) for s in range(context_tokens, end, stride)]
     return [(s, e) for s, e in out if e < end]
-
-
-def prompt_ids(segments: list[Segment]) -> list[int]:
-    """The prompt of a sample: the unscored segments before its first scored one (what a self trace follows)."""
-    return [t for ids, _ in self_trace_segments(segments, [])[:-1] for t in ids]
 
 
 def filler_token(tokenizer) -> int:

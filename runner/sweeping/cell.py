@@ -256,7 +256,7 @@ class CellWorker:
         prompts, files = {}, {}
         for key, c in todo.items():
             segments = self._task(c.task, c.task_options).fidelity_segments(c.sample, engine.tokenizer)
-            prompt = [t for ids, _ in fidelity.prompt_segments(segments) for t in ids]
+            prompt = fidelity.prompt_ids(segments)
             n = c.generation["max_new_tokens"]
             if store:
                 files[key] = Path(store) / f"{spec_hash([c.model['resolved'], c.model['dtype'], prompt, n])}.json"
