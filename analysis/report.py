@@ -235,20 +235,26 @@ def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
     return f"Δ {_signed(d)} [{_signed(lo)}, {_signed(hi)}]"
 
 
+def _heading(domain: str, budget: int | str, protocol: int | None) -> str:
+    """A finding's bold lead: ``**protocol #4, math, budget prompt+64**`` (two protocols' findings on one
+    domain and budget would otherwise read alike)."""
+    return f"**{f'protocol #{protocol}, ' if protocol is not None else ''}{domain}, budget {budget}**"
+
+
 def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int | str,
-                      name_of: Mapping[str, str]) -> list[Finding]:
+                      name_of: Mapping[str, str], protocol: int | None = None) -> list[Finding]:
     """How close each EpiKV spec stays to the full cache, and whether it matches the attention
     baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         if e.get("ranked", 1) == 0:  # (a board without the column: every method ranked)
-            text = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): not a finding. In none of its "
+            text = (f"{_heading(domain, budget, protocol)} (fidelity, {int(e['samples'])} samples): not a finding. In none of its "
                     f"samples did {_who(e['method'])}'s ranking decide what was evicted (each eviction dropped nothing or every "
                     "candidate, as the protocol dictated), so its KL and every comparison of it are the protocol's, untested.")
             out.append(Finding(text, {**_glance(domain, budget, e["method"], "fidelity (KL)", f"not a finding: the protocol chose ({int(e['samples'])} samples)", {}),
                                       "no significant difference": "-"}))
             continue
-        line = (f"**{domain}, budget {budget}** (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
+        line = (f"{_heading(domain, budget, protocol)} (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
                 f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
         groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, fidelity=True)
         said = _said(groups, "lower than", "higher than")
@@ -264,7 +270,7 @@ def _pair_of(pairs: pd.DataFrame, a: str, b: str) -> pd.Series | None:
 
 
 def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int | str,
-                      name_of: Mapping[str, str]) -> list[Finding]:
+                      name_of: Mapping[str, str], protocol: int | None = None) -> list[Finding]:
     """Each EpiKV spec's accuracy against full cache and against the attention baselines, at one budget in
     one domain: the paired tests of the head-to-head table (on the domain table's problems, Holm over its
     pairs), the verdict from the adjusted p; the difference from full cache with the board's interval,
@@ -279,7 +285,7 @@ def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, bud
         p_holm = pair["p (Holm)"] if pair is not None else math.nan
         close = ("not significantly different from" if not (p_holm < ALPHA) else
                  "below" if e["delta_full"] < 0 else "above")
-        line = (f"**{domain}, budget {budget}** (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
+        line = (f"{_heading(domain, budget, protocol)} (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
                 f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
                 f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
                 f"p Holm {_p(p_holm)}).")
@@ -326,9 +332,7 @@ class _Writer:
         self.glance: list[dict[str, Any]] = []
 
     def found(self, s: Slice, findings: list[Finding]) -> None:
-        # "**math, budget 64** ..." -> "**protocol #4, math, budget 64** ...": two protocols' findings on
-        # one domain and budget would otherwise read alike
-        self.findings += [f.text.replace("**", f"**protocol #{s.protocol_id}, ", 1) for f in findings]
+        self.findings += [f.text for f in findings]
         self.glance += [{"protocol": f"#{s.protocol_id}", **f.glance} for f in findings]
 
     def add(self, *lines: str) -> None:
@@ -374,7 +378,7 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
                 w.add("Paired accuracy tests against full cache and against EpiKV, on the problems of the table above (A only / "
                       "B only: the discordant problems; Holm over all pairs in the domain):", "",
                       markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}), "")
-            w.found(s, accuracy_findings(board, pairs, domain, s.budget(b), w.name_of))
+            w.found(s, accuracy_findings(board, pairs, domain, s.budget(b), w.name_of, s.protocol_id))
         if not fboard.empty:
             fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
             fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
@@ -390,7 +394,7 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
                       "per-sample means, bootstrap interval; Wilcoxon signed-rank: differences within float32 rounding are "
                       "tied and left out, the signed ranks give the direction; Holm over all pairs in the domain):", "",
                       markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}), "")
-            w.found(s, fidelity_findings(fpairs, fboard, domain, s.budget(b), w.name_of))
+            w.found(s, fidelity_findings(fpairs, fboard, domain, s.budget(b), w.name_of, s.protocol_id))
 
 
 def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> None:
