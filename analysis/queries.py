@@ -350,11 +350,11 @@ def options(engine: Engine) -> Options:
         labels = task_labels(out.tasks)
         out.tasks = [{**t, "label": labels[t["id"]]} for t in out.tasks]
         out.domains = sorted({t["domain"] for t in out.tasks})
-        out.budgets = [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().order_by(R.c.budget))]
-        meanings: dict[int, list[str]] = {}
+        meanings: dict[int, list[str]] = {}  # every budget with results, in order, and what each means
         for b, base in conn.execute(select(R.c.budget, P.c.budget_base).distinct().join(P, P.c.id == R.c.protocol_id)
                                     .order_by(R.c.budget, P.c.budget_base.is_not(None), P.c.budget_base)):
             meanings.setdefault(int(b), []).append(budget_label(int(b), base, grouped=True))
+        out.budgets = list(meanings)
         out.budget_labels = {b: " / ".join(dict.fromkeys(labels)) for b, labels in meanings.items()}
         protos = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))]
         out.protocols = [{**p, "label": protocol_label(p)} for p in protos]

@@ -46,7 +46,7 @@ def sidebar_filters(opts: q.Options) -> q.Filters:
     # keyed on the domain choice: a new domain choice starts the task choice afresh (all of them)
     task_key = "f_task" if f_domains is None else "f_task_" + "_".join(sorted(f_domains))
     f_tasks = _multiselect("Task", list(names), lambda i: names.get(i, str(i)), key=task_key)
-    f_budgets = _multiselect("Budget (KV entries)", opts.budgets, lambda b: opts.budget_labels.get(b, str(b)), key="f_budget",
+    f_budgets = _multiselect("Budget (KV entries)", opts.budgets, opts.budget_labels.__getitem__, key="f_budget",
                              help="prompt+B: B entries of room on top of each sample's prompt")
     protos = {p["id"]: p["label"] for p in opts.protocols}
     f_protocols = _multiselect("Protocol", list(protos), lambda i: protos.get(i, str(i)), key="f_protocol",
