@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from kvleague.runner.fidelity import prompt_ids, self_traces
     from kvleague.runner.signals.study import LABELS, filler_token, study_sample
     from kvleague.runner.signals.correlation import SampleBootstrap
+    from kvleague.analysis.signal_tables import headline  # the signals with intervals (an interval costs a bootstrap)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -144,10 +145,10 @@ def run(args: argparse.Namespace) -> int:
         position = [np.arange(s.studied_tokens, dtype=np.float64) for s in mine]  # the index in the occluded span
         for name in signals:
             values = [s.signals.get(name, _missing(s.studied_tokens)) for s in mine]
-            headline = _headline(name)
-            c = boot.correlate(values, interval=args.all_intervals or headline)
+            shown = headline(name)
+            c = boot.correlate(values, interval=args.all_intervals or shown)
             row = {"label": label, "signal": name, **dataclasses.asdict(c)}
-            if headline and name != POSITION:  # the headline signals with position held fixed
+            if shown and name != POSITION:  # the headline signals with position held fixed
                 pc = boot.partial(values, position)
                 row.update(control=POSITION, partial_rho=pc.rho, partial_lo=pc.lo, partial_hi=pc.hi,
                            partial_p_value=pc.p_value)
@@ -170,14 +171,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _headline(signal: str) -> bool:
-    """The signals that get bootstrap intervals by default: the paper's per-layer signal, the all-layer
-    signals, the position control and the methods; all but position also get the rho with position held
-    fixed (an interval costs a bootstrap; the other per-layer
-    signals are many)."""
-    return signal.startswith(("hs_l2_diff_rolling64_l", "method:")) or signal.endswith("_mean") or signal == POSITION
-
-
 def _missing(n: int):
     import numpy as np
 
@@ -185,8 +178,10 @@ def _missing(n: int):
 
 
 def _print_summary(correlations: list[dict]) -> None:
+    from kvleague.analysis.signal_tables import headline
+
     for c in correlations:
-        if _headline(c["signal"]):
+        if headline(c["signal"]):
             partial = (f"  | {c['control']} fixed {c['partial_rho']:+.3f} [{c['partial_lo']:+.3f}, {c['partial_hi']:+.3f}]"
                        if "control" in c else "")
             print(f"{c['label']:<14} {c['signal']:<32} rho {c['rho']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]{partial}  "
