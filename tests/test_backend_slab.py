@@ -5,7 +5,9 @@ the slab backend must give the same tokens, kept positions and eviction counts a
 Each architecture runs under a different protocol (sinks and a recent window; compact positions,
 a buffered cadence and the prompt kept whole; chunked prefill and seeded sampling). Then what makes
 it a slab backend: attention sees the whole fixed slab at every step, evictions never reallocate
-it, and the graph-ready decode step (static buffers, device-held write slots) gives the same tokens.
+it, and the graph-ready decode step (static buffers, device-held write slots, observations tapped
+and handed over after the step) gives every method the same tokens, with no host synchronization
+inside the step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tests.test_batch import NEW_TOKENS, PROTOCOLS, SETTINGS
 METHODS = sorted(available_methods())
 BUDGET = 16
 LENGTHS = (9, 20, 27)  # below and above the budget
-#: methods that observe nothing at a decode step: their steps take the graph-ready path
+#: methods that observe nothing at a decode step
 UNOBSERVED = ("full", "keydiff", "knorm", "random", "streaming_llm")
 
 
@@ -139,20 +141,23 @@ def test_decode_steps_see_the_whole_fixed_slab_and_evictions_never_reallocate(pa
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", UNOBSERVED)
+@pytest.mark.parametrize("name", METHODS)
 def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):
     """``graphs=True`` off CUDA runs the captured step's body eagerly: static buffers, K/V written at
-    device-held slots, the mask copied in. Same tokens and kept positions as the oracle."""
+    device-held slots, the mask copied in, what the method observes tapped and rewritten in place
+    at every step (as a replay rewrites a graph's memory) before it is handed over. Every method,
+    observing or not: same tokens and kept positions as the oracle, every decode step on that path."""
     hf, slab = pairs[arch]
     protocol, settings = PROTOCOLS[arch], SETTINGS[arch]
     oracle = [hf.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
     backend = slab.backend
     backend.graphs = True
     try:
-        before = backend.steps["static"]
+        before = dict(backend.steps)
         alone = [slab.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
         batched = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * 3)
-        assert backend.steps["static"] - before == (len(prompts) + 1) * (NEW_TOKENS - 1)  # every decode step: 3 alone, 1 batch
+        assert backend.steps["static"] - before["static"] == (len(prompts) + 1) * (NEW_TOKENS - 1)  # 3 alone, 1 batch
+        assert backend.steps["eager"] == before["eager"]
     finally:
         backend.graphs = False
     for expected, single, in_batch in zip(oracle, alone, batched):
@@ -160,16 +165,30 @@ def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):
         _same(expected, in_batch)
 
 
-def test_observed_steps_run_eagerly_and_describe_says_which_path_ran(pairs, prompts):
+def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pairs, prompts):
+    """A method that keeps what it observed keeps it: the tapped tensors are rewritten by the next
+    step, the ones handed over are not (the hidden states epikv sees, the queries snapkv sees)."""
+    from kvleague.runner.engine.contract import Observation
+
     _, slab = pairs["llama"]
     backend = slab.backend
+    seen = []
+
+    class Keeper(type(build_method("snapkv"))):
+        def observe(self, obs: Observation) -> None:
+            if obs.phase == "decode":
+                seen.append((obs.queries[0], obs.queries[0].clone()))
+            super().observe(obs)
+
     backend.graphs = True
     try:
         before = dict(backend.steps)
-        slab.generate(prompts[2], build_method("tova"), BUDGET, Protocol(), GenerationSettings(max_new_tokens=5))
-        assert backend.steps["static"] == before["static"] and backend.steps["eager"] > before["eager"]
+        slab.generate(prompts[2], Keeper(), BUDGET, Protocol(), GenerationSettings(max_new_tokens=5))
+        assert backend.steps["static"] - before["static"] == 4 and backend.steps["eager"] == before["eager"]
     finally:
         backend.graphs = False
+    assert len(seen) == 4 and all(torch.equal(kept, snapshot) for kept, snapshot in seen)
+    assert not torch.equal(seen[0][1], seen[1][1])  # the steps did observe different queries
     about = slab.describe()
     assert about["backend"] == "slab" and about["cuda_graphs"] == "off" and set(about["decode_steps"]) == {"eager", "graph", "static"}
 
@@ -212,11 +231,11 @@ def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", [*UNOBSERVED, "snapkv"])
+@pytest.mark.parametrize("name", METHODS)
 def test_captured_decode_steps_equal_hf_on_cuda(tiny_models, prompts, name):
     """On CUDA (``scripts/gpu_check.sh``; never run yet, no GPU was lent): float32, the slab backend
-    with its decode steps replayed as CUDA graphs against the hf backend on the same GPU, alone and
-    batched; ``snapkv`` observes queries, so its steps run eagerly."""
+    with every decode step replayed as a CUDA graph (observing methods too) against the hf backend on
+    the same GPU, alone and batched."""
     from kvleague.runner.models import load_engine
 
     hf = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda")
@@ -230,4 +249,4 @@ def test_captured_decode_steps_equal_hf_on_cuda(tiny_models, prompts, name):
         _same(expected, single)
         _same(expected, in_batch)
     steps = slab.describe()["decode_steps"]
-    assert (steps["graph"] > 0) == (name != "snapkv") and steps["static"] == 0
+    assert steps["graph"] == (len(prompts) + 1) * (NEW_TOKENS - 1) and steps["eager"] == steps["static"] == 0

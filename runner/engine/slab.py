@@ -18,14 +18,16 @@ and the forward pass:
   (slot visible iff valid and causally before the query), built here on the device from the start
   slot and the decode loop's padding mask; HF's own mask logic, which synchronizes with the host, is
   bypassed. A decode step therefore has the same shapes whatever the cache holds.
-* **CUDA graphs** (:class:`GraphedStep`, only on CUDA): a decode step of a batch whose methods need
-  no observation from the step (no hidden states, queries, keys or attention rows) is captured once
-  per (batch, capacity, slab buffers) and replayed: tokens, RoPE positions, write slots and the mask
-  are static device buffers filled before each replay; K/V are written at device-held slots. Steps
-  that need observations, prefill, and every step on the CPU run eagerly; :meth:`SlabBackend.describe`
-  counts which path ran (``decode_steps``: ``eager`` / ``graph`` / ``static``). The method's scoring and the
-  engine's top-k selection run eagerly between steps on either path (they synchronize with the host
-  to decide how many slots to keep).
+* **CUDA graphs** (:class:`GraphedStep`, only on CUDA): every decode step is captured once per
+  (batch, capacity, kernel, observed layers, slab buffers) and replayed: tokens, RoPE positions,
+  write slots and the mask are static device buffers filled before each replay; K/V are written at
+  device-held slots. What a method observes inside the step (hidden states, queries, new K/V,
+  attention weights) is tapped during the capture (:class:`_Tap`): the tapped tensors live in the
+  graph's memory, each replay rewrites them, and after it the backend hands copies to the hooks and
+  the recorder that asked, so every method's steps are captured. Prefill and every step on the CPU
+  run eagerly; :meth:`SlabBackend.describe` counts which path ran (``decode_steps``: ``eager`` /
+  ``graph`` / ``static``). The method's scoring and the engine's top-k selection run eagerly between
+  steps on either path (they synchronize with the host to decide how many slots to keep).
 
 Methods that read attention rows get them from the attention wrapper (``probe.py``) over the valid
 slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s per-row lengths).
@@ -44,7 +46,7 @@ from kvleague.runner.engine.backend import HFBackend
 from kvleague.runner.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _Plan
 from kvleague.runner.engine.decode import BatchSlabLayer
 from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.probe import active_recorder
+from kvleague.runner.engine.probe import active_recorder, recording
 
 
 class FixedSlabLayer(SlabLayer):
@@ -148,7 +150,10 @@ class SlabBackend(HFBackend):
         #: decode steps per path: ``eager`` (dynamic), ``graph`` (a CUDA graph replayed), ``static`` (the
         #: graph's body run eagerly over its static buffers: ``graphs=True`` off CUDA, for tests)
         self.steps = {"eager": 0, "graph": 0, "static": 0}
-        self._hidden_hooks = 0
+        #: the hidden-state callbacks of the ``observing`` contexts now open: (layers, on_hidden)
+        self._observers: list[tuple[tuple[int, ...], Any]] = []
+        #: while a captured step's body runs: where its hooks and attention calls leave what they saw
+        self._tap: _Tap | None = None
         self._graphed: dict[tuple, GraphedStep] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -163,13 +168,34 @@ class SlabBackend(HFBackend):
 
     @contextmanager
     def observing(self, kernel: str, hidden_layers: list[int], on_hidden) -> Iterator[None]:
-        """As the HF backend's, counting the hidden-state hooks (a step that feeds one is not captured)."""
-        with super().observing(kernel, hidden_layers, on_hidden):
-            self._hidden_hooks += len(hidden_layers)
+        """As the HF backend's; inside a captured step's body the hooks leave their outputs on the tap,
+        and :meth:`_deliver` hands copies to ``on_hidden`` after each replay."""
+        def hook(layer: int, output: torch.Tensor) -> None:
+            if self._tap is not None:
+                self._tap.hidden[layer] = output
+            else:
+                on_hidden(layer, output)
+
+        entry = (tuple(hidden_layers), on_hidden)
+        with super().observing(kernel, hidden_layers, hook):
+            self._observers.append(entry)
             try:
                 yield
             finally:
-                self._hidden_hooks -= len(hidden_layers)
+                self._observers.remove(entry)
+
+    def _deliver(self, tap: "_Tap") -> None:
+        """What a captured step observed, as an eager step would have handed it over: each hidden
+        state to the callbacks that hooked its layer, each attention call to the active recorder.
+        Copies: the tapped tensors are the graph's, and the next replay rewrites them."""
+        hidden = {layer: out.clone() for layer, out in tap.hidden.items()}
+        for layers, on_hidden in self._observers:
+            for layer in layers:
+                on_hidden(layer, hidden[layer])
+        recorder = active_recorder()
+        if recorder is not None:
+            for layer, (query, key, value, weights, scaling) in sorted(tap.attention.items()):
+                recorder.record(layer, query.clone(), key, value, None if weights is None else weights.clone(), scaling)
 
     # -- one forward pass over the slabs ------------------------------------------------------------
 
@@ -183,7 +209,7 @@ class SlabBackend(HFBackend):
         recorder = active_recorder()
         if recorder is not None:
             recorder.kv_length = start_slot + c  # a single sequence's valid slots (a batch's recorder cuts per row)
-        if c == 1 and self.graphs and recorder is None and not self._hidden_hooks:
+        if c == 1 and self.graphs:
             self.steps["graph" if self.device.type == "cuda" else "static"] += 1
             return self._graph_step(token_ids, rope_positions, cache, start_slot, attention_mask, capacity)
         if c == 1:
@@ -214,8 +240,9 @@ class SlabBackend(HFBackend):
             slots = (attention_mask.sum(dim=-1) - 1) if attention_mask is not None else torch.full((n,), start_slot, device=self.device)
         else:
             slots = torch.full((1,), start_slot, device=self.device)
-        key = (n, capacity, self.model.config._attn_implementation, *(layer.buffers[0].data_ptr() if isinstance(layer, SlabLayer)
-                                                                     else layer.slab_k.data_ptr() for layer in layers))
+        observed = (tuple(sorted({l for layers, _ in self._observers for l in layers})), active_recorder() is not None)
+        key = (n, capacity, self.model.config._attn_implementation, observed,
+               *(layer.buffers[0].data_ptr() if isinstance(layer, SlabLayer) else layer.slab_k.data_ptr() for layer in layers))
         step = self._graphed.get(key)
         if step is None:
             self._graphed = {key: GraphedStep(self, cache, n, capacity)}  # one live graph: older slabs are gone
@@ -227,12 +254,34 @@ class SlabBackend(HFBackend):
         return logits
 
 
+class _Tap:
+    """What a captured step's body observed, per layer: the hooked hidden states, and each attention
+    call's ``(query, key, value, weights, scaling)`` (keys and values: the slab itself). It stands in
+    for the recorder while the body runs (``probe.recording``), so the body keeps no Python state."""
+
+    def __init__(self) -> None:
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.attention: dict[int, tuple] = {}
+
+    def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
+        self.attention[layer] = (query, key, value, weights, scaling)
+
+    def rewrite(self, fresh: "_Tap") -> None:
+        """Copy ``fresh``'s tensors into this tap's, in place, as a replay rewrites a graph's memory."""
+        for layer, out in fresh.hidden.items():
+            self.hidden[layer].copy_(out)
+        for layer, (query, _, _, weights, _) in fresh.attention.items():
+            self.attention[layer][0].copy_(query)
+            if weights is not None:
+                self.attention[layer][3].copy_(weights)
+
+
 class GraphedStep:
     """One decode step (batch ``n``, slab ``capacity``) captured as a CUDA graph over static buffers.
 
     On CUDA the body is captured once and replayed; elsewhere (tests) it runs eagerly over the same
-    static buffers. The capture itself has not run here: this repository's machines have no GPU
-    (docs/gpu.md, GPU figures "not measured")."""
+    static buffers and taps. The capture itself has not run here: this repository's machines have
+    no GPU (docs/gpu.md, GPU figures "not measured")."""
 
     def __init__(self, backend: SlabBackend, cache, n: int, capacity: int):
         self.backend, self.cache = backend, cache
@@ -244,15 +293,21 @@ class GraphedStep:
         self.mask = backend.slab_mask(n, 1, capacity, 0, None).clone()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self.tap = _Tap()
 
-    def _body(self) -> torch.Tensor:
+    def _body(self, tap: _Tap) -> torch.Tensor:
+        """The step as captured: static inputs in, logits out, observations left on ``tap``."""
+        backend = self.backend
         for layer in self.cache.layers:
             layer.slots = self.slots
+        backend._tap = tap
         try:
-            out = self.backend.model(input_ids=self.tokens, position_ids=self.rope, attention_mask=self.mask,
-                                     cache_position=self.cache_position, past_key_values=self.cache, use_cache=True,
-                                     logits_to_keep=1)
+            with recording(tap):
+                out = backend.model(input_ids=self.tokens, position_ids=self.rope, attention_mask=self.mask,
+                                    cache_position=self.cache_position, past_key_values=self.cache, use_cache=True,
+                                    logits_to_keep=1)
         finally:
+            backend._tap = None
             for layer in self.cache.layers:
                 layer.slots = None
         return out.logits[:, -1]
@@ -264,17 +319,29 @@ class GraphedStep:
         self.mask.copy_(mask)
         self.cache_position.fill_(start_slot)
         if self.backend.device.type != "cuda":
-            return self._body()
-        if self.graph is None:
-            # warm up on a side stream (allocator pools, lazy kernels), then capture; the warm-up
-            # wrote this step's K/V already, and the capture only records
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._body()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._body()
-        self.graph.replay()
-        return self.logits.clone()
+            # the body eagerly; its logits and taps rewritten into the first run's tensors, as a replay
+            # rewrites the graph's, so a consumer that kept a reference would see it change here too
+            fresh = _Tap()
+            logits = self._body(fresh)
+            if self.logits is None:
+                self.logits, self.tap = logits, fresh
+            else:
+                self.logits.copy_(logits)
+                self.tap.rewrite(fresh)
+            logits = self.logits.clone()
+        else:
+            if self.graph is None:
+                # warm up on a side stream (allocator pools, lazy kernels), then capture; the warm-up
+                # wrote this step's K/V already, and the capture only records
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._body(_Tap())
+                torch.cuda.current_stream().wait_stream(stream)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = self._body(self.tap)
+            self.graph.replay()
+            logits = self.logits.clone()
+        self.backend._deliver(self.tap)
+        return logits
