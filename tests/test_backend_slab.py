@@ -193,6 +193,49 @@ def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pa
     assert about["backend"] == "slab" and about["cuda_graphs"] == "off" and set(about["decode_steps"]) == {"eager", "graph", "static"}
 
 
+@pytest.mark.parametrize("op", ["item", "bool", "tolist", "int", "tensor", "nonzero", "boolean index", "cpu"])
+def test_the_host_sync_spy_names_what_a_graph_cannot_hold(op):
+    from tests.host_syncs import HostSyncs
+
+    t = torch.arange(6.0)
+    run = {"item": lambda: t[0].item(), "bool": lambda: bool((t > 2).any()), "tolist": t.tolist, "int": lambda: int(t[1]),
+           "tensor": lambda: torch.tensor([1, 2]), "nonzero": t.nonzero, "boolean index": lambda: t[t > 2], "cpu": t.cpu}[op]
+    with HostSyncs() as spy:
+        (t * 2 + 1).softmax(-1)[torch.arange(3)]  # device work, an integer index: nothing to name
+        assert spy.found == []
+        run()
+    assert len(spy.found) >= 1 and spy.found[0][1].split("/")[-1].startswith("test_backend_slab.py:")  # the line that did it
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_captured_step_never_waits_for_the_host(pairs, prompts, monkeypatch, name):
+    """The body a CUDA graph captures (model forward over the slab, K/V written at device-held
+    slots, observations tapped) makes no op that reads a device value on the host or builds a tensor
+    from host data, for every method alone and batched: it can be captured and replayed as is."""
+    from kvleague.runner.engine.slab import GraphedStep
+    from tests.host_syncs import HostSyncs
+
+    _, slab = pairs["llama"]
+    body, found, bodies = GraphedStep._body, [], []
+
+    def spied(self, tap):
+        with HostSyncs() as spy:
+            out = body(self, tap)
+        found.extend(spy.found)
+        bodies.append(1)
+        return out
+
+    monkeypatch.setattr(GraphedStep, "_body", spied)
+    slab.backend.graphs = True
+    try:
+        slab.generate(prompts[2], build_method(name), BUDGET, PROTOCOLS["llama"], GenerationSettings(max_new_tokens=4))
+        slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, PROTOCOLS["llama"],
+                            GenerationSettings(max_new_tokens=4))
+    finally:
+        slab.backend.graphs = False
+    assert len(bodies) == 6 and found == []
+
+
 def test_unknown_backend_and_flash_attention_are_one_line_errors(tiny_models):
     from kvleague.runner.engine.slab import SlabBackend
     from kvleague.runner.models import load_engine

@@ -1,0 +1,75 @@
+"""A spy for what a CUDA graph cannot hold, usable on the CPU.
+
+A CUDA graph records device work only: an op that makes the host wait for the device's result
+(``.item()``, ``bool(t)``, ``.tolist()``, data-dependent shapes such as ``nonzero`` or a boolean
+index) fails inside a capture or freezes the value seen at capture time, and a tensor built from
+host data (``torch.tensor([...])``) is copied in once, at capture, never again. On CUDA such ops
+only show as an error at capture or as wrong tokens on replay; this spy names them on any device,
+so a step's body is checked capture-safe without a GPU. It sees every ATen op (a dispatch mode)
+and the tensor methods that leave for the host (a function mode).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: ATen ops that read a device value on the host, or whose output shape depends on device values
+_SYNCING = {"item", "_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique",
+            "_unique2", "unique_consecutive", "unique_dim", "bincount", "lift_fresh"}
+#: tensor methods that hand data to the host
+_TO_HOST = {"tolist", "numpy", "cpu"}
+
+
+class HostSyncs:
+    """``with HostSyncs() as spy: ...``; ``spy.found``: one ``(op, where)`` per offending call, ``where``
+    the innermost frame of this repository's code that made it."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[str, str]] = []
+        self._modes = (_Functions(self), _Dispatch(self))
+
+    def __enter__(self) -> "HostSyncs":
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    def note(self, op: str) -> None:
+        frames = [f for f in traceback.extract_stack() if f.filename != __file__
+                  and any(part in f.filename for part in ("/runner/", "/methods/", "/tests/", "/kvleague/"))]
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        self.found.append((op, where))
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, spy: HostSyncs):
+        super().__init__()
+        self.spy = spy
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _SYNCING:
+            self.spy.note(f"aten.{name}")
+        elif name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
+        ):
+            self.spy.note(f"aten.{name} (boolean index)")
+        return func(*args, **(kwargs or {}))
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, spy: HostSyncs):
+        super().__init__()
+        self.spy = spy
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _TO_HOST:
+            self.spy.note(f"Tensor.{func.__name__}")
+        return func(*args, **(kwargs or {}))
