@@ -255,14 +255,19 @@ def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys
 
     model = str(tiny_models["llama"])
     _cli(["bench", "generate", "--model", model, "--prompt-tokens", "24", "--new-tokens", "8", "--rounds", "1",
-          "--backend", "hf", "--backend", "slab", "--json", str(tmp_path / "g.json")])
+          "--backend", "hf", "--backend", "slab", "--static-anchor", "--json", str(tmp_path / "g.json")])
     g = h.read_report(tmp_path / "g.json")
     assert g["config"]["backends"] == ["hf", "slab"] and set(g["summary"]["by_backend"]) == {"hf", "slab"}
     assert all(s["same_tokens"] for s in g["summary"]["by_backend"].values())  # both reproduce model.generate
-    assert {(r["backend"], r["method"]) for r in g["rows"]} == {(b, m) for b in ("hf", "slab") for m in ("generate", "engine")}
+    runners = ("generate", "engine", "generate_static")
+    assert {(r["backend"], r["method"]) for r in g["rows"]} == {(b, m) for b in ("hf", "slab") for m in runners}
+    # beside the static-cache anchor (not compiled off CUDA: transformers compiles on CUDA only), same tokens
+    static = [f for f in g["figures"] if f["metric"] == "speed_ratio" and f["reference"] == "generate_static"]
+    assert len(static) == 2 and all(f["details"]["same_tokens"] and f["details"]["compiled"] is False for f in static)
+    assert h._LOADED[0] == model  # both backends ran one loaded model object
     ratios = [f for f in g["figures"] if f["metric"] == "backend_speed_ratio"]
     assert {(f["method"], f["details"]["backend"], f["reference"]) for f in ratios} == {
-        ("generate", "slab", "backend hf"), ("engine", "slab", "backend hf")}
+        (m, "slab", "backend hf") for m in runners}
     assert all(f["value"] > 0 for f in ratios)
     _cli(["bench", "speed", "--model", model, "--budgets", "8", "--methods", "knorm", "--gen-factor", "2",
           "--backend", "slab", "--json", str(tmp_path / "s.json")])

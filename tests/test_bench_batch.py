@@ -35,8 +35,12 @@ def test_bench_batch_times_the_engine_and_generate_on_one_clock(tiny_models, tmp
     ticks = itertools.count()
     monkeypatch.setattr(time, "process_time", lambda: float(next(ticks)))
     _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "16", "--new-tokens", "5",
-          "--batch-sizes", "1,2", "--methods", "full", "--clock", "cpu", "--json", str(tmp_path / "b.json")])
-    rows = h.read_report(tmp_path / "b.json")["rows"]
-    assert {(r["method"], r["batch_size"]) for r in rows} == {("full/single", 1), ("full", 1), ("full", 2), ("generate", 1), ("generate", 2)}
+          "--batch-sizes", "1,2", "--methods", "full", "--clock", "cpu", "--static-anchor", "--json", str(tmp_path / "b.json")])
+    report = h.read_report(tmp_path / "b.json")
+    rows = report["rows"]
+    assert {(r["method"], r["batch_size"]) for r in rows} == {("full/single", 1), ("full", 1), ("full", 2), ("generate", 1), ("generate", 2),
+                                                            ("generate_static", 1), ("generate_static", 2)}
+    # the static-cache anchor decodes what the engine does, at each batch size
+    assert {b: a["same_tokens"] for b, a in report["summary"]["engine_over_static"].items()} == {"1": True, "2": True}
     for r in rows:
         assert 0 < r["decode_tokens_per_second"] <= r["batch_size"], r

@@ -8,6 +8,9 @@ passes over the decode time (first generated token to last: the engine's step ti
 ``model.generate``, both read off ``--clock``), so both count the same passes and exclude prefill. All runs alternate round by
 round, so every ratio compares runs made side by side under the same machine load.
 
+``--static-anchor`` adds ``generate_static`` rows: ``model.generate`` with Hugging Face's static cache,
+whose decode step transformers compiles on CUDA (``bench generate``'s anchor), per batch size.
+
 ``<method>/single`` rows are ``Engine.generate`` (the single-sequence path) on the first prompt, so
 the batched path at batch 1 is compared with it.
 
@@ -22,6 +25,7 @@ import sys
 import time
 
 from kvleague.runner.bench.cli import add_backend
+from kvleague.runner.bench.engine_vs_generate import add_static_anchor, static_anchor
 
 #: targets of the batch-8 / batch-1 speed-up per method, and of engine / generate
 SPEEDUP_TARGETS = {"full": 3.0, "epikv": 2.5}
@@ -38,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds (the median is reported)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="wall")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, or 1 with the cpu clock)")
+    add_static_anchor(p)
 
 
 def time_engine(engine, prompts: list[list[int]], method: str, budget: int, new_tokens: int) -> dict:
@@ -64,7 +69,7 @@ def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens:
     return {"decode_tps": (new_tokens - 1) / decode, "evictions": result.evictions, "tokens": [result.token_ids]}
 
 
-def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> dict:
+def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock, **kwargs) -> dict:
     import torch
 
     from kvleague.runner.bench.engine_vs_generate import StepClock
@@ -74,7 +79,7 @@ def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock) -> d
     with plain_attention(engine) as model, torch.inference_mode():
         ids = torch.tensor(prompts, device=engine.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer)
+                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer, **kwargs)
     return {"decode_tps": len(prompts) * (new_tokens - 1) / streamer.decode_seconds(),
             "tokens": out[:, len(prompts[0]) :].tolist()}
 
@@ -88,7 +93,6 @@ def run(args) -> dict:
 
 def run_one(args) -> dict:
     from kvleague.runner.bench import harness as h
-    from kvleague.runner.models import load_engine
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -99,7 +103,7 @@ def run_one(args) -> dict:
     sizes = [int(x) for x in (args.batch_sizes or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     methods = [m for m in args.methods.split(",") if m]
     source = str(args.model or h.default_model())
-    engine = load_engine(source, backend=args.backend)
+    engine = h.load_engine(source, args.backend)
     engine.eos_ids = set()
     engine.clock = clock.now  # the engine's step times on the clock that times model.generate
     label = h.model_label(engine, args.model)
@@ -112,6 +116,11 @@ def run_one(args) -> dict:
         for m in methods:
             runs[(m, b)] = lambda m=m, b=b: time_engine(engine, prompts[:b], m, budget, new_tokens)
         runs[("generate", b)] = lambda b=b: time_generate(engine, prompts[:b], new_tokens, clock)
+    anchors = {}
+    if args.static_anchor:
+        for b in sizes:
+            runs[("generate_static", b)], anchors[b] = static_anchor(
+                engine, lambda b=b: time_generate(engine, prompts[:b], new_tokens, clock, cache_implementation="static"), clock)
     def announced(key, run):
         def call():
             out = run()
@@ -151,10 +160,16 @@ def run_one(args) -> dict:
             summary["engine_over_generate"][b] = value
             figures.append(h.figure("speed_ratio", value, "x", method="engine", reference="generate", batch_size=b,
                                     target=GENERATE_TARGET, same_tokens=same, **common))
+            if b in anchors:
+                value = h.ratio(tps.get(("full", b)), tps.get(("generate_static", b)))
+                same = results[("full", b)][0]["tokens"] == results[("generate_static", b)][0]["tokens"]
+                summary.setdefault("engine_over_static", {})[b] = {**anchors[b], "ratio": value, "same_tokens": same}
+                figures.append(h.figure("speed_ratio", value, "x", method="engine", reference="generate_static", batch_size=b,
+                                        target=GENERATE_TARGET, same_tokens=same, compiled=anchors[b]["compiled"], **common))
     summary["targets"] = {"speedup_batch_8": SPEEDUP_TARGETS, "engine_over_generate": GENERATE_TARGET}
     config = {"model": source, "model_label": label, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
               "budget": budget, "batch_sizes": sizes, "methods": methods, "rounds": args.rounds, "clock": args.clock,
-              "threads": threads, "quick": args.quick}
+              "threads": threads, "quick": args.quick, "static_anchor": args.static_anchor}
     report = h.make_report("batch", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
     print_report(report)
     return report
@@ -177,6 +192,11 @@ def print_report(report: dict) -> None:
     for b, v in s["engine_over_generate"].items():
         if v is not None:
             print(f"engine (full) / model.generate at batch {b}: {v:.3f} (target >= {GENERATE_TARGET})")
+    for b, a in s.get("engine_over_static", {}).items():
+        if a["ratio"] is not None:
+            print(f"engine (full) / model.generate with the static cache ({'compiled' if a['compiled'] else 'not compiled'}; "
+                  f"first call {a['first_call_seconds']:.1f} s) at batch {b}: {a['ratio']:.3f} (target >= {GENERATE_TARGET}); "
+                  f"same tokens: {a['same_tokens']}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -94,7 +94,6 @@ def run(args) -> dict:
 
 def run_one(args) -> dict:
     from kvleague.runner.bench import harness as h
-    from kvleague.runner.models import load_engine
     from kvleague.runner.engine.protocol import Protocol
 
     started = time.perf_counter()
@@ -104,7 +103,7 @@ def run_one(args) -> dict:
     budgets = args.budgets or ([256, 1024] if args.quick else [256, 1024, 4096])
     names = list(dict.fromkeys(["full", *(args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS))]))
     source = str(args.model or h.default_model())
-    engine = load_engine(source, backend=args.backend)
+    engine = h.load_engine(source, args.backend)
     engine.eos_ids = set()  # every run decodes exactly its number of tokens
     label = h.model_label(engine, args.model)
     protocol = Protocol(cadence=args.cadence, prefill_chunk=args.prefill_chunk)

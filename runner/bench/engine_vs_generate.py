@@ -6,6 +6,11 @@ the engine around its ``decode`` after the prompt is fed), so both count the sam
 end-to-end time (prefill included) is reported too. Runs alternate and medians are compared; the
 target is engine / generate >= 0.9.
 
+``--static-anchor`` adds the reference a user would try first: ``model.generate`` with Hugging Face's
+static cache, whose decode step transformers compiles on CUDA (``torch.compile``, mode
+``reduce-overhead``: CUDA graphs); its first call, the compile, is timed apart and the alternating
+rounds time the compiled step (on the CPU transformers does not compile: the static cache alone).
+
 Before the comparison, the engine decodes once over KV lengths the process has not met and then
 again over the same lengths: their ratio (target >= 0.9) shows what per-shape set-up (a kernel's
 plan, an allocator's blocks) costs a decode that meets a new cache length at every step. A short
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Callable
 
 from kvleague.runner.bench.cli import add_backend
 
@@ -34,6 +40,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: 1 with the cpu clock)")
     p.add_argument("--cudnn-attention", action="store_true",
                    help="let SDPA use cuDNN's kernel (the engine turns it off on CUDA: it plans per KV length)")
+    add_static_anchor(p)
+
+
+def add_static_anchor(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--static-anchor", action="store_true",
+                   help="also time model.generate with HF's static cache (compiled by transformers on CUDA, mode "
+                        "reduce-overhead); its first call, the compile, is timed apart")
+
+
+def static_anchor(engine, run: Callable[[], dict], clock) -> tuple[Callable[[], dict], dict]:
+    """``model.generate`` with the static cache (``run`` with ``cache_implementation="static"``): the
+    runner to alternate, and its first call's facts (seconds, whether transformers compiled the step)."""
+    start = clock.now()
+    run()
+    model = engine.backend.model
+    first = {"first_call_seconds": clock.now() - start, "compiled": hasattr(model, "_compiled_call")}
+    return run, first
 
 
 class StepClock:
@@ -96,7 +119,6 @@ def run(args) -> dict:
 
 def run_one(args) -> dict:
     from kvleague.runner.bench import harness as h
-    from kvleague.runner.models import load_engine
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -106,7 +128,7 @@ def run_one(args) -> dict:
     new_tokens = args.new_tokens or (128 if args.quick else 512)
     rounds = args.rounds or (3 if args.quick else 5)
     source = str(args.model or h.default_model())
-    engine = load_engine(source, backend=args.backend)
+    engine = h.load_engine(source, args.backend)
     engine.eos_ids = set()
     label = h.model_label(engine, args.model)
     prompt = h.random_prompt(prompt_tokens, seed=1)
@@ -120,11 +142,13 @@ def run_one(args) -> dict:
     env = h.environment()
     print(f"engine vs model.generate: {label}; prompt {prompt_tokens}, {new_tokens} new tokens, {rounds} alternating rounds; "
           f"clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
-    results = h.alternate(
-        {"generate": lambda: time_generate(engine, prompt, new_tokens, clock),
-         "engine": lambda: time_engine(engine, prompt, new_tokens, clock)},
-        rounds,
-    )
+    runs = {"generate": lambda: time_generate(engine, prompt, new_tokens, clock),
+            "engine": lambda: time_engine(engine, prompt, new_tokens, clock)}
+    anchor = None
+    if args.static_anchor:
+        runs["generate_static"], anchor = static_anchor(
+            engine, lambda: time_generate(engine, prompt, new_tokens, clock, cache_implementation="static"), clock)
+    results = h.alternate(runs, rounds)
     rows = []
     for name, runs in results.items():
         rows.append({"method": name, "decode_tokens_per_second": h.median(r["decode_tps"] for r in runs),
@@ -144,11 +168,26 @@ def run_one(args) -> dict:
         h.figure("first_pass_ratio", first_over_second, "x", method="engine", reference="second pass",
                  target=FIRST_PASS_TARGET, cudnn_attention=args.cudnn_attention, **common),
     ]
+    if anchor is not None:
+        static = rows[2]
+        same_static = results["engine"][0]["tokens"] == results["generate_static"][0]["tokens"]
+        figures += [
+            h.figure("decode_tokens_per_second", static["decode_tokens_per_second"], "tokens/s", method="generate_static",
+                     compiled=anchor["compiled"], **common),
+            h.figure("speed_ratio", h.ratio(eng["decode_tokens_per_second"], static["decode_tokens_per_second"]), "x",
+                     method="engine", reference="generate_static", target=TARGET, same_tokens=same_static,
+                     compiled=anchor["compiled"], **common),
+            h.figure("static_anchor_first_call_seconds", anchor["first_call_seconds"], "s", method="generate_static",
+                     compiled=anchor["compiled"], **common),
+        ]
     config = {"model": source, "model_label": label, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rounds": rounds,
-              "clock": args.clock, "threads": threads, "quick": args.quick, "cudnn_attention": args.cudnn_attention}
+              "clock": args.clock, "threads": threads, "quick": args.quick, "cudnn_attention": args.cudnn_attention,
+              "static_anchor": args.static_anchor}
     summary = {"ratio_engine_over_generate": value, "target": TARGET, "same_tokens": same,
                "first_pass_tps": first_pass["decode_tps"], "second_pass_tps": second_pass["decode_tps"],
                "first_over_second_pass": first_over_second, "first_pass_target": FIRST_PASS_TARGET}
+    if anchor is not None:
+        summary["static_anchor"] = {**anchor, "ratio_engine_over_static": figures[-2]["value"], "same_tokens": same_static}
     report = h.make_report("engine_vs_generate", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
     print_report(report)
     return report
@@ -163,6 +202,11 @@ def print_report(report: dict) -> None:
     s = report["summary"]
     print(f"ratio engine / generate: {s['ratio_engine_over_generate']:.3f} (target >= {s['target']}); "
           f"same tokens: {s['same_tokens']}")
+    if "static_anchor" in s:
+        a = s["static_anchor"]
+        print(f"ratio engine / generate with the static cache ({'compiled' if a['compiled'] else 'not compiled'}; "
+              f"first call {a['first_call_seconds']:.1f} s): {a['ratio_engine_over_static']:.3f} (target >= {s['target']}); "
+              f"same tokens: {a['same_tokens']}")
     print(f"first pass over new KV lengths: {s['first_pass_tps']:.1f} tok/s, second pass: {s['second_pass_tps']:.1f} tok/s, "
           f"ratio {s['first_over_second_pass']:.3f} (target >= {s['first_pass_target']})")
 

@@ -12,6 +12,7 @@
   budget and reference) that ``--store`` writes to the database unchanged;
 * :func:`across_backends`: one benchmark on each engine backend of ``--backend`` in one run, the
   figures tagged with their backend and the backends' tokens/s ratios added;
+* :func:`load_engine`: a benchmark's model, loaded once per process behind each backend asked for;
 * :func:`default_model`: the offline CPU model (a random-weight llama of 41M parameters).
 """
 
@@ -449,6 +450,26 @@ def default_model(root: str | os.PathLike[str] | None = None, **overrides: Any) 
 
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+#: the last model a benchmark loaded: (source, engine)
+_LOADED: tuple[str, Any] | None = None
+
+
+def load_engine(source: str, backend: str):
+    """``source``'s model behind ``backend``, loaded once per process: the backends of one run
+    (``--backend hf --backend slab``) share one model object, and whatever was compiled for it
+    (``model.generate``'s static-cache anchor) is compiled once."""
+    global _LOADED
+    from kvleague.runner.models import load_engine as load
+    from kvleague.runner.models.loading import engine_on
+
+    if _LOADED is not None and _LOADED[0] == source:
+        first = _LOADED[1]
+        return engine_on(first.backend.model, first.tokenizer, first.attn_implementation, backend)
+    engine = load(source, backend=backend)
+    _LOADED = (source, engine)
+    return engine
 
 
 def model_label(engine, source: str | None) -> str:

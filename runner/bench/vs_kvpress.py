@@ -68,7 +68,6 @@ def run_one(args) -> dict:
     from kvleague.runner.bench import harness as h
     from kvleague.runner.bench.engine_vs_generate import time_engine
     from kvleague.runner.engine.anchors import kvpress_reference_tokens
-    from kvleague.runner.models import load_engine
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # "compression_ratio will be overridden" on every press
     started = time.perf_counter()
@@ -80,7 +79,7 @@ def run_one(args) -> dict:
     rounds = args.rounds or 3
     names = args.methods or list(METHODS)
     source = str(args.model or h.default_model())
-    engine = load_engine(source, backend=args.backend)
+    engine = h.load_engine(source, args.backend)
     engine.eos_ids = set()
     label = h.model_label(engine, args.model)
     env = h.environment()

@@ -50,6 +50,13 @@ def load_engine(
         ).to(device)
     except OSError as exc:
         raise KvleagueError(f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}") from None
+    return engine_on(hf_model, tokenizer, attn_implementation, backend)
+
+
+def engine_on(hf_model, tokenizer, attn_implementation: str, backend: str) -> Engine:
+    """A loaded Hugging Face model behind ``backend`` (several backends may share one model object)."""
+    if backend not in BACKENDS:
+        raise KvleagueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
     if backend == "slab":
         from kvleague.runner.engine.slab import SlabBackend
 
