@@ -71,7 +71,14 @@ def _same(single, batched) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", METHODS)
-def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch):
+def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch, monkeypatch):
+    """Rows evict alone while their lengths differ and in one selection once they agree
+    (``cache.evict_rows``; under qwen2's protocol the kept prompts differ, so they always evict alone)."""
+    import kvleague.runner.engine.decode as decode
+
+    together = []
+    evict_rows = decode.evict_rows
+    monkeypatch.setattr(decode, "evict_rows", lambda *a, **k: together.append(evict_rows(*a, **k)) or together[-1])
     engine, protocol, settings = engines64[arch], PROTOCOLS[arch], SETTINGS[arch]
     seeds = list(range(10, 10 + len(prompts)))
     alone = [engine.generate(p, build_method(name), BUDGET, protocol, settings, seed=s) for p, s in zip(prompts, seeds)]
@@ -82,6 +89,7 @@ def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch
     if not build_method(name).never_evicts:  # sequences evict from different steps on (the shortest never)
         evictions = [r.evictions for r in alone]
         assert sum(e > 0 for e in evictions) >= 6 and len(set(evictions)) > 3
+        assert sum(x is not None for x in together) >= (0 if arch == "qwen2" else 5)
 
 
 #: the built-ins that vectorise: (observe_batch, score_batch) replace per-sequence calls on equal-length rows
@@ -127,6 +135,26 @@ def test_a_batch_mixes_methods_kernels_and_finishing_times(engines64, prompts, m
     batched = engine.generate_batch(prompts, [build_method(n) for n in names], BUDGET, protocol, settings, batch_size=8)
     for single, result in zip(alone, batched):
         _same(single, result)
+
+
+def test_rows_of_one_method_apart_in_the_slab_evict_together(engines64, prompts, monkeypatch):
+    """Equal-length rows, three methods interleaved (per-token, per-head and per-layer-head scores):
+    each method's rows are not contiguous in the slab, and they still evict in one selection each
+    (``evict_rows`` over gathered rows, written back), every row equal to its sequence alone."""
+    import kvleague.runner.engine.decode as decode
+
+    together = []
+    evict_rows = decode.evict_rows
+    monkeypatch.setattr(decode, "evict_rows", lambda *a, **k: together.append((a[-1], evict_rows(*a, **k))) or together[-1][1])
+    engine, protocol, settings = engines64["llama"], Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=10)
+    same_length = [p[-14:] for p in prompts[4:]] + [list(reversed(p[-14:])) for p in prompts[4:]]
+    names = ["epikv", "knorm", "tova", "epikv", "knorm", "tova", "epikv", "knorm"]
+    alone = [engine.generate(p, build_method(n), 12, protocol, settings) for p, n in zip(same_length, names)]
+    batched = engine.generate_batch(same_length, [build_method(n) for n in names], 12, protocol, settings)
+    for single, result in zip(alone, batched):
+        _same(single, result)
+    rows = {tuple(r) for r, dropped in together if dropped is not None}
+    assert rows == {(0, 3, 6), (1, 4, 7), (2, 5)}
 
 
 class _Copying(Recorder):

@@ -59,6 +59,8 @@ class SlabLayer(DynamicLayer):
 
     @property
     def keys(self) -> torch.Tensor | None:
+        if self._kview is None and self._k is not None:  # built on first read: a decode step moves the length of
+            self._kview = self._k.narrow(-2, 0, self._nk)  # every row's layers, and few of them are read
         return self._kview
 
     @keys.setter
@@ -68,6 +70,8 @@ class SlabLayer(DynamicLayer):
 
     @property
     def values(self) -> torch.Tensor | None:
+        if self._vview is None and self._v is not None:
+            self._vview = self._v.narrow(-2, 0, self._nv)
         return self._vview
 
     @values.setter
@@ -80,8 +84,7 @@ class SlabLayer(DynamicLayer):
         return 0 if self._k is None or self._k.dim() < 2 else self._k.shape[-2]
 
     def _refresh(self) -> None:
-        self._kview = self._k.narrow(-2, 0, self._nk)
-        self._vview = self._v.narrow(-2, 0, self._nv)
+        self._kview = self._vview = None  # the views of the new length, built when read
 
     # -- the cache-layer interface --------------------------------------------------------------
 
@@ -105,7 +108,7 @@ class SlabLayer(DynamicLayer):
         self._v.narrow(-2, n, c).copy_(value_states)
         self._nk = self._nv = n + c
         self._refresh()
-        return self._kview, self._vview
+        return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self._nk if self.is_initialized else 0
@@ -418,7 +421,7 @@ class BudgetedCache:
             if isinstance(layer, SlabLayer) and layer.capacity > 2 * target:
                 layer.resize(target)
 
-    def _normalise(self, scores: torch.Tensor, length: int) -> torch.Tensor:
+    def _normalise(self, scores: torch.Tensor, length: int, nan_check: bool = True) -> torch.Tensor:
         if not isinstance(scores, torch.Tensor):
             raise KvleagueError(f"score: a method must return a torch.Tensor, got {type(scores).__name__}")
         allowed = {1: (length,), 2: (self.n_layers, length), 3: (self.n_layers, self.n_kv_heads, length)}
@@ -426,9 +429,114 @@ class BudgetedCache:
             raise KvleagueError(
                 f"score: shape {tuple(scores.shape)} is not one of [T]={allowed[1]}, [L, T]={allowed[2]}, [L, H, T]={allowed[3]}"
             )
-        if torch.isnan(scores).any():
+        if nan_check and torch.isnan(scores).any():
             raise KvleagueError("score: the method returned NaN scores")
-        return scores.to(self.device, scores.dtype if scores.is_floating_point() else torch.float32)
+        return scores.to(self.device if nan_check else scores.device, scores.dtype if scores.is_floating_point() else torch.float32)
+
+
+def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budget: int, protocol: Protocol,
+               current_positions: list[int], ordered: bool, slabs: list[tuple[torch.Tensor, torch.Tensor]],
+               rows: list[int]) -> list[int] | None:
+    """:meth:`BudgetedCache.evict` for several caches at once, each the row ``rows[i]`` of the batched
+    slabs ``slabs`` (per layer ``[N, H, capacity, d]`` keys and values; ``decode.py``): one selection
+    over the stacked scores and one gather per buffer for all of them, with a fixed handful of host
+    synchronizations whatever the batch size. The same kept slots, slot order and bookkeeping as
+    evicting each on its own. Returns the dropped count per cache, or None (nothing changed) where
+    the rows do not share one plan shape (different lengths or score shapes, a row whose heads or
+    layers differ where its scores do not, a kept prompt past the budget in some rows, a ``-inf``
+    score): the caller then evicts each alone."""
+    first = caches[0]
+    length = first.length
+    dim = scores[0].dim()
+    if any(c.length != length for c in caches) or any(x.dim() != dim for x in scores) or length <= budget:
+        return None
+    if (dim == 1 and not all(c.uniform for c in caches)) or (dim == 2 and not all(c.heads_agree for c in caches)):
+        return None
+    scores = [c._normalise(x, length, nan_check=False) for c, x in zip(caches, scores)]
+    if len({(x.device, x.dtype) for x in scores}) > 1:
+        return None
+    stacked = torch.stack(scores).to(first.device)  # [N, (L, (H,)) T]: one copy to the device for the batch
+    if torch.isnan(stacked).any():
+        raise KvleagueError("score: the method returned NaN scores")
+    if dim == 1:
+        pos, prompt = torch.stack([c._pos[0] for c in caches]), torch.stack([c._prompt[0] for c in caches])
+    else:
+        per_layer = [c._per_layer() for c in caches]
+        pos, prompt = torch.stack([p for p, _ in per_layer]), torch.stack([f for _, f in per_layer])  # [N, L, H, T]
+        if dim == 2:
+            pos, prompt = pos[:, :, 0], prompt[:, :, 0]
+    n = len(caches)
+    current = torch.tensor(current_positions, device=pos.device).view(n, *([1] * (pos.dim() - 1)))
+    window = (pos < protocol.sink) | (pos > current - protocol.recent_for(budget))
+    prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
+    if stacked.dtype in (torch.float16, torch.bfloat16):
+        stacked = stacked.float()
+    top = torch.tensor(torch.finfo(stacked.dtype).max, dtype=stacked.dtype)
+    below_top = float(torch.nextafter(top, torch.zeros_like(top)))
+    ranked = torch.where(window, float(top), stacked.clamp(max=below_top))
+    ranked = torch.where(prompt_tier, float("inf"), ranked)
+    # per row: prompt slots, protected slots (most over layers and heads), fewest keepable: one sync
+    counts = torch.stack([prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values,
+                          (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values,
+                          (ranked != float("-inf")).sum(dim=-1).reshape(n, -1).min(dim=1).values]).tolist()
+    n_prompt = counts[0] if protocol.protect_prompt else [0] * n
+    kept = max(budget, n_prompt[0])
+    if any(max(budget, x) != kept for x in n_prompt) or min(counts[2]) < kept:
+        return None
+    for n_protected in counts[1]:
+        if n_protected > budget and protocol.prompt_over_budget != "keep":
+            raise KvleagueError(
+                f"budget: {n_protected} protected tokens (sink + recent + prompt) exceed the budget {budget}; "
+                "raise the budget, turn off protect_prompt, or use prompt_over_budget: keep"
+            )
+    if kept >= length:
+        for c in caches:
+            c.ranked = False
+        return [0] * n
+    for c, n_protected in zip(caches, counts[1]):
+        c.ranked = 0 < length - kept < length - n_protected
+    keep = _keep_mask(ranked, kept, pos)  # [N, (L, (H,)) T]
+    order = _new_order(keep, kept, ordered)  # the old slot of every new slot, as each row's own plan lays them out
+    index = torch.tensor(rows, device=pos.device)
+    contiguous = rows == list(range(rows[0], rows[0] + n))
+    for i, (slab_k, slab_v) in enumerate(slabs):
+        o = order if dim == 1 else order[:, i]  # [N, B] or [N, H, B]
+        for buf in (slab_k, slab_v):
+            part = buf[rows[0] : rows[0] + n] if contiguous else buf.index_select(0, index)
+            at = (o[:, None, :, None] if o.dim() == 2 else o[..., None]).expand(n, buf.shape[1], kept, buf.shape[-1])
+            part.narrow(-2, 0, kept).copy_(torch.gather(part.narrow(-2, 0, length), -2, at))
+            if not contiguous:  # a copy of the rows: written back
+                buf.index_copy_(0, index, part)
+    if dim == 1:
+        at = order[:, None, :].expand(n, first.n_kv_heads, kept)
+        new_pos = torch.stack([c._pos for c in caches]).gather(2, at)
+        new_prompt = torch.stack([c._prompt for c in caches]).gather(2, at)
+        for r, c in enumerate(caches):
+            c._set(new_pos[r], new_prompt[r], True)
+    else:
+        full_pos = torch.stack([p for p, _ in per_layer])
+        full_prompt = torch.stack([f for _, f in per_layer])
+        at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, kept) if order.dim() == 3 else order
+        new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
+        # per row, as _finish: do the heads of each layer (and the layers) still hold the same tokens
+        if keep.dim() == 3:
+            heads = torch.tensor([c.heads_agree for c in caches], device=keep.device)
+            uniform = (keep == keep[:, :1]).flatten(1).all(dim=1)
+        else:
+            heads = (keep == keep[:, :, :1]).flatten(1).all(dim=1)
+            uniform = heads & (keep[:, :, 0] == keep[:, :1, 0]).flatten(1).all(dim=1)
+        flags = torch.stack([heads, uniform]).tolist()
+        for r, c in enumerate(caches):
+            heads_agree, uniform_r = c.heads_agree and flags[0][r], c.uniform and flags[1][r] and (c.heads_agree and flags[0][r])
+            if uniform_r:
+                c._set(new_pos[r, 0].clone(), new_prompt[r, 0].clone(), True)
+            else:
+                c._set(new_pos[r], new_prompt[r], False)
+            c._heads_agree = heads_agree
+    for c in caches:
+        for layer in c.cache.layers:
+            layer.truncate(kept)
+    return [length - kept] * n
 
 
 def _keep_mask(scores: torch.Tensor, k: int, positions: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,10 @@ finished sequence leaves at once: its row is dropped from the slabs.
 (+ the cadence's buffer), score: a method class serving one sequence through ``observe`` /
 ``score``, several through ``EvictionMethod.observe_batch`` / ``score_batch``
 (``runner/engine/contract.py``), which loop over the instances unless the class vectorises.
-Selection and moving the entries run per sequence on its row (``Session.apply_scores``).
+Selection and moving the entries run for the whole group at once where its rows share a budget,
+protocol, slot contract, cache length and score shape (``cache.evict_rows``: one top-k over the
+stacked scores, one gather per slab buffer, a fixed handful of host synchronizations whatever the
+batch size), else per sequence on its row (``Session.apply_scores``); both keep the same slots.
 
 Per-sequence instrumentation in a batch: ``decode_seconds_*`` / ``tokens_per_second`` are the
 batch's step times (the latency each sequence saw; the batch's throughput is the sum over its
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvleague.runner.engine.cache import SlabLayer
+from kvleague.runner.engine.cache import SlabLayer, evict_rows
 from kvleague.runner.engine.contract import BatchCacheView, Observation
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import BatchAttentionRecorder, recording
@@ -358,8 +361,28 @@ class DecodeLoop:
             else:
                 scores = cls.score_batch([s.method for s in group], BatchCacheView(views, self._padded(members, views)))
             share = (self.engine.clock() - start) / len(members)
+            if self._evict_together(group, members, scores, share):
+                continue
             for s, score in zip(group, scores):
                 s.apply_scores(score, share)
+
+    def _evict_together(self, group: list["Session"], members: list[int], scores, scoring_share: float) -> bool:
+        """Evict rows ``members`` of the slabs in one selection and one gather per buffer
+        (``cache.evict_rows``) when their sessions share a budget, protocol and slot contract;
+        False when they cannot (nothing changed: each evicts alone)."""
+        s0 = group[0]
+        if (not self.shared or len(group) < 2
+                or any(s.budget != s0.budget or s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group)):
+            return False
+        start = self.engine.clock()
+        dropped = evict_rows([s.cache for s in group], scores, s0.budget, s0.protocol, [s.next_position - 1 for s in group],
+                             s0.ordered_slots, [(layer.slab_k, layer.slab_v) for layer in self.cache.layers], members)
+        if dropped is None:
+            return False
+        share = (self.engine.clock() - start) / len(group)
+        for s, n in zip(group, dropped):
+            s.book_eviction(n, scoring_share, share)
+        return True
 
     def _padded(self, members: list[int], views):
         """Builder of ``BatchCacheView.keys`` / ``values`` for slab rows ``members``."""

@@ -227,12 +227,16 @@ class Session:
         """Keep the best slots by ``scores`` (the engine's selection and moves), and book the time."""
         clock = self.engine.clock
         start = clock()
-        self.evicted_tokens += self.cache.evict(scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots)
+        dropped = self.cache.evict(scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots)
+        self.book_eviction(dropped, scoring_seconds, clock() - start)
+
+    def book_eviction(self, dropped: int, scoring_seconds: float, selection_seconds: float) -> None:
+        """Count an eviction of this session's cache (``cache.ranked`` set by it) and its time."""
+        self.evicted_tokens += dropped
         self.evictions += 1
         self.ranked_evictions += self.cache.ranked
-        took = clock() - start
-        self.method_seconds += scoring_seconds + took
-        self.selection_seconds += took
+        self.method_seconds += scoring_seconds + selection_seconds
+        self.selection_seconds += selection_seconds
 
     def _prefill(self, token_ids: list[int]) -> None:
         engine, cache = self.engine, self.cache
