@@ -326,6 +326,52 @@ def test_instrumentation_is_consistent(engines, prompt_ids):
     assert all(len(heads) == engine.n_kv_heads and len(heads[0]) == 40 for heads in result.kept_positions)
 
 
+def test_decode_steps_read_the_synchronizing_clock_only_at_their_boundaries(engines, prompt_ids, monkeypatch):
+    """On CUDA the engine's clock waits for the device; inside a step (observe, score, selection) the
+    engine takes marks instead (CUDA events there), so a batch of 4 evicting every step reads the
+    clock about once per step, not once per sequence and phase."""
+    from kvleague.runner.engine.generation import Engine
+
+    engine = engines["llama"]
+    reads = []
+    monkeypatch.setattr(engine, "clock", lambda: reads.append(1) or float(len(reads)))
+    monkeypatch.setattr(Engine, "mark", lambda self: 0.0)
+    prompts = [prompt_ids[i : i + 20] for i in range(4)]
+    engine.generate_batch(prompts, [build_method("h2o") for _ in prompts], 12, Protocol(sink=1, recent=2),
+                          GenerationSettings(max_new_tokens=10))
+    assert len(reads) <= 2 * 10 + 4 * 3, len(reads)  # two per step, plus each sequence's prefill and finish
+
+
+def test_spans_sum_marks_and_read_events_only_when_read():
+    """``Spans`` against a naive sum: numbers add at once; event pairs wait until the sum is read (or
+    until enough have completed), and then add their elapsed milliseconds as seconds."""
+    from kvleague.runner.engine.resources import Spans
+
+    class Event:  # a CUDA event's interface: elapsed_time in ms, query, synchronize
+        def __init__(self, t: float, done: bool = True):
+            self.t, self.done, self.waited = t, done, False
+
+        def elapsed_time(self, end) -> float:
+            return 1000.0 * (end.t - self.t)
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    spans = Spans()
+    spans.add(1.0, 1.5)
+    spans.add(2.0, 3.0, 0.25)
+    assert spans.seconds == pytest.approx(0.75)
+    pending = Spans()
+    pairs = [(Event(i), Event(i + 0.5, done=i % 2 == 0)) for i in range(Spans.FOLD_AT)]
+    for start, end in pairs:
+        pending.add(start, end, 0.5)
+    assert len(pending._events) == Spans.FOLD_AT // 2 and not any(end.waited for _, end in pairs)  # completed ones folded
+    assert pending.seconds == pytest.approx(Spans.FOLD_AT * 0.25) and pairs[-1][1].waited and not pending._events
+
+
 def test_multi_turn_session_keeps_one_cache_and_true_positions(engines, prompt_ids):
     engine = engines["qwen3"]
     tok = engine.tokenizer

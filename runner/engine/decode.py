@@ -323,15 +323,15 @@ class DecodeLoop:
             if not s.method.never_evicts:
                 groups[type(s.method)].append(r)
         for cls, members in groups.items():
-            start = self.engine.clock()
+            start = self.engine.mark()
             observations = [self._observation(r, sessions[r], new_positions[r], token_ids[r]) for r in members]
             if len(members) == 1:
                 sessions[members[0]].method.observe(observations[0])
             else:
                 cls.observe_batch([sessions[r].method for r in members], observations)
-            share = (self.engine.clock() - start) / len(members)
+            end = self.engine.mark()
             for r in members:
-                sessions[r].method_seconds += share
+                sessions[r].method_time.add(start, end, 1 / len(members))
 
     def _observation(self, r: int, s: "Session", new_positions: torch.Tensor, token: int) -> Observation:
         needs = s.method.needs
@@ -354,19 +354,19 @@ class DecodeLoop:
                 groups[type(s.method)].append(r)
         for cls, members in groups.items():
             group = [sessions[r] for r in members]
-            start = self.engine.clock()
+            start = self.engine.mark()
             views = [s.cache.view(s.budget, "decode", s.next_position - 1) for s in group]
             if len(group) == 1:
                 scores = [group[0].method.score(views[0])]
             else:
                 scores = cls.score_batch([s.method for s in group], BatchCacheView(views, self._padded(members, views)))
-            share = (self.engine.clock() - start) / len(members)
-            if self._evict_together(group, members, scores, share):
+            scoring = (start, self.engine.mark(), 1 / len(members))
+            if self._evict_together(group, members, scores, scoring):
                 continue
             for s, score in zip(group, scores):
-                s.apply_scores(score, share)
+                s.apply_scores(score, scoring)
 
-    def _evict_together(self, group: list["Session"], members: list[int], scores, scoring_share: float) -> bool:
+    def _evict_together(self, group: list["Session"], members: list[int], scores, scoring: tuple) -> bool:
         """Evict rows ``members`` of the slabs in one selection and one gather per buffer
         (``cache.evict_rows``) when their sessions share a budget, protocol and slot contract;
         False when they cannot (nothing changed: each evicts alone)."""
@@ -374,14 +374,14 @@ class DecodeLoop:
         if (not self.shared or len(group) < 2
                 or any(s.budget != s0.budget or s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group)):
             return False
-        start = self.engine.clock()
+        start = self.engine.mark()
         dropped = evict_rows([s.cache for s in group], scores, s0.budget, s0.protocol, [s.next_position - 1 for s in group],
                              s0.ordered_slots, [(layer.slab_k, layer.slab_v) for layer in self.cache.layers], members)
         if dropped is None:
             return False
-        share = (self.engine.clock() - start) / len(group)
+        selection = (start, self.engine.mark(), 1 / len(group))
         for s, n in zip(group, dropped):
-            s.book_eviction(n, scoring_share, share)
+            s.book_eviction(n, scoring, selection)
         return True
 
     def _padded(self, members: list[int], views):

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvleague.runner.engine.backend import HFBackend
 from kvleague.runner.engine.contract import EvictionMethod
 from kvleague.runner.engine.decode import DecodeOutput
@@ -34,8 +36,19 @@ class Engine:
         self.device = b.device
         #: token ids that end a decode (a benchmark clears them to decode a fixed number of tokens)
         self.eos_ids = set(b.eos_ids)
-        #: the clock of every timing the engine reports (synchronizes the device first)
+        #: the clock of every timing the engine reports (synchronizes the device first): prefill and
+        #: whole decode steps
         self.clock = device_clock(self.device)
+
+    def mark(self):
+        """A point in time inside a decode step (the method's observe / score / selection), read later
+        through :class:`~runner.engine.resources.Spans`: on CUDA an event recorded on the stream (the
+        host does not wait for the device), elsewhere a reading of :attr:`clock`."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self.clock()
 
     def session(self, method: EvictionMethod, budget: int, protocol: Protocol | None = None, seed: int = 0) -> Session:
         return Session(self, method, budget, protocol or Protocol(), seed)

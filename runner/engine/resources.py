@@ -1,4 +1,5 @@
-"""Process peak-memory accounting for one generation: CUDA max-allocated on GPU, RSS on CPU."""
+"""What a generation costs: process peak memory (CUDA max-allocated on GPU, RSS on CPU), the engine's
+clocks, and the intervals inside a decode step timed without making the host wait."""
 
 from __future__ import annotations
 
@@ -59,3 +60,38 @@ def device_clock(device: torch.device) -> Callable[[], float]:
         return time.perf_counter()
 
     return now
+
+
+class Spans:
+    """A sum of weighted intervals between two marks (:meth:`Engine.mark`: numbers off the engine's
+    clock, or CUDA events recorded on the stream). Events are read only when the sum is read (or,
+    to bound what is held, once enough of them have completed), so timing the method's share of a
+    decode step never makes the host wait for the device inside the step."""
+
+    #: pending event pairs past which the completed ones are folded into the sum
+    FOLD_AT = 512
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._events: list[tuple] = []
+
+    def add(self, start, end, weight: float = 1.0) -> None:
+        if isinstance(start, float):
+            self._total += (end - start) * weight
+            return
+        self._events.append((start, end, weight))
+        if len(self._events) >= self.FOLD_AT:
+            done = [e for e in self._events if e[1].query()]
+            self._fold(done)
+            self._events = [e for e in self._events if not any(e is d for d in done)]
+
+    def _fold(self, events) -> None:
+        self._total += sum(start.elapsed_time(end) * weight for start, end, weight in events) / 1e3
+
+    @property
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()  # events complete in stream order
+            self._fold(self._events)
+            self._events = []
+        return self._total

@@ -23,7 +23,7 @@ from kvleague.runner.engine.decode import DecodeLoop, DecodeOutput, suppressed
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import AttentionRecorder, recording
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
-from kvleague.runner.engine.resources import PeakMemory
+from kvleague.runner.engine.resources import PeakMemory, Spans
 
 
 @dataclass
@@ -105,8 +105,8 @@ class Session:
         self.prompt_tokens = 0
         self.prefill_seconds = 0.0
         self.step_seconds: list[float] = []
-        self.method_seconds = 0.0
-        self.selection_seconds = 0.0
+        #: the method's observe + score and the engine's selection (both), and the selection alone
+        self.method_time, self.selection_time = Spans(), Spans()
         self.evictions = 0
         self.evicted_tokens = 0
         self.ranked_evictions = 0
@@ -223,20 +223,29 @@ class Session:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.cache.kv_bytes())
         self.memory.sample()
 
-    def apply_scores(self, scores: torch.Tensor, scoring_seconds: float) -> None:
-        """Keep the best slots by ``scores`` (the engine's selection and moves), and book the time."""
-        clock = self.engine.clock
-        start = clock()
-        dropped = self.cache.evict(scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots)
-        self.book_eviction(dropped, scoring_seconds, clock() - start)
+    @property
+    def method_seconds(self) -> float:
+        return self.method_time.seconds
 
-    def book_eviction(self, dropped: int, scoring_seconds: float, selection_seconds: float) -> None:
-        """Count an eviction of this session's cache (``cache.ranked`` set by it) and its time."""
+    @property
+    def selection_seconds(self) -> float:
+        return self.selection_time.seconds
+
+    def apply_scores(self, scores: torch.Tensor, scoring: tuple) -> None:
+        """Keep the best slots by ``scores`` (the engine's selection and moves), and book the time."""
+        start = self.engine.mark()
+        dropped = self.cache.evict(scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots)
+        self.book_eviction(dropped, scoring, (start, self.engine.mark(), 1.0))
+
+    def book_eviction(self, dropped: int, scoring: tuple, selection: tuple) -> None:
+        """Count an eviction of this session's cache (``cache.ranked`` set by it) and its time: the
+        method's scoring and the engine's selection, each ``(start mark, end mark, this session's share)``."""
         self.evicted_tokens += dropped
         self.evictions += 1
         self.ranked_evictions += self.cache.ranked
-        self.method_seconds += scoring_seconds + selection_seconds
-        self.selection_seconds += selection_seconds
+        self.method_time.add(*scoring)
+        self.method_time.add(*selection)
+        self.selection_time.add(*selection)
 
     def _prefill(self, token_ids: list[int]) -> None:
         engine, cache = self.engine, self.cache
@@ -250,7 +259,7 @@ class Session:
         self.after_forward(positions, prompt=True)
         if self.method.never_evicts:
             return
-        start = engine.clock()
+        start = engine.mark()
         rec = self.recorder
         self.method.observe(
             Observation(
@@ -265,12 +274,12 @@ class Session:
                 attention=rec.rows if rec and rec.attention else None,
             )
         )
-        self.method_seconds += engine.clock() - start
+        self.method_time.add(start, engine.mark())
 
     def _evict(self, phase: str) -> None:
-        start = self.engine.clock()
+        start = self.engine.mark()
         scores = self.method.score(self.cache.view(self.budget, phase, self.next_position - 1))
-        self.apply_scores(scores, self.engine.clock() - start)
+        self.apply_scores(scores, (start, self.engine.mark(), 1.0))
 
     # -- results -------------------------------------------------------------------------------
 
