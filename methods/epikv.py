@@ -251,8 +251,9 @@ class EpiKVFamily(EvictionMethod):
                 total = d if total is None else total + d
             return (total / len(layers)).double().cpu()
 
+        positions = torch.stack([o.new_positions for o in observations]).cpu()  # one copy to the host, not one per row
         for i, (method, obs) in enumerate(zip(methods, observations)):
-            method._push(obs.new_positions, change(first.group_a, i), change(first.group_b, i))
+            method._push(positions[i], change(first.group_a, i), change(first.group_b, i))
             method._remember(obs.hidden_states)
 
     def token_scores(self, cache: CacheView) -> torch.Tensor:
@@ -262,6 +263,16 @@ class EpiKVFamily(EvictionMethod):
     def score(self, cache: CacheView) -> torch.Tensor:
         scores = self.token_scores(cache)
         return self.apply_value_reserve(scores, cache)
+
+    @classmethod
+    def score_batch(cls, methods, caches) -> list[torch.Tensor]:
+        """Equal-length caches, no value reserve: every row's cached positions come to the host in one
+        copy (not one per row), then each reads its own frozen scores, as ``score`` does."""
+        if (cls.score is not EpiKVFamily.score or cls.token_scores is not EpiKVFamily.token_scores
+                or not caches.equal_lengths or any(m.value_reserve for m in methods)):
+            return super().score_batch(methods, caches)
+        positions = torch.stack([view.token_positions for view in caches.views]).cpu()
+        return [method.table.read(row) for method, row in zip(methods, positions)]
 
     def apply_value_reserve(self, scores: torch.Tensor, cache: CacheView) -> torch.Tensor:
         if self.value_reserve == 0:
