@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
 # The GPU check: the one command a user with a CUDA GPU runs to check an install.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR]      # default gpu-check/
+#   bash scripts/gpu_check.sh [OUT_DIR]              # default gpu-check/; every step
+#   GPU_CHECK_STEPS="tests generate" bash scripts/gpu_check.sh OUT_DIR   # some steps, in the order below
 #
-# 1. the CUDA tests (`pytest -m cuda`): the engine against model.generate and eager attention on the
-#    GPU, ragged batches against each sequence alone, every registered method on CUDA against CPU,
-#    the slab backend's captured decode steps against the hf backend;
-# 2. a random-weight llama of 0.57B parameters (16 layers, hidden 2048, 32/8 heads) built offline;
-# 3. on it, in bf16: `kvleague bench generate / batch / speed / kvpress / context` (and speed on both
-#    backends, hf and slab), wall clock with
-#    the device synchronized, each under its own time limit.
-# Everything lands in OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit
-# code, seconds). Exit code: 0 when every step passed. About 6 minutes on an H200 (docs/gpu.md).
+# Steps, most important first (a short GPU lease runs the first ones; docs/gpu.md gives their times):
+#   tests      the CUDA tests (`pytest -m cuda`): the engine against model.generate and eager attention
+#              on the GPU, ragged batches against each sequence alone, every registered method on CUDA
+#              against CPU, and every method's decode steps captured as CUDA graphs (slab backend)
+#              against the hf backend;
+# The steps after `tests` run in bf16 on a random-weight llama of 0.57B parameters (16 layers, hidden
+# 2048, 32/8 heads), built offline first when missing (step `model` in summary.txt):
+#   generate   batch 1, no eviction, prompt 1024, 256 new: the hf and slab engines beside
+#              model.generate and model.generate with HF's static cache compiled by transformers; the
+#              first decode over new KV lengths against a second;
+#   batch      prompt 400, 64 new, B = 200: full and epikv at batch 1 and 32, both backends;
+#   attention  the same for snapkv and h2o (attention-reading methods);
+#   static32   batch 32, full, slab backend beside the static-cache anchor at batch 32;
+#   speed      `bench speed` at B = 256 for six methods, both backends;
+#   kvpress    the engine against kvpress's DecodingPress, B = 256;
+#   cudnn      the first-pass figure with SDPA's cuDNN kernel allowed (what the engine turns off, and why);
+#   context    the longest context that fits 8 GiB for full, knorm and snapkv.
+# Wall clock with the device synchronized; each step under its own time limit. Everything lands in
+# OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit code, seconds). Exit
+# code: 0 when every step run passed.
 #
 # Python: .venv's when scripts/setup.sh made one, else $PYTHON or python3 (e.g. an image with its
 # own CUDA torch, the project's other pins on PYTHONPATH); the repository goes first on PYTHONPATH,
@@ -49,22 +61,26 @@ cat "$out/environment.txt"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "gpu_check: torch sees no CUDA device" >&2; exit 2; }
 
-step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py tests/test_backend_slab.py \
-  --junitxml "$out/cuda-tests.xml"
-[ -f "$model/model.safetensors" ] || step model 240 "$PY" -m kvleague.runner.cli make-tiny-model --arch llama --layers 16 \
-  --hidden 2048 --heads 32 --kv-heads 8 --out "$model"
+steps=" ${GPU_CHECK_STEPS:-tests generate batch attention static32 speed kvpress cudnn context} "
+wants() { [[ $steps == *" $1 "* ]]; }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" "$PY" -m kvleague.runner.cli bench "$@" --model "$model" --json "$out/$name.json"; }
-# batch 1, no eviction: the engine against model.generate; the first decode over new KV lengths against a second
-bench generate 150 generate --prompt-tokens 1024 --new-tokens 256 --rounds 2 --clock wall
-# the same first-pass figure with SDPA's cuDNN kernel allowed: what the engine turns off, and why
-bench generate-cudnn 90 generate --prompt-tokens 256 --new-tokens 64 --rounds 1 --clock wall --cudnn-attention
-bench batch 180 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,8,32 --methods full,epikv --clock wall
-bench batch-attention 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,8 --methods h2o,snapkv --clock wall
-bench speed 150 speed --budgets 256 --gen-factor 1 --methods epikv knorm tova snapkv h2o --clock wall
-bench kvpress 120 kvpress --budgets 256 --new-tokens 128 --rounds 1 --clock wall
-# the slab backend (fixed slabs, CUDA-graph decode steps) beside hf, one run: knorm's steps are captured, snapkv's not
-bench slab-speed 150 speed --budgets 256 --gen-factor 1 --methods knorm snapkv --clock wall --backend hf --backend slab
-bench context 150 context --methods full knorm snapkv --memory-gib 8 --max-tokens 16384 --probe-timeout 60
+both=(--backend hf --backend slab)
+
+wants tests && step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py \
+  tests/test_backend_slab.py --junitxml "$out/cuda-tests.xml"
+[[ -f $model/model.safetensors || $steps == " tests " ]] || step model 240 "$PY" -m kvleague.runner.cli make-tiny-model \
+  --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --out "$model"
+wants generate && bench generate 240 generate --prompt-tokens 1024 --new-tokens 256 --rounds 2 --clock wall "${both[@]}" --static-anchor
+wants batch && bench batch 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,32 --methods full,epikv \
+  --clock wall "${both[@]}"
+wants attention && bench batch-attention 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,32 \
+  --methods snapkv,h2o --clock wall "${both[@]}"
+wants static32 && bench static32 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 32 --methods full \
+  --clock wall --backend slab --static-anchor
+wants speed && bench speed 150 speed --budgets 256 --gen-factor 1 --methods epikv knorm tova snapkv h2o --clock wall "${both[@]}"
+wants kvpress && bench kvpress 120 kvpress --budgets 256 --new-tokens 128 --rounds 1 --clock wall "${both[@]}"
+wants cudnn && bench generate-cudnn 90 generate --prompt-tokens 256 --new-tokens 64 --rounds 1 --clock wall --cudnn-attention
+wants context && bench context 150 context --methods full knorm snapkv --memory-gib 8 --max-tokens 16384 --probe-timeout 60
 
 echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo some steps FAILED); reports in $out/"
 exit $failed

@@ -44,3 +44,23 @@ def test_bench_batch_times_the_engine_and_generate_on_one_clock(tiny_models, tmp
     assert {b: a["same_tokens"] for b, a in report["summary"]["engine_over_static"].items()} == {"1": True, "2": True}
     for r in rows:
         assert 0 < r["decode_tokens_per_second"] <= r["batch_size"], r
+
+
+def test_a_static_anchor_that_cannot_compile_is_reported_and_the_rest_still_runs(tiny_models, tmp_path, monkeypatch):
+    """Where ``torch.compile`` cannot build (no C compiler, say), the anchor's first call fails: the
+    report names the error and every other row is there."""
+    from kvleague.runner.bench import batch
+
+    real = batch.time_generate
+
+    def failing(engine, prompts, new_tokens, clock, **kwargs):
+        if kwargs.get("cache_implementation") == "static":
+            raise RuntimeError("inductor: no working C compiler\nmore detail")
+        return real(engine, prompts, new_tokens, clock, **kwargs)
+
+    monkeypatch.setattr(batch, "time_generate", failing)
+    _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "16", "--new-tokens", "4",
+          "--batch-sizes", "1", "--methods", "full", "--static-anchor", "--json", str(tmp_path / "b.json")])
+    report = h.read_report(tmp_path / "b.json")
+    assert {(r["method"], r["batch_size"]) for r in report["rows"]} == {("full/single", 1), ("full", 1), ("generate", 1)}
+    assert report["summary"]["engine_over_static"]["1"]["error"] == "inductor: no working C compiler"

@@ -119,8 +119,10 @@ def run_one(args) -> dict:
     anchors = {}
     if args.static_anchor:
         for b in sizes:
-            runs[("generate_static", b)], anchors[b] = static_anchor(
+            static_run, anchors[b] = static_anchor(
                 engine, lambda b=b: time_generate(engine, prompts[:b], new_tokens, clock, cache_implementation="static"), clock)
+            if static_run is not None:
+                runs[("generate_static", b)] = static_run
     def announced(key, run):
         def call():
             out = run()
@@ -160,7 +162,9 @@ def run_one(args) -> dict:
             summary["engine_over_generate"][b] = value
             figures.append(h.figure("speed_ratio", value, "x", method="engine", reference="generate", batch_size=b,
                                     target=GENERATE_TARGET, same_tokens=same, **common))
-            if b in anchors:
+            if b in anchors and "error" in anchors[b]:
+                summary.setdefault("engine_over_static", {})[b] = {**anchors[b], "ratio": None, "same_tokens": None}
+            elif b in anchors:
                 value = h.ratio(tps.get(("full", b)), tps.get(("generate_static", b)))
                 same = results[("full", b)][0]["tokens"] == results[("generate_static", b)][0]["tokens"]
                 summary.setdefault("engine_over_static", {})[b] = {**anchors[b], "ratio": value, "same_tokens": same}
@@ -193,7 +197,9 @@ def print_report(report: dict) -> None:
         if v is not None:
             print(f"engine (full) / model.generate at batch {b}: {v:.3f} (target >= {GENERATE_TARGET})")
     for b, a in s.get("engine_over_static", {}).items():
-        if a["ratio"] is not None:
+        if "error" in a:
+            print(f"model.generate with the static cache at batch {b}: failed ({a['error']})")
+        elif a["ratio"] is not None:
             print(f"engine (full) / model.generate with the static cache ({'compiled' if a['compiled'] else 'not compiled'}; "
                   f"first call {a['first_call_seconds']:.1f} s) at batch {b}: {a['ratio']:.3f} (target >= {GENERATE_TARGET}); "
                   f"same tokens: {a['same_tokens']}")

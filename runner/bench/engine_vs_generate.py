@@ -49,11 +49,19 @@ def add_static_anchor(p: argparse.ArgumentParser) -> None:
                         "reduce-overhead); its first call, the compile, is timed apart")
 
 
-def static_anchor(engine, run: Callable[[], dict], clock) -> tuple[Callable[[], dict], dict]:
+def static_anchor(engine, run: Callable[[], dict], clock) -> tuple[Callable[[], dict] | None, dict]:
     """``model.generate`` with the static cache (``run`` with ``cache_implementation="static"``): the
-    runner to alternate, and its first call's facts (seconds, whether transformers compiled the step)."""
+    runner to alternate, and its first call's facts (seconds, whether transformers compiled the step).
+    A first call that fails (a machine where ``torch.compile`` cannot build) gives no runner and the
+    error's first line, so the rest of the benchmark still reports."""
+    from kvleague.runner.engine.errors import first_line
+
     start = clock.now()
-    run()
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - any failure of the anchor is reported, not fatal
+        print(f"static-cache anchor failed: {first_line(exc)}", flush=True)
+        return None, {"first_call_seconds": None, "compiled": False, "error": first_line(exc)}
     model = engine.backend.model
     first = {"first_call_seconds": clock.now() - start, "compiled": hasattr(model, "_compiled_call")}
     return run, first
@@ -146,8 +154,10 @@ def run_one(args) -> dict:
             "engine": lambda: time_engine(engine, prompt, new_tokens, clock)}
     anchor = None
     if args.static_anchor:
-        runs["generate_static"], anchor = static_anchor(
+        static_run, anchor = static_anchor(
             engine, lambda: time_generate(engine, prompt, new_tokens, clock, cache_implementation="static"), clock)
+        if static_run is not None:
+            runs["generate_static"] = static_run
     results = h.alternate(runs, rounds)
     rows = []
     for name, runs in results.items():
@@ -168,7 +178,7 @@ def run_one(args) -> dict:
         h.figure("first_pass_ratio", first_over_second, "x", method="engine", reference="second pass",
                  target=FIRST_PASS_TARGET, cudnn_attention=args.cudnn_attention, **common),
     ]
-    if anchor is not None:
+    if "generate_static" in results:
         static = rows[2]
         same_static = results["engine"][0]["tokens"] == results["generate_static"][0]["tokens"]
         figures += [
@@ -187,7 +197,9 @@ def run_one(args) -> dict:
                "first_pass_tps": first_pass["decode_tps"], "second_pass_tps": second_pass["decode_tps"],
                "first_over_second_pass": first_over_second, "first_pass_target": FIRST_PASS_TARGET}
     if anchor is not None:
-        summary["static_anchor"] = {**anchor, "ratio_engine_over_static": figures[-2]["value"], "same_tokens": same_static}
+        summary["static_anchor"] = anchor
+        if "generate_static" in results:
+            anchor.update(ratio_engine_over_static=figures[-2]["value"], same_tokens=same_static)
     report = h.make_report("engine_vs_generate", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
     print_report(report)
     return report
@@ -202,7 +214,9 @@ def print_report(report: dict) -> None:
     s = report["summary"]
     print(f"ratio engine / generate: {s['ratio_engine_over_generate']:.3f} (target >= {s['target']}); "
           f"same tokens: {s['same_tokens']}")
-    if "static_anchor" in s:
+    if "static_anchor" in s and "error" in s["static_anchor"]:
+        print(f"model.generate with the static cache: failed ({s['static_anchor']['error']})")
+    elif "static_anchor" in s:
         a = s["static_anchor"]
         print(f"ratio engine / generate with the static cache ({'compiled' if a['compiled'] else 'not compiled'}; "
               f"first call {a['first_call_seconds']:.1f} s): {a['ratio_engine_over_static']:.3f} (target >= {s['target']}); "
