@@ -113,7 +113,9 @@ def _watch_key_widths(monkeypatch, engine) -> list[int]:
             widths.append(key.shape[-2])
         return inner(module, query, key, value, attention_mask, *args, **kwargs)
 
-    monkeypatch.setitem(mu.ALL_ATTENTION_FUNCTIONS._global_mapping, name, spy)
+    # the mapping that wins: a local entry (kvpress's import-time patch sets one for every kernel) overrides the global
+    functions = mu.ALL_ATTENTION_FUNCTIONS
+    monkeypatch.setitem(functions._local_mapping if name in functions._local_mapping else functions._global_mapping, name, spy)
     return widths
 
 

@@ -243,9 +243,9 @@ class BudgetedCache:
         self._set(torch.cat([self._pos, pos], dim=-1), torch.cat([self._prompt, flag], dim=-1), self.uniform)
 
     def view(self, budget: int, phase: Phase, current_position: int) -> CacheView:
+        layers = self.cache.layers
         return CacheView(
-            keys=[layer.keys[0] for layer in self.cache.layers],
-            values=[layer.values[0] for layer in self.cache.layers],
+            layers=lambda: ([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers]),
             positions=self.positions,
             is_prompt=self.is_prompt,
             budget=budget,

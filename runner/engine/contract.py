@@ -137,31 +137,55 @@ class Observation:
     attention: list[torch.Tensor] | None = None
 
 
-@dataclass
 class CacheView:
-    """Read-only view of the cache at eviction time, handed to :meth:`EvictionMethod.score`."""
+    """Read-only view of the cache at eviction time, handed to :meth:`EvictionMethod.score`.
 
-    #: per layer ``[H, T, d]``
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    #: per layer ``[H, T]`` absolute positions of the slots
-    positions: list[torch.Tensor]
-    #: per layer ``[H, T]`` True where the slot holds a prompt (fed, not generated) token
-    is_prompt: list[torch.Tensor]
-    #: number of slots the engine will keep
-    budget: int
-    phase: Phase
-    #: absolute position of the newest token
-    current_position: int
+    The engine passes ``layers`` (a callable returning ``(keys, values)``) instead of the lists:
+    they are built on first read, so a method that scores from positions or its own state (EpiKV)
+    costs no per-layer slicing of the cache."""
+
+    def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None, *,
+                 positions: list[torch.Tensor], is_prompt: list[torch.Tensor], budget: int, phase: Phase,
+                 current_position: int,
+                 layers: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None):
+        self._keys, self._values, self._layers = keys, values, layers
+        #: per layer ``[H, T]`` absolute positions of the slots
+        self.positions = positions
+        #: per layer ``[H, T]`` True where the slot holds a prompt (fed, not generated) token
+        self.is_prompt = is_prompt
+        #: number of slots the engine will keep
+        self.budget = budget
+        self.phase = phase
+        #: absolute position of the newest token
+        self.current_position = current_position
+
+    def _build(self) -> None:
+        if self._keys is None and self._layers is not None:
+            self._keys, self._values = self._layers()
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer ``[H, T, d]`` (post-RoPE, as cached)."""
+        self._build()
+        return self._keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer ``[H, T, d]``."""
+        self._build()
+        return self._values
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[-2]
+        return self.positions[0].shape[-1]
 
     @property
     def token_positions(self) -> torch.Tensor:
         """``[T]`` absolute positions, valid while all layers and heads hold the same tokens."""
         return self.positions[0][0]
+
+    def __repr__(self) -> str:
+        return f"CacheView(length={self.length}, budget={self.budget}, phase={self.phase!r}, current_position={self.current_position})"
 
 
 def groups_by(keys: Sequence) -> list[list[int]]:
