@@ -157,6 +157,86 @@ def test_rows_of_one_method_apart_in_the_slab_evict_together(engines64, prompts,
     assert rows == {(0, 3, 6), (1, 4, 7), (2, 5)}
 
 
+class _DropOddLate(EvictionMethod):
+    """Scores by position, and after its first few evictions asks to drop every odd position (-inf)."""
+
+    def reset(self, info):
+        super().reset(info)
+        self.calls = 0
+
+    def score(self, cache):
+        self.calls += 1
+        positions = cache.token_positions.double()
+        return torch.where((positions.remainder(2) == 1) & (self.calls > 3), float("-inf"), positions)
+
+
+@pytest.mark.parametrize("name", ["epikv", "h2o", "knorm", "streaming_llm", "drop_odd"])
+def test_rows_with_their_own_budgets_and_lengths_evict_together(engines64, prompts, name, monkeypatch):
+    """Budgets that differ per row (``prompt+4`` under the authors' preset, whose recent window is a
+    quarter of each row's budget; absolute ones under another protocol), prompts of six lengths: the
+    rows still evict in one selection, each as it would alone. A ``-inf`` score that leaves fewer
+    slots than the budget is settled row by row (``evict_rows`` declines, nothing changed)."""
+    import kvleague.runner.engine.decode as decode
+    from kvleague.runner.engine.decode import DecodeLoop
+    from kvleague.runner.engine.session import Session
+
+    together = []
+    evict_rows = decode.evict_rows
+    monkeypatch.setattr(decode, "evict_rows", lambda *a, **k: together.append(evict_rows(*a, **k)) or together[-1])
+    engine, settings = engines64["llama"], GenerationSettings(max_new_tokens=10)
+    make = (lambda: _DropOddLate()) if name == "drop_odd" else (lambda: build_method(name))
+    chosen = prompts[1:7]  # 8 to 24 tokens
+    if name in ("epikv", "h2o"):
+        protocol, budgets = Protocol.preset("epikv_paper"), [len(p) + 4 for p in chosen]
+    else:
+        protocol, budgets = Protocol(sink=1, recent=2), [8 + 2 * i for i in range(len(chosen))]
+    alone = [engine.generate(p, make(), b, protocol, settings) for p, b in zip(chosen, budgets)]
+    sessions = [Session(engine, make(), b, protocol, 0) for b in budgets]
+    for session, p in zip(sessions, chosen):
+        with session:
+            session.feed(p)
+    DecodeLoop(engine, sessions, settings).run()
+    for single, session in zip(alone, sessions):
+        _same(single, session.result())
+    if name == "drop_odd":
+        assert None in together and any(x is not None for x in together)
+        assert any(r.peak_cache_entries > len(r.kept_positions[0]) for r in alone)
+    else:
+        assert len(together) >= 4 and all(x is not None for x in together)
+
+
+@pytest.mark.parametrize("name", ["knorm", "streaming_llm", "tova", "random", "epikv", "h2o", "snapkv"])
+def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines64, prompts, name, monkeypatch):
+    """The batched selection against the per-row one on the same batch: after decoding, every row's
+    K/V slots, positions and prompt flags are equal slot for slot (order-free methods refill holes
+    from above the budget; ordered ones compact), not only as sets of kept positions."""
+    import kvleague.runner.engine.decode as decode
+    from kvleague.runner.engine.decode import DecodeLoop
+    from kvleague.runner.engine.session import Session
+
+    # a buffered cadence: each decode eviction drops several slots at once, so holes and donors pair up
+    engine, settings = engines64["qwen3"], GenerationSettings(max_new_tokens=14)
+    protocol = Protocol(sink=1, recent=2, cadence="buffer=3")
+    chosen, budgets = prompts[2:8], [9, 12, 10, 15, 11, 13]
+
+    def run(together: bool):
+        if not together:
+            monkeypatch.setattr(decode, "evict_rows", lambda *a, **k: None)
+        sessions = [Session(engine, build_method(name), b, protocol, 5) for b in budgets]
+        for session, p in zip(sessions, chosen):
+            with session:
+                session.feed(p)
+        DecodeLoop(engine, sessions, settings).run()
+        monkeypatch.undo()
+        return [([layer.keys.clone() for layer in s.cache.cache.layers], [layer.values.clone() for layer in s.cache.cache.layers],
+                 torch.stack(s.cache.positions), torch.stack(s.cache.is_prompt), s.evictions) for s in sessions]
+
+    for alone, batched in zip(run(False), run(True)):
+        assert alone[4] == batched[4] > 0
+        for a, b in zip(alone[:4], batched[:4]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 class _Copying(Recorder):
     """Keeps a copy of each observation (its tensors are the engine's, valid during ``observe`` only)."""
 

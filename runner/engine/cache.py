@@ -434,40 +434,51 @@ class BudgetedCache:
         return scores.to(self.device if nan_check else scores.device, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
-def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budget: int, protocol: Protocol,
+def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets: list[int], protocol: Protocol,
                current_positions: list[int], ordered: bool, slabs: list[tuple[torch.Tensor, torch.Tensor]],
                rows: list[int]) -> list[int] | None:
     """:meth:`BudgetedCache.evict` for several caches at once, each the row ``rows[i]`` of the batched
-    slabs ``slabs`` (per layer ``[N, H, capacity, d]`` keys and values; ``decode.py``): one selection
-    over the stacked scores and one gather per buffer for all of them, with a fixed handful of host
-    synchronizations whatever the batch size. The same kept slots, slot order and bookkeeping as
-    evicting each on its own. Returns the dropped count per cache, or None (nothing changed) where
-    the rows do not share one plan shape (different lengths or score shapes, a row whose heads or
-    layers differ where its scores do not, a kept prompt past the budget in some rows, a ``-inf``
-    score): the caller then evicts each alone."""
+    slabs ``slabs`` (per layer ``[N, H, capacity, d]`` keys and values; ``decode.py``), each with its
+    own length and budget: one selection over the stacked (padded) scores and one gather per buffer
+    for all of them, and one host read per call whatever the batch size (the rows' counts of prompt,
+    protected and keepable slots, which fix how many each keeps). The same kept slots, slot order
+    and bookkeeping as evicting each on its own. Returns the dropped count per cache, or None
+    (nothing changed) where the rows do not share one plan shape (different score shapes, a row whose
+    heads or layers differ where its scores do not, a ``-inf`` score that would leave fewer than the
+    budget): the caller then evicts each alone."""
     first = caches[0]
-    length = first.length
+    n = len(caches)
     dim = scores[0].dim()
-    if any(c.length != length for c in caches) or any(x.dim() != dim for x in scores) or length <= budget:
+    if any(x.dim() != dim for x in scores):
         return None
     if (dim == 1 and not all(c.uniform for c in caches)) or (dim == 2 and not all(c.heads_agree for c in caches)):
         return None
-    scores = [c._normalise(x, length, nan_check=False) for c, x in zip(caches, scores)]
+    lengths = [c.length for c in caches]
+    scores = [c._normalise(x, t, nan_check=False) for c, x, t in zip(caches, scores, lengths)]
     if len({(x.device, x.dtype) for x in scores}) > 1:
         return None
-    stacked = torch.stack(scores).to(first.device)  # [N, (L, (H,)) T]: one copy to the device for the batch
+    t = max(lengths)
+
+    def padded(tensors: list[torch.Tensor], fill) -> torch.Tensor:
+        if all(x.shape[-1] == t for x in tensors):
+            return torch.stack(tensors)
+        return torch.stack([torch.nn.functional.pad(x, (0, t - x.shape[-1]), value=fill) for x in tensors])
+
+    stacked = padded(scores, float("-inf")).to(first.device)  # [N, (L, (H,)) t]: one copy to the device
     if torch.isnan(stacked).any():
         raise KvleagueError("score: the method returned NaN scores")
     if dim == 1:
-        pos, prompt = torch.stack([c._pos[0] for c in caches]), torch.stack([c._prompt[0] for c in caches])
+        pos, prompt = padded([c._pos[0] for c in caches], -1), padded([c._prompt[0] for c in caches], False)
     else:
         per_layer = [c._per_layer() for c in caches]
-        pos, prompt = torch.stack([p for p, _ in per_layer]), torch.stack([f for _, f in per_layer])  # [N, L, H, T]
-        if dim == 2:
-            pos, prompt = pos[:, :, 0], prompt[:, :, 0]
-    n = len(caches)
-    current = torch.tensor(current_positions, device=pos.device).view(n, *([1] * (pos.dim() - 1)))
-    window = (pos < protocol.sink) | (pos > current - protocol.recent_for(budget))
+        full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
+        pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
+    device = pos.device
+    lead = [1] * (pos.dim() - 1)
+    valid = torch.arange(t, device=device) < torch.tensor(lengths, device=device).view(n, *lead)
+    current = torch.tensor(current_positions, device=device).view(n, *lead)
+    recent = torch.tensor([protocol.recent_for(b) for b in budgets], device=device).view(n, *lead)
+    window = ((pos < protocol.sink) | (pos > current - recent)) & valid
     prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
     if stacked.dtype in (torch.float16, torch.bfloat16):
         stacked = stacked.float()
@@ -475,68 +486,98 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budget: 
     below_top = float(torch.nextafter(top, torch.zeros_like(top)))
     ranked = torch.where(window, float(top), stacked.clamp(max=below_top))
     ranked = torch.where(prompt_tier, float("inf"), ranked)
-    # per row: prompt slots, protected slots (most over layers and heads), fewest keepable: one sync
+    # per row: prompt slots, protected slots (most over layers and heads), fewest keepable: the one host read
     counts = torch.stack([prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values,
                           (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values,
-                          (ranked != float("-inf")).sum(dim=-1).reshape(n, -1).min(dim=1).values]).tolist()
+                          ((ranked != float("-inf")) & valid).sum(dim=-1).reshape(n, -1).min(dim=1).values]).tolist()
     n_prompt = counts[0] if protocol.protect_prompt else [0] * n
-    kept = max(budget, n_prompt[0])
-    if any(max(budget, x) != kept for x in n_prompt) or min(counts[2]) < kept:
-        return None
-    for n_protected in counts[1]:
+    kept = [max(b, p) for b, p in zip(budgets, n_prompt)]
+    if any(keepable < min(k, length) for keepable, k, length in zip(counts[2], kept, lengths)):
+        return None  # a -inf score asks for fewer slots than the budget: evict() settles that row by row
+    for n_protected, budget in zip(counts[1], budgets):
         if n_protected > budget and protocol.prompt_over_budget != "keep":
             raise KvleagueError(
                 f"budget: {n_protected} protected tokens (sink + recent + prompt) exceed the budget {budget}; "
                 "raise the budget, turn off protect_prompt, or use prompt_over_budget: keep"
             )
-    if kept >= length:
-        for c in caches:
-            c.ranked = False
+    kept = [min(k, length) for k, length in zip(kept, lengths)]  # a row that keeps all drops nothing
+    for c, k, length, n_protected in zip(caches, kept, lengths, counts[1]):
+        c.ranked = 0 < length - k < length - n_protected
+    if kept == lengths:
         return [0] * n
-    for c, n_protected in zip(caches, counts[1]):
-        c.ranked = 0 < length - kept < length - n_protected
-    keep = _keep_mask(ranked, kept, pos)  # [N, (L, (H,)) T]
-    order = _new_order(keep, kept, ordered)  # the old slot of every new slot, as each row's own plan lays them out
-    index = torch.tensor(rows, device=pos.device)
+    k_max = max(kept)
+    keep_n = torch.tensor(kept, device=device).view(n, *lead)
+    keep = _keep_top(ranked, keep_n, pos)  # [N, (L, (H,)) t]; padding never kept
+    order = _row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
+    index = torch.tensor(rows, device=device)
     contiguous = rows == list(range(rows[0], rows[0] + n))
     for i, (slab_k, slab_v) in enumerate(slabs):
-        o = order if dim == 1 else order[:, i]  # [N, B] or [N, H, B]
+        o = order if dim == 1 else order[:, i]  # [N, k_max] or [N, H, k_max]
         for buf in (slab_k, slab_v):
             part = buf[rows[0] : rows[0] + n] if contiguous else buf.index_select(0, index)
-            at = (o[:, None, :, None] if o.dim() == 2 else o[..., None]).expand(n, buf.shape[1], kept, buf.shape[-1])
-            part.narrow(-2, 0, kept).copy_(torch.gather(part.narrow(-2, 0, length), -2, at))
+            at = (o[:, None, :, None] if o.dim() == 2 else o[..., None]).expand(n, buf.shape[1], k_max, buf.shape[-1])
+            # slots past a row's own count take whatever its padded order names: past its new length
+            part.narrow(-2, 0, k_max).copy_(torch.gather(part.narrow(-2, 0, t), -2, at))
             if not contiguous:  # a copy of the rows: written back
                 buf.index_copy_(0, index, part)
     if dim == 1:
-        at = order[:, None, :].expand(n, first.n_kv_heads, kept)
-        new_pos = torch.stack([c._pos for c in caches]).gather(2, at)
-        new_prompt = torch.stack([c._prompt for c in caches]).gather(2, at)
-        for r, c in enumerate(caches):
-            c._set(new_pos[r], new_prompt[r], True)
+        at = order[:, None, :].expand(n, first.n_kv_heads, k_max)
+        new_pos = padded([c._pos for c in caches], -1).gather(2, at)
+        new_prompt = padded([c._prompt for c in caches], False).gather(2, at)
+        for r, (c, k) in enumerate(zip(caches, kept)):
+            c._set(new_pos[r, :, :k], new_prompt[r, :, :k], True)
     else:
-        full_pos = torch.stack([p for p, _ in per_layer])
-        full_prompt = torch.stack([f for _, f in per_layer])
-        at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, kept) if order.dim() == 3 else order
+        at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, k_max) if order.dim() == 3 else order
         new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
         # per row, as _finish: do the heads of each layer (and the layers) still hold the same tokens
         if keep.dim() == 3:
-            heads = torch.tensor([c.heads_agree for c in caches], device=keep.device)
+            heads = torch.tensor([c.heads_agree for c in caches], device=device)
             uniform = (keep == keep[:, :1]).flatten(1).all(dim=1)
         else:
             heads = (keep == keep[:, :, :1]).flatten(1).all(dim=1)
             uniform = heads & (keep[:, :, 0] == keep[:, :1, 0]).flatten(1).all(dim=1)
         flags = torch.stack([heads, uniform]).tolist()
-        for r, c in enumerate(caches):
-            heads_agree, uniform_r = c.heads_agree and flags[0][r], c.uniform and flags[1][r] and (c.heads_agree and flags[0][r])
-            if uniform_r:
-                c._set(new_pos[r, 0].clone(), new_prompt[r, 0].clone(), True)
+        for r, (c, k) in enumerate(zip(caches, kept)):
+            heads_agree = c.heads_agree and flags[0][r]
+            if c.uniform and flags[1][r] and heads_agree:
+                c._set(new_pos[r, 0, :, :k].clone(), new_prompt[r, 0, :, :k].clone(), True)
             else:
-                c._set(new_pos[r], new_prompt[r], False)
+                c._set(new_pos[r, ..., :k], new_prompt[r, ..., :k], False)
             c._heads_agree = heads_agree
-    for c in caches:
+    for c, k in zip(caches, kept):
         for layer in c.cache.layers:
-            layer.truncate(kept)
-    return [length - kept] * n
+            layer.truncate(k)
+    return [length - k for length, k in zip(lengths, kept)]
+
+
+def _keep_top(ranked: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of each row's ``kept`` highest ``ranked`` (broadcast against the leading dims),
+    equal scores to the larger position: :func:`_keep_mask`'s rule, for a count per row and without
+    reading anything on the host (two stable sorts instead of a selection)."""
+    by_position = positions.argsort(dim=-1, descending=True, stable=True)
+    order = by_position.gather(-1, ranked.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True))
+    t = ranked.shape[-1]
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(t, device=ranked.device).expand_as(order))
+    return rank < kept
+
+
+def _row_order(keep: torch.Tensor, kept: torch.Tensor, k_max: int, ordered: bool) -> torch.Tensor:
+    """``[..., k_max]``: the old slot of each new slot, for a ``[..., T]`` keep mask whose rows keep
+    ``kept`` (broadcast) slots, as :func:`_new_order` lays them out; a row keeping fewer than
+    ``k_max`` names arbitrary slots past its count. No host read (sorts and scans, no ``nonzero``)."""
+    t = keep.shape[-1]
+    if ordered:  # the kept slots in slot order
+        return keep.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :k_max]
+    # order-free: slots below the row's count stay; its j-th hole there takes its j-th kept slot above
+    slots = torch.arange(t, device=keep.device)
+    holes = ~keep & (slots < kept)
+    donors = keep & (slots >= kept)
+    donor_rank = torch.where(donors, donors.long().cumsum(dim=-1) - 1, t)  # t: not a donor (a spare column)
+    by_rank = torch.full((*keep.shape[:-1], t + 1), -1, dtype=torch.long, device=keep.device)
+    by_rank.scatter_(-1, donor_rank, slots.expand_as(donor_rank))
+    hole_rank = (holes.long().cumsum(dim=-1) - 1).clamp(min=0)
+    order = torch.where(holes, by_rank.gather(-1, hole_rank), slots.expand_as(hole_rank))
+    return order[..., :k_max]
 
 
 def _keep_mask(scores: torch.Tensor, k: int, positions: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,10 @@ finished sequence leaves at once: its row is dropped from the slabs.
 (+ the cadence's buffer), score: a method class serving one sequence through ``observe`` /
 ``score``, several through ``EvictionMethod.observe_batch`` / ``score_batch``
 (``runner/engine/contract.py``), which loop over the instances unless the class vectorises.
-Selection and moving the entries run for the whole group at once where its rows share a budget,
-protocol, slot contract, cache length and score shape (``cache.evict_rows``: one top-k over the
-stacked scores, one gather per slab buffer, a fixed handful of host synchronizations whatever the
-batch size), else per sequence on its row (``Session.apply_scores``); both keep the same slots.
+Selection and moving the entries run for the whole group at once where its rows share a protocol,
+slot contract and score shape (``cache.evict_rows``: one top-k over the stacked scores, each row
+with its own length and budget, one gather per slab buffer, one host read whatever the batch size),
+else per sequence on its row (``Session.apply_scores``); both keep the same slots.
 
 Per-sequence instrumentation in a batch: ``decode_seconds_*`` / ``tokens_per_second`` are the
 batch's step times (the latency each sequence saw; the batch's throughput is the sum over its
@@ -368,15 +368,16 @@ class DecodeLoop:
 
     def _evict_together(self, group: list["Session"], members: list[int], scores, scoring: tuple) -> bool:
         """Evict rows ``members`` of the slabs in one selection and one gather per buffer
-        (``cache.evict_rows``) when their sessions share a budget, protocol and slot contract;
-        False when they cannot (nothing changed: each evicts alone)."""
+        (``cache.evict_rows``) when their sessions share a protocol and slot contract (budgets and
+        lengths may differ); False when they cannot (nothing changed: each evicts alone)."""
         s0 = group[0]
         if (not self.shared or len(group) < 2
-                or any(s.budget != s0.budget or s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group)):
+                or any(s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group)):
             return False
         start = self.engine.mark()
-        dropped = evict_rows([s.cache for s in group], scores, s0.budget, s0.protocol, [s.next_position - 1 for s in group],
-                             s0.ordered_slots, [(layer.slab_k, layer.slab_v) for layer in self.cache.layers], members)
+        dropped = evict_rows([s.cache for s in group], scores, [s.budget for s in group], s0.protocol,
+                             [s.next_position - 1 for s in group], s0.ordered_slots,
+                             [(layer.slab_k, layer.slab_v) for layer in self.cache.layers], members)
         if dropped is None:
             return False
         selection = (start, self.engine.mark(), 1 / len(group))
