@@ -90,21 +90,23 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
 
 
 @pytest.mark.parametrize("shape", [(50,), (3, 50), (3, 2, 50)], ids=["T", "LT", "LHT"])
-@pytest.mark.parametrize("k", [7, 24, 25, 26, 43], ids=lambda k: f"k{k}")
-def test_keep_mask_keeps_highest_scores_then_most_recent_whatever_the_slot_order(shape, k):
-    """Both branches (2k below and above T) against a plain lexicographic sort on (score, position)."""
-    from kvleague.runner.engine.cache import _keep_mask
+@pytest.mark.parametrize("k", [7, 24, 25, 26, 43, "per row"], ids=lambda k: f"k{k}")
+def test_keep_top_keeps_highest_scores_then_most_recent_whatever_the_slot_order(shape, k):
+    """Against a plain lexicographic sort on (score, position), for one count and a count per row."""
+    from kvleague.runner.engine.cache import _keep_top
 
-    gen = torch.Generator().manual_seed(k)
+    gen = torch.Generator().manual_seed(len(shape))
     scores = torch.randint(0, 4, shape, generator=gen).double()  # many exact ties
     scores[..., 3] = float("inf")
     positions = torch.stack([torch.randperm(shape[-1], generator=gen) for _ in range(scores.numel() // shape[-1])])
     positions = positions.view(shape) * 3 + 100  # shuffled slots, gaps in the positions
-    keep = _keep_mask(scores, k, positions)
+    rows = scores.numel() // shape[-1]
+    counts = torch.randint(1, shape[-1], (rows,), generator=gen) if k == "per row" else torch.full((rows,), k)
+    keep = _keep_top(scores, counts.view(*shape[:-1], 1) if k == "per row" else k, positions)
     flat_s, flat_p, flat_k = scores.reshape(-1, shape[-1]), positions.reshape(-1, shape[-1]), keep.reshape(-1, shape[-1])
-    for s, p, kept in zip(flat_s, flat_p, flat_k):
+    for s, p, kept, n in zip(flat_s, flat_p, flat_k, counts.tolist()):
         order = sorted(range(shape[-1]), key=lambda i: (float(s[i]), int(p[i])), reverse=True)
-        assert set(kept.nonzero()[:, 0].tolist()) == set(order[:k])
+        assert set(kept.nonzero()[:, 0].tolist()) == set(order[:n])
 
 
 class _Constant(EvictionMethod):

@@ -307,7 +307,7 @@ class BudgetedCache:
         if kept >= length:
             return 0
         # tiers: protected prompt (+inf) > sink / recent window (largest finite) > the method's scores
-        # (its own +inf included); equal scores keep the more recent position (_keep_mask)
+        # (its own +inf included); equal scores keep the more recent position (_keep_top)
         if scores.dtype in (torch.float16, torch.bfloat16):
             scores = scores.float()
         top = torch.tensor(torch.finfo(scores.dtype).max, dtype=scores.dtype)
@@ -326,7 +326,7 @@ class BudgetedCache:
         # the method's ranking decides only when some of its candidates stay and some go; otherwise
         # the protocol alone chose (nothing to drop, or every candidate dropped)
         self.ranked = 0 < length - kept < length - n_protected
-        keep = _keep_mask(ranked, kept, pos)  # shape of scores
+        keep = _keep_top(ranked, kept, pos)  # shape of scores
         budget = kept
         if keep.dim() == 1:  # one plan for every layer
             plan = _Plan(keep, budget, ordered)
@@ -337,7 +337,7 @@ class BudgetedCache:
         else:
             for i, layer in enumerate(self.cache.layers):
                 self._evict_layer(layer, _Plan(keep[i], budget, ordered))
-            order = _new_order(keep, budget, ordered)
+            order = _row_order(keep, budget, budget, ordered)
             pos, prompt = self._per_layer()
             index = order[:, None, :].expand(self.n_layers, self.n_kv_heads, budget) if order.dim() == 2 else order
             self._finish(pos.gather(2, index), prompt.gather(2, index), keep)
@@ -550,10 +550,13 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     return [length - k for length, k in zip(lengths, kept)]
 
 
-def _keep_top(ranked: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of each row's ``kept`` highest ``ranked`` (broadcast against the leading dims),
-    equal scores to the larger position: :func:`_keep_mask`'s rule, for a count per row and without
-    reading anything on the host (two stable sorts instead of a selection)."""
+def _keep_top(ranked: torch.Tensor, kept, positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the ``kept`` highest ``ranked`` along the last dim: exactly ``kept`` per row
+    (an int, or a tensor broadcast against the leading dims: a count per row).
+
+    Deterministic whatever the slot order: on equal scores the slot holding the larger absolute
+    position (``positions``, same shape) is kept. Two stable sorts (by position, then by score) rank
+    every slot, so nothing is read on the host and each row may keep its own count."""
     by_position = positions.argsort(dim=-1, descending=True, stable=True)
     order = by_position.gather(-1, ranked.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True))
     t = ranked.shape[-1]
@@ -561,10 +564,12 @@ def _keep_top(ranked: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor)
     return rank < kept
 
 
-def _row_order(keep: torch.Tensor, kept: torch.Tensor, k_max: int, ordered: bool) -> torch.Tensor:
+def _row_order(keep: torch.Tensor, kept, k_max: int, ordered: bool) -> torch.Tensor:
     """``[..., k_max]``: the old slot of each new slot, for a ``[..., T]`` keep mask whose rows keep
-    ``kept`` (broadcast) slots, as :func:`_new_order` lays them out; a row keeping fewer than
-    ``k_max`` names arbitrary slots past its count. No host read (sorts and scans, no ``nonzero``)."""
+    ``kept`` slots (an int, or a count per row broadcast against the leading dims); a row keeping
+    fewer than ``k_max`` names arbitrary slots past its count. Ordered: the kept slots in slot order.
+    Order-free: slots below the row's count stay, and each dropped one is refilled by a kept slot
+    from the count on (in increasing order on both sides). No host read (sorts and scans)."""
     t = keep.shape[-1]
     if ordered:  # the kept slots in slot order
         return keep.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :k_max]
@@ -578,30 +583,6 @@ def _row_order(keep: torch.Tensor, kept: torch.Tensor, k_max: int, ordered: bool
     hole_rank = (holes.long().cumsum(dim=-1) - 1).clamp(min=0)
     order = torch.where(holes, by_rank.gather(-1, hole_rank), slots.expand_as(hole_rank))
     return order[..., :k_max]
-
-
-def _keep_mask(scores: torch.Tensor, k: int, positions: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the ``k`` highest scores along the last dim (exactly ``k`` per row).
-
-    Deterministic whatever the slot order: on equal scores the slot holding the larger absolute
-    position (``positions``, same shape as ``scores``) is kept. The k-th largest score per row is found
-    by selection (O(T)); everything above it is kept, and the slots equal to it are kept most recent
-    first until the row holds ``k`` (a sort happens only when such a tie crosses the boundary)."""
-    t = scores.shape[-1]
-    if k >= t:
-        return torch.ones_like(scores, dtype=torch.bool)
-    if k <= 0:
-        return torch.zeros_like(scores, dtype=torch.bool)
-    threshold = torch.kthvalue(scores, t - k + 1, dim=-1, keepdim=True).values
-    above = scores > threshold
-    equal = scores == threshold
-    need = k - above.sum(dim=-1, keepdim=True)  # >= 1
-    if bool((equal.sum(dim=-1, keepdim=True) == need).all()):
-        return above | equal
-    key = torch.where(equal, positions.to(scores.device).expand(scores.shape), -1)
-    order = key.argsort(dim=-1, descending=True)  # equal slots first, most recent first
-    take = torch.arange(t, device=scores.device).expand(scores.shape) < need
-    return above | torch.zeros_like(equal).scatter_(-1, order, take)
 
 
 #: ordered removal of at most this many slots per head moves the tail in place (CPU memmove)
@@ -622,13 +603,7 @@ class _Plan:
     def order(self) -> torch.Tensor:
         """``[B]`` or ``[H, B]``: the old slot of every new slot."""
         if "order" not in self._cache:
-            if self.ordered or self.keep.dim() > 1:
-                self._cache["order"] = _new_order(self.keep, self.budget, self.ordered)
-            else:
-                holes, donors = self.holes_donors()
-                order = torch.arange(self.budget, device=self.keep.device)
-                order[holes] = donors
-                self._cache["order"] = order
+            self._cache["order"] = _row_order(self.keep, self.budget, self.budget, self.ordered)
         return self._cache["order"]
 
     def holes_donors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -666,21 +641,6 @@ class _Plan:
                 tail = self.keep[..., first:].nonzero()[:, -1].view(*self.keep.shape[:-1], m) + first
             self._cache["tail"] = (first, tail)
         return self._cache["tail"]
-
-
-def _new_order(keep: torch.Tensor, budget: int, ordered: bool) -> torch.Tensor:
-    """``[..., B]``: the old slot of each new slot, for a ``[..., T]`` keep mask with B kept per row.
-
-    Ordered: the kept slots in slot order. Order-free: slots below B stay, and each dropped one is
-    refilled by a kept slot from B on (in increasing order on both sides)."""
-    lead = keep.shape[:-1]
-    if ordered:
-        return keep.nonzero()[:, -1].view(*lead, budget)
-    order = torch.arange(budget, device=keep.device).expand(*lead, budget).clone()
-    holes = (~keep[..., :budget]).nonzero()
-    donors = keep[..., budget:].nonzero()
-    order[tuple(holes.unbind(1))] = donors[:, -1] + budget
-    return order
 
 
 def _fill_holes(buffers, plan: _Plan) -> None:
