@@ -62,8 +62,9 @@ def static_anchor(engine, run: Callable[[], dict], clock) -> tuple[Callable[[], 
     except Exception as exc:  # noqa: BLE001 - any failure of the anchor is reported, not fatal
         print(f"static-cache anchor failed: {first_line(exc)}", flush=True)
         return None, {"first_call_seconds": None, "compiled": False, "error": first_line(exc)}
-    model = engine.backend.model
-    first = {"first_call_seconds": clock.now() - start, "compiled": hasattr(model, "_compiled_call")}
+    from kvleague.runner.engine.anchors import compiled_by_generate
+
+    first = {"first_call_seconds": clock.now() - start, "compiled": compiled_by_generate(engine)}
     return run, first
 
 

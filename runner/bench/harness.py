@@ -462,11 +462,9 @@ def load_engine(source: str, backend: str):
     (``model.generate``'s static-cache anchor) is compiled once."""
     global _LOADED
     from kvleague.runner.models import load_engine as load
-    from kvleague.runner.models.loading import engine_on
 
     if _LOADED is not None and _LOADED[0] == source:
-        first = _LOADED[1]
-        return engine_on(first.backend.model, first.tokenizer, first.attn_implementation, backend)
+        return _LOADED[1].with_backend(backend)
     engine = load(source, backend=backend)
     _LOADED = (source, engine)
     return engine

@@ -26,6 +26,12 @@ from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 #: ``load_engine`` name them: here, not in backend.py, so that configs check names without torch
 BACKENDS = ("hf", "slab")
 
+
+def check_backend(name: str) -> None:
+    """One-line error for a backend name that is not in :data:`BACKENDS`."""
+    if name not in BACKENDS:
+        raise KvleagueError(f"backend: unknown {name!r}; allowed: {', '.join(BACKENDS)}")
+
 # ``generation`` and ``session`` import torch and transformers (seconds); loaded on first use so that
 # importing ``runner.engine.errors`` (every CLI command does) stays cheap
 _LAZY = {"DecodeOutput": "decode", "Engine": "generation", "GenerationResult": "session", "Session": "session"}
@@ -39,4 +45,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvleague.runner.engine' has no attribute {name!r}")
 
 
-__all__ = ["BACKENDS", "DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]
+__all__ = ["BACKENDS", "check_backend", "DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]

@@ -25,6 +25,12 @@ def plain_attention(engine) -> Iterator:
         model.set_attn_implementation(saved)
 
 
+def compiled_by_generate(engine) -> bool:
+    """Whether ``model.generate`` has compiled the engine's model (transformers does it for a static
+    cache on CUDA, ``torch.compile`` of the forward, kept on the model)."""
+    return hasattr(engine.backend.model, "_compiled_call")
+
+
 def kvpress_reference_tokens(engine, decoding, prompt: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens of kvpress's scorer (``decoding``: a ``DecodingPress`` with its target size)
     applied after every decode step (true positions, as ``model.generate``), the kept entries in

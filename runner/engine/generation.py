@@ -50,6 +50,23 @@ class Engine:
             return event
         return self.clock()
 
+    @classmethod
+    def on(cls, model, tokenizer, attn_implementation: str, backend: str) -> "Engine":
+        """A loaded Hugging Face ``model`` behind ``backend`` (``BACKENDS``)."""
+        from kvleague.runner.engine import check_backend
+
+        check_backend(backend)
+        if backend == "slab":
+            from kvleague.runner.engine.slab import SlabBackend
+
+            return cls(backend=SlabBackend(model, tokenizer, attn_implementation))
+        return cls(model, tokenizer, attn_implementation)
+
+    def with_backend(self, backend: str) -> "Engine":
+        """This engine's model behind ``backend``: one model object (and whatever was compiled for it)
+        shared by both engines."""
+        return Engine.on(self.backend.model, self.tokenizer, self.attn_implementation, backend)
+
     def session(self, method: EvictionMethod, budget: int, protocol: Protocol | None = None, seed: int = 0) -> Session:
         return Session(self, method, budget, protocol or Protocol(), seed)
 

@@ -81,11 +81,19 @@ class BatchAttentionRecorder(AttentionRecorder):
 
     lengths: list = field(default_factory=list)
     raw: list = field(default_factory=list)
+    _float_weights: dict = field(default_factory=dict)
 
     def start_batch(self, lengths: list[int]) -> None:
         self.start(1)
         self.lengths = lengths
         self.raw = [None] * self.n_layers
+        self._float_weights = {}
+
+    def _weights(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s eager weights in float32, converted once for every row of the batch."""
+        if layer not in self._float_weights:
+            self._float_weights[layer] = self.raw[layer][3].float()
+        return self._float_weights[layer]
 
     def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
         self.raw[layer] = (query, key, value, weights, scaling)
@@ -101,8 +109,8 @@ class BatchAttentionRecorder(AttentionRecorder):
             out["new_values"] = [v[i, :, n - 1 : n] for _, _, v, _, _ in self.raw]
         if attention:
             out["attention"] = [
-                w[i, :, :, :n].float() if w is not None else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
-                for q, k, _, w, scaling in self.raw
+                self._weights(layer)[i, :, :, :n] if w is not None else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
+                for layer, (q, k, _, w, scaling) in enumerate(self.raw)
             ]
         return out
 

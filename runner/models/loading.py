@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvleague.runner.engine import BACKENDS, Engine
+from kvleague.runner.engine import Engine, check_backend
 from kvleague.runner.engine.errors import KvleagueError, first_line
 from kvleague.runner.engine.probe import INNER_IMPLEMENTATIONS
 from kvleague.runner.models.source import resolve_model
@@ -29,8 +29,7 @@ def load_engine(
     """Load a model spec (a known name, a ``.gguf`` file, a checkpoint directory or a Hub id; see
     ``runner.models.source``) through the same path for tiny test models and real ones, on ``backend``
     (``BACKENDS``: Hugging Face's forward pass, ``hf``, or the same model over fixed KV slabs, ``slab``)."""
-    if backend not in BACKENDS:
-        raise KvleagueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
+    check_backend(backend)
     if attn_implementation not in INNER_IMPLEMENTATIONS:
         raise KvleagueError(f"attn_implementation: unknown {attn_implementation!r}; allowed: {', '.join(INNER_IMPLEMENTATIONS)}")
     if device == "auto":
@@ -50,18 +49,7 @@ def load_engine(
         ).to(device)
     except OSError as exc:
         raise KvleagueError(f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}") from None
-    return engine_on(hf_model, tokenizer, attn_implementation, backend)
-
-
-def engine_on(hf_model, tokenizer, attn_implementation: str, backend: str) -> Engine:
-    """A loaded Hugging Face model behind ``backend`` (several backends may share one model object)."""
-    if backend not in BACKENDS:
-        raise KvleagueError(f"backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
-    if backend == "slab":
-        from kvleague.runner.engine.slab import SlabBackend
-
-        return Engine(backend=SlabBackend(hf_model, tokenizer, attn_implementation))
-    return Engine(hf_model, tokenizer, attn_implementation)
+    return Engine.on(hf_model, tokenizer, attn_implementation, backend)
 
 
 def _require_flash_attention(device: str) -> None:
