@@ -17,9 +17,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-#: ATen ops that read a device value on the host, or whose output shape depends on device values
-_SYNCING = {"item", "_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique",
-            "_unique2", "unique_consecutive", "unique_dim", "bincount", "lift_fresh"}
+from kvleague.runner.bench.step_ops import HOST_READS
+
+#: ATen ops that read a device value on the host, or whose output shape depends on device values, and
+#: building a tensor from host data (``lift_fresh``: copied in once, at capture)
+_SYNCING = HOST_READS | {"lift_fresh"}
 #: tensor methods that hand data to the host
 _TO_HOST = {"tolist", "numpy", "cpu"}
 

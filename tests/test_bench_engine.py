@@ -181,3 +181,37 @@ def test_order_free_methods_keep_the_same_tokens_as_under_ordered_eviction(engin
 def test_needs_default_keeps_slots_in_order():
     assert Needs().ordered_slots is True
     assert build_method("h2o").needs.ordered_slots and build_method("snapkv").needs.ordered_slots
+
+
+def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
+    """``bench.step_ops``: the captured body is left out of the count (a whole eager step dispatches
+    far more ops than the loop around it), ``full`` reads nothing on the host, and a method that
+    evicts every step shows its evictions and its reads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvleague.methods import build_method
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    engine.backend.graphs = True
+    prompt = list(range(40, 80))
+    full = count(engine, "full", 1, 16, prompt, 4)
+    h2o = count(engine, "h2o", 2, 16, prompt, 4)
+    assert full["host_reads_per_step"] == 0 and h2o["host_reads_per_step"] > 0 and h2o["evictions"] == 5
+
+    class All(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            All.n += 1
+            return func(*args, **(kwargs or {}))
+
+    engine.backend.graphs = False
+    with engine.session(build_method("full"), 16, Protocol()) as session:
+        session.feed(prompt)
+        with All():
+            session.decode(GenerationSettings(max_new_tokens=5))
+    assert All.n / 4 > 3 * full["ops_per_step"]  # the eager forward alone is most of a step's ops
