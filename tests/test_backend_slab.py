@@ -167,6 +167,38 @@ def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):
         _same(expected, in_batch)
 
 
+@pytest.mark.parametrize("name", ["tova", "epikv", "h2o"])  # (knorm parts at rounding ties here: tests/rounding_ties.py)
+def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pairs, name, monkeypatch):
+    """With captured steps, rows whose sequence ended (EOS at different steps) stay in the slabs as
+    padding until fewer than half are live: every sequence still equals ``hf`` alone, and the batch
+    builds few graphs (a new one per batch size, not per finished row)."""
+    from kvleague.runner.engine import slab as slab_module
+
+    hf, slab = pairs["llama"]
+    text = "Every new token costs an old one; which one goes is the whole question, and the answer differs. " * 3
+    ids = hf.tokenizer(text, add_special_tokens=False)["input_ids"]
+    batch = [ids[2 * i : 2 * i + 12 + i] for i in range(8)]
+    protocol, settings = Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=16)
+    free = [hf.generate(p, build_method(name), BUDGET, protocol, settings) for p in batch]
+    counts = torch.bincount(torch.tensor([t for r in free for t in r.token_ids[1:]]))
+    eos = {int(counts.argmax())}  # the commonest token ends sequences at different steps
+    monkeypatch.setattr(hf, "eos_ids", eos)
+    monkeypatch.setattr(slab, "eos_ids", eos)
+    alone = [hf.generate(p, build_method(name), BUDGET, protocol, settings) for p in batch]
+    assert len({r.generated_tokens for r in alone}) >= 4  # rows finish at four or more different steps
+    captures = []
+    init = slab_module.GraphedStep.__init__
+    monkeypatch.setattr(slab_module.GraphedStep, "__init__", lambda self, *a: captures.append(a[2]) or init(self, *a))
+    slab.backend.graphs = True
+    try:
+        batched = slab.generate_batch(batch, [build_method(name) for _ in batch], BUDGET, protocol, settings)
+    finally:
+        slab.backend.graphs = False
+    for expected, result in zip(alone, batched):
+        _same(expected, result)
+    assert captures[0] == 8 and len(captures) <= 4, captures  # batch sizes 8, then at most three halvings
+
+
 def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pairs, prompts):
     """A method that keeps what it observed keeps it: the tapped tensors are rewritten by the next
     step, the ones handed over are not (the hidden states epikv sees, the queries snapkv sees)."""

@@ -131,6 +131,11 @@ class DecodeLoop:
         self.active = list(range(len(sessions)))  # slab row r holds sessions[active[r]]
         #: one sequence decodes on its own cache; several on shared slabs
         self.shared = len(sessions) > 1
+        #: slab rows whose sequence has finished but which stay in the slabs (padding, see ``_retire``)
+        self.dead: set[int] = set()
+        #: keep finished rows as padding until half the rows are done (a backend whose steps are
+        #: captured per batch size: dropping a row would mean capturing anew)
+        self.pad_finished = self.shared and getattr(self.backend, "pads_finished_rows", False)
         self.rows = _Rows()
         self.logits = torch.stack([s.logits for s in sessions])  # every session was fed: its next token's logits
         if self.shared:
@@ -232,19 +237,21 @@ class DecodeLoop:
         tokens: dict[int, list[int]] = {i: [] for i in self.active}
         while self.active:
             step_start = clock()
+            live = [r for r in range(len(self.active)) if r not in self.dead]
+            chosen = [0] * len(self.active)  # a padding row feeds token 0, never read
             if self.scripts is not None:
-                chosen = []
-                for r, i in enumerate(self.active):
-                    script, on_logits = self.scripts[i]
-                    token = script[len(tokens[i])]
-                    on_logits(self.logits[r], token)
-                    chosen.append(token)
+                for r in live:
+                    script, on_logits = self.scripts[self.active[r]]
+                    chosen[r] = script[len(tokens[self.active[r]])]
+                    on_logits(self.logits[r], chosen[r])
             elif settings.greedy:
                 chosen = suppressed(self.logits, settings).argmax(dim=-1).tolist()
             else:
-                chosen = [self.sessions[i].sample_token(self.logits[r], settings) for r, i in enumerate(self.active)]
+                for r in live:
+                    chosen[r] = self.sessions[self.active[r]].sample_token(self.logits[r], settings)
             keep_rows = []
-            for r, i in enumerate(self.active):
+            for r in live:
+                i = self.active[r]
                 own = tokens[i]
                 own.append(chosen[r])
                 if self.sessions[i].on_token is not None:
@@ -270,12 +277,28 @@ class DecodeLoop:
                 self.sessions[i].outputs.append(DecodeOutput(own, text, reason))
             if not keep_rows:
                 break
-            if len(keep_rows) < len(self.active):
-                self._reslab(keep_rows)
-            self.step([chosen[r] for r in keep_rows])
+            if len(keep_rows) < len(live):
+                chosen = self._retire(keep_rows, chosen)
+            self.step(chosen)
             took = clock() - step_start
-            for i in self.active:
-                self.sessions[i].step_seconds.append(took)
+            for r, i in enumerate(self.active):
+                if r not in self.dead:
+                    self.sessions[i].step_seconds.append(took)
+
+    def _retire(self, keep_rows: list[int], chosen: list[int]) -> list[int]:
+        """Rows whose sequence just finished leave the batch; returns the next step's tokens, one per
+        slab row. Dropping a row rebuilds the slabs without it; a backend that captures steps per
+        batch size (``pads_finished_rows``) keeps finished rows as padding instead (their sequence is
+        done: nothing reads what the padded steps compute, and their writes land past their cache's
+        length) until fewer than half the rows are live, so a batch of N captures about log2(N)
+        times, not N."""
+        live = set(keep_rows)
+        if self.pad_finished and 2 * len(keep_rows) >= len(self.active):
+            self.dead = {r for r in range(len(self.active)) if r not in live}
+            return [chosen[r] if r in live else 0 for r in range(len(self.active))]
+        self.dead = set()
+        self._reslab(keep_rows)
+        return [chosen[r] for r in keep_rows]
 
     def _finish(self, i: int, own: list[int], step_start: float) -> None:
         """Sequence i is done: its last token stays pending (fed by the session's next call)."""
@@ -287,7 +310,8 @@ class DecodeLoop:
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self, token_ids: list[int]) -> None:
-        """Forward one token per active session, track it, let the methods observe, evict where over budget."""
+        """Forward one token per slab row, and for each live row track it, let the methods observe,
+        evict where over budget (a padding row's token is fed and nothing else)."""
         sessions = [self.sessions[i] for i in self.active]
         lengths = [s.cache.length for s in sessions]
         positions = torch.tensor([s.next_position for s in sessions], device=self.device)
@@ -308,18 +332,19 @@ class DecodeLoop:
         self.logits = self.backend.forward(torch.tensor(token_ids, device=self.device)[:, None], rope[:, None], cache,
                                            start_slot, mask)
         new_positions = positions[:, None]
-        for r, s in enumerate(sessions):
+        live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
+        for r, s in live.items():
             if self.shared:
                 for layer in s.cache.cache.layers:
                     layer.set_length(lengths[r] + 1)
             s.logits = self.logits[r]
             s.after_forward(new_positions[r], prompt=False)
-        self._observe(sessions, new_positions, token_ids)
-        self._evict(sessions)
+        self._observe(live, new_positions, token_ids)
+        self._evict(live)
 
-    def _observe(self, sessions: list["Session"], new_positions: torch.Tensor, token_ids: list[int]) -> None:
+    def _observe(self, sessions: dict[int, "Session"], new_positions: torch.Tensor, token_ids: list[int]) -> None:
         groups: dict[type, list[int]] = defaultdict(list)
-        for r, s in enumerate(sessions):
+        for r, s in sessions.items():
             if not s.method.never_evicts:
                 groups[type(s.method)].append(r)
         for cls, members in groups.items():
@@ -347,9 +372,9 @@ class DecodeLoop:
             **recorded,
         )
 
-    def _evict(self, sessions: list["Session"]) -> None:
+    def _evict(self, sessions: dict[int, "Session"]) -> None:
         groups: dict[type, list[int]] = defaultdict(list)
-        for r, s in enumerate(sessions):
+        for r, s in sessions.items():
             if s.over_budget("decode"):
                 groups[type(s.method)].append(r)
         for cls, members in groups.items():

@@ -156,6 +156,12 @@ class SlabBackend(HFBackend):
         self._tap: _Tap | None = None
         self._graphed: dict[tuple, GraphedStep] = {}
 
+    @property
+    def pads_finished_rows(self) -> bool:
+        """A batch keeps its finished rows as padding (``DecodeLoop._retire``) while steps are
+        captured: a graph is captured per batch size, and dropping a row would mean a new one."""
+        return self.graphs
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "decode_steps": dict(self.steps),
                 "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off"}
