@@ -475,9 +475,10 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
     device = pos.device
     lead = [1] * (pos.dim() - 1)
-    valid = torch.arange(t, device=device) < torch.tensor(lengths, device=device).view(n, *lead)
-    current = torch.tensor(current_positions, device=device).view(n, *lead)
-    recent = torch.tensor([protocol.recent_for(b) for b in budgets], device=device).view(n, *lead)
+    # every row's length, newest position and recent window: one copy to the device
+    meta = torch.tensor([lengths, current_positions, [protocol.recent_for(b) for b in budgets]], device=device)
+    length_t, current, recent = (row.view(n, *lead) for row in meta)
+    valid = torch.arange(t, device=device) < length_t
     window = ((pos < protocol.sink) | (pos > current - recent)) & valid
     prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
     if stacked.dtype in (torch.float16, torch.bfloat16):
@@ -509,8 +510,8 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     keep_n = torch.tensor(kept, device=device).view(n, *lead)
     keep = _keep_top(ranked, keep_n, pos)  # [N, (L, (H,)) t]; padding never kept
     order = _row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
-    index = torch.tensor(rows, device=device)
     contiguous = rows == list(range(rows[0], rows[0] + n))
+    index = None if contiguous else torch.tensor(rows, device=device)
     for i, (slab_k, slab_v) in enumerate(slabs):
         o = order if dim == 1 else order[:, i]  # [N, k_max] or [N, H, k_max]
         for buf in (slab_k, slab_v):
