@@ -74,12 +74,13 @@ class _Rows:
         self.longest = 0
         self.equal = True
 
-    def set(self, lengths: list[int], device: torch.device) -> None:
+    def set(self, lengths: list[int], on_device: torch.Tensor) -> None:
+        """``lengths`` on the host, and the same as the device tensor ``on_device``."""
         self.longest = max(lengths)
         self.equal = min(lengths) == self.longest
         if not self.equal:
-            self.lengths = torch.tensor(lengths, device=device)
-            self.index = torch.arange(len(lengths), device=device)
+            self.lengths = on_device
+            self.index = torch.arange(len(lengths), device=on_device.device)
 
 
 class BatchSlabLayer(DynamicLayer):
@@ -314,14 +315,15 @@ class DecodeLoop:
         evict where over budget (a padding row's token is fed and nothing else)."""
         sessions = [self.sessions[i] for i in self.active]
         lengths = [s.cache.length for s in sessions]
-        positions = torch.tensor([s.next_position for s in sessions], device=self.device)
-        rope = positions if sessions[0].protocol.positions == "absolute" else torch.tensor(lengths, device=self.device)
+        # the tokens, absolute positions and cache lengths of every row: one copy to the device
+        tokens, positions, lengths_t = torch.tensor([token_ids, [s.next_position for s in sessions], lengths], device=self.device)
+        rope = positions if sessions[0].protocol.positions == "absolute" else lengths_t
         mask = None
         if self.shared:
             longest = max(lengths)
             if longest + 1 > self.capacity:
                 self._reslab(capacity=max(longest + 1, int(self.capacity * 1.5), self.capacity + 256))
-            self.rows.set(lengths, self.device)
+            self.rows.set(lengths, lengths_t)
             if not self.rows.equal:  # row i sees its own slots 0..n_i (its new token at n_i), nothing beyond
                 mask = torch.arange(longest + 1, device=self.device)[None, :] <= self.rows.lengths[:, None]
             cache, start_slot = self.cache, longest
@@ -329,8 +331,7 @@ class DecodeLoop:
             cache, start_slot = sessions[0].cache.cache, lengths[0]
         if self.recorder is not None:
             self.recorder.start_batch([n + 1 for n in lengths])
-        self.logits = self.backend.forward(torch.tensor(token_ids, device=self.device)[:, None], rope[:, None], cache,
-                                           start_slot, mask)
+        self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask)
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
         for r, s in live.items():
