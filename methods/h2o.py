@@ -18,9 +18,7 @@ def carry(values: torch.Tensor, old_positions: torch.Tensor, new_positions: torc
     t_old = old_positions.shape[-1]
     if t_old == 0:
         return torch.zeros(new_positions.shape, dtype=values.dtype, device=values.device)
-    if new_positions.shape[-1] >= t_old and torch.equal(new_positions[..., :t_old], old_positions):
-        pad = torch.zeros(*values.shape[:-1], new_positions.shape[-1] - t_old, dtype=values.dtype, device=values.device)
-        return torch.cat([values, pad], dim=-1)  # nothing was evicted since: just append zeros
+    # one path whether or not anything was evicted since: no host read of the positions
     index = torch.searchsorted(old_positions.contiguous(), new_positions.contiguous()).clamp_max(t_old - 1)
     found = old_positions.gather(-1, index) == new_positions
     return torch.where(found, values.gather(-1, index), torch.zeros((), dtype=values.dtype, device=values.device))
@@ -116,3 +114,29 @@ class H2O(EvictionMethod):
             recent = torch.stack(cache.positions) > cache.current_position - n_recent
             scores = scores.masked_fill(recent, float("inf"))
         return scores
+
+    @classmethod
+    def score_batch(cls, methods, caches) -> list[torch.Tensor]:
+        """Sequences holding equal numbers of slots (now and at their last observation): each layer's
+        carried sums for all of them in one operation, and the recent window per row, as ``score``."""
+        if cls.score is not H2O.score or cls.accumulated is not H2O.accumulated:
+            return super().score_batch(methods, caches)
+        keys = [(view.length, tuple(a.shape[-1] for a in m.acc)) for m, view in zip(methods, caches.views)]
+        out: list[torch.Tensor | None] = [None] * len(methods)
+        for members in groups_by(keys):
+            if len(members) == 1:
+                out[members[0]] = methods[members[0]].score(caches.views[members[0]])
+                continue
+            group, views = [methods[i] for i in members], [caches.views[i] for i in members]
+            positions = torch.stack([torch.stack(v.positions) for v in views])  # [n, L, H, T]
+            scores = torch.stack([
+                carry(torch.stack([m.acc[layer] for m in group]), torch.stack([m.acc_positions[layer] for m in group]),
+                      positions[:, layer])
+                for layer in range(positions.shape[1])
+            ], dim=1)  # [n, L, H, T]
+            # the recent window per row (with none, the threshold is the newest position: nothing is above it)
+            threshold = torch.tensor([v.current_position - int(m.recent_ratio * v.budget) for m, v in zip(group, views)])
+            scores = scores.masked_fill(positions > threshold.to(positions.device).view(-1, 1, 1, 1), float("inf"))
+            for i, row in zip(members, scores):
+                out[i] = row
+        return out

@@ -93,7 +93,7 @@ def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch
 
 
 #: the built-ins that vectorise: (observe_batch, score_batch) replace per-sequence calls on equal-length rows
-VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score"), "h2o": ("observe",), "tova": ("observe",),
+VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score"), "h2o": ("observe", "score"), "tova": ("observe",),
               "knorm": ("score",), "keydiff": ("score",), "streaming_llm": ("score",), "snapkv": ("score",)}
 
 
