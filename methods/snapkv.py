@@ -64,10 +64,13 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
                 continue
             views = [caches.views[i] for i in members]
             windows = [methods[i].queries for i in members]
+            rows = None if len(members) == len(caches) else torch.tensor(members, device=caches.keys[0].device)
+            t = views[0].length
             scores, owns = [], []
-            for layer in range(len(views[0].keys)):
+            for layer in range(len(caches.keys)):
                 q = torch.stack([w.queries[layer] for w in windows])  # [n, H_q, w, d]
-                k = torch.stack([v.keys[layer] for v in views])  # [n, H_kv, T, d]
+                padded = caches.keys[layer]  # every evicting row's keys, one tensor (a view of the slab where it can be)
+                k = (padded if rows is None else padded.index_select(0, rows))[:, :, :t]  # [n, H_kv, T, d]
                 key_pos = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
                 query_pos = torch.stack([w.positions for w in windows]).to(key_pos.device)  # [n, w]
                 n, h_q, w, d = q.shape
