@@ -239,7 +239,7 @@ class DecodeLoop:
         while self.active:
             step_start = clock()
             live = [r for r in range(len(self.active)) if r not in self.dead]
-            chosen = [0] * len(self.active)  # a padding row feeds token 0, never read
+            chosen = [0] * len(self.active)  # what a padding row is fed is never read
             if self.scripts is not None:
                 for r in live:
                     script, on_logits = self.scripts[self.active[r]]
