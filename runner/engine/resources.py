@@ -81,9 +81,11 @@ class Spans:
             return
         self._events.append((start, end, weight))
         if len(self._events) >= self.FOLD_AT:
-            done = [e for e in self._events if e[1].query()]
+            done, pending = [], []
+            for pair in self._events:
+                (done if pair[1].query() else pending).append(pair)
             self._fold(done)
-            self._events = [e for e in self._events if not any(e is d for d in done)]
+            self._events = pending
 
     def _fold(self, events) -> None:
         self._total += sum(start.elapsed_time(end) * weight for start, end, weight in events) / 1e3
