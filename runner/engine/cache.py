@@ -256,12 +256,7 @@ class BudgetedCache:
     def _protected(
         self, pos: torch.Tensor, prompt: torch.Tensor, protocol: Protocol, current_position: int, budget: int
     ) -> torch.Tensor:
-        return self._window(pos, protocol, current_position, budget) | (prompt if protocol.protect_prompt else False)
-
-    @staticmethod
-    def _window(pos: torch.Tensor, protocol: Protocol, current_position: int, budget: int) -> torch.Tensor:
-        """The sink and recent-window slots (not the prompt)."""
-        return (pos < protocol.sink) | (pos > current_position - protocol.recent_for(budget))
+        return _window(pos, protocol, current_position, protocol.recent_for(budget)) | (prompt if protocol.protect_prompt else False)
 
     def protected(self, protocol: Protocol, current_position: int, budget: int) -> list[torch.Tensor]:
         """Per layer ``[H, T]``: slots the protocol forbids evicting."""
@@ -283,37 +278,20 @@ class BudgetedCache:
         scores = self._normalise(scores, length)
         if scores.dim() == 1 and not self.uniform:
             raise KvleagueError("score: per-token scores [T] need every layer and head to hold the same tokens")
-        if scores.dim() == 1:
-            pos, prompt = self._pos[0], self._prompt[0]  # [T]: every layer and head agrees
-        elif scores.dim() == 2 and self.heads_agree:
-            pos, prompt = self._per_layer()
-            pos, prompt = pos[:, 0], prompt[:, 0]  # [L, T]: the heads of each layer agree
-        else:
-            if scores.dim() == 2:
-                scores = scores[:, None, :].expand(self.n_layers, self.n_kv_heads, length)
-            pos, prompt = self._per_layer()  # [L, H, T]
-        window = self._window(pos, protocol, current_position, budget)
+        if scores.dim() == 2 and not self.heads_agree:
+            scores = scores[:, None, :].expand(self.n_layers, self.n_kv_heads, length)
+        pos, prompt = self._ranking_layout(scores.dim())
+        window = _window(pos, protocol, current_position, protocol.recent_for(budget))
         prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
         n_prompt = int(prompt_tier.sum(dim=-1).max()) if protocol.protect_prompt else 0
         n_protected = int((window | prompt_tier).sum(dim=-1).max())
-        if n_protected > budget and protocol.prompt_over_budget != "keep":
-            raise KvleagueError(
-                f"budget: {n_protected} protected tokens (sink + recent + prompt) exceed the budget {budget}; "
-                "raise the budget, turn off protect_prompt, or use prompt_over_budget: keep"
-            )
+        _check_protected(n_protected, budget, protocol)
         # prompt_over_budget "keep": the whole prompt stays even beyond B (then nothing else does)
         kept = max(budget, n_prompt)
         self.ranked = False
         if kept >= length:
             return 0
-        # tiers: protected prompt (+inf) > sink / recent window (largest finite) > the method's scores
-        # (its own +inf included); equal scores keep the more recent position (_keep_top)
-        if scores.dtype in (torch.float16, torch.bfloat16):
-            scores = scores.float()
-        top = torch.tensor(torch.finfo(scores.dtype).max, dtype=scores.dtype)
-        below_top = float(torch.nextafter(top, torch.zeros_like(top)))
-        ranked = torch.where(window, float(top), scores.clamp(max=below_top))
-        ranked = torch.where(prompt_tier.bool(), float("inf"), ranked)
+        ranked = _tiers(scores, window, prompt_tier)
         # -inf: the method asks for the slot to go even if the cache then holds fewer than B
         keepable = (ranked != float("-inf")).sum(dim=-1)
         if int(keepable.min()) < kept:
@@ -323,9 +301,7 @@ class BudgetedCache:
                     "every layer and KV head of a cache holds the same number of slots"
                 )
             kept = int(keepable.min())
-        # the method's ranking decides only when some of its candidates stay and some go; otherwise
-        # the protocol alone chose (nothing to drop, or every candidate dropped)
-        self.ranked = 0 < length - kept < length - n_protected
+        self.ranked = _ranking_decided(length, kept, n_protected)
         keep = _keep_top(ranked, kept, pos)  # shape of scores
         budget = kept
         if keep.dim() == 1:  # one plan for every layer
@@ -340,7 +316,8 @@ class BudgetedCache:
             order = _row_order(keep, budget, budget, ordered)
             pos, prompt = self._per_layer()
             index = order[:, None, :].expand(self.n_layers, self.n_kv_heads, budget) if order.dim() == 2 else order
-            self._finish(pos.gather(2, index), prompt.gather(2, index), keep)
+            heads_same, layers_same = _agreement(keep[None]).tolist()
+            self._finish(pos.gather(2, index), prompt.gather(2, index), heads_same[0], layers_same[0])
         self._shrink(budget)
         return length - budget
 
@@ -349,18 +326,21 @@ class BudgetedCache:
         """Within each layer, every KV head holds the same tokens in the same slots."""
         return self.uniform or self._heads_agree
 
-    def _finish(self, pos: torch.Tensor, prompt: torch.Tensor, keep: torch.Tensor) -> None:
-        """Store per-layer ``[L, H, B]`` bookkeeping after an eviction with keep mask ``keep``.
+    def _ranking_layout(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and prompt flags in the shape of ``dim``-dimensional scores: ``[T]`` (every layer
+        and head agrees), ``[L, T]`` (the heads of each layer agree) or ``[L, H, T]``."""
+        if dim == 1:
+            return self._pos[0], self._prompt[0]
+        pos, prompt = self._per_layer()
+        return (pos[:, 0], prompt[:, 0]) if dim == 2 else (pos, prompt)
 
-        Layers (heads) that held the same slots still do when their keep masks are equal; otherwise
-        they are taken to differ from now on (comparing the masks is cheaper than the positions)."""
-        if keep.dim() == 2:  # [L, T]: the heads of a layer moved alike
-            heads_agree = self.heads_agree
-            uniform = self.uniform and bool((keep == keep[:1]).all())
-        else:  # [L, H, T]
-            flat = keep.view(keep.shape[0], keep.shape[1], -1)
-            heads_agree = self.heads_agree and bool((flat == flat[:, :1]).all())
-            uniform = self.uniform and heads_agree and bool((flat[:, 0] == flat[:1, 0]).all())
+    def _finish(self, pos: torch.Tensor, prompt: torch.Tensor, heads_same: bool, layers_same: bool) -> None:
+        """Store per-layer ``[L, H, B]`` bookkeeping after an eviction whose keep masks were equal
+        across each layer's heads (``heads_same``) and across the layers (``layers_same``; see
+        :func:`_agreement`). Layers (heads) that held the same slots still do when their masks were
+        equal; otherwise they are taken to differ from now on."""
+        heads_agree = self.heads_agree and heads_same
+        uniform = self.uniform and heads_agree and layers_same
         if uniform:
             self._set(pos[0].clone(), prompt[0].clone(), True)
         else:
@@ -467,26 +447,17 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     stacked = padded(scores, float("-inf")).to(first.device)  # [N, (L, (H,)) t]: one copy to the device
     if torch.isnan(stacked).any():
         raise KvleagueError("score: the method returned NaN scores")
-    if dim == 1:
-        pos, prompt = padded([c._pos[0] for c in caches], -1), padded([c._prompt[0] for c in caches], False)
-    else:
-        per_layer = [c._per_layer() for c in caches]
-        full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
-        pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
+    layouts = [c._ranking_layout(dim) for c in caches]
+    pos, prompt = padded([p for p, _ in layouts], -1), padded([f for _, f in layouts], False)
     device = pos.device
     lead = [1] * (pos.dim() - 1)
     # every row's length, newest position and recent window: one copy to the device
     meta = torch.tensor([lengths, current_positions, [protocol.recent_for(b) for b in budgets]], device=device)
     length_t, current, recent = (row.view(n, *lead) for row in meta)
     valid = torch.arange(t, device=device) < length_t
-    window = ((pos < protocol.sink) | (pos > current - recent)) & valid
+    window = _window(pos, protocol, current, recent) & valid
     prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
-    if stacked.dtype in (torch.float16, torch.bfloat16):
-        stacked = stacked.float()
-    top = torch.tensor(torch.finfo(stacked.dtype).max, dtype=stacked.dtype)
-    below_top = float(torch.nextafter(top, torch.zeros_like(top)))
-    ranked = torch.where(window, float(top), stacked.clamp(max=below_top))
-    ranked = torch.where(prompt_tier, float("inf"), ranked)
+    ranked = _tiers(stacked, window, prompt_tier)
     # per row: prompt slots, protected slots (most over layers and heads), fewest keepable: the one host read
     counts = torch.stack([prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values,
                           (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values,
@@ -496,14 +467,10 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     if any(keepable < min(k, length) for keepable, k, length in zip(counts[2], kept, lengths)):
         return None  # a -inf score asks for fewer slots than the budget: evict() settles that row by row
     for n_protected, budget in zip(counts[1], budgets):
-        if n_protected > budget and protocol.prompt_over_budget != "keep":
-            raise KvleagueError(
-                f"budget: {n_protected} protected tokens (sink + recent + prompt) exceed the budget {budget}; "
-                "raise the budget, turn off protect_prompt, or use prompt_over_budget: keep"
-            )
+        _check_protected(n_protected, budget, protocol)
     kept = [min(k, length) for k, length in zip(kept, lengths)]  # a row that keeps all drops nothing
     for c, k, length, n_protected in zip(caches, kept, lengths, counts[1]):
-        c.ranked = 0 < length - k < length - n_protected
+        c.ranked = _ranking_decided(length, k, n_protected)
     if kept == lengths:
         return [0] * n
     k_max = max(kept)
@@ -528,27 +495,66 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         for r, (c, k) in enumerate(zip(caches, kept)):
             c._set(new_pos[r, :, :k], new_prompt[r, :, :k], True)
     else:
+        if dim == 3:  # the ranking's layout is already every layer's and head's
+            full_pos, full_prompt = pos, prompt
+        else:
+            per_layer = [c._per_layer() for c in caches]
+            full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
         at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, k_max) if order.dim() == 3 else order
         new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
-        # per row, as _finish: do the heads of each layer (and the layers) still hold the same tokens
-        if keep.dim() == 3:
-            heads = torch.tensor([c.heads_agree for c in caches], device=device)
-            uniform = (keep == keep[:, :1]).flatten(1).all(dim=1)
-        else:
-            heads = (keep == keep[:, :, :1]).flatten(1).all(dim=1)
-            uniform = heads & (keep[:, :, 0] == keep[:, :1, 0]).flatten(1).all(dim=1)
-        flags = torch.stack([heads, uniform]).tolist()
+        heads_same, layers_same = _agreement(keep).tolist()
         for r, (c, k) in enumerate(zip(caches, kept)):
-            heads_agree = c.heads_agree and flags[0][r]
-            if c.uniform and flags[1][r] and heads_agree:
-                c._set(new_pos[r, 0, :, :k].clone(), new_prompt[r, 0, :, :k].clone(), True)
-            else:
-                c._set(new_pos[r, ..., :k], new_prompt[r, ..., :k], False)
-            c._heads_agree = heads_agree
+            c._finish(new_pos[r, ..., :k], new_prompt[r, ..., :k], heads_same[r], layers_same[r])
     for c, k in zip(caches, kept):
         for layer in c.cache.layers:
             layer.truncate(k)
     return [length - k for length, k in zip(lengths, kept)]
+
+
+def _window(pos: torch.Tensor, protocol: Protocol, current_position, recent) -> torch.Tensor:
+    """The sink and recent-window slots (not the prompt); ``current_position`` and ``recent`` are
+    numbers, or per-row tensors broadcast against ``pos``."""
+    return (pos < protocol.sink) | (pos > current_position - recent)
+
+
+def _tiers(scores: torch.Tensor, window: torch.Tensor, prompt_tier: torch.Tensor) -> torch.Tensor:
+    """What the engine ranks: protected prompt (+inf) > sink / recent window (the largest finite
+    value) > the method's scores, capped just below it (its own +inf included); equal scores keep
+    the more recent position (:func:`_keep_top`)."""
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    top = torch.tensor(torch.finfo(scores.dtype).max, dtype=scores.dtype)
+    below_top = float(torch.nextafter(top, torch.zeros_like(top)))
+    ranked = torch.where(window, float(top), scores.clamp(max=below_top))
+    return torch.where(prompt_tier, float("inf"), ranked)
+
+
+def _check_protected(n_protected: int, budget: int, protocol: Protocol) -> None:
+    if n_protected > budget and protocol.prompt_over_budget != "keep":
+        raise KvleagueError(
+            f"budget: {n_protected} protected tokens (sink + recent + prompt) exceed the budget {budget}; "
+            "raise the budget, turn off protect_prompt, or use prompt_over_budget: keep"
+        )
+
+
+def _ranking_decided(length: int, kept: int, n_protected: int) -> bool:
+    """The method's ranking decided an eviction only when some of its candidates stay and some go;
+    otherwise the protocol alone chose (nothing to drop, or every candidate dropped)."""
+    return 0 < length - kept < length - n_protected
+
+
+def _agreement(keep: torch.Tensor) -> torch.Tensor:
+    """``[2, N]`` for keep masks ``[N, L, T]`` (the heads of a layer moved alike) or ``[N, L, H, T]``:
+    per row, whether every layer's heads kept the same slots, and whether every layer did as the
+    first (comparing the masks is cheaper than the positions)."""
+    n = keep.shape[0]
+    if keep.dim() == 3:
+        heads = torch.ones(n, dtype=torch.bool, device=keep.device)
+        layers = (keep == keep[:, :1]).reshape(n, -1).all(dim=1)
+    else:
+        heads = (keep == keep[:, :, :1]).reshape(n, -1).all(dim=1)
+        layers = (keep[:, :, 0] == keep[:, :1, 0]).reshape(n, -1).all(dim=1)
+    return torch.stack([heads, layers])
 
 
 def _keep_top(ranked: torch.Tensor, kept, positions: torch.Tensor) -> torch.Tensor:
