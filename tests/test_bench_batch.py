@@ -51,14 +51,14 @@ def test_a_static_anchor_that_cannot_compile_is_reported_and_the_rest_still_runs
     report names the error and every other row is there."""
     from kvleague.runner.bench import batch
 
-    real = batch.time_generate
+    real = batch.time_generate_batch
 
     def failing(engine, prompts, new_tokens, clock, **kwargs):
         if kwargs.get("cache_implementation") == "static":
             raise RuntimeError("inductor: no working C compiler\nmore detail")
         return real(engine, prompts, new_tokens, clock, **kwargs)
 
-    monkeypatch.setattr(batch, "time_generate", failing)
+    monkeypatch.setattr(batch, "time_generate_batch", failing)
     _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "16", "--new-tokens", "4",
           "--batch-sizes", "1", "--methods", "full", "--static-anchor", "--json", str(tmp_path / "b.json")])
     report = h.read_report(tmp_path / "b.json")

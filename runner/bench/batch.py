@@ -25,7 +25,7 @@ import sys
 import time
 
 from kvleague.runner.bench.cli import add_backend
-from kvleague.runner.bench.engine_vs_generate import add_static_anchor, static_anchor
+from kvleague.runner.bench.engine_vs_generate import add_static_anchor, static_anchor, time_generate_batch
 
 #: targets of the batch-8 / batch-1 speed-up per method, and of engine / generate
 SPEEDUP_TARGETS = {"full": 3.0, "epikv": 2.5}
@@ -69,21 +69,6 @@ def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens:
     return {"decode_tps": (new_tokens - 1) / decode, "evictions": result.evictions, "tokens": [result.token_ids]}
 
 
-def time_generate(engine, prompts: list[list[int]], new_tokens: int, clock, **kwargs) -> dict:
-    import torch
-
-    from kvleague.runner.bench.engine_vs_generate import StepClock
-    from kvleague.runner.engine.anchors import plain_attention
-
-    streamer = StepClock(clock)
-    with plain_attention(engine) as model, torch.inference_mode():
-        ids = torch.tensor(prompts, device=engine.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer, **kwargs)
-    return {"decode_tps": len(prompts) * (new_tokens - 1) / streamer.decode_seconds(),
-            "tokens": out[:, len(prompts[0]) :].tolist()}
-
-
 def run(args) -> dict:
     """The benchmark on each ``--backend`` in turn (``harness.across_backends``)."""
     from kvleague.runner.bench import harness as h
@@ -115,12 +100,12 @@ def run_one(args) -> dict:
     for b in sizes:
         for m in methods:
             runs[(m, b)] = lambda m=m, b=b: time_engine(engine, prompts[:b], m, budget, new_tokens)
-        runs[("generate", b)] = lambda b=b: time_generate(engine, prompts[:b], new_tokens, clock)
+        runs[("generate", b)] = lambda b=b: time_generate_batch(engine, prompts[:b], new_tokens, clock)
     anchors = {}
     if args.static_anchor:
         for b in sizes:
             static_run, anchors[b] = static_anchor(
-                engine, lambda b=b: time_generate(engine, prompts[:b], new_tokens, clock, cache_implementation="static"), clock)
+                engine, lambda b=b: time_generate_batch(engine, prompts[:b], new_tokens, clock, cache_implementation="static"), clock)
             if static_run is not None:
                 runs[("generate_static", b)] = static_run
     def announced(key, run):

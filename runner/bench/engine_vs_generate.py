@@ -85,8 +85,9 @@ class StepClock:
         return self.stamps[-1] - self.stamps[1]
 
 
-def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None, **kwargs) -> dict:
-    """``model.generate`` (inside ``press(model)`` when given) timed by a streamer."""
+def time_generate_batch(engine, prompts: list[list[int]], new_tokens: int, clock, press=None, **kwargs) -> dict:
+    """``model.generate`` on equal-length ``prompts`` as one batch (inside ``press(model)`` when given),
+    timed by a streamer: decode tokens/s summed over the rows, and each row's tokens."""
     import contextlib
 
     import torch
@@ -96,13 +97,20 @@ def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None,
     streamer = StepClock(clock)
     start = clock.now()
     with plain_attention(engine) as model, (press(model) if press is not None else contextlib.nullcontext()), torch.inference_mode():
-        ids = torch.tensor([prompt], device=engine.device)
+        ids = torch.tensor(prompts, device=engine.device)
         # an explicit mask: generate would otherwise take prompt tokens equal to the pad id for padding
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer, **kwargs)
     total = clock.now() - start
     decode = streamer.decode_seconds()
-    return {"decode_tps": (new_tokens - 1) / decode, "total_seconds": total, "tokens": out[0, len(prompt):].tolist()}
+    return {"decode_tps": len(prompts) * (new_tokens - 1) / decode, "total_seconds": total,
+            "tokens": out[:, len(prompts[0]) :].tolist()}
+
+
+def time_generate(engine, prompt: list[int], new_tokens: int, clock, press=None, **kwargs) -> dict:
+    """:func:`time_generate_batch` of one prompt; ``tokens`` its own."""
+    out = time_generate_batch(engine, [prompt], new_tokens, clock, press, **kwargs)
+    return {**out, "tokens": out["tokens"][0]}
 
 
 def time_engine(engine, prompt: list[int], new_tokens: int, clock, method: str = "full", budget: int = 1 << 40, protocol=None) -> dict:
