@@ -28,6 +28,9 @@ class HFBackend:
     attention wrappers, its KV cache a ``DynamicCache`` of slab layers (:class:`BudgetedCache`)."""
 
     name = "hf"
+    #: a batch keeps its finished rows as padding (``DecodeLoop._retire``): only a backend that
+    #: captures steps per batch size wants that; this one drops them at once
+    pads_finished_rows = False
 
     def __init__(self, model, tokenizer, attn_implementation: str = "sdpa"):
         self.model = model.eval()

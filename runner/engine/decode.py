@@ -136,7 +136,7 @@ class DecodeLoop:
         self.dead: set[int] = set()
         #: keep finished rows as padding until half the rows are done (a backend whose steps are
         #: captured per batch size: dropping a row would mean capturing anew)
-        self.pad_finished = self.shared and getattr(self.backend, "pads_finished_rows", False)
+        self.pad_finished = self.shared and self.backend.pads_finished_rows
         self.rows = _Rows()
         self.logits = torch.stack([s.logits for s in sessions])  # every session was fed: its next token's logits
         if self.shared:

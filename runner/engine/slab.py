@@ -246,8 +246,10 @@ class SlabBackend(HFBackend):
             slots = (attention_mask.sum(dim=-1) - 1) if attention_mask is not None else torch.full((n,), start_slot, device=self.device)
         else:
             slots = torch.full((1,), start_slot, device=self.device)
-        observed = (tuple(sorted({l for layers, _ in self._observers for l in layers})), active_recorder() is not None)
-        key = (n, capacity, self.model.config._attn_implementation, observed,
+        # the hooked layers shape the body (each leaves its output on the tap); attention calls are
+        # tapped whether or not a recorder asks, so the recorder does not
+        hooked = tuple(sorted({l for layers, _ in self._observers for l in layers}))
+        key = (n, capacity, self.model.config._attn_implementation, hooked,
                *(layer.buffers[0].data_ptr() if isinstance(layer, SlabLayer) else layer.slab_k.data_ptr() for layer in layers))
         step = self._graphed.get(key)
         if step is None:
