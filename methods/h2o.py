@@ -107,9 +107,13 @@ class H2O(EvictionMethod):
         """``[L, H_kv, T]`` accumulated attention of the cached slots."""
         return torch.stack([carry(a, p, pos) for a, p, pos in zip(self.acc, self.acc_positions, cache.positions)])
 
+    def n_recent(self, cache: CacheView) -> int:
+        """How many of the newest positions H2O's recent window holds under ``cache.budget``."""
+        return int(self.recent_ratio * cache.budget)
+
     def score(self, cache: CacheView) -> torch.Tensor:
         scores = self.accumulated(cache)
-        n_recent = int(self.recent_ratio * cache.budget)
+        n_recent = self.n_recent(cache)
         if n_recent > 0:
             recent = torch.stack(cache.positions) > cache.current_position - n_recent
             scores = scores.masked_fill(recent, float("inf"))
@@ -135,7 +139,7 @@ class H2O(EvictionMethod):
                 for layer in range(positions.shape[1])
             ], dim=1)  # [n, L, H, T]
             # the recent window per row (with none, the threshold is the newest position: nothing is above it)
-            threshold = torch.tensor([v.current_position - int(m.recent_ratio * v.budget) for m, v in zip(group, views)])
+            threshold = torch.tensor([v.current_position - m.n_recent(v) for m, v in zip(group, views)])
             scores = scores.masked_fill(positions > threshold.to(positions.device).view(-1, 1, 1, 1), float("inf"))
             for i, row in zip(members, scores):
                 out[i] = row
