@@ -1,8 +1,10 @@
-"""``kvleague bench {context,speed,kvpress,generate,all,store}``: the systems benchmarks (``runner/bench``).
+"""``kvleague bench {context,speed,kvpress,generate,batch,all,store,targets}``: the systems benchmarks
+(``runner/bench``).
 
 Each prints a table; ``--json OUT`` writes the report (for ``all``: a directory, one file per
 benchmark); ``--store`` writes the figures into the results database (``--db URL``), and
-``kvleague bench store REPORT.json ...`` stores reports written earlier.
+``kvleague bench store REPORT.json ...`` stores reports written earlier. ``kvleague bench targets
+DIR`` reads a ``scripts/gpu_check.sh`` folder into the fast GPU backend's targets table.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvleague.runner.bench import batch, decode_speed, engine_vs_generate, feasible_context, vs_kvpress
+from kvleague.runner.bench import batch, decode_speed, engine_vs_generate, feasible_context, gpu_targets, vs_kvpress
 from kvleague.runner.bench.cli import add_common, finish
 
 BENCHES = {
@@ -37,6 +39,10 @@ def register(subparsers) -> None:
     p.add_argument("reports", nargs="+", metavar="REPORT.json")
     p.add_argument("--db", metavar="URL", help="database URL (default: $KVLEAGUE_DB or sqlite:///kvleague.db)")
     p.set_defaults(func=cmd_store)
+    p = sub.add_parser("targets", help="the fast GPU backend's targets table from a scripts/gpu_check.sh folder",
+                       description=gpu_targets.__doc__.strip().splitlines()[0])
+    gpu_targets.add_arguments(p)
+    p.set_defaults(func=cmd_targets)
 
 
 def _runner(module):
@@ -80,4 +86,9 @@ def cmd_store(args) -> int:
         n = store_report(report, args.db)
         print(f"{path}: stored {n} new figures of {report['benchmark']} run {report['run_id'][:12]} "
               f"in {display_url(args.db or default_url())}")
+    return 0
+
+
+def cmd_targets(args) -> int:
+    gpu_targets.run(args)
     return 0

@@ -22,8 +22,10 @@
 #   cudnn      the first-pass figure with SDPA's cuDNN kernel allowed (what the engine turns off, and why);
 #   context    the longest context that fits 8 GiB for full, knorm and snapkv.
 # Wall clock with the device synchronized; each step under its own time limit. Everything lands in
-# OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit code, seconds). Exit
-# code: 0 when every step run passed.
+# OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit code, seconds). Last,
+# step `targets` (`kvleague bench targets`) measures the GPU's copy bandwidth and writes targets.md:
+# the fast backend's targets against the figures of the steps that ran, and each figure's share of
+# the memory-bandwidth bound. Exit code: 0 when every step run passed.
 #
 # Python: .venv's when scripts/setup.sh made one, else $PYTHON or python3 (e.g. an image with its
 # own CUDA torch, the project's other pins on PYTHONPATH); the repository goes first on PYTHONPATH,
@@ -81,6 +83,7 @@ wants speed && bench speed 150 speed --budgets 256 --gen-factor 1 --methods epik
 wants kvpress && bench kvpress 120 kvpress --budgets 256 --new-tokens 128 --rounds 1 --clock wall "${both[@]}"
 wants cudnn && bench generate-cudnn 90 generate --prompt-tokens 256 --new-tokens 64 --rounds 1 --clock wall --cudnn-attention
 wants context && bench context 150 context --methods full knorm snapkv --memory-gib 8 --max-tokens 16384 --probe-timeout 60
+[[ $steps == " tests " ]] || step targets 60 "$PY" -m kvleague.runner.cli bench targets "$out" --model "$model"
 
 echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo some steps FAILED); reports in $out/"
 exit $failed

@@ -1,9 +1,13 @@
 """``scripts/gpu_check.sh`` read on the CPU: a GPU lease is minutes long, so a typo in one of its
 command lines must fail here, not there. Every benchmark line parses with kvleague's own parser,
-every test file it names exists, and the steps its header documents are the steps it runs."""
+every test file it names exists, and the steps its header documents are the steps it runs. Its
+benchmark lines that feed the targets table run here on a tiny llama, and ``kvleague bench targets``
+must copy each figure from them (checked against the reports' own rows and summaries), judge it
+only when it is a GPU figure at the target's settings, and size the bound from the model."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -18,7 +22,9 @@ def _lines() -> list[str]:
     return SCRIPT.read_text().replace("\\\n", " ").splitlines()
 
 
-def _bench_lines() -> list[tuple[str, list[str]]]:
+def _bench_lines(with_report: bool = False) -> list[tuple]:
+    """(step, arguments of ``kvleague bench``) per benchmark line; ``with_report``: (step, report
+    name, arguments), the report being ``OUT/<name>.json``."""
     both = ["--backend", "hf", "--backend", "slab"]
     out = []
     for line in _lines():
@@ -27,7 +33,7 @@ def _bench_lines() -> list[tuple[str, list[str]]]:
             words = []
             for word in shlex.split(m.group(4)):
                 words.extend(both if word == "${both[@]}" else [word])
-            out.append((m.group(1), words))
+            out.append((m.group(1), m.group(2), words) if with_report else (m.group(1), words))
     return out
 
 
@@ -55,3 +61,116 @@ def test_every_benchmark_line_parses(step, args):
 def test_the_test_files_it_names_exist():
     names = [w for line in _lines() if "pytest" in line for w in shlex.split(line) if w.startswith("tests/")]
     assert len(names) >= 3 and all((SCRIPT.parents[1] / n).is_file() for n in names)
+
+
+# -- the targets table (`kvleague bench targets`) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def check_folder(tiny_models, tmp_path_factory) -> Path:
+    """The reports of the check's steps that feed the targets table, from its own command lines run
+    on the CPU; only the model differs (a tiny llama)."""
+    from kvleague.runner.bench.gpu_targets import REPORTS
+    from kvleague.runner.cli import main
+
+    out = tmp_path_factory.mktemp("gpu-check")
+    lines = [(report, args) for _, report, args in _bench_lines(with_report=True) if report in REPORTS]
+    assert sorted(r for r, _ in lines) == sorted(REPORTS)
+    for report, args in lines:
+        assert main(["bench", *args, "--model", str(tiny_models["llama"]), "--json", str(out / f"{report}.json")]) == 0
+    return out
+
+
+def _targets(folder: Path, *extra: str) -> dict:
+    from kvleague.runner.cli import main
+
+    assert main(["bench", "targets", str(folder), *extra]) == 0
+    return json.loads((folder / "targets.json").read_text())
+
+
+def _from_the_report(folder: Path, target: dict, backend: str) -> float | None:
+    """The target's figure found another way: in the report's rows and summary, not its figures."""
+    report = json.loads((folder / f"{target['report']}.json").read_text())
+    if backend not in (report["config"].get("backends") or [report["config"]["backend"]]):
+        return None
+    summary = report["summary"].get("by_backend", {}).get(backend, report["summary"])
+    if target["metric"] == "decode_tokens_per_second":
+        (value,) = [r["decode_tokens_per_second"] for r in report["rows"] if r["method"] == target["method"]
+                    and r.get("backend", backend) == backend and r.get("batch_size") == target["batch_size"]]
+        return value
+    if target["metric"] == "first_pass_ratio":
+        return summary["first_over_second_pass"]
+    if target["batch_size"] is None:
+        return summary["static_anchor"]["ratio_engine_over_static"]
+    return summary["engine_over_static"][str(target["batch_size"])]["ratio"]
+
+
+def test_targets_copy_each_figure_and_judge_none_from_a_cpu_run(check_folder):
+    result = _targets(check_folder)
+    assert len(result["rows"]) == 9 and result["bound_tokens_per_second_batch_1"] is None  # no CUDA, no --model
+    for row in result["rows"]:
+        for backend, cell in row["cells"].items():
+            expected = _from_the_report(check_folder, row["target"], backend)
+            if expected is None:
+                assert cell["value"] is None and cell["note"] == "backend not run"
+            else:
+                assert cell["value"] == expected
+                assert cell["met"] is None and "CPU run" in cell["note"]
+    assert "no figure here is a GPU figure" in (check_folder / "targets.md").read_text()
+
+
+def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_folder, engines, tmp_path):
+    for path in check_folder.glob("*.json"):
+        report = json.loads(path.read_text())
+        if "environment" in report:
+            report["environment"].update(gpu_count=1, gpu_name="Test GPU")
+            (tmp_path / path.name).write_text(json.dumps(report))
+    model = engines["llama"].backend.model
+    weights = 2 * sum(p.numel() for p in model.parameters())  # bfloat16, tied weights once
+    result = _targets(tmp_path, "--model", str(model.name_or_path), "--bandwidth-gbs", "1000")
+    bound = 1e12 / weights
+    assert result["gpus"] == ["Test GPU"] and result["bound_tokens_per_second_batch_1"] == pytest.approx(bound)
+    judged = 0
+    for row in result["rows"]:
+        t = row["target"]
+        for backend, cell in row["cells"].items():
+            if cell["value"] is None:
+                continue
+            if t["reference"] == "generate_static":  # the CPU never compiles the anchor: not the target's
+                assert cell["met"] is None and cell["note"] == "anchor not compiled, not the target's anchor"
+                continue
+            judged += 1
+            assert cell["met"] == (cell["value"] >= t["target"])
+            if t["decode_batch"]:
+                assert cell["share_of_bound"] == pytest.approx(cell["value"] / (bound * t["decode_batch"]))
+            else:
+                assert cell["share_of_bound"] is None
+    assert judged == 2 * 7  # both backends: six tokens/s rows and the first-pass ratio
+    assert "Test GPU" in (tmp_path / "targets.md").read_text()
+
+    # a figure at other settings is shown, not judged; a missing report or a failed anchor says so
+    batch = json.loads((tmp_path / "batch.json").read_text())
+    for fig in batch["figures"]:
+        fig["details"]["prompt_tokens"] = 64
+    (tmp_path / "batch.json").write_text(json.dumps(batch))
+    (tmp_path / "static32.json").unlink()
+    generate = json.loads((tmp_path / "generate.json").read_text())
+    generate["figures"] = [f for f in generate["figures"] if f["reference"] != "generate_static"]
+    generate["summary"]["by_backend"]["slab"]["static_anchor"] = {"error": "the compile failed", "compiled": True}
+    (tmp_path / "generate.json").write_text(json.dumps(generate))
+    again = _targets(tmp_path)  # no CUDA here, no --model: the bound recorded by the run before
+    assert again["bound_tokens_per_second_batch_1"] == pytest.approx(bound)
+    assert again["bandwidth_source"] == "given (--bandwidth-gbs) earlier (targets.json)"
+    rows = {r["target"]["label"]: r["cells"] for r in again["rows"]}
+    cell = rows["batch 32, `epikv` (tok/s)"]["slab"]
+    assert cell["met"] is None and cell["value"] is not None and "prompt_tokens 64" in cell["note"]
+    assert rows["`full` / `model.generate` (static cache + compile), batch 32"]["slab"]["note"] == "report missing"
+    assert rows["`full` / `model.generate` (static cache + compile), batch 1"]["slab"]["note"] == "anchor failed: the compile failed"
+
+
+def test_targets_refuse_what_is_not_a_check_folder(tmp_path, capsys):
+    from kvleague.runner.cli import main
+
+    assert main(["bench", "targets", str(tmp_path / "absent")]) == 2
+    assert main(["bench", "targets", str(tmp_path), "--bandwidth-gbs", "0"]) == 2
+    assert "--bandwidth-gbs" in capsys.readouterr().err

@@ -1,0 +1,251 @@
+"""The fast GPU backend's targets, read from a ``scripts/gpu_check.sh`` folder: one table of what was
+measured against what was asked, each figure beside the memory-bandwidth bound of the GPU it ran on.
+
+``kvleague bench targets DIR --model MODEL_DIR`` reads the reports the check wrote (``generate.json``,
+``batch.json``, ``batch-attention.json``, ``static32.json``) and writes ``DIR/targets.md`` and
+``DIR/targets.json``. Every value is copied from a report, never recomputed or filled in: a step
+that did not run, failed, or lacks the figure reads "not measured"; a figure from a CPU run, at
+other settings than the target's, or against an uncompiled anchor is shown and not judged. Run again
+on the same folder without CUDA or ``--model``, it keeps the bound recorded in ``targets.json``.
+
+The bound: a decode step at batch ``b`` reads every weight once, so no backend decodes faster than
+``b x bandwidth / weight_bytes`` tokens/s, with ``bandwidth`` a device-to-device copy measured here
+(bytes read + written per second; on the CUDA device the reports name) and ``weight_bytes`` the
+checkpoint's parameters at the benchmarks' CUDA dtype (bfloat16, 2 bytes). Reading the KV cache
+lowers the true bound further at large batches, so a share of it is an upper estimate of how well
+the GPU is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvleague.runner.engine.errors import KvleagueError
+
+#: the reports ``scripts/gpu_check.sh`` writes, by step
+REPORTS = ("generate", "batch", "batch-attention", "static32")
+#: bytes per parameter of the benchmarks' CUDA dtype (``runner/models/loading.py``: bfloat16 on CUDA)
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Target:
+    """One row of the fast-backend issue's targets table and the figure of a report it reads."""
+
+    label: str
+    report: str  # file stem in the check's folder
+    metric: str
+    method: str
+    target: float
+    batch_size: int | None = None  # None: a figure without batch size (``bench generate``)
+    reference: str | None = None
+    #: batch size of a tokens/s figure, for its bound (None: a ratio, which has no bound)
+    decode_batch: int | None = None
+    #: the issue's settings; a figure run at others is shown, not judged
+    settings: tuple[tuple[str, int], ...] = ()
+
+
+GENERATE = (("prompt_tokens", 1024), ("new_tokens", 256))
+BATCH = (("prompt_tokens", 400), ("new_tokens", 64), ("budget", 200))
+TARGETS = (
+    Target("batch 1, `full`, prompt 1024, 256 new (tok/s)", "generate", "decode_tokens_per_second", "engine", 400,
+           decode_batch=1, settings=GENERATE),
+    Target("batch 1, `epikv`, B = 200 (tok/s)", "batch", "decode_tokens_per_second", "epikv", 400,
+           batch_size=1, decode_batch=1, settings=BATCH),
+    Target("batch 32, `full`, prompt 400, B = 200 (tok/s)", "batch", "decode_tokens_per_second", "full", 4000,
+           batch_size=32, decode_batch=32, settings=BATCH),
+    Target("batch 32, `epikv` (tok/s)", "batch", "decode_tokens_per_second", "epikv", 4000,
+           batch_size=32, decode_batch=32, settings=BATCH),
+    Target("batch 32, `snapkv` (tok/s)", "batch-attention", "decode_tokens_per_second", "snapkv", 1500,
+           batch_size=32, decode_batch=32, settings=BATCH),
+    Target("batch 32, `h2o` (tok/s)", "batch-attention", "decode_tokens_per_second", "h2o", 1500,
+           batch_size=32, decode_batch=32, settings=BATCH),
+    Target("`full` / `model.generate` (static cache + compile), batch 1", "generate", "speed_ratio", "engine", 0.9,
+           reference="generate_static", settings=GENERATE),
+    Target("`full` / `model.generate` (static cache + compile), batch 32", "static32", "speed_ratio", "engine", 0.9,
+           batch_size=32, reference="generate_static", settings=BATCH),
+    Target("first pass over new KV lengths / second pass", "generate", "first_pass_ratio", "engine", 0.95,
+           reference="second pass", settings=GENERATE),
+)
+BACKENDS = ("hf", "slab")
+
+
+@dataclass
+class Cell:
+    """One backend's value of one target (None: not measured) and what the report says beside it."""
+
+    value: float | None = None
+    met: bool | None = None
+    share_of_bound: float | None = None
+    note: str = ""
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters stored in ``model_dir``'s safetensors files, from their headers alone."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise KvleagueError(f"--model: no *.safetensors in {model_dir}")
+    total = 0
+    for path in files:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+def copy_bandwidth(gib: float = 1.0, repeats: int = 10) -> float | None:
+    """Bytes read + written per second by a device-to-device copy on this process's CUDA device
+    (CUDA events around ``repeats`` copies after three warm-ups); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * n * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def _figure(report: dict, t: Target, backend: str) -> dict | None:
+    for fig in report["figures"]:
+        d = fig["details"]
+        if (fig["metric"] == t.metric and fig["method"] == t.method and fig["reference"] == t.reference
+                and d.get("batch_size") == t.batch_size and d.get("backend", report["config"].get("backend")) == backend):
+            return fig
+    return None
+
+
+def _cell(report: dict | None, t: Target, backend: str, bound: float | None) -> Cell:
+    if report is None:
+        return Cell(note="report missing")
+    fig = _figure(report, t, backend)
+    if fig is None or fig["value"] is None:
+        return Cell(note=_why_missing(report, t, backend))
+    value = fig["value"]
+    if report["environment"].get("gpu_count", 0) < 1:  # a CPU run of the same command: no GPU figure
+        return Cell(value, None, None, "CPU run, not a GPU figure")
+    ran_at = {k: fig[k] if k in fig else fig["details"].get(k) for k, _ in t.settings}  # budget: a field of its own
+    other = {k: ran_at[k] for k, v in t.settings if ran_at[k] != v}
+    if other:
+        ran = ", ".join(f"{k} {v}" for k, v in other.items())
+        return Cell(value, None, None, f"ran at {ran}, not the target's settings")
+    if fig["details"].get("compiled") is False:  # the target's anchor is compiled; an eager one is easier to beat
+        return Cell(value, None, None, "anchor not compiled, not the target's anchor")
+    share = value / (bound * t.decode_batch) if bound and t.decode_batch else None
+    return Cell(value, value >= t.target, share, "different tokens" if fig["details"].get("same_tokens") is False else "")
+
+
+def _why_missing(report: dict, t: Target, backend: str) -> str:
+    backends = report["config"].get("backends") or [report["config"].get("backend")]
+    if backend not in backends:
+        return "backend not run"
+    if t.reference == "generate_static":
+        summary = report["summary"].get("by_backend", {}).get(backend, report["summary"])
+        anchors = [summary.get("static_anchor"), *(summary.get("engine_over_static") or {}).values()]
+        errors = [a["error"] for a in anchors if isinstance(a, dict) and a.get("error")]
+        if errors:
+            return f"anchor failed: {errors[0]}"
+    return "figure missing"
+
+
+def read_targets(folder: str | Path, *, weight_bytes: int | None, bandwidth: float | None,
+                 bandwidth_source: str = "measured") -> dict[str, Any]:
+    """Every target's cell per backend, with where each figure came from (device, commit, clock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise KvleagueError(f"DIR: {folder} is not a directory (the folder scripts/gpu_check.sh wrote)")
+    from kvleague.runner.bench.harness import read_report
+
+    reports: dict[str, dict | None] = {}
+    sources = {}
+    for stem in REPORTS:
+        path = folder / f"{stem}.json"
+        reports[stem] = read_report(path) if path.is_file() else None
+        if reports[stem] is not None:
+            env, config = reports[stem]["environment"], reports[stem]["config"]
+            sources[stem] = {"gpu": env.get("gpu_name"), "torch": env.get("torch_version"), "git_commit": env.get("git_commit"),
+                             "git_dirty": env.get("git_dirty"), "clock": config.get("clock"), "created_at": reports[stem]["created_at"]}
+    bound = bandwidth / weight_bytes if bandwidth and weight_bytes else None
+    rows = []
+    for t in TARGETS:
+        cells = {b: _cell(reports[t.report], t, b, bound) for b in BACKENDS}
+        rows.append({"target": asdict(t), "cells": {b: asdict(c) for b, c in cells.items()}})
+    gpus = sorted({s["gpu"] for s in sources.values() if s["gpu"]})
+    return {"folder": str(folder), "gpus": gpus, "sources": sources, "bandwidth_bytes_per_second": bandwidth,
+            "bandwidth_source": bandwidth_source if bandwidth else None,
+            "weight_bytes": weight_bytes, "bound_tokens_per_second_batch_1": bound, "rows": rows}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The targets table as docs/gpu.md shows it."""
+
+    def shown(cell: dict, ratio: bool) -> str:
+        if cell["value"] is None:
+            return f"not measured ({cell['note']})"
+        text = f"{cell['value']:.3f}x" if ratio else f"{cell['value']:,.1f}"
+        if cell["met"] is not None:
+            text += " (met)" if cell["met"] else " (**not met**)"
+        if cell["share_of_bound"] is not None:
+            text += f", {100 * cell['share_of_bound']:.2g}% of bound"
+        return text + (f"; {cell['note']}" if cell["note"] else "")
+
+    lines = ["| figure | hf backend | slab backend | target |", "|---|---|---|---|"]
+    for row in result["rows"]:
+        t = row["target"]
+        ratio = t["decode_batch"] is None
+        lines.append(f"| {t['label']} | {shown(row['cells']['hf'], ratio)} | {shown(row['cells']['slab'], ratio)} | "
+                     f">= {t['target']:g}{'x' if ratio else ''} |")
+    bw, wb, bound = result["bandwidth_bytes_per_second"], result["weight_bytes"], result["bound_tokens_per_second_batch_1"]
+    gpus = [g for g in result["gpus"] if g != "none"]
+    head = [f"Reports from: {', '.join(gpus) if gpus else 'no GPU (CPU runs: no figure here is a GPU figure)'}."]
+    if bound:
+        head.append(f"Bound: {bw / 1e12:.2f} TB/s {result['bandwidth_source']} (device-to-device copy, read + write) / "
+                    f"{wb / 1e9:.3g} GB of weights = {bound:,.0f} tokens/s at batch 1 (x batch size at larger batches).")
+    else:
+        head.append("Bound: not measured (no CUDA device here, or no --model).")
+    for stem, s in result["sources"].items():
+        head.append(f"- `{stem}.json`: {s['gpu']}, torch {s['torch']}, git {str(s['git_commit'])[:12]}"
+                    f"{'+dirty' if s['git_dirty'] else ''}, clock {s['clock']}, {s['created_at']}")
+    return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("folder", metavar="DIR", help="the folder scripts/gpu_check.sh wrote")
+    p.add_argument("--model", metavar="MODEL_DIR", help="the checkpoint the reports ran (its parameters size the bound)")
+    p.add_argument("--bandwidth-gbs", type=float, metavar="GB/S",
+                   help="device-to-device copy bandwidth (read + write) to use instead of measuring it on this CUDA device")
+
+
+def run(args) -> dict[str, Any]:
+    if args.bandwidth_gbs is not None and not args.bandwidth_gbs > 0:
+        raise KvleagueError(f"--bandwidth-gbs: {args.bandwidth_gbs} is not a positive number of GB/s")
+    folder = Path(args.folder)
+    # a rerun elsewhere (the reports of two GPU calls merged on a machine without the GPU or the
+    # model) keeps the bound the GPU run measured
+    earlier = json.loads((folder / "targets.json").read_text()) if (folder / "targets.json").is_file() else {}
+    weight_bytes = parameter_count(args.model) * BF16_BYTES if args.model else earlier.get("weight_bytes")
+    if args.bandwidth_gbs is not None:
+        bandwidth, source = args.bandwidth_gbs * 1e9, "given (--bandwidth-gbs)"
+    else:
+        bandwidth, source = copy_bandwidth(), "measured"
+        if bandwidth is None and earlier.get("bandwidth_bytes_per_second"):
+            bandwidth = earlier["bandwidth_bytes_per_second"]
+            source = earlier["bandwidth_source"].removesuffix(" earlier (targets.json)") + " earlier (targets.json)"
+    result = read_targets(folder, weight_bytes=weight_bytes, bandwidth=bandwidth, bandwidth_source=source)
+    text = markdown(result)
+    (folder / "targets.md").write_text(text)
+    (folder / "targets.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(text + f"\nwrote {folder / 'targets.md'} and {folder / 'targets.json'}")
+    return result
