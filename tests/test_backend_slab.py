@@ -190,6 +190,7 @@ def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pa
     init = slab_module.GraphedStep.__init__
     monkeypatch.setattr(slab_module.GraphedStep, "__init__", lambda self, *a: captures.append(a[2]) or init(self, *a))
     slab.backend.graphs = True
+    before = slab.describe()["graph_captures"]
     try:
         batched = slab.generate_batch(batch, [build_method(name) for _ in batch], BUDGET, protocol, settings)
     finally:
@@ -197,6 +198,7 @@ def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pa
     for expected, result in zip(alone, batched):
         _same(expected, result)
     assert captures[0] == 8 and len(captures) <= 4, captures  # batch sizes 8, then at most three halvings
+    assert slab.describe()["graph_captures"] - before == len(captures)  # what a run reports it paid
 
 
 def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pairs, prompts):

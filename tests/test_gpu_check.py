@@ -116,7 +116,12 @@ def test_targets_copy_each_figure_and_judge_none_from_a_cpu_run(check_folder):
             else:
                 assert cell["value"] == expected
                 assert cell["met"] is None and "CPU run" in cell["note"]
-    assert "no figure here is a GPU figure" in (check_folder / "targets.md").read_text()
+    text = (check_folder / "targets.md").read_text()
+    assert "no figure here is a GPU figure" in text
+    # each report says which path the slab backend's decode steps took (off CUDA: eager)
+    slab = result["sources"]["batch"]["engines"]["slab"]
+    assert slab["decode_steps"]["eager"] > 0 and slab["decode_steps"]["graph"] == 0 and slab["cuda_graphs"] == "off"
+    assert f"slab: decode steps {slab['decode_steps']['eager']} eager" in text
 
 
 def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_folder, engines, tmp_path):

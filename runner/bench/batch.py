@@ -156,6 +156,7 @@ def run_one(args) -> dict:
                 figures.append(h.figure("speed_ratio", value, "x", method="engine", reference="generate_static", batch_size=b,
                                         target=GENERATE_TARGET, same_tokens=same, compiled=anchors[b]["compiled"], **common))
     summary["targets"] = {"speedup_batch_8": SPEEDUP_TARGETS, "engine_over_generate": GENERATE_TARGET}
+    summary["engine"] = engine.describe()  # which paths the decode steps took (slab: captured or eager)
     config = {"model": source, "model_label": label, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
               "budget": budget, "batch_sizes": sizes, "methods": methods, "rounds": args.rounds, "clock": args.clock,
               "threads": threads, "quick": args.quick, "static_anchor": args.static_anchor}

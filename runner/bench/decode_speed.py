@@ -160,7 +160,7 @@ def run_one(args) -> dict:
               "cadence": args.cadence, "prefill_chunk": args.prefill_chunk, "rounds": args.rounds, "clock": args.clock,
               "threads": threads, "segments": SEGMENTS, "quick": args.quick}
     report = h.make_report("decode_speed", config=config, rows=rows, figures=figures,
-                           summary={"ratios": ratios, "paper_claim_speedup": paper.SPEEDUP_VS_FULL}, env=env, started=started)
+                           summary={"ratios": ratios, "paper_claim_speedup": paper.SPEEDUP_VS_FULL, "engine": engine.describe()}, env=env, started=started)
     print_report(report)
     return report
 

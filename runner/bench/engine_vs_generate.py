@@ -204,7 +204,8 @@ def run_one(args) -> dict:
               "static_anchor": args.static_anchor}
     summary = {"ratio_engine_over_generate": value, "target": TARGET, "same_tokens": same,
                "first_pass_tps": first_pass["decode_tps"], "second_pass_tps": second_pass["decode_tps"],
-               "first_over_second_pass": first_over_second, "first_pass_target": FIRST_PASS_TARGET}
+               "first_over_second_pass": first_over_second, "first_pass_target": FIRST_PASS_TARGET,
+               "engine": engine.describe()}  # which paths the decode steps took (slab: captured or eager)
     if anchor is not None:
         summary["static_anchor"] = anchor
         if "generate_static" in results:

@@ -175,8 +175,11 @@ def read_targets(folder: str | Path, *, weight_bytes: int | None, bandwidth: flo
         reports[stem] = read_report(path) if path.is_file() else None
         if reports[stem] is not None:
             env, config = reports[stem]["environment"], reports[stem]["config"]
+            summary = reports[stem]["summary"]
+            engines = {b: s["engine"] for b, s in summary.get("by_backend", {config.get("backend"): summary}).items() if "engine" in s}
             sources[stem] = {"gpu": env.get("gpu_name"), "torch": env.get("torch_version"), "git_commit": env.get("git_commit"),
-                             "git_dirty": env.get("git_dirty"), "clock": config.get("clock"), "created_at": reports[stem]["created_at"]}
+                             "git_dirty": env.get("git_dirty"), "clock": config.get("clock"), "created_at": reports[stem]["created_at"],
+                             "engines": engines}
     bound = bandwidth / weight_bytes if bandwidth and weight_bytes else None
     rows = []
     for t in TARGETS:
@@ -216,9 +219,18 @@ def markdown(result: dict[str, Any]) -> str:
     else:
         head.append("Bound: not measured (no CUDA device here, or no --model).")
     for stem, s in result["sources"].items():
+        paths = "".join(f"; {backend}: {_paths(about)}" for backend, about in s["engines"].items() if "decode_steps" in about)
         head.append(f"- `{stem}.json`: {s['gpu']}, torch {s['torch']}, git {str(s['git_commit'])[:12]}"
-                    f"{'+dirty' if s['git_dirty'] else ''}, clock {s['clock']}, {s['created_at']}")
+                    f"{'+dirty' if s['git_dirty'] else ''}, clock {s['clock']}, {s['created_at']}{paths}")
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
+
+
+def _paths(about: dict) -> str:
+    """Which path a backend's decode steps took over the whole report (the slab backend counts them)."""
+    steps = ", ".join(f"{n} {path}" for path, n in about["decode_steps"].items() if n)
+    captures = about.get("graph_captures")
+    return f"decode steps {steps or 'none'}" + (
+        f", {captures} captures taking {about['graph_capture_seconds']:.2f} s" if captures else "")
 
 
 def add_arguments(p) -> None:

@@ -112,7 +112,7 @@ def run_one(args) -> dict:
             ]
     config = {"model": source, "model_label": label, "budgets": budgets, "new_tokens": new_tokens, "rounds": rounds, "methods": names,
               "clock": args.clock, "threads": threads, "compression_interval": 1, "cadence": "every_step", "quick": args.quick}
-    report = h.make_report("vs_kvpress", config=config, rows=rows, figures=figures, summary={"ratios": ratios, "target": TARGET},
+    report = h.make_report("vs_kvpress", config=config, rows=rows, figures=figures, summary={"ratios": ratios, "target": TARGET, "engine": engine.describe()},
                            env=env, started=started)
     print_report(report)
     return report

@@ -47,6 +47,7 @@ from kvleague.runner.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, Sl
 from kvleague.runner.engine.decode import BatchSlabLayer
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import active_recorder, recording
+from kvleague.runner.engine.resources import device_clock
 
 
 class FixedSlabLayer(SlabLayer):
@@ -150,6 +151,9 @@ class SlabBackend(HFBackend):
         #: decode steps per path: ``eager`` (dynamic), ``graph`` (a CUDA graph replayed), ``static`` (the
         #: graph's body run eagerly over its static buffers: ``graphs=True`` off CUDA, for tests)
         self.steps = {"eager": 0, "graph": 0, "static": 0}
+        #: graphs captured (off CUDA: captured bodies first run) and the seconds their warm-up and
+        #: capture took, device synchronized around them: what a run pays once per new shape or slab
+        self.captures, self.capture_seconds = 0, 0.0
         #: the hidden-state callbacks of the ``observing`` contexts now open: (layers, on_hidden)
         self._observers: list[tuple[tuple[int, ...], Any]] = []
         #: while a captured step's body runs: where its hooks and attention calls leave what they saw
@@ -164,7 +168,8 @@ class SlabBackend(HFBackend):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "decode_steps": dict(self.steps),
-                "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off"}
+                "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off",
+                "graph_captures": self.captures, "graph_capture_seconds": round(self.capture_seconds, 6)}
 
     def new_cache(self, reserve: int) -> SlabStore:
         return SlabStore(self.model.config, self.n_layers, self.n_kv_heads, self.device, reserve=reserve)
@@ -326,30 +331,41 @@ class GraphedStep:
         self.slots.copy_(slots)
         self.mask.copy_(mask)
         self.cache_position.fill_(start_slot)
-        if self.backend.device.type != "cuda":
-            # the body eagerly; its logits and taps rewritten into the first run's tensors, as a replay
-            # rewrites the graph's, so a consumer that kept a reference would see it change here too
-            fresh = _Tap()
-            logits = self._body(fresh)
-            if self.logits is None:
-                self.logits, self.tap = logits, fresh
-            else:
-                self.logits.copy_(logits)
-                self.tap.rewrite(fresh)
-            logits = self.logits.clone()
-        else:
-            if self.graph is None:
-                # warm up on a side stream (allocator pools, lazy kernels), then capture; the warm-up
-                # wrote this step's K/V already, and the capture only records
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._body(_Tap())
-                torch.cuda.current_stream().wait_stream(stream)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.logits = self._body(self.tap)
+        if self.logits is None:  # this step's first run: the capture (off CUDA, the body's first run)
+            clock = device_clock(self.backend.device)
+            started = clock()
+            logits = self._capture()
+            self.backend.captures += 1
+            self.backend.capture_seconds += clock() - started
+        elif self.graph is not None:
             self.graph.replay()
             logits = self.logits.clone()
+        else:
+            logits = self._rerun()
         self.backend._deliver(self.tap)
         return logits
+
+    def _capture(self) -> torch.Tensor:
+        if self.backend.device.type != "cuda":
+            self.logits = self._body(self.tap)
+            return self.logits.clone()
+        # warm up on a side stream (allocator pools, lazy kernels), then capture; the warm-up wrote
+        # this step's K/V already, and the capture only records
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body(_Tap())
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._body(self.tap)
+        self.graph.replay()
+        return self.logits.clone()
+
+    def _rerun(self) -> torch.Tensor:
+        """Off CUDA: the body eagerly, its logits and taps rewritten into the first run's tensors, as
+        a replay rewrites the graph's, so a consumer that kept a reference sees them change too."""
+        fresh = _Tap()
+        self.logits.copy_(self._body(fresh))
+        self.tap.rewrite(fresh)
+        return self.logits.clone()
