@@ -22,8 +22,9 @@
 #   cudnn      the first-pass figure with SDPA's cuDNN kernel allowed (what the engine turns off, and why);
 #   context    the longest context that fits 8 GiB for full, knorm and snapkv.
 # Wall clock with the device synchronized; each step under its own time limit. Everything lands in
-# OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit code, seconds). Last,
-# step `targets` (`kvleague bench targets`) measures the GPU's copy bandwidth and writes targets.md:
+# OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit code, seconds). First,
+# the GPU's device-to-device copy bandwidth goes to bandwidth.json; last, step `targets` (`kvleague
+# bench targets OUT_DIR`, which also rebuilds the table anywhere from the folder) writes targets.md:
 # the fast backend's targets against the figures of the steps that ran, and each figure's share of
 # the memory-bandwidth bound. Exit code: 0 when every step run passed.
 #
@@ -62,6 +63,9 @@ EOF
 cat "$out/environment.txt"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || { echo "gpu_check: torch sees no CUDA device" >&2; exit 2; }
+# the memory-bandwidth bound's numerator, first: a check cut short still leaves it in the folder
+"$PY" -c "import sys; from kvleague.runner.bench.gpu_targets import record_bandwidth; record_bandwidth(sys.argv[1])" "$out" \
+  || echo "gpu_check: the copy bandwidth was not measured" >&2
 
 steps=" ${GPU_CHECK_STEPS:-tests generate batch attention static32 speed kvpress cudnn context} "
 wants() { [[ $steps == *" $1 "* ]]; }
@@ -72,7 +76,7 @@ wants tests && step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovide
   tests/test_backend_slab.py --junitxml "$out/cuda-tests.xml"
 [[ -f $model/model.safetensors || $steps == " tests " ]] || step model 240 "$PY" -m kvleague.runner.cli make-tiny-model \
   --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --out "$model"
-wants generate && bench generate 240 generate --prompt-tokens 1024 --new-tokens 256 --rounds 2 --clock wall "${both[@]}" --static-anchor
+wants generate && bench generate 300 generate --prompt-tokens 1024 --new-tokens 256 --rounds 2 --clock wall "${both[@]}" --static-anchor
 wants batch && bench batch 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,32 --methods full,epikv \
   --clock wall "${both[@]}"
 wants attention && bench batch-attention 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,32 \
@@ -83,7 +87,7 @@ wants speed && bench speed 150 speed --budgets 256 --gen-factor 1 --methods epik
 wants kvpress && bench kvpress 120 kvpress --budgets 256 --new-tokens 128 --rounds 1 --clock wall "${both[@]}"
 wants cudnn && bench generate-cudnn 90 generate --prompt-tokens 256 --new-tokens 64 --rounds 1 --clock wall --cudnn-attention
 wants context && bench context 150 context --methods full knorm snapkv --memory-gib 8 --max-tokens 16384 --probe-timeout 60
-[[ $steps == " tests " ]] || step targets 60 "$PY" -m kvleague.runner.cli bench targets "$out" --model "$model"
+[[ $steps == " tests " ]] || step targets 60 "$PY" -m kvleague.runner.cli bench targets "$out"
 
 echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo some steps FAILED); reports in $out/"
 exit $failed

@@ -188,7 +188,7 @@ def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pa
     assert len({r.generated_tokens for r in alone}) >= 4  # rows finish at four or more different steps
     captures = []
     init = slab_module.GraphedStep.__init__
-    monkeypatch.setattr(slab_module.GraphedStep, "__init__", lambda self, *a: captures.append(a[2]) or init(self, *a))
+    monkeypatch.setattr(slab_module.GraphedStep, "__init__", lambda self, *a: captures.append(a[1]) or init(self, *a))
     slab.backend.graphs = True
     before = slab.describe()["graph_captures"]
     try:
@@ -229,6 +229,39 @@ def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pa
     assert about["backend"] == "slab" and about["cuda_graphs"] == "off" and set(about["decode_steps"]) == {"eager", "graph", "static"}
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_a_live_graph_keeps_no_finished_session_s_slabs_alive(pairs, prompts, monkeypatch, batched):
+    """The graph reads and writes the slabs by address, its key holds those addresses, and nothing in
+    it holds the slabs: once the sessions end their memory is free (and a new session whose slabs
+    land at the same addresses replays the graph instead of capturing anew)."""
+    import gc
+    import weakref
+
+    from kvleague.runner.engine import slab as slab_module
+
+    _, slab = pairs["llama"]
+    seen = []
+    run = slab_module.GraphedStep.run
+
+    def watched(self, cache, *args):
+        seen.extend(weakref.ref(b) for layer in cache.layers for b in slab_module._slabs(layer))
+        return run(self, cache, *args)
+
+    monkeypatch.setattr(slab_module.GraphedStep, "run", watched)
+    slab.backend.graphs = True
+    try:
+        if batched:
+            slab.generate_batch(prompts, [build_method("snapkv") for _ in prompts], BUDGET, PROTOCOLS["llama"],
+                                GenerationSettings(max_new_tokens=4))
+        else:
+            slab.generate(prompts[2], build_method("snapkv"), BUDGET, PROTOCOLS["llama"], GenerationSettings(max_new_tokens=4))
+    finally:
+        slab.backend.graphs = False
+    gc.collect()
+    assert slab.backend._graphed and seen  # a graph is live, and it ran over these slabs
+    assert all(ref() is None for ref in seen)
+
+
 @pytest.mark.parametrize("op", ["item", "bool", "tolist", "int", "tensor", "nonzero", "boolean index", "cpu"])
 def test_the_host_sync_spy_names_what_a_graph_cannot_hold(op):
     from tests.host_syncs import HostSyncs
@@ -254,9 +287,9 @@ def test_the_captured_step_never_waits_for_the_host(pairs, prompts, monkeypatch,
     _, slab = pairs["llama"]
     body, found, bodies = GraphedStep._body, [], []
 
-    def spied(self, tap):
+    def spied(self, cache, tap):
         with HostSyncs() as spy:
-            out = body(self, tap)
+            out = body(self, cache, tap)
         found.extend(spy.found)
         bodies.append(1)
         return out

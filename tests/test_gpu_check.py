@@ -107,7 +107,7 @@ def _from_the_report(folder: Path, target: dict, backend: str) -> float | None:
 
 def test_targets_copy_each_figure_and_judge_none_from_a_cpu_run(check_folder):
     result = _targets(check_folder)
-    assert len(result["rows"]) == 9 and result["bound_tokens_per_second_batch_1"] is None  # no CUDA, no --model
+    assert len(result["rows"]) == 9 and result["bound_tokens_per_second_batch_1"] is None  # no CUDA, no bandwidth.json
     for row in result["rows"]:
         for backend, cell in row["cells"].items():
             expected = _from_the_report(check_folder, row["target"], backend)
@@ -131,8 +131,8 @@ def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_f
             report["environment"].update(gpu_count=1, gpu_name="Test GPU")
             (tmp_path / path.name).write_text(json.dumps(report))
     model = engines["llama"].backend.model
-    weights = 2 * sum(p.numel() for p in model.parameters())  # bfloat16, tied weights once
-    result = _targets(tmp_path, "--model", str(model.name_or_path), "--bandwidth-gbs", "1000")
+    weights = 4 * sum(p.numel() for p in model.parameters())  # the reports ran float32 (tied weights once)
+    result = _targets(tmp_path, "--bandwidth-gbs", "1000")
     bound = 1e12 / weights
     assert result["gpus"] == ["Test GPU"] and result["bound_tokens_per_second_batch_1"] == pytest.approx(bound)
     judged = 0
@@ -163,14 +163,21 @@ def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_f
     generate["figures"] = [f for f in generate["figures"] if f["reference"] != "generate_static"]
     generate["summary"]["by_backend"]["slab"]["static_anchor"] = {"error": "the compile failed", "compiled": True}
     (tmp_path / "generate.json").write_text(json.dumps(generate))
-    again = _targets(tmp_path)  # no CUDA here, no --model: the bound recorded by the run before
-    assert again["bound_tokens_per_second_batch_1"] == pytest.approx(bound)
-    assert again["bandwidth_source"] == "given (--bandwidth-gbs) earlier (targets.json)"
+    # the folder rebuilt elsewhere: the bandwidth the check measured first, on its GPU
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"bytes_per_second": 2e12, "gpu": "Test GPU", "torch": "x"}))
+    again = _targets(tmp_path)
+    assert again["bound_tokens_per_second_batch_1"] == pytest.approx(2 * bound)
+    assert again["bandwidth_source"] == "measured on Test GPU (bandwidth.json)"
     rows = {r["target"]["label"]: r["cells"] for r in again["rows"]}
     cell = rows["batch 32, `epikv` (tok/s)"]["slab"]
     assert cell["met"] is None and cell["value"] is not None and "prompt_tokens 64" in cell["note"]
     assert rows["`full` / `model.generate` (static cache + compile), batch 32"]["slab"]["note"] == "report missing"
     assert rows["`full` / `model.generate` (static cache + compile), batch 1"]["slab"]["note"] == "anchor failed: the compile failed"
+
+    # reports of different models size no bound
+    batch["summary"]["by_backend"]["hf"]["engine"]["parameters"] += 1
+    (tmp_path / "batch.json").write_text(json.dumps(batch))
+    assert _targets(tmp_path)["bound_tokens_per_second_batch_1"] is None
 
 
 def test_targets_refuse_what_is_not_a_check_folder(tmp_path, capsys):

@@ -1,25 +1,23 @@
 """The fast GPU backend's targets, read from a ``scripts/gpu_check.sh`` folder: one table of what was
 measured against what was asked, each figure beside the memory-bandwidth bound of the GPU it ran on.
 
-``kvleague bench targets DIR --model MODEL_DIR`` reads the reports the check wrote (``generate.json``,
-``batch.json``, ``batch-attention.json``, ``static32.json``) and writes ``DIR/targets.md`` and
-``DIR/targets.json``. Every value is copied from a report, never recomputed or filled in: a step
-that did not run, failed, or lacks the figure reads "not measured"; a figure from a CPU run, at
-other settings than the target's, or against an uncompiled anchor is shown and not judged. Run again
-on the same folder without CUDA or ``--model``, it keeps the bound recorded in ``targets.json``.
+``kvleague bench targets DIR`` reads the reports the check wrote (``generate.json``, ``batch.json``,
+``batch-attention.json``, ``static32.json``) and writes ``DIR/targets.md`` and ``DIR/targets.json``.
+Every value is copied from a report, never recomputed or filled in: a step that did not run, failed,
+or lacks the figure reads "not measured"; a figure from a CPU run, at other settings than the
+target's, or against an uncompiled anchor is shown and not judged.
 
 The bound: a decode step at batch ``b`` reads every weight once, so no backend decodes faster than
-``b x bandwidth / weight_bytes`` tokens/s, with ``bandwidth`` a device-to-device copy measured here
-(bytes read + written per second; on the CUDA device the reports name) and ``weight_bytes`` the
-checkpoint's parameters at the benchmarks' CUDA dtype (bfloat16, 2 bytes). Reading the KV cache
-lowers the true bound further at large batches, so a share of it is an upper estimate of how well
-the GPU is used.
+``b x bandwidth / weight_bytes`` tokens/s. ``bandwidth`` is a device-to-device copy (bytes read +
+written per second) that the check measures first, on its GPU, into ``DIR/bandwidth.json`` (so the
+table can be rebuilt anywhere from the folder, even from a check cut short); ``weight_bytes`` is the
+reports' own model (``summary.engine``: parameters x the dtype's bytes). Reading the KV cache lowers
+the true bound at large batches, so a share of it is an upper estimate of how well the GPU is used.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +26,8 @@ from kvleague.runner.engine.errors import KvleagueError
 
 #: the reports ``scripts/gpu_check.sh`` writes, by step
 REPORTS = ("generate", "batch", "batch-attention", "static32")
-#: bytes per parameter of the benchmarks' CUDA dtype (``runner/models/loading.py``: bfloat16 on CUDA)
-BF16_BYTES = 2
+#: bytes per parameter of the dtypes a report's engine may run in
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -84,19 +82,6 @@ class Cell:
     note: str = ""
 
 
-def parameter_count(model_dir: str | Path) -> int:
-    """Parameters stored in ``model_dir``'s safetensors files, from their headers alone."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise KvleagueError(f"--model: no *.safetensors in {model_dir}")
-    total = 0
-    for path in files:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-    return total
-
-
 def copy_bandwidth(gib: float = 1.0, repeats: int = 10) -> float | None:
     """Bytes read + written per second by a device-to-device copy on this process's CUDA device
     (CUDA events around ``repeats`` copies after three warm-ups); None without CUDA."""
@@ -116,6 +101,34 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 10) -> float | None:
     end.record()
     end.synchronize()
     return 2 * n * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def record_bandwidth(folder: str | Path) -> dict | None:
+    """Measure :func:`copy_bandwidth` on this CUDA device into ``folder/bandwidth.json`` (the GPU
+    check's first step); None without CUDA."""
+    import torch
+
+    measured = copy_bandwidth()
+    if measured is None:
+        return None
+    record = {"bytes_per_second": measured, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    Path(folder, "bandwidth.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"device-to-device copy on {record['gpu']}: {measured / 1e12:.2f} TB/s (read + write)")
+    return record
+
+
+def weight_bytes(reports: dict[str, dict | None]) -> int | None:
+    """The bytes of weights one decode step reads, from the engines the reports describe (None when
+    none says, or when they ran different models or dtypes)."""
+    seen = set()
+    for report in reports.values():
+        if report is None:
+            continue
+        summary = report["summary"]
+        for about in [summary.get("engine"), *(s.get("engine") for s in summary.get("by_backend", {}).values())]:
+            if about and about.get("dtype") in DTYPE_BYTES:
+                seen.add(about["parameters"] * DTYPE_BYTES[about["dtype"]])
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _figure(report: dict, t: Target, backend: str) -> dict | None:
@@ -160,12 +173,9 @@ def _why_missing(report: dict, t: Target, backend: str) -> str:
     return "figure missing"
 
 
-def read_targets(folder: str | Path, *, weight_bytes: int | None, bandwidth: float | None,
-                 bandwidth_source: str = "measured") -> dict[str, Any]:
+def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_source: str | None) -> dict[str, Any]:
     """Every target's cell per backend, with where each figure came from (device, commit, clock)."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise KvleagueError(f"DIR: {folder} is not a directory (the folder scripts/gpu_check.sh wrote)")
     from kvleague.runner.bench.harness import read_report
 
     reports: dict[str, dict | None] = {}
@@ -180,15 +190,16 @@ def read_targets(folder: str | Path, *, weight_bytes: int | None, bandwidth: flo
             sources[stem] = {"gpu": env.get("gpu_name"), "torch": env.get("torch_version"), "git_commit": env.get("git_commit"),
                              "git_dirty": env.get("git_dirty"), "clock": config.get("clock"), "created_at": reports[stem]["created_at"],
                              "engines": engines}
-    bound = bandwidth / weight_bytes if bandwidth and weight_bytes else None
+    weights = weight_bytes(reports)
+    bound = bandwidth / weights if bandwidth and weights else None
     rows = []
     for t in TARGETS:
         cells = {b: _cell(reports[t.report], t, b, bound) for b in BACKENDS}
         rows.append({"target": asdict(t), "cells": {b: asdict(c) for b, c in cells.items()}})
     gpus = sorted({s["gpu"] for s in sources.values() if s["gpu"]})
     return {"folder": str(folder), "gpus": gpus, "sources": sources, "bandwidth_bytes_per_second": bandwidth,
-            "bandwidth_source": bandwidth_source if bandwidth else None,
-            "weight_bytes": weight_bytes, "bound_tokens_per_second_batch_1": bound, "rows": rows}
+            "bandwidth_source": bandwidth_source,
+            "weight_bytes": weights, "bound_tokens_per_second_batch_1": bound, "rows": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -214,10 +225,10 @@ def markdown(result: dict[str, Any]) -> str:
     gpus = [g for g in result["gpus"] if g != "none"]
     head = [f"Reports from: {', '.join(gpus) if gpus else 'no GPU (CPU runs: no figure here is a GPU figure)'}."]
     if bound:
-        head.append(f"Bound: {bw / 1e12:.2f} TB/s {result['bandwidth_source']} (device-to-device copy, read + write) / "
+        head.append(f"Bound: {bw / 1e12:.2f} TB/s, {result['bandwidth_source']} (device-to-device copy, read + write), / "
                     f"{wb / 1e9:.3g} GB of weights = {bound:,.0f} tokens/s at batch 1 (x batch size at larger batches).")
     else:
-        head.append("Bound: not measured (no CUDA device here, or no --model).")
+        head.append("Bound: not measured (no bandwidth.json in the folder and no CUDA device here, or no report names its model).")
     for stem, s in result["sources"].items():
         paths = "".join(f"; {backend}: {_paths(about)}" for backend, about in s["engines"].items() if "decode_steps" in about)
         head.append(f"- `{stem}.json`: {s['gpu']}, torch {s['torch']}, git {str(s['git_commit'])[:12]}"
@@ -235,27 +246,25 @@ def _paths(about: dict) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("folder", metavar="DIR", help="the folder scripts/gpu_check.sh wrote")
-    p.add_argument("--model", metavar="MODEL_DIR", help="the checkpoint the reports ran (its parameters size the bound)")
     p.add_argument("--bandwidth-gbs", type=float, metavar="GB/S",
-                   help="device-to-device copy bandwidth (read + write) to use instead of measuring it on this CUDA device")
+                   help="device-to-device copy bandwidth (read + write) instead of DIR/bandwidth.json or measuring it here")
 
 
 def run(args) -> dict[str, Any]:
     if args.bandwidth_gbs is not None and not args.bandwidth_gbs > 0:
         raise KvleagueError(f"--bandwidth-gbs: {args.bandwidth_gbs} is not a positive number of GB/s")
     folder = Path(args.folder)
-    # a rerun elsewhere (the reports of two GPU calls merged on a machine without the GPU or the
-    # model) keeps the bound the GPU run measured
-    earlier = json.loads((folder / "targets.json").read_text()) if (folder / "targets.json").is_file() else {}
-    weight_bytes = parameter_count(args.model) * BF16_BYTES if args.model else earlier.get("weight_bytes")
+    if not folder.is_dir():
+        raise KvleagueError(f"DIR: {folder} is not a directory (the folder scripts/gpu_check.sh wrote)")
+    recorded = folder / "bandwidth.json"
     if args.bandwidth_gbs is not None:
         bandwidth, source = args.bandwidth_gbs * 1e9, "given (--bandwidth-gbs)"
+    elif recorded.is_file() or record_bandwidth(folder) is not None:
+        record = json.loads(recorded.read_text())
+        bandwidth, source = record["bytes_per_second"], f"measured on {record['gpu']} (bandwidth.json)"
     else:
-        bandwidth, source = copy_bandwidth(), "measured"
-        if bandwidth is None and earlier.get("bandwidth_bytes_per_second"):
-            bandwidth = earlier["bandwidth_bytes_per_second"]
-            source = earlier["bandwidth_source"].removesuffix(" earlier (targets.json)") + " earlier (targets.json)"
-    result = read_targets(folder, weight_bytes=weight_bytes, bandwidth=bandwidth, bandwidth_source=source)
+        bandwidth, source = None, None
+    result = read_targets(folder, bandwidth=bandwidth, bandwidth_source=source)
     text = markdown(result)
     (folder / "targets.md").write_text(text)
     (folder / "targets.json").write_text(json.dumps(result, indent=2) + "\n")

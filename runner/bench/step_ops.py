@@ -56,10 +56,10 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
     counter = Counter()
     body = GraphedStep._body
 
-    def uncounted(step, tap):  # the captured body: one graph replay on a GPU
+    def uncounted(step, cache, tap):  # the captured body: one graph replay on a GPU
         counter.inside += 1
         try:
-            return body(step, tap)
+            return body(step, cache, tap)
         finally:
             counter.inside -= 1
 

@@ -19,9 +19,10 @@ and the forward pass:
   slot and the decode loop's padding mask; HF's own mask logic, which synchronizes with the host, is
   bypassed. A decode step therefore has the same shapes whatever the cache holds.
 * **CUDA graphs** (:class:`GraphedStep`, only on CUDA): every decode step is captured once per
-  (batch, capacity, kernel, observed layers, slab buffers) and replayed: tokens, RoPE positions,
+  (batch, capacity, kernel, observed layers, slab addresses) and replayed: tokens, RoPE positions,
   write slots and the mask are static device buffers filled before each replay; K/V are written at
-  device-held slots. What a method observes inside the step (hidden states, queries, new K/V,
+  device-held slots. The graph holds no slab, only its key their addresses: a finished session's
+  memory is freed, and a later one whose slabs land at the same addresses replays the graph. What a method observes inside the step (hidden states, queries, new K/V,
   attention weights) is tapped during the capture (:class:`_Tap`): the tapped tensors live in the
   graph's memory, each replay rewrites them, and after it the backend hands copies to the hooks and
   the recorder that asked, so every method's steps are captured. Prefill and every step on the CPU
@@ -195,18 +196,20 @@ class SlabBackend(HFBackend):
             finally:
                 self._observers.remove(entry)
 
-    def _deliver(self, tap: "_Tap") -> None:
+    def _deliver(self, tap: "_Tap", cache) -> None:
         """What a captured step observed, as an eager step would have handed it over: each hidden
-        state to the callbacks that hooked its layer, each attention call to the active recorder.
-        Copies: the tapped tensors are the graph's, and the next replay rewrites them."""
+        state to the callbacks that hooked its layer, each attention call to the active recorder
+        (its keys and values: ``cache``'s slabs, which the kernel saw). Copies: the tapped tensors
+        are the graph's, and the next replay rewrites them."""
         hidden = {layer: out.clone() for layer, out in tap.hidden.items()}
         for layers, on_hidden in self._observers:
             for layer in layers:
                 on_hidden(layer, hidden[layer])
         recorder = active_recorder()
         if recorder is not None:
-            for layer, (query, key, value, weights, scaling) in sorted(tap.attention.items()):
-                recorder.record(layer, query.clone(), key, value, None if weights is None else weights.clone(), scaling)
+            for layer, (query, weights, scaling) in sorted(tap.attention.items()):
+                keys, values = _slabs(cache.layers[layer])
+                recorder.record(layer, query.clone(), keys, values, None if weights is None else weights.clone(), scaling)
 
     # -- one forward pass over the slabs ------------------------------------------------------------
 
@@ -254,39 +257,48 @@ class SlabBackend(HFBackend):
         # the hooked layers shape the body (each leaves its output on the tap); attention calls are
         # tapped whether or not a recorder asks, so the recorder does not
         hooked = tuple(sorted({l for layers, _ in self._observers for l in layers}))
+        # the graph reads and writes the slabs by address: a step replays it only over the buffers it
+        # was captured over (a new session whose slabs the allocator placed at the same addresses too)
         key = (n, capacity, self.model.config._attn_implementation, hooked,
-               *(layer.buffers[0].data_ptr() if isinstance(layer, SlabLayer) else layer.slab_k.data_ptr() for layer in layers))
+               *(b.data_ptr() for layer in layers for b in _slabs(layer)))
         step = self._graphed.get(key)
         if step is None:
-            self._graphed = {key: GraphedStep(self, cache, n, capacity)}  # one live graph: older slabs are gone
+            self._graphed = {key: GraphedStep(self, n, capacity)}  # one live graph: older slabs are gone
             step = self._graphed[key]
-        logits = step.run(token_ids, rope_positions, slots, self.slab_mask(n, 1, capacity, start_slot, attention_mask), start_slot)
+        logits = step.run(cache, token_ids, rope_positions, slots, self.slab_mask(n, 1, capacity, start_slot, attention_mask),
+                          start_slot)
         if not isinstance(layers[0], BatchSlabLayer):
             for layer in layers:  # the replay wrote the slot; the host-side length follows
                 layer.set_length(start_slot + 1)
         return logits
 
 
+def _slabs(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's whole K and V slabs (a single sequence's, or a batch's)."""
+    return layer.buffers if isinstance(layer, SlabLayer) else (layer.slab_k, layer.slab_v)
+
+
 class _Tap:
     """What a captured step's body observed, per layer: the hooked hidden states, and each attention
-    call's ``(query, key, value, weights, scaling)`` (keys and values: the slab itself). It stands in
-    for the recorder while the body runs (``probe.recording``), so the body keeps no Python state."""
+    call's ``(query, weights, scaling)`` (its keys and values are the slabs, not held here: a graph
+    keeps no session's memory alive). It stands in for the recorder while the body runs
+    (``probe.recording``), so the body keeps no Python state."""
 
     def __init__(self) -> None:
         self.hidden: dict[int, torch.Tensor] = {}
         self.attention: dict[int, tuple] = {}
 
     def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
-        self.attention[layer] = (query, key, value, weights, scaling)
+        self.attention[layer] = (query, weights, scaling)
 
     def rewrite(self, fresh: "_Tap") -> None:
         """Copy ``fresh``'s tensors into this tap's, in place, as a replay rewrites a graph's memory."""
         for layer, out in fresh.hidden.items():
             self.hidden[layer].copy_(out)
-        for layer, (query, _, _, weights, _) in fresh.attention.items():
+        for layer, (query, weights, _) in fresh.attention.items():
             self.attention[layer][0].copy_(query)
             if weights is not None:
-                self.attention[layer][3].copy_(weights)
+                self.attention[layer][1].copy_(weights)
 
 
 class GraphedStep:
@@ -296,8 +308,8 @@ class GraphedStep:
     static buffers and taps. The capture itself has not run here: this repository's machines have
     no GPU (docs/gpu.md, GPU figures "not measured")."""
 
-    def __init__(self, backend: SlabBackend, cache, n: int, capacity: int):
-        self.backend, self.cache = backend, cache
+    def __init__(self, backend: SlabBackend, n: int, capacity: int):
+        self.backend = backend
         device = backend.device
         self.tokens = torch.zeros((n, 1), dtype=torch.long, device=device)
         self.rope = torch.zeros((n, 1), dtype=torch.long, device=device)
@@ -308,24 +320,25 @@ class GraphedStep:
         self.logits: torch.Tensor | None = None
         self.tap = _Tap()
 
-    def _body(self, tap: _Tap) -> torch.Tensor:
-        """The step as captured: static inputs in, logits out, observations left on ``tap``."""
+    def _body(self, cache, tap: _Tap) -> torch.Tensor:
+        """The step as captured: static inputs in, logits out, observations left on ``tap``; ``cache``
+        only lends its layers' buffers (the step's key holds their addresses), so no cache is kept."""
         backend = self.backend
-        for layer in self.cache.layers:
+        for layer in cache.layers:
             layer.slots = self.slots
         backend._tap = tap
         try:
             with recording(tap):
                 out = backend.model(input_ids=self.tokens, position_ids=self.rope, attention_mask=self.mask,
-                                    cache_position=self.cache_position, past_key_values=self.cache, use_cache=True,
+                                    cache_position=self.cache_position, past_key_values=cache, use_cache=True,
                                     logits_to_keep=1)
         finally:
             backend._tap = None
-            for layer in self.cache.layers:
+            for layer in cache.layers:
                 layer.slots = None
         return out.logits[:, -1]
 
-    def run(self, token_ids, rope, slots, mask, start_slot: int) -> torch.Tensor:
+    def run(self, cache, token_ids, rope, slots, mask, start_slot: int) -> torch.Tensor:
         self.tokens.copy_(token_ids)
         self.rope.copy_(rope)
         self.slots.copy_(slots)
@@ -334,38 +347,38 @@ class GraphedStep:
         if self.logits is None:  # this step's first run: the capture (off CUDA, the body's first run)
             clock = device_clock(self.backend.device)
             started = clock()
-            logits = self._capture()
+            logits = self._capture(cache)
             self.backend.captures += 1
             self.backend.capture_seconds += clock() - started
         elif self.graph is not None:
             self.graph.replay()
             logits = self.logits.clone()
         else:
-            logits = self._rerun()
-        self.backend._deliver(self.tap)
+            logits = self._rerun(cache)
+        self.backend._deliver(self.tap, cache)
         return logits
 
-    def _capture(self) -> torch.Tensor:
+    def _capture(self, cache) -> torch.Tensor:
         if self.backend.device.type != "cuda":
-            self.logits = self._body(self.tap)
+            self.logits = self._body(cache, self.tap)
             return self.logits.clone()
         # warm up on a side stream (allocator pools, lazy kernels), then capture; the warm-up wrote
         # this step's K/V already, and the capture only records
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._body(_Tap())
+            self._body(cache, _Tap())
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = self._body(self.tap)
+            self.logits = self._body(cache, self.tap)
         self.graph.replay()
         return self.logits.clone()
 
-    def _rerun(self) -> torch.Tensor:
+    def _rerun(self, cache) -> torch.Tensor:
         """Off CUDA: the body eagerly, its logits and taps rewritten into the first run's tensors, as
         a replay rewrites the graph's, so a consumer that kept a reference sees them change too."""
         fresh = _Tap()
-        self.logits.copy_(self._body(fresh))
+        self.logits.copy_(self._body(cache, fresh))
         self.tap.rewrite(fresh)
         return self.logits.clone()
