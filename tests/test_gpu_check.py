@@ -174,10 +174,13 @@ def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_f
     assert rows["`full` / `model.generate` (static cache + compile), batch 32"]["slab"]["note"] == "report missing"
     assert rows["`full` / `model.generate` (static cache + compile), batch 1"]["slab"]["note"] == "anchor failed: the compile failed"
 
-    # reports of different models size no bound
+    # a bandwidth measured on another GPU, or reports of different models, size no bound
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"bytes_per_second": 2e12, "gpu": "Other GPU", "torch": "x"}))
+    assert _targets(tmp_path)["bound_tokens_per_second_batch_1"] is None
+    (tmp_path / "bandwidth.json").unlink()
     batch["summary"]["by_backend"]["hf"]["engine"]["parameters"] += 1
     (tmp_path / "batch.json").write_text(json.dumps(batch))
-    assert _targets(tmp_path)["bound_tokens_per_second_batch_1"] is None
+    assert _targets(tmp_path, "--bandwidth-gbs", "1000")["bound_tokens_per_second_batch_1"] is None
 
 
 def test_targets_refuse_what_is_not_a_check_folder(tmp_path, capsys):

@@ -173,8 +173,10 @@ def _why_missing(report: dict, t: Target, backend: str) -> str:
     return "figure missing"
 
 
-def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_source: str | None) -> dict[str, Any]:
-    """Every target's cell per backend, with where each figure came from (device, commit, clock)."""
+def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_source: str | None,
+                 bandwidth_gpu: str | None = None) -> dict[str, Any]:
+    """Every target's cell per backend, with where each figure came from (device, commit, clock).
+    A bandwidth measured on another GPU than the reports' sizes no bound."""
     folder = Path(folder)
     from kvleague.runner.bench.harness import read_report
 
@@ -190,13 +192,15 @@ def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_sourc
             sources[stem] = {"gpu": env.get("gpu_name"), "torch": env.get("torch_version"), "git_commit": env.get("git_commit"),
                              "git_dirty": env.get("git_dirty"), "clock": config.get("clock"), "created_at": reports[stem]["created_at"],
                              "engines": engines}
+    gpus = sorted({s["gpu"] for s in sources.values() if s["gpu"]})
+    if bandwidth_gpu is not None and gpus != [bandwidth_gpu]:
+        bandwidth, bandwidth_source = None, f"measured on {bandwidth_gpu}, not the reports' GPU"
     weights = weight_bytes(reports)
     bound = bandwidth / weights if bandwidth and weights else None
     rows = []
     for t in TARGETS:
         cells = {b: _cell(reports[t.report], t, b, bound) for b in BACKENDS}
         rows.append({"target": asdict(t), "cells": {b: asdict(c) for b, c in cells.items()}})
-    gpus = sorted({s["gpu"] for s in sources.values() if s["gpu"]})
     return {"folder": str(folder), "gpus": gpus, "sources": sources, "bandwidth_bytes_per_second": bandwidth,
             "bandwidth_source": bandwidth_source,
             "weight_bytes": weights, "bound_tokens_per_second_batch_1": bound, "rows": rows}
@@ -228,7 +232,8 @@ def markdown(result: dict[str, Any]) -> str:
         head.append(f"Bound: {bw / 1e12:.2f} TB/s, {result['bandwidth_source']} (device-to-device copy, read + write), / "
                     f"{wb / 1e9:.3g} GB of weights = {bound:,.0f} tokens/s at batch 1 (x batch size at larger batches).")
     else:
-        head.append("Bound: not measured (no bandwidth.json in the folder and no CUDA device here, or no report names its model).")
+        why = result["bandwidth_source"] or "no bandwidth.json in the folder and no CUDA device here"
+        head.append(f"Bound: not measured ({why}; or the reports name no one model and dtype).")
     for stem, s in result["sources"].items():
         paths = "".join(f"; {backend}: {_paths(about)}" for backend, about in s["engines"].items() if "decode_steps" in about)
         head.append(f"- `{stem}.json`: {s['gpu']}, torch {s['torch']}, git {str(s['git_commit'])[:12]}"
@@ -258,13 +263,13 @@ def run(args) -> dict[str, Any]:
         raise KvleagueError(f"DIR: {folder} is not a directory (the folder scripts/gpu_check.sh wrote)")
     recorded = folder / "bandwidth.json"
     if args.bandwidth_gbs is not None:
-        bandwidth, source = args.bandwidth_gbs * 1e9, "given (--bandwidth-gbs)"
+        bandwidth, source, gpu = args.bandwidth_gbs * 1e9, "given (--bandwidth-gbs)", None
     elif recorded.is_file() or record_bandwidth(folder) is not None:
         record = json.loads(recorded.read_text())
-        bandwidth, source = record["bytes_per_second"], f"measured on {record['gpu']} (bandwidth.json)"
+        bandwidth, source, gpu = record["bytes_per_second"], f"measured on {record['gpu']} (bandwidth.json)", record["gpu"]
     else:
-        bandwidth, source = None, None
-    result = read_targets(folder, bandwidth=bandwidth, bandwidth_source=source)
+        bandwidth, source, gpu = None, None, None
+    result = read_targets(folder, bandwidth=bandwidth, bandwidth_source=source, bandwidth_gpu=gpu)
     text = markdown(result)
     (folder / "targets.md").write_text(text)
     (folder / "targets.json").write_text(json.dumps(result, indent=2) + "\n")
