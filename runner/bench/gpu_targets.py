@@ -229,7 +229,7 @@ def markdown(result: dict[str, Any]) -> str:
     gpus = [g for g in result["gpus"] if g != "none"]
     head = [f"Reports from: {', '.join(gpus) if gpus else 'no GPU (CPU runs: no figure here is a GPU figure)'}."]
     if bound:
-        head.append(f"Bound: {bw / 1e12:.2f} TB/s, {result['bandwidth_source']} (device-to-device copy, read + write), / "
+        head.append(f"Bound: {bw / 1e12:.2f} TB/s (device-to-device copy, read + write; {result['bandwidth_source']}) / "
                     f"{wb / 1e9:.3g} GB of weights = {bound:,.0f} tokens/s at batch 1 (x batch size at larger batches).")
     else:
         why = result["bandwidth_source"] or "no bandwidth.json in the folder and no CUDA device here"
