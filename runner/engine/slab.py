@@ -22,12 +22,13 @@ and the forward pass:
   (batch, capacity, kernel, observed layers, slab addresses) and replayed: tokens, RoPE positions,
   write slots and the mask are static device buffers filled before each replay; K/V are written at
   device-held slots. The graph holds no slab, only its key their addresses: a finished session's
-  memory is freed, and a later one whose slabs land at the same addresses replays the graph. What a method observes inside the step (hidden states, queries, new K/V,
-  attention weights) is tapped during the capture (:class:`_Tap`): the tapped tensors live in the
-  graph's memory, each replay rewrites them, and after it the backend hands copies to the hooks and
-  the recorder that asked, so every method's steps are captured. Prefill and every step on the CPU
-  run eagerly; :meth:`SlabBackend.describe` counts which path ran (``decode_steps``: ``eager`` /
-  ``graph`` / ``static``). The method's scoring and the engine's top-k selection run eagerly between
+  memory is freed, and a later one whose slabs land at the same addresses replays the graph. What a
+  method observes inside the step (hidden states, queries, new K/V, attention weights) is tapped
+  during the capture (:class:`_Tap`): the tapped tensors live in the graph's memory, each replay
+  rewrites them, and after it the backend hands copies to the hooks and the recorder that asked, so
+  every method's steps are captured. Prefill and every step on the CPU run eagerly;
+  :meth:`SlabBackend.describe` counts which path ran (``decode_steps``: ``eager`` / ``graph`` /
+  ``static``) and the captures with their seconds. The method's scoring and the engine's top-k selection run eagerly between
   steps on either path (they synchronize with the host to decide how many slots to keep).
 
 Methods that read attention rows get them from the attention wrapper (``probe.py``) over the valid
@@ -263,7 +264,7 @@ class SlabBackend(HFBackend):
                *(b.data_ptr() for layer in layers for b in _slabs(layer)))
         step = self._graphed.get(key)
         if step is None:
-            self._graphed = {key: GraphedStep(self, n, capacity)}  # one live graph: older slabs are gone
+            self._graphed = {key: GraphedStep(self, n, capacity)}  # one live graph (its private memory freed with it)
             step = self._graphed[key]
         logits = step.run(cache, token_ids, rope_positions, slots, self.slab_mask(n, 1, capacity, start_slot, attention_mask),
                           start_slot)
