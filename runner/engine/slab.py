@@ -28,8 +28,9 @@ and the forward pass:
   rewrites them, and after it the backend hands copies to the hooks and the recorder that asked, so
   every method's steps are captured. Prefill and every step on the CPU run eagerly;
   :meth:`SlabBackend.describe` counts which path ran (``decode_steps``: ``eager`` / ``graph`` /
-  ``static``) and the captures with their seconds. The method's scoring and the engine's top-k selection run eagerly between
-  steps on either path (they synchronize with the host to decide how many slots to keep).
+  ``static``) and the captures with their seconds. The method's scoring and the engine's top-k
+  selection run eagerly between steps on either path (they synchronize with the host to decide how
+  many slots to keep).
 
 Methods that read attention rows get them from the attention wrapper (``probe.py``) over the valid
 slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s per-row lengths).
