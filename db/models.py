@@ -269,7 +269,7 @@ class BenchmarkResult(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     row_key: Mapped[str] = mapped_column(String(64), unique=True)
     run_id: Mapped[str] = mapped_column(String(64), index=True)
-    benchmark: Mapped[str] = mapped_column(String(64))  # feasible_context | decode_speed | vs_kvpress | engine_vs_generate
+    benchmark: Mapped[str] = mapped_column(String(64))  # one of runner/bench/harness.py BENCHMARKS
     environment_id: Mapped[int | None] = mapped_column(ForeignKey("environments.id"), nullable=True)
     model: Mapped[str] = mapped_column(Text)  # display label of the model measured
     method: Mapped[str | None] = mapped_column(String(255), nullable=True)

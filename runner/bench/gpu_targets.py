@@ -24,8 +24,10 @@ from typing import Any
 
 from kvleague.runner.engine.errors import KvleagueError
 
-#: the reports ``scripts/gpu_check.sh`` writes, by step
+#: the reports ``scripts/gpu_check.sh`` writes that the targets read, by step
 REPORTS = ("generate", "batch", "batch-attention", "static32")
+#: its profile of the decode steps (``bench busy``), shown beside the targets (not one of them)
+BUSY = "busy"
 #: bytes per parameter of the dtypes a report's engine may run in
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -201,7 +203,12 @@ def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_sourc
     for t in TARGETS:
         cells = {b: _cell(reports[t.report], t, b, bound) for b in BACKENDS}
         rows.append({"target": asdict(t), "cells": {b: asdict(c) for b, c in cells.items()}})
-    return {"folder": str(folder), "gpus": gpus, "sources": sources, "bandwidth_bytes_per_second": bandwidth,
+    busy = None
+    if (folder / f"{BUSY}.json").is_file():
+        report = read_report(folder / f"{BUSY}.json")
+        gpu = report["environment"].get("gpu_name")
+        busy = {"gpu": gpu if report["environment"].get("gpu_count", 0) >= 1 else "no GPU", "rows": report["rows"]}
+    return {"folder": str(folder), "gpus": gpus, "sources": sources, "busy": busy, "bandwidth_bytes_per_second": bandwidth,
             "bandwidth_source": bandwidth_source,
             "weight_bytes": weights, "bound_tokens_per_second_batch_1": bound, "rows": rows}
 
@@ -238,7 +245,19 @@ def markdown(result: dict[str, Any]) -> str:
         paths = "".join(f"; {backend}: {_paths(about)}" for backend, about in s["engines"].items() if "decode_steps" in about)
         head.append(f"- `{stem}.json`: {s['gpu']}, torch {s['torch']}, git {str(s['git_commit'])[:12]}"
                     f"{'+dirty' if s['git_dirty'] else ''}, clock {s['clock']}, {s['created_at']}{paths}")
-    return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
+    text = "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
+    if result["busy"]:
+        def cell(value, spec):
+            return "not measured" if value is None else format(value, spec)
+
+        text += (f"\nDecode steps under the profiler (`{BUSY}.json`, {result['busy']['gpu']}; not a target):\n\n"
+                 "| backend | method | batch | device busy | kernels / token | host ops / step | ms / step |\n"
+                 "|---|---|---|---|---|---|---|\n")
+        for r in result["busy"]["rows"]:
+            text += (f"| {r.get('backend', '-')} | {r['method']} | {r['batch_size']} | {cell(r.get('device_busy'), '.1%')} | "
+                     f"{cell(r.get('kernels_per_token'), '.1f')} | {cell(r.get('host_ops_per_step'), '.1f')} | "
+                     f"{cell(r.get('step_ms'), '.2f')} |\n")
+    return text
 
 
 def _paths(about: dict) -> str:
