@@ -16,7 +16,7 @@
 #              first decode over new KV lengths against a second;
 #   batch      prompt 400, 64 new, B = 200: full and epikv at batch 1 and 32, both backends;
 #   attention  the same for snapkv and h2o (attention-reading methods);
-#   busy       the torch profiler over 32 steady-state decode steps (full and epikv, batch 1 and 32,
+#   busy       the torch profiler over 16 steady-state decode steps (full and epikv, batch 1 and 32,
 #              both backends): the share of each step the GPU is busy, kernels per token, host ops
 #              per step;
 #   static32   batch 32, full, slab backend beside the static-cache anchor at batch 32;
@@ -84,7 +84,7 @@ wants batch && bench batch 150 batch --prompt-tokens 400 --new-tokens 64 --budge
   --clock wall "${both[@]}"
 wants attention && bench batch-attention 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,32 \
   --methods snapkv,h2o --clock wall "${both[@]}"
-wants busy && bench busy 120 busy --methods full,epikv --batch-sizes 1,32 "${both[@]}"
+wants busy && bench busy 120 busy --methods full,epikv --batch-sizes 1,32 --steps 16 "${both[@]}"
 wants static32 && bench static32 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 32 --methods full \
   --clock wall --backend slab --static-anchor
 wants speed && bench speed 150 speed --budgets 256 --gen-factor 1 --methods epikv knorm tova snapkv h2o --clock wall "${both[@]}"

@@ -4,8 +4,9 @@ The GPU issue's diagnosis was a profile: the device worked ~7% of each decode st
 the host dispatching kernels one at a time. This benchmark measures that per method, batch size and
 backend (``--backend hf --backend slab`` side by side): a batch of random prompts is prefilled, then
 decoded under the profiler (CPU activity, and CUDA where there is a GPU); each
-``DecodeLoop.step`` is marked, the first ``--warmup`` steps (captures, first-use kernels) are left
-out, and over the window from the next step's start to the last one's end it reports
+``DecodeLoop.step`` is marked, the profiler starts after the first ``--warmup`` steps (where a run's
+CUDA graph is captured and kernels are first used, unprofiled), and over the window from the next
+step's start to the last one's end it reports
 
 * ``device_busy``: the union of the device's kernel and copy intervals / the window's wall time
   (1.0: the device never waits for the host; **not measured** without CUDA);
@@ -41,23 +42,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def marked_steps() -> Iterator[None]:
-    """Every ``DecodeLoop.step`` inside a profiler range named :data:`MARK`."""
+def marked_steps(prof, start_at: int) -> Iterator[list[int]]:
+    """Every ``DecodeLoop.step`` inside a profiler range named :data:`MARK`, ``prof`` started just
+    before step ``start_at`` (0-based): the steps before it, a CUDA graph's capture among them, run
+    unprofiled. Yields the count of steps run."""
     from torch.profiler import record_function
 
     from kvleague.runner.engine.decode import DecodeLoop
 
-    step = DecodeLoop.step
+    step, count = DecodeLoop.step, [0]
 
     def marked(self, token_ids):
+        if count[0] == start_at:
+            prof.start()
+        count[0] += 1
         with record_function(MARK):
             return step(self, token_ids)
 
     DecodeLoop.step = marked
     try:
-        yield
+        yield count
     finally:
         DecodeLoop.step = step
+        if count[0] > start_at:
+            prof.stop()
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -101,11 +109,12 @@ def measure(engine, method: str, batch: int, budget: int, prompt_tokens: int, st
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     prompts = [h.random_prompt(prompt_tokens, seed=i) for i in range(batch)]
     settings = GenerationSettings(max_new_tokens=warmup + steps + 1)  # the first token comes from the prefill
-    with marked_steps(), profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with marked_steps(prof, warmup) as count:
         engine.generate_batch(prompts, [build_method(method) for _ in prompts], budget, Protocol(), settings, batch_size=batch)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
-    return {"method": method, "batch_size": batch, **analyse(prof.events(), batch, warmup)}
+    return {"method": method, "batch_size": batch, **(analyse(prof.events(), batch, 0) if count[0] > warmup else {"steps": 0})}
 
 
 def run(args) -> dict:
