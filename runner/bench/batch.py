@@ -87,11 +87,8 @@ def run_one(args) -> dict:
     budget = args.budget or prompt_tokens // 2
     sizes = [int(x) for x in (args.batch_sizes or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     methods = [m for m in args.methods.split(",") if m]
-    source = str(args.model or h.default_model())
-    engine = h.load_engine(source, args.backend)
-    engine.eos_ids = set()
+    source, engine, label = h.bench_engine(args)
     engine.clock = clock.now  # the engine's step times on the clock that times model.generate
-    label = h.model_label(engine, args.model)
     prompts = [h.random_prompt(prompt_tokens, seed=i) for i in range(max(sizes))]
     env = h.environment()
     print(f"batched decoding: {label}; prompts of {prompt_tokens}, {new_tokens} new tokens, budget {budget}, batch sizes "

@@ -102,10 +102,7 @@ def run_one(args) -> dict:
     threads = h.set_threads(clock, args.threads)
     budgets = args.budgets or ([256, 1024] if args.quick else [256, 1024, 4096])
     names = list(dict.fromkeys(["full", *(args.methods or (QUICK_METHODS if args.quick else DEFAULT_METHODS))]))
-    source = str(args.model or h.default_model())
-    engine = h.load_engine(source, args.backend)
-    engine.eos_ids = set()  # every run decodes exactly its number of tokens
-    label = h.model_label(engine, args.model)
+    source, engine, label = h.bench_engine(args)
     protocol = Protocol(cadence=args.cadence, prefill_chunk=args.prefill_chunk)
     env = h.environment()
     print(f"decode speed: {label}; budgets {budgets}; {args.gen_factor:g}x the budget decoded; cadence {args.cadence}; "

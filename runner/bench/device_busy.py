@@ -134,10 +134,7 @@ def run_one(args) -> dict:
             setattr(args, name, small if quick else default)
     methods = [m for m in args.methods.split(",") if m]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    source = str(args.model or h.default_model())
-    engine = h.load_engine(source, args.backend)
-    engine.eos_ids = set()
-    label = h.model_label(engine, args.model)
+    source, engine, label = h.bench_engine(args)
     env = h.environment()
     print(f"device busy: {label}; prompt {args.prompt_tokens}, B = {args.budget}, {args.steps} steps after {args.warmup}, "
           f"batch sizes {sizes}, methods {methods}\n{h.describe_environment(env)}", flush=True)

@@ -144,10 +144,7 @@ def run_one(args) -> dict:
     prompt_tokens = args.prompt_tokens or (256 if args.quick else 1024)
     new_tokens = args.new_tokens or (128 if args.quick else 512)
     rounds = args.rounds or (3 if args.quick else 5)
-    source = str(args.model or h.default_model())
-    engine = h.load_engine(source, args.backend)
-    engine.eos_ids = set()
-    label = h.model_label(engine, args.model)
+    source, engine, label = h.bench_engine(args)
     prompt = h.random_prompt(prompt_tokens, seed=1)
     if args.cudnn_attention:
         import torch

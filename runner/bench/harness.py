@@ -470,6 +470,15 @@ def load_engine(source: str, backend: str):
     return engine
 
 
+def bench_engine(args) -> tuple[str, Any, str]:
+    """A benchmark's model (``--model``, else the default) behind ``args.backend`` with no EOS (every
+    run decodes exactly its number of tokens): ``(source, engine, label)``."""
+    source = str(args.model or default_model())
+    engine = load_engine(source, args.backend)
+    engine.eos_ids = set()
+    return source, engine, model_label(engine, args.model)
+
+
 def model_label(engine, source: str | None) -> str:
     about = engine.describe()
     params = about["parameters"]

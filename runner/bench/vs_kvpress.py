@@ -78,10 +78,7 @@ def run_one(args) -> dict:
     new_tokens = args.new_tokens or (128 if args.quick else 512)
     rounds = args.rounds or 3
     names = args.methods or list(METHODS)
-    source = str(args.model or h.default_model())
-    engine = h.load_engine(source, args.backend)
-    engine.eos_ids = set()
-    label = h.model_label(engine, args.model)
+    source, engine, label = h.bench_engine(args)
     env = h.environment()
     print(f"engine vs kvpress DecodingPress: {label}; budgets {budgets}; {new_tokens} decode steps; {rounds} alternating rounds; "
           f"clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
