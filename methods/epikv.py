@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import numpy as np
 import torch
 
 from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
@@ -67,29 +68,25 @@ class _RollingZ:
 
     def push(self, new: torch.Tensor) -> torch.Tensor:
         """z of every new value (float64 CPU ``[C]``), then append them to the series."""
-        if self.reference:
-            out = []
-            for x in new.tolist():
-                self.values.append(x)
-                chunk = list(self.values)
-                if len(chunk) < 2:
-                    out.append(0.0)
-                    continue
-                mu = sum(chunk) / len(chunk)
-                var = sum((v - mu) ** 2 for v in chunk) / len(chunk)
-                out.append((chunk[-1] - mu) / (var**0.5 + 1e-6))
-            return torch.tensor(out, dtype=torch.float64)
-        if new.shape[0] == 1:  # decode hot path: plain Python over <= W floats, same formula
-            x = float(new[0])
-            self.values.append(x)
-            n = len(self.values)
-            mean = math.fsum(self.values) / n
-            var = math.fsum((v - mean) ** 2 for v in self.values) / n
-            z = torch.tensor([(x - mean) / (math.sqrt(var) + 1e-6)], dtype=torch.float64)
-            return z
+        if self.reference or new.shape[0] == 1:
+            return torch.tensor([self.push_one(x) for x in new.tolist()], dtype=torch.float64)
         z = rolling_zscore(self.values, new, self.window)
         self.values.extend(float(v) for v in new[-self.window :])
         return z
+
+    def push_one(self, x: float) -> float:
+        """z of one new value, then append it (the decode hot path: plain Python over <= W floats)."""
+        self.values.append(x)
+        n = len(self.values)
+        if self.reference:
+            if n < 2:
+                return 0.0
+            mu = sum(self.values) / n
+            var = sum((v - mu) ** 2 for v in self.values) / n
+            return (x - mu) / (var**0.5 + 1e-6)
+        mean = math.fsum(self.values) / n
+        var = math.fsum((v - mean) ** 2 for v in self.values) / n
+        return (x - mean) / (math.sqrt(var) + 1e-6)
 
 
 def value_range(cache: CacheView) -> torch.Tensor:
@@ -215,6 +212,14 @@ class EpiKVFamily(EvictionMethod):
             score = w_a * z_a - w_b * z_b
         self.table.write(positions, score)
 
+    def _push_one(self, position: int, d_a: float, d_b: float) -> None:
+        """``_push`` of one new token, in Python floats (the batched decode path; the same arithmetic)."""
+        w_a, w_b = self.weights()
+        score = w_a * self.z_a.push_one(d_a) - w_b * self.z_b.push_one(d_b)
+        if self.arithmetic == "reference":
+            score = float(np.float32(score))  # the authors' float32 score tensor
+        self.table.write_one(position, score)
+
     def _remember(self, hidden: dict[int, torch.Tensor]) -> None:
         n = self.info.n_layers
         for layer in set(self.group_a) | set(self.group_b):
@@ -240,20 +245,21 @@ class EpiKVFamily(EvictionMethod):
             h = torch.stack([o.hidden_states[first._hook(layer, n)][0] for o in observations])
             prev = torch.stack([m.previous[layer] for m in methods])
             distance[layer] = (h - prev).norm(dim=-1) if reference else torch.linalg.vector_norm(h.float() - prev.float(), dim=-1)
-        lists = {layer: d.tolist() for layer, d in distance.items()} if reference else None
 
-        def change(layers: list[int], i: int) -> torch.Tensor:
-            if reference:  # as _change: a Python sum in layer order
-                return torch.tensor([sum(lists[layer][i] for layer in layers) / len(layers)], dtype=torch.float64)
+        def change(layers: list[int]) -> list[float]:
+            """Per sequence, the mean of d over ``layers``, as ``_change`` computes it."""
+            if reference:  # a Python sum in layer order
+                lists = [distance[layer].tolist() for layer in layers]
+                return [sum(col) / len(layers) for col in zip(*lists)]
             total = None
             for layer in layers:
-                d = distance[layer][i : i + 1]
-                total = d if total is None else total + d
-            return (total / len(layers)).double().cpu()
+                total = distance[layer] if total is None else total + distance[layer]
+            return (total / len(layers)).double().tolist()
 
-        positions = torch.stack([o.new_positions for o in observations]).cpu()  # one copy to the host, not one per row
-        for i, (method, obs) in enumerate(zip(methods, observations)):
-            method._push(positions[i], change(first.group_a, i), change(first.group_b, i))
+        # one copy to the host for all sequences, and per sequence only Python floats from here on
+        positions = torch.stack([o.new_positions for o in observations]).view(-1).tolist()
+        for method, obs, position, d_a, d_b in zip(methods, observations, positions, change(first.group_a), change(first.group_b)):
+            method._push_one(position, d_a, d_b)
             method._remember(obs.hidden_states)
 
     def token_scores(self, cache: CacheView) -> torch.Tensor:
@@ -272,7 +278,8 @@ class EpiKVFamily(EvictionMethod):
                 or not caches.equal_lengths or any(m.value_reserve for m in methods)):
             return super().score_batch(methods, caches)
         positions = torch.stack([view.token_positions for view in caches.views]).cpu()
-        return [method.table.read(row) for method, row in zip(methods, positions)]
+        top = int(positions.max()) if positions.numel() else None  # one host read for the batch
+        return [method.table.read(row, top) for method, row in zip(methods, positions)]
 
     def apply_value_reserve(self, scores: torch.Tensor, cache: CacheView) -> torch.Tensor:
         if self.value_reserve == 0:

@@ -19,12 +19,12 @@ class _RollingMean:
         self.reference = reference
 
     def push(self, new: torch.Tensor) -> torch.Tensor:
-        out = []
-        for x in new.tolist():
-            self.values.append(x)
-            total = sum(self.values) if self.reference else math.fsum(self.values)  # the authors' left-to-right sum
-            out.append(total / len(self.values))
-        return torch.tensor(out, dtype=torch.float64)
+        return torch.tensor([self.push_one(x) for x in new.tolist()], dtype=torch.float64)
+
+    def push_one(self, x: float) -> float:
+        self.values.append(x)
+        total = sum(self.values) if self.reference else math.fsum(self.values)  # the authors' left-to-right sum
+        return total / len(self.values)
 
 
 @register_method("hs_variance")

@@ -19,27 +19,40 @@ class PositionTable:
 
     def __init__(self, fill: float = 0.0):
         self.fill = fill
-        self.data = torch.full((1024,), fill, dtype=torch.float64)
+        self._adopt(torch.full((1024,), fill, dtype=torch.float64))
+
+    def _adopt(self, data: torch.Tensor) -> None:
+        self.data = data
+        self._array = data.numpy()  # the same memory: one value written without a torch op
 
     def _grow(self, positions: torch.Tensor) -> None:
-        top = int(positions.max()) + 1
-        if top > self.data.shape[0]:
-            grown = torch.full((max(top, 2 * self.data.shape[0]),), self.fill, dtype=torch.float64)
+        self.reserve(int(positions.max()))
+
+    def reserve(self, position: int) -> None:
+        """Make room for every position up to ``position``."""
+        if position >= self.data.shape[0]:
+            grown = torch.full((max(position + 1, 2 * self.data.shape[0]),), self.fill, dtype=torch.float64)
             grown[: self.data.shape[0]] = self.data
-            self.data = grown
+            self._adopt(grown)
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._grow(positions)
         self.data[positions.cpu()] = values.to(torch.float64).cpu()
 
+    def write_one(self, position: int, value: float) -> None:
+        """``write`` of one value (the batched decode path)."""
+        self.reserve(position)
+        self._array[position] = value
+
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._grow(positions)
         self.data.index_add_(0, positions.cpu(), values.to(torch.float64).cpu())
 
-    def read(self, positions: torch.Tensor) -> torch.Tensor:
-        """The values at ``positions``; ``fill`` at positions never written (past the table's end too)."""
+    def read(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
+        """The values at ``positions``; ``fill`` at positions never written (past the table's end too).
+        ``top``: the largest of ``positions`` when the caller knows it (no host read here)."""
         if positions.numel():
-            self._grow(positions)
+            self.reserve(int(positions.max()) if top is None else top)
         return self.data[positions.cpu()]
 
 

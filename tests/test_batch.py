@@ -93,18 +93,24 @@ def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch
 
 
 #: the built-ins that vectorise: (observe_batch, score_batch) replace per-sequence calls on equal-length rows
-VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score"), "h2o": ("observe", "score"), "tova": ("observe",),
-              "knorm": ("score",), "keydiff": ("score",), "streaming_llm": ("score",), "snapkv": ("score",)}
+VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score"), "hs_variance": ("observe", "score"),
+              "h2o": ("observe", "score"), "tova": ("observe",), "knorm": ("score",), "keydiff": ("score",),
+              "streaming_llm": ("score",), "snapkv": ("score",)}
+#: variants whose vectorised path has arithmetic of its own: ``name:hyperparameter=value``
+VARIANTS = {"epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
+            "hs_variance:arithmetic=float64": ("hs_variance", {"arithmetic": "float64"})}
 
 
-@pytest.mark.parametrize("name", sorted(VECTORISED))
-def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64, prompts, name):
+@pytest.mark.parametrize("case", sorted(VECTORISED) + sorted(VARIANTS))
+def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64, prompts, case):
     """Equal-length prompts (different tokens) put every row at B together: the vectorised paths run
     (no per-sequence ``observe`` / ``score`` call while decoding) and still match the oracle."""
+    name, params = VARIANTS.get(case, (case, {}))
     engine, protocol, settings = engines64["llama"], Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=10)
     same_length = [p[-14:] for p in prompts[4:]] + [list(reversed(p[-14:])) for p in prompts[4:]]
-    alone = [engine.generate(p, build_method(name), 12, protocol, settings) for p in same_length]
-    methods = [build_method(name) for _ in same_length]
+    own = [build_method(name, params) for _ in same_length]
+    alone = [engine.generate(p, m, 12, protocol, settings) for p, m in zip(same_length, own)]
+    methods = [build_method(name, params) for _ in same_length]
     calls = []
     for m in methods:
         for hook in VECTORISED[name]:
@@ -120,6 +126,9 @@ def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64,
     assert not calls, f"per-sequence {calls[0]} called: the vectorised path did not run"
     for single, result in zip(alone, batched):
         _same(single, result)
+    for single, batch_member in zip(own, methods):  # frozen per-position scores: bit for bit, not only their ranking
+        if hasattr(single, "table"):
+            assert torch.equal(single.table.data, batch_member.table.data)
 
 
 def test_a_batch_mixes_methods_kernels_and_finishing_times(engines64, prompts, monkeypatch):

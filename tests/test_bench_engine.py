@@ -215,3 +215,19 @@ def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
         with All():
             session.decode(GenerationSettings(max_new_tokens=5))
     assert All.n / 4 > 3 * full["ops_per_step"]  # the eager forward alone is most of a step's ops
+
+
+def test_a_batch_of_epikv_reads_the_host_a_fixed_number_of_times_per_step(tiny_models):
+    """The EpiKV family's batched decode path keeps each row's z-scores and score in Python floats and
+    grows the rows' score tables after one read: a batch of 8 reads the host no more often per step
+    than a batch of 2 (before, every row read its positions' maximum and its scores)."""
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    engine.backend.graphs = True
+    prompt = list(range(40, 80))
+    two, eight = (count(engine, name, n, 16, prompt, 4) for name, n in (("epikv", 2), ("epikv", 8)))
+    assert two["evictions"] == eight["evictions"] == 5
+    assert 0 < eight["host_reads_per_step"] <= two["host_reads_per_step"]

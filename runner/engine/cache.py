@@ -182,6 +182,7 @@ class BudgetedCache:
         # block expanded over the layers, so appends and token-level evictions touch it once
         self._pos = torch.empty(n_kv_heads, 0, dtype=torch.long, device=device)
         self._prompt = torch.empty(n_kv_heads, 0, dtype=torch.bool, device=device)
+        self._generated_flag: torch.Tensor | None = None  # a decode step's prompt flags (all False), reused
         self.uniform = True  # every layer and head holds the same tokens (in the same slots)
         self._heads_agree = True  # within each layer, every head does
         self._views: tuple[list, list] | None = None
@@ -239,7 +240,12 @@ class BudgetedCache:
         """Record the slots the last forward pass appended (call right after it)."""
         c = new_positions.shape[0]
         pos = new_positions.to(self.device).expand(*self._pos.shape[:-1], c)
-        flag = torch.full((*self._prompt.shape[:-1], c), prompt, dtype=torch.bool, device=self.device)
+        if c == 1 and not prompt:  # a decode step's: one constant, made once (cat copies it)
+            if self._generated_flag is None or self._generated_flag.shape[:-1] != self._prompt.shape[:-1]:
+                self._generated_flag = torch.zeros((*self._prompt.shape[:-1], 1), dtype=torch.bool, device=self.device)
+            flag = self._generated_flag
+        else:
+            flag = torch.full((*self._prompt.shape[:-1], c), prompt, dtype=torch.bool, device=self.device)
         self._set(torch.cat([self._pos, pos], dim=-1), torch.cat([self._prompt, flag], dim=-1), self.uniform)
 
     def view(self, budget: int, phase: Phase, current_position: int) -> CacheView:

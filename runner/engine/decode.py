@@ -48,6 +48,7 @@ from kvleague.runner.engine.contract import BatchCacheView, Observation
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import BatchAttentionRecorder, recording
 from kvleague.runner.engine.protocol import GenerationSettings
+from kvleague.runner.engine.resources import current_rss
 
 if TYPE_CHECKING:
     from kvleague.runner.engine.session import Session
@@ -334,12 +335,13 @@ class DecodeLoop:
         self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask)
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
+        rss = current_rss() if self.device.type != "cuda" else None  # the process's: one read for the batch
         for r, s in live.items():
             if self.shared:
                 for layer in s.cache.cache.layers:
                     layer.set_length(lengths[r] + 1)
             s.logits = self.logits[r]
-            s.after_forward(new_positions[r], prompt=False)
+            s.after_forward(new_positions[r], prompt=False, rss=rss)
         self._observe(live, new_positions, token_ids)
         self._evict(live)
 
@@ -348,9 +350,10 @@ class DecodeLoop:
         for r, s in sessions.items():
             if not s.method.never_evicts:
                 groups[type(s.method)].append(r)
+        tokens = torch.tensor(token_ids) if groups else None  # every row's new token: one tensor for all
         for cls, members in groups.items():
             start = self.engine.mark()
-            observations = [self._observation(r, sessions[r], new_positions[r], token_ids[r]) for r in members]
+            observations = [self._observation(r, sessions[r], new_positions[r], tokens[r : r + 1]) for r in members]
             if len(members) == 1:
                 sessions[members[0]].method.observe(observations[0])
             else:
@@ -359,7 +362,7 @@ class DecodeLoop:
             for r in members:
                 sessions[r].method_time.add(start, end, 1 / len(members))
 
-    def _observation(self, r: int, s: "Session", new_positions: torch.Tensor, token: int) -> Observation:
+    def _observation(self, r: int, s: "Session", new_positions: torch.Tensor, token: torch.Tensor) -> Observation:
         needs = s.method.needs
         recorded = (
             self.recorder.row(r, needs.queries, needs.new_keys_values, needs.attention) if self.recorder is not None else {}
@@ -367,7 +370,7 @@ class DecodeLoop:
         return Observation(
             phase="decode",
             new_positions=new_positions,
-            new_token_ids=torch.tensor([token]),
+            new_token_ids=token,
             cache_positions=list(s.cache.positions),  # eviction rebinds entries of the live list
             hidden_states={layer: self.hidden[layer][r] for layer in s.hidden_layers} if s.hidden_layers else None,
             **recorded,

@@ -40,9 +40,10 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak = 0 if self.cuda else current_rss()
 
-    def sample(self) -> None:
+    def sample(self, rss: int | None = None) -> None:
+        """Take an RSS sample (``rss``: one the caller read just now, shared by a batch's sequences)."""
         if not self.cuda:
-            self._peak = max(self._peak, current_rss())
+            self._peak = max(self._peak, current_rss() if rss is None else rss)
 
     @property
     def peak(self) -> int:

@@ -215,13 +215,14 @@ class Session:
             return False
         return self.cache.length > self.budget + (self.protocol.buffer if phase == "decode" else 0)
 
-    def after_forward(self, positions: torch.Tensor, prompt: bool) -> None:
-        """Book the tokens a forward pass appended at absolute ``positions``."""
+    def after_forward(self, positions: torch.Tensor, prompt: bool, rss: int | None = None) -> None:
+        """Book the tokens a forward pass appended at absolute ``positions`` (``rss``: the process's
+        resident memory read once for a whole batch, as ``PeakMemory.sample`` takes it)."""
         self.cache.track(positions, prompt)
         self.next_position += positions.shape[-1]
         self.peak_entries = max(self.peak_entries, self.cache.length)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.cache.kv_bytes())
-        self.memory.sample()
+        self.memory.sample(rss)
 
     @property
     def method_seconds(self) -> float:
