@@ -37,8 +37,8 @@ def test_kl_equals_a_naive_recomputation_on_the_kept_positions(engines, prompt_i
     seen: list[list[torch.Tensor]] = []  # cache positions right after each forward (before its eviction)
     real_after_forward = Session.after_forward
 
-    def recording_after_forward(self, positions, prompt):
-        real_after_forward(self, positions, prompt)
+    def recording_after_forward(self, positions, prompt, **kwargs):
+        real_after_forward(self, positions, prompt, **kwargs)
         seen.append([p.clone() for p in self.cache.positions])
 
     monkeypatch.setattr(Session, "after_forward", recording_after_forward)
