@@ -485,13 +485,17 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     order = _row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
     contiguous = rows == list(range(rows[0], rows[0] + n))
     index = None if contiguous else torch.tensor(rows, device=device)
+    # every slot before the first dropped one (of any row, layer or head) stays where it is. On a CPU
+    # only the slots from there on move (most of a long cache's slots, where a method drops recent
+    # tokens); on a GPU moving them all costs less than the host read that says where that is
+    start = int((~keep).to(torch.uint8).argmax(dim=-1).min()) if device.type == "cpu" else 0
     for i, (slab_k, slab_v) in enumerate(slabs):
-        o = order if dim == 1 else order[:, i]  # [N, k_max] or [N, H, k_max]
+        o = (order if dim == 1 else order[:, i])[..., start:]  # [N, k_max - start] or [N, H, k_max - start]
         for buf in (slab_k, slab_v):
             part = buf[rows[0] : rows[0] + n] if contiguous else buf.index_select(0, index)
-            at = (o[:, None, :, None] if o.dim() == 2 else o[..., None]).expand(n, buf.shape[1], k_max, buf.shape[-1])
+            at = (o[:, None, :, None] if o.dim() == 2 else o[..., None]).expand(n, buf.shape[1], k_max - start, buf.shape[-1])
             # slots past a row's own count take whatever its padded order names: past its new length
-            part.narrow(-2, 0, k_max).copy_(torch.gather(part.narrow(-2, 0, t), -2, at))
+            part.narrow(-2, start, k_max - start).copy_(torch.gather(part.narrow(-2, 0, t), -2, at))
             if not contiguous:  # a copy of the rows: written back
                 buf.index_copy_(0, index, part)
     if dim == 1:
