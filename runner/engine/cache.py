@@ -485,9 +485,9 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     order = _row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
     contiguous = rows == list(range(rows[0], rows[0] + n))
     index = None if contiguous else torch.tensor(rows, device=device)
-    # every slot before the first dropped one (of any row, layer or head) stays where it is. On a CPU
-    # only the slots from there on move (most of a long cache's slots, where a method drops recent
-    # tokens); on a GPU moving them all costs less than the host read that says where that is
+    # every slot before the first dropped one (of any row, layer or head) stays where it is: on a CPU
+    # only the slots from there on move (a few, where a method drops recent tokens); on a GPU all move,
+    # since reading where that slot is would make the host wait for the device inside the step
     start = int((~keep).to(torch.uint8).argmax(dim=-1).min()) if device.type == "cpu" else 0
     for i, (slab_k, slab_v) in enumerate(slabs):
         o = (order if dim == 1 else order[:, i])[..., start:]  # [N, k_max - start] or [N, H, k_max - start]
