@@ -10,6 +10,8 @@ them that read a tensor's value on the host (``HOST_READS``: ``item`` / ``bool``
 ``nonzero``, ``equal``; ``tolist`` dispatches nothing on a CPU tensor and is not counted). Prompts
 are fed before counting starts; only decoding is counted. Reads of CPU tensors cost a GPU nothing
 (EpiKV's z-scores are Python floats), so the host reads bound the device synchronizations from above.
+One count differs from a GPU's: on a CPU a batched eviction reads where its first dropped slot is
+(``cache.evict_rows``: one host read and ~9 ops per eviction, which a GPU skips).
 
     python -m kvleague.runner.bench.step_ops [--methods full,epikv,h2o,snapkv] [--batch-sizes 1,8,32]
                                              [--budget 32] [--prompt-tokens 64] [--steps 32] [--json OUT]
