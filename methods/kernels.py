@@ -19,11 +19,7 @@ class PositionTable:
 
     def __init__(self, fill: float = 0.0):
         self.fill = fill
-        self._adopt(torch.full((1024,), fill, dtype=torch.float64))
-
-    def _adopt(self, data: torch.Tensor) -> None:
-        self.data = data
-        self._array = data.numpy()  # the same memory: one value written without a torch op
+        self.data = torch.full((1024,), fill, dtype=torch.float64)
 
     def _grow(self, positions: torch.Tensor) -> None:
         self.reserve(int(positions.max()))
@@ -33,7 +29,7 @@ class PositionTable:
         if position >= self.data.shape[0]:
             grown = torch.full((max(position + 1, 2 * self.data.shape[0]),), self.fill, dtype=torch.float64)
             grown[: self.data.shape[0]] = self.data
-            self._adopt(grown)
+            self.data = grown
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._grow(positions)
@@ -42,7 +38,9 @@ class PositionTable:
     def write_one(self, position: int, value: float) -> None:
         """``write`` of one value (the batched decode path)."""
         self.reserve(position)
-        self._array[position] = value
+        # no torch op: a numpy view of the same memory, made here, not kept (a copied table would
+        # keep a view of the original's memory)
+        self.data.numpy()[position] = value
 
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._grow(positions)

@@ -554,3 +554,20 @@ def test_scissorhands_query_whose_earlier_keys_were_all_evicted_counts_for_nothi
     expected = later.score(view)
     # same unimportance counts; the mean weight is over 3 queries instead of 2, the blind one adding 0
     torch.testing.assert_close(scores, expected.floor() + (expected - expected.floor()) * 2 / 3)
+
+
+def test_position_table_write_one_is_write_and_a_copy_is_its_own():
+    """``write_one`` (the batched decode path) stores what ``write`` stores, grows past the end, and a
+    copied table (``copy.deepcopy``) writes into its own memory, never the original's."""
+    import copy
+
+    from kvleague.methods.kernels import PositionTable
+
+    one, many = PositionTable(fill=float("inf")), PositionTable(fill=float("inf"))
+    for position, value in ((3, 0.1), (5000, -2.5), (7, 1e-300)):
+        one.write_one(position, value)
+        many.write(torch.tensor([position]), torch.tensor([value], dtype=torch.float64))
+    assert torch.equal(one.data, many.data) and one.read(torch.tensor([3, 4, 5000, 9000])).tolist() == [0.1, float("inf"), -2.5, float("inf")]
+    twin = copy.deepcopy(one)
+    twin.write_one(3, 42.0)
+    assert one.read(torch.tensor([3])).item() == 0.1 and twin.read(torch.tensor([3])).item() == 42.0
