@@ -20,6 +20,7 @@ class PositionTable:
     def __init__(self, fill: float = 0.0):
         self.fill = fill
         self.data = torch.full((1024,), fill, dtype=torch.float64)
+        self._array = None  # a numpy view of ``data`` (see ``write_one``)
 
     def _grow(self, positions: torch.Tensor) -> None:
         self.reserve(int(positions.max()))
@@ -38,9 +39,12 @@ class PositionTable:
     def write_one(self, position: int, value: float) -> None:
         """``write`` of one value (the batched decode path)."""
         self.reserve(position)
-        # no torch op: a numpy view of the same memory, made here, not kept (a copied table would
-        # keep a view of the original's memory)
-        self.data.numpy()[position] = value
+        # no torch op: a numpy view of ``data``'s memory, made again whenever ``data`` is not where it
+        # points (grown, or a copied table, whose copied view would point at the original's)
+        array = self._array
+        if array is None or array.ctypes.data != self.data.data_ptr():
+            self._array = array = self.data.numpy()
+        array[position] = value
 
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._grow(positions)
