@@ -203,17 +203,17 @@ class EpiKVFamily(EvictionMethod):
         self._remember(hidden)
 
     def _push(self, positions: torch.Tensor, d_a: torch.Tensor, d_b: torch.Tensor) -> None:
-        """z-score the group signals of the new tokens and freeze their scores."""
+        """z-score the group signals of the new tokens and freeze their scores: token by token
+        (:meth:`_push_one`), except a float64 chunk of several, z-scored in one vectorised pass."""
+        if self.arithmetic == "reference" or positions.shape[0] == 1:
+            for position, a, b in zip(positions.tolist(), d_a.tolist(), d_b.tolist()):
+                self._push_one(position, a, b)
+            return
         w_a, w_b = self.weights()
-        z_a, z_b = self.z_a.push(d_a), self.z_b.push(d_b)
-        if self.arithmetic == "reference":
-            score = torch.tensor([w_a * a - w_b * b for a, b in zip(z_a.tolist(), z_b.tolist())])  # float32
-        else:
-            score = w_a * z_a - w_b * z_b
-        self.table.write(positions, score)
+        self.table.write(positions, w_a * self.z_a.push(d_a) - w_b * self.z_b.push(d_b))
 
     def _push_one(self, position: int, d_a: float, d_b: float) -> None:
-        """``_push`` of one new token, in Python floats (the batched decode path; the same arithmetic)."""
+        """z-score one new token's group signals and freeze its score, in Python floats."""
         w_a, w_b = self.weights()
         score = w_a * self.z_a.push_one(d_a) - w_b * self.z_b.push_one(d_b)
         if self.arithmetic == "reference":

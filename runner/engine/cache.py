@@ -187,6 +187,7 @@ class BudgetedCache:
         self._heads_agree = True  # within each layer, every head does
         self._views: tuple[list, list] | None = None
         self._scratch: torch.Tensor | None = None
+        self._scratch_last: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last view of it, by shape
         self.bytes_per_slot = 0
         #: the slabs are rows of a batched slab (runner/engine/decode.py): never reallocate them
         self.pinned = False
@@ -390,13 +391,18 @@ class BudgetedCache:
             buf.narrow(-2, first, m).copy_(tmp)
 
     def _scratch_view(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A ``shape`` view of the reused scratch buffer, for a copy of ``like``'s slots; the same view
+        as the last call's when the shape is (an eviction's K and V, and its layers, share one)."""
         numel = 1
         for s in shape:
             numel *= s
         s = self._scratch
         if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
             self._scratch = s = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
-        return s[:numel].view(shape)
+            self._scratch_last = None
+        if self._scratch_last is None or self._scratch_last[0] != shape:
+            self._scratch_last = (shape, s[:numel].view(shape))
+        return self._scratch_last[1]
 
     def _shrink(self, budget: int) -> None:
         """Give memory back after a long prompt was compressed: slabs far above the reserve shrink."""
@@ -488,7 +494,7 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     # every slot before the first dropped one (of any row, layer or head) stays where it is: on a CPU
     # only the slots from there on move (a few, where a method drops recent tokens); on a GPU all move,
     # since reading where that slot is would make the host wait for the device inside the step
-    start = int((~keep).to(torch.uint8).argmax(dim=-1).min()) if device.type == "cpu" else 0
+    start = _first_dropped(keep) if device.type == "cpu" else 0
     for i, (slab_k, slab_v) in enumerate(slabs):
         o = (order if dim == 1 else order[:, i])[..., start:]  # [N, k_max - start] or [N, H, k_max - start]
         for buf in (slab_k, slab_v):
@@ -567,6 +573,12 @@ def _agreement(keep: torch.Tensor) -> torch.Tensor:
     return torch.stack([heads, layers])
 
 
+def _first_dropped(keep: torch.Tensor) -> int:
+    """The earliest slot that any row of keep mask ``keep`` (``[..., T]``) drops: every slot before
+    it stays where it is (0 when a row drops none of its ``T`` slots). One host read."""
+    return int((~keep).to(torch.uint8).argmax(dim=-1).min())
+
+
 def _keep_top(ranked: torch.Tensor, kept, positions: torch.Tensor) -> torch.Tensor:
     """Boolean mask of the ``kept`` highest ``ranked`` along the last dim: exactly ``kept`` per row
     (an int, or a tensor broadcast against the leading dims: a count per row).
@@ -623,6 +635,16 @@ class _Plan:
             self._cache["order"] = _row_order(self.keep, self.budget, self.budget, self.ordered)
         return self._cache["order"]
 
+    def gather_index(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The index that gathers a ``shape`` (``[1, H, capacity, d]``) buffer's kept slots into
+        ``[1, H, B, d]``: :meth:`order` expanded, shared by every buffer of that shape."""
+        key = ("gather", shape)
+        if key not in self._cache:
+            order = self.order()
+            index = order[None, None, :, None] if order.dim() == 1 else order[None, :, :, None]
+            self._cache[key] = index.expand(shape[0], shape[1], self.budget, shape[-1])
+        return self._cache[key]
+
     def holes_donors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Order-free: dropped slots below B and the kept slots from B on that refill them.
 
@@ -650,8 +672,7 @@ class _Plan:
     def tail(self) -> tuple[int, torch.Tensor | None]:
         """Ordered: the earliest hole over the heads, and the kept slots from it on (``[m]`` / ``[H, m]``)."""
         if "tail" not in self._cache:
-            rows = self.keep.reshape(-1, self.length)
-            first = int((~rows).int().argmax(dim=1).min())
+            first = _first_dropped(self.keep)
             m = self.budget - first
             tail = None
             if m > 0:

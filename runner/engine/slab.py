@@ -127,15 +127,8 @@ class SlabStore(BudgetedCache):
     def _evict_layer(self, layer, plan: _Plan) -> None:
         budget = plan.budget
         for buf in layer.buffers:  # [1, H, capacity, d]
-            # the gather's index and scratch, built once per plan and buffer shape: a token-level plan
-            # serves every layer's K and V (what the host dispatches per buffer is the gather and copy)
-            key = ("gather", tuple(buf.shape), buf.dtype)
-            if key not in plan._cache:
-                order = plan.order()  # [B] or [H, B]: the old slot of every new slot, as the HF store lays them out
-                index = (order[None, None, :, None] if order.dim() == 1 else order[None, :, :, None])
-                index = index.expand(buf.shape[0], buf.shape[1], budget, buf.shape[-1])
-                plan._cache[key] = (index, self._scratch_view(buf, tuple(index.shape)))
-            index, tmp = plan._cache[key]
+            index = plan.gather_index(tuple(buf.shape))  # the HF store's slot layout; one per plan and shape
+            tmp = self._scratch_view(buf, tuple(index.shape))
             torch.gather(buf, -2, index, out=tmp)
             buf.narrow(-2, 0, budget).copy_(tmp)
         layer.truncate(budget)
