@@ -58,26 +58,25 @@ class H2O(EvictionMethod):
 
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)
-        self.acc: list[torch.Tensor] | None = None
-        self.acc_positions: list[torch.Tensor] | None = None
+        #: ``[L, H_kv, T]``: the accumulated attention of the slots whose positions ``acc_positions`` holds
+        self.acc: torch.Tensor | None = None
+        self.acc_positions: torch.Tensor | None = None
 
     def observe(self, obs: Observation) -> None:
         n_kv = self.info.n_kv_heads
-        new_acc = []
-        for layer, (rows, positions) in enumerate(zip(obs.attention, obs.cache_positions)):
-            received = per_kv_head(rows.sum(dim=1), n_kv)  # [H_kv, T]
-            if self.acc is not None:
-                received = received + carry(self.acc[layer], self.acc_positions[layer], positions)
-            new_acc.append(received)
-        self.acc, self.acc_positions = new_acc, list(obs.cache_positions)
+        received = torch.stack([per_kv_head(rows.sum(dim=1), n_kv) for rows in obs.attention])  # [L, H_kv, T]
+        positions = torch.stack(list(obs.cache_positions))
+        if self.acc is not None:
+            received = received + carry(self.acc, self.acc_positions, positions)
+        self.acc, self.acc_positions = received, positions
 
     @classmethod
     def observe_batch(cls, methods, observations) -> None:
-        """Sequences holding equal numbers of slots before and after the step: each layer's accumulation
-        for all of them in one operation (``carry`` and the GQA mean work on a leading batch dimension)."""
+        """Sequences holding equal numbers of slots before and after the step: every layer's accumulation
+        for all of them in one operation (``carry`` and the GQA mean work on leading batch dimensions)."""
         if cls.observe is not H2O.observe:
             return super().observe_batch(methods, observations)
-        keys = [(o.cache_positions[0].shape[-1], None if m.acc is None else tuple(a.shape[-1] for a in m.acc))
+        keys = [(o.cache_positions[0].shape[-1], None if m.acc is None else m.acc.shape[-1])
                 for m, o in zip(methods, observations)]
         for members in groups_by(keys):
             if len(members) == 1:
@@ -88,24 +87,18 @@ class H2O(EvictionMethod):
     @classmethod
     def _observe_together(cls, methods, observations) -> None:
         n, n_kv = len(methods), methods[0].info.n_kv_heads
-        new_acc: list[list[torch.Tensor]] = [[] for _ in methods]
-        for layer in range(len(observations[0].attention)):
-            rows = torch.stack([o.attention[layer] for o in observations]).sum(dim=2)  # [N, H_q, T]
-            received = rows.view(n, n_kv, rows.shape[1] // n_kv, rows.shape[-1]).mean(dim=2)  # [N, H_kv, T]
-            if methods[0].acc is not None:
-                received = received + carry(
-                    torch.stack([m.acc[layer] for m in methods]),
-                    torch.stack([m.acc_positions[layer] for m in methods]),
-                    torch.stack([o.cache_positions[layer] for o in observations]),
-                )
-            for i in range(n):
-                new_acc[i].append(received[i])
-        for method, acc, obs in zip(methods, new_acc, observations):
-            method.acc, method.acc_positions = acc, list(obs.cache_positions)
+        rows = torch.stack([_stacked(o.attention) for o in observations]).sum(dim=3)  # [N, L, H_q, T]
+        received = rows.view(n, rows.shape[1], n_kv, rows.shape[2] // n_kv, rows.shape[-1]).mean(dim=3)  # [N, L, H_kv, T]
+        positions = torch.stack([_stacked(o.cache_positions) for o in observations])  # [N, L, H, T]
+        if methods[0].acc is not None:
+            received = received + carry(torch.stack([m.acc for m in methods]),
+                                        torch.stack([m.acc_positions for m in methods]), positions)
+        for method, acc, pos in zip(methods, received, positions):
+            method.acc, method.acc_positions = acc, pos
 
     def accumulated(self, cache: CacheView) -> torch.Tensor:
         """``[L, H_kv, T]`` accumulated attention of the cached slots."""
-        return torch.stack([carry(a, p, pos) for a, p, pos in zip(self.acc, self.acc_positions, cache.positions)])
+        return carry(self.acc, self.acc_positions, torch.stack(cache.positions))
 
     def n_recent(self, cache: CacheView) -> int:
         """How many of the newest positions H2O's recent window holds under ``cache.budget``."""
@@ -125,7 +118,7 @@ class H2O(EvictionMethod):
         carried sums for all of them in one operation, and the recent window per row, as ``score``."""
         if cls.score is not H2O.score or cls.accumulated is not H2O.accumulated:
             return super().score_batch(methods, caches)
-        keys = [(view.length, tuple(a.shape[-1] for a in m.acc)) for m, view in zip(methods, caches.views)]
+        keys = [(view.length, m.acc.shape[-1]) for m, view in zip(methods, caches.views)]
         out: list[torch.Tensor | None] = [None] * len(methods)
         for members in groups_by(keys):
             if len(members) == 1:
@@ -133,14 +126,15 @@ class H2O(EvictionMethod):
                 continue
             group, views = [methods[i] for i in members], [caches.views[i] for i in members]
             positions = torch.stack([torch.stack(v.positions) for v in views])  # [n, L, H, T]
-            scores = torch.stack([
-                carry(torch.stack([m.acc[layer] for m in group]), torch.stack([m.acc_positions[layer] for m in group]),
-                      positions[:, layer])
-                for layer in range(positions.shape[1])
-            ], dim=1)  # [n, L, H, T]
+            scores = carry(torch.stack([m.acc for m in group]), torch.stack([m.acc_positions for m in group]), positions)
             # the recent window per row (with none, the threshold is the newest position: nothing is above it)
             threshold = torch.tensor([v.current_position - m.n_recent(v) for m, v in zip(group, views)])
             scores = scores.masked_fill(positions > threshold.to(positions.device).view(-1, 1, 1, 1), float("inf"))
             for i, row in zip(members, scores):
                 out[i] = row
         return out
+
+
+def _stacked(per_layer) -> torch.Tensor:
+    """Per-layer tensors as one (a batched decode step hands some over stacked already)."""
+    return per_layer if isinstance(per_layer, torch.Tensor) else torch.stack(list(per_layer))

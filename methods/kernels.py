@@ -81,17 +81,19 @@ class QueryWindow:
     def __init__(self, window: int, head_dim: int):
         self.window = window
         self.scaling = 1.0 / math.sqrt(head_dim)
-        self.queries: list[torch.Tensor] | None = None
+        #: ``[L, H_q, w, d]``: every layer's window in one tensor, so a decode step appends with one cat
+        self.queries: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
     def push(self, obs: Observation) -> None:
         w = self.window
-        new = [q[:, -w:] for q in obs.queries]
+        queries = obs.queries
+        new = queries[:, :, -w:] if isinstance(queries, torch.Tensor) else torch.stack([q[:, -w:] for q in queries])
         pos = obs.new_positions[-w:]
         if self.queries is None or pos.shape[0] >= w:
             self.queries, self.positions = new, pos
         else:
-            self.queries = [torch.cat([old, q], dim=1)[:, -w:] for old, q in zip(self.queries, new)]
+            self.queries = torch.cat([self.queries, new], dim=2)[:, :, -w:]
             self.positions = torch.cat([self.positions, pos])[-w:]
 
     def attention(self, layer: int, keys: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

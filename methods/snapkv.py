@@ -67,12 +67,13 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
             rows = None if len(members) == len(caches) else torch.tensor(members, device=caches.keys[0].device)
             t = views[0].length
             scores, owns = [], []
+            queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
+            query_pos = torch.stack([w.positions for w in windows]).to(caches.keys[0].device)  # [n, w]
             for layer in range(len(caches.keys)):
-                q = torch.stack([w.queries[layer] for w in windows])  # [n, H_q, w, d]
+                q = queries[:, layer]  # [n, H_q, w, d]
                 padded = caches.keys[layer]  # every evicting row's keys, one tensor (a view of the slab where it can be)
                 k = (padded if rows is None else padded.index_select(0, rows))[:, :, :t]  # [n, H_kv, T, d]
                 key_pos = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
-                query_pos = torch.stack([w.positions for w in windows]).to(key_pos.device)  # [n, w]
                 n, h_q, w, d = q.shape
                 h_kv, t = k.shape[1], k.shape[2]
                 group = h_q // h_kv

@@ -427,12 +427,11 @@ class BudgetedCache:
 
 
 def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets: list[int], protocol: Protocol,
-               current_positions: list[int], ordered: bool, slabs: list[tuple[torch.Tensor, torch.Tensor]],
-               rows: list[int]) -> list[int] | None:
+               current_positions: list[int], ordered: bool, kv: torch.Tensor, rows: list[int]) -> list[int] | None:
     """:meth:`BudgetedCache.evict` for several caches at once, each the row ``rows[i]`` of the batched
-    slabs ``slabs`` (per layer ``[N, H, capacity, d]`` keys and values; ``decode.py``), each with its
-    own length and budget: one selection over the stacked (padded) scores and one gather per buffer
-    for all of them, and one host read per call whatever the batch size (the rows' counts of prompt,
+    slabs ``kv`` (every layer's keys and values, ``[L, 2, N, H, capacity, d]``; ``decode.py``), each with
+    its own length and budget: one selection over the stacked (padded) scores and one gather for all
+    of them (of a few layers at a time where its temporary would pass ``_GATHER_BYTES``), and one host read per call whatever the batch size (the rows' counts of prompt,
     protected and keepable slots, which fix how many each keeps). The same kept slots, slot order
     and bookkeeping as evicting each on its own. Returns the dropped count per cache, or None
     (nothing changed) where the rows do not share one plan shape (different score shapes, a row whose
@@ -495,15 +494,25 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     # only the slots from there on move (a few, where a method drops recent tokens); on a GPU all move,
     # since reading where that slot is would make the host wait for the device inside the step
     start = _first_dropped(keep) if device.type == "cpu" else 0
-    for i, (slab_k, slab_v) in enumerate(slabs):
-        o = (order if dim == 1 else order[:, i])[..., start:]  # [N, k_max - start] or [N, H, k_max - start]
-        for buf in (slab_k, slab_v):
-            part = buf[rows[0] : rows[0] + n] if contiguous else buf.index_select(0, index)
-            at = (o[:, None, :, None] if o.dim() == 2 else o[..., None]).expand(n, buf.shape[1], k_max - start, buf.shape[-1])
-            # slots past a row's own count take whatever its padded order names: past its new length
-            part.narrow(-2, start, k_max - start).copy_(torch.gather(part.narrow(-2, 0, t), -2, at))
-            if not contiguous:  # a copy of the rows: written back
-                buf.index_copy_(0, index, part)
+    width = k_max - start
+    o = order[..., start:]  # [N, w], [N, L, w] or [N, L, H, w]
+    # the slots to gather, as [L or 1, 1, N, H or 1, w, 1], broadcast over K / V and head_dim
+    at = o[None, None, :, None, :, None] if dim == 1 else o.transpose(0, 1).unsqueeze(1).unsqueeze(-1)
+    if dim == 2:
+        at = at.unsqueeze(3)
+    part = kv[:, :, rows[0] : rows[0] + n] if contiguous else kv.index_select(2, index)  # [L, 2, n, H, capacity, d]
+    n_layers, _, _, heads, _, head_dim = part.shape
+    # one gather for all layers, unless its temporary would be large (then a few layers at a time)
+    per_layer = 2 * n * heads * width * head_dim * part.element_size()
+    chunk = max(1, _GATHER_BYTES // max(per_layer, 1))
+    for lo in range(0, n_layers, chunk):
+        hi = min(lo + chunk, n_layers)
+        slabs = part[lo:hi]
+        index_at = (at if at.shape[0] == 1 else at[lo:hi]).expand(hi - lo, 2, n, heads, width, head_dim)
+        # slots past a row's own count take whatever its padded order names: past its new length
+        slabs.narrow(-2, start, width).copy_(torch.gather(slabs.narrow(-2, 0, t), -2, index_at))
+    if not contiguous:  # a copy of the rows: written back
+        kv.index_copy_(2, index, part)
     if dim == 1:
         at = order[:, None, :].expand(n, first.n_kv_heads, k_max)
         new_pos = padded([c._pos for c in caches], -1).gather(2, at)
@@ -616,6 +625,8 @@ def _row_order(keep: torch.Tensor, kept, k_max: int, ordered: bool) -> torch.Ten
 
 #: ordered removal of at most this many slots per head moves the tail in place (CPU memmove)
 _MEMMOVE_MAX = 16
+#: the most bytes one gather of ``evict_rows`` copies out (the slabs' kept slots of a few layers)
+_GATHER_BYTES = 256 << 20
 
 
 class _Plan:

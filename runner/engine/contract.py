@@ -131,10 +131,12 @@ class Observation:
     #: per layer ``[H, C, d]``
     new_keys: list[torch.Tensor] | None = None
     new_values: list[torch.Tensor] | None = None
-    #: per layer ``[H_q, C, d]`` (post-RoPE)
-    queries: list[torch.Tensor] | None = None
-    #: per layer ``[H_q, w, T]`` float32 softmax rows of the last ``w`` new queries over all T slots
-    attention: list[torch.Tensor] | None = None
+    #: per layer ``[H_q, C, d]`` (post-RoPE), indexed by layer: a list, or one ``[L, H_q, C, d]`` tensor
+    #: (a batched decode step's, which stacks every layer once for all rows)
+    queries: list[torch.Tensor] | torch.Tensor | None = None
+    #: per layer ``[H_q, w, T]`` float32 softmax rows of the last ``w`` new queries over all T slots,
+    #: indexed by layer: a list, or one ``[L, H_q, w, T]`` tensor (a batched decode step's)
+    attention: list[torch.Tensor] | torch.Tensor | None = None
 
 
 class CacheView:

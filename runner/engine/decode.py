@@ -7,7 +7,8 @@ keeps what it has alone: its own method instance, seed and sampling generator, b
 its kept positions and prompt flags, protected tokens, stop condition and instrumentation.
 
 **The KV layout of a step.** One sequence decodes on its own cache (any layer kind the backend's
-store holds). Several share one slab per layer, ``[N, H, capacity, d]``, whose row i *is* sequence
+store holds). Several share one slab per layer, ``[N, H, capacity, d]`` (every layer's K and V are
+views of one ``[L, 2, N, H, capacity, d]`` tensor, ``DecodeLoop.kv``), whose row i *is* sequence
 i's cache: its ``BudgetedCache`` layers are bound to that row (``SlabLayer.bind``), so its evictions
 move entries in place with the single path's code and its slots stay in the single path's order.
 Rows are packed to the left and hold different numbers of slots ``n_i``; row i's new token is
@@ -23,7 +24,7 @@ finished sequence leaves at once: its row is dropped from the slabs.
 (``runner/engine/contract.py``), which loop over the instances unless the class vectorises.
 Selection and moving the entries run for the whole group at once where its rows share a protocol,
 slot contract and score shape (``cache.evict_rows``: one top-k over the stacked scores, each row
-with its own length and budget, one gather per slab buffer, one host read whatever the batch size),
+with its own length and budget, one gather for every layer's slabs, one host read whatever the batch size),
 else per sequence on its row (``Session.apply_scores``); both keep the same slots.
 
 Per-sequence instrumentation in a batch: ``decode_seconds_*`` / ``tokens_per_second`` are the
@@ -165,21 +166,20 @@ class DecodeLoop:
 
     def _build_slabs(self, capacity: int) -> None:
         n = len(self.active)
-        layers = []
-        for l in range(self.engine.n_layers):
-            first = self.sessions[self.active[0]].cache.cache.layers[l].keys
-            # zeros, not empty: a padded slot is masked, but 0 x NaN garbage would still be NaN
-            k = first.new_zeros((n, first.shape[1], capacity, first.shape[-1]))
-            v = torch.zeros_like(k)
+        first = self.sessions[self.active[0]].cache.cache.layers[0].keys
+        # every layer's K and V in one tensor, so that an eviction moves the kept slots of all of them
+        # with one gather (cache.evict_rows); zeros, not empty: a padded slot is masked, but 0 x NaN
+        # garbage would still be NaN
+        kv = first.new_zeros((self.engine.n_layers, 2, n, first.shape[1], capacity, first.shape[-1]))
+        for l, (k, v) in enumerate(kv):
             for r, i in enumerate(self.active):
                 layer = self.sessions[i].cache.cache.layers[l]
                 length = layer.keys.shape[-2]
                 k[r : r + 1, :, :length].copy_(layer.keys)
                 v[r : r + 1, :, :length].copy_(layer.values)
-            layers.append(self.backend.batch_layer(k, v, self.rows))
         self.cache = self.backend.empty_batch_cache()
-        self.cache.layers = layers
-        self.capacity = capacity
+        self.cache.layers = [self.backend.batch_layer(kv[l, 0], kv[l, 1], self.rows) for l in range(kv.shape[0])]
+        self.kv, self.capacity = kv, capacity
         self._bind_rows()
 
     def _bind_rows(self) -> None:
@@ -190,25 +190,21 @@ class DecodeLoop:
                 layer.bind(batch_layer.slab_k[r : r + 1], batch_layer.slab_v[r : r + 1], cache.length)
 
     def _reslab(self, keep_rows: list[int] | None = None, capacity: int | None = None) -> None:
-        """Drop the rows not in ``keep_rows`` and/or move to a larger capacity (one copy per layer)."""
+        """Drop the rows not in ``keep_rows`` and/or move to a larger capacity (one copy of the slabs)."""
         capacity = capacity or self.capacity
         index = torch.tensor(keep_rows, device=self.device) if keep_rows is not None else None
         longest = max(self.sessions[self.active[r]].cache.length for r in (keep_rows if keep_rows is not None else range(len(self.active))))
-        for layer in self.cache.layers:
-            new = []
-            for slab in (layer.slab_k, layer.slab_v):
-                if index is not None:
-                    slab = slab.index_select(0, index)
-                if capacity != slab.shape[-2]:
-                    grown = slab.new_zeros((*slab.shape[:-2], capacity, slab.shape[-1]))
-                    grown.narrow(-2, 0, longest).copy_(slab.narrow(-2, 0, longest))
-                    slab = grown
-                new.append(slab)
-            layer.bind(*new)
+        kv = self.kv if index is None else self.kv.index_select(2, index)
+        if capacity != kv.shape[-2]:
+            grown = kv.new_zeros((*kv.shape[:-2], capacity, kv.shape[-1]))
+            grown.narrow(-2, 0, longest).copy_(kv.narrow(-2, 0, longest))
+            kv = grown
+        for l, layer in enumerate(self.cache.layers):
+            layer.bind(kv[l, 0], kv[l, 1])
         if keep_rows is not None:
             self.active = [self.active[r] for r in keep_rows]
             self.logits = self.logits.index_select(0, index)
-        self.capacity = capacity
+        self.kv, self.capacity = kv, capacity
         self._bind_rows()
 
     # -- running ----------------------------------------------------------------------------------
@@ -396,7 +392,7 @@ class DecodeLoop:
                 s.apply_scores(score, scoring)
 
     def _evict_together(self, group: list["Session"], members: list[int], scores, scoring: tuple) -> bool:
-        """Evict rows ``members`` of the slabs in one selection and one gather per buffer
+        """Evict rows ``members`` of the slabs in one selection and one gather
         (``cache.evict_rows``) when their sessions share a protocol and slot contract (budgets and
         lengths may differ); False when they cannot (nothing changed: each evicts alone)."""
         s0 = group[0]
@@ -405,8 +401,7 @@ class DecodeLoop:
             return False
         start = self.engine.mark()
         dropped = evict_rows([s.cache for s in group], scores, [s.budget for s in group], s0.protocol,
-                             [s.next_position - 1 for s in group], s0.ordered_slots,
-                             [(layer.slab_k, layer.slab_v) for layer in self.cache.layers], members)
+                             [s.next_position - 1 for s in group], s0.ordered_slots, self.kv, members)
         if dropped is None:
             return False
         selection = (start, self.engine.mark(), 1 / len(group))

@@ -82,12 +82,14 @@ class BatchAttentionRecorder(AttentionRecorder):
     lengths: list = field(default_factory=list)
     raw: list = field(default_factory=list)
     _float_weights: dict = field(default_factory=dict)
+    _stacked_queries: torch.Tensor | None = None
 
     def start_batch(self, lengths: list[int]) -> None:
         self.start(1)
         self.lengths = lengths
         self.raw = [None] * self.n_layers
         self._float_weights = {}
+        self._stacked_queries = None
 
     def _weights(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s eager weights in float32, converted once for every row of the batch."""
@@ -98,20 +100,36 @@ class BatchAttentionRecorder(AttentionRecorder):
     def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
         self.raw[layer] = (query, key, value, weights, scaling)
 
+    def _all_weights(self) -> torch.Tensor:
+        """``[N, L, H_q, 1, T]``: every layer's eager weights in float32, stacked once for every row."""
+        if "all" not in self._float_weights:
+            self._float_weights["all"] = torch.stack([w for _, _, _, w, _ in self.raw], dim=1).float()
+        return self._float_weights["all"]
+
+    def _queries(self) -> torch.Tensor:
+        """``[N, L, H_q, 1, d]``: every layer's queries in one tensor, stacked once for every row."""
+        if self._stacked_queries is None:
+            self._stacked_queries = torch.stack([q for q, _, _, _, _ in self.raw], dim=1)
+        return self._stacked_queries
+
     def row(self, i: int, queries: bool, new_keys_values: bool, attention: bool) -> dict:
-        """Row i's ``queries`` / ``new_keys`` / ``new_values`` / ``attention`` (per layer; ``None`` unless asked)."""
+        """Row i's ``queries`` (one ``[L, H_q, 1, d]`` tensor) / ``new_keys`` / ``new_values`` /
+        ``attention`` (per layer; one ``[L, H_q, 1, T]`` tensor under the eager kernel) (``None`` unless asked)."""
         n = self.lengths[i]
         out = {"queries": None, "new_keys": None, "new_values": None, "attention": None}
         if queries:
-            out["queries"] = [q[i] for q, _, _, _, _ in self.raw]
+            out["queries"] = self._queries()[i]
         if new_keys_values:
             out["new_keys"] = [k[i, :, n - 1 : n] for _, k, _, _, _ in self.raw]
             out["new_values"] = [v[i, :, n - 1 : n] for _, _, v, _, _ in self.raw]
         if attention:
-            out["attention"] = [
-                self._weights(layer)[i, :, :, :n] if w is not None else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
-                for layer, (q, k, _, w, scaling) in enumerate(self.raw)
-            ]
+            if all(w is not None for _, _, _, w, _ in self.raw):  # the eager kernel's weights, every layer's in one tensor
+                out["attention"] = self._all_weights()[i, ..., :n]
+            else:
+                out["attention"] = [
+                    self._weights(layer)[i, :, :, :n] if w is not None else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
+                    for layer, (q, k, _, w, scaling) in enumerate(self.raw)
+                ]
         return out
 
 
