@@ -142,6 +142,38 @@ def test_decode_steps_see_the_whole_fixed_slab_and_evictions_never_reallocate(pa
     assert widths[0] == (capacity if not batched else BUDGET + 1)  # a batch's slab: B + the cadence's buffer + 1
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batch"])
+@pytest.mark.parametrize("name", ["epikv", "snapkv"])  # scores [T] (one plan) and [L, H_kv, T]
+def test_an_eviction_moves_every_layer_with_one_gather(pairs, prompts, monkeypatch, name, batched):
+    """Every layer's K and V are views of one tensor (a sequence's store, or a batch's slabs), and each
+    eviction moves the kept slots of all layers with one gather, never layer by layer (the tests above
+    show that it keeps what the HF store keeps)."""
+    from kvleague.runner.engine import cache as cache_module
+    from kvleague.runner.engine import slab as slab_module
+    from kvleague.runner.engine.cache import BudgetedCache
+
+    _, slab = pairs["llama"]
+    gathered = []
+    for module in (cache_module, slab_module):
+        real = module.gather_slots
+        monkeypatch.setattr(module, "gather_slots", lambda kv, *a, _real=real, **k: gathered.append(kv.shape) or _real(kv, *a, **k))
+    monkeypatch.setattr(BudgetedCache, "_evict_layer", lambda *a: pytest.fail("a layer evicted on its own"))
+    protocol, settings = Protocol(sink=1), GenerationSettings(max_new_tokens=8)
+    if batched:
+        results = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings)
+        evictions = sum(r.evictions for r in results)
+        assert len(gathered) <= evictions - 1 and {shape[:2] for shape in gathered} == {(slab.n_layers, 2)}
+        return
+    with slab.session(build_method(name), BUDGET, protocol) as session:
+        session.feed(prompts[2])  # 27 tokens: the prompt is compressed
+        store = session.cache
+        assert all(b.untyped_storage().data_ptr() == store.kv.untyped_storage().data_ptr()
+                   for layer in store.cache.layers for b in layer.buffers)
+        session.decode(settings)
+        assert session.evictions >= 8 and len(gathered) == session.evictions
+        assert all(shape[:3] == (slab.n_layers, 2, 1) for shape in gathered)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", METHODS)
 def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):

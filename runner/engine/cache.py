@@ -24,6 +24,8 @@ A slab shrinks back to its reserve once a long prompt has been compressed, so me
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -311,16 +313,10 @@ class BudgetedCache:
         self.ranked = _ranking_decided(length, kept, n_protected)
         keep = _keep_top(ranked, kept, pos)  # shape of scores
         budget = kept
+        order = self._move_kept(keep, budget, ordered)  # the old slot of every new slot
         if keep.dim() == 1:  # one plan for every layer
-            plan = _Plan(keep, budget, ordered)
-            for layer in self.cache.layers:
-                self._evict_layer(layer, plan)
-            order = plan.order()  # old slot of every new slot
             self._set(self._pos[:, order], self._prompt[:, order], True)
         else:
-            for i, layer in enumerate(self.cache.layers):
-                self._evict_layer(layer, _Plan(keep[i], budget, ordered))
-            order = _row_order(keep, budget, budget, ordered)
             pos, prompt = self._per_layer()
             index = order[:, None, :].expand(self.n_layers, self.n_kv_heads, budget) if order.dim() == 2 else order
             heads_same, layers_same = _agreement(keep[None]).tolist()
@@ -353,6 +349,19 @@ class BudgetedCache:
         else:
             self._set(pos, prompt, False)
         self._heads_agree = heads_agree
+
+    def _move_kept(self, keep: torch.Tensor, budget: int, ordered: bool) -> torch.Tensor:
+        """Move the kept slots of ``keep`` (``[T]``: every layer's; ``[L, T]`` or ``[L, H, T]``) to the
+        first ``budget`` slots of every layer; returns the old slot of every new slot (``[B]``,
+        ``[L, B]`` or ``[L, H, B]``)."""
+        if keep.dim() == 1:
+            plan = _Plan(keep, budget, ordered)
+            for layer in self.cache.layers:
+                self._evict_layer(layer, plan)
+            return plan.order()
+        for i, layer in enumerate(self.cache.layers):
+            self._evict_layer(layer, _Plan(keep[i], budget, ordered))
+        return _row_order(keep, budget, budget, ordered)
 
     def _evict_layer(self, layer, plan: "_Plan") -> None:
         """Physically drop the slots ``plan`` drops from one layer's K/V."""
@@ -431,8 +440,8 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     """:meth:`BudgetedCache.evict` for several caches at once, each the row ``rows[i]`` of the batched
     slabs ``kv`` (every layer's keys and values, ``[L, 2, N, H, capacity, d]``; ``decode.py``), each with
     its own length and budget: one selection over the stacked (padded) scores and one gather for all
-    of them (of a few layers at a time where its temporary would pass ``_GATHER_BYTES``), and one host read per call whatever the batch size (the rows' counts of prompt,
-    protected and keepable slots, which fix how many each keeps). The same kept slots, slot order
+    of them (:func:`gather_slots`), and one host read per call whatever the batch size (the rows'
+    counts of prompt, protected and keepable slots, which fix how many each keeps). The same kept slots, slot order
     and bookkeeping as evicting each on its own. Returns the dropped count per cache, or None
     (nothing changed) where the rows do not share one plan shape (different score shapes, a row whose
     heads or layers differ where its scores do not, a ``-inf`` score that would leave fewer than the
@@ -501,16 +510,8 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     if dim == 2:
         at = at.unsqueeze(3)
     part = kv[:, :, rows[0] : rows[0] + n] if contiguous else kv.index_select(2, index)  # [L, 2, n, H, capacity, d]
-    n_layers, _, _, heads, _, head_dim = part.shape
-    # one gather for all layers, unless its temporary would be large (then a few layers at a time)
-    per_layer = 2 * n * heads * width * head_dim * part.element_size()
-    chunk = max(1, _GATHER_BYTES // max(per_layer, 1))
-    for lo in range(0, n_layers, chunk):
-        hi = min(lo + chunk, n_layers)
-        slabs = part[lo:hi]
-        index_at = (at if at.shape[0] == 1 else at[lo:hi]).expand(hi - lo, 2, n, heads, width, head_dim)
-        # slots past a row's own count take whatever its padded order names: past its new length
-        slabs.narrow(-2, start, width).copy_(torch.gather(slabs.narrow(-2, 0, t), -2, index_at))
+    # slots past a row's own count take whatever its padded order names: past its new length
+    gather_slots(part, at, start, width, t)
     if not contiguous:  # a copy of the rows: written back
         kv.index_copy_(2, index, part)
     if dim == 1:
@@ -623,10 +624,27 @@ def _row_order(keep: torch.Tensor, kept, k_max: int, ordered: bool) -> torch.Ten
     return order[..., :k_max]
 
 
+def gather_slots(kv: torch.Tensor, at: torch.Tensor, start: int, width: int, length: int,
+                 scratch: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
+    """Every layer's K and V at once: in ``kv`` (``[L, 2, N, H, capacity, d]``), slots ``start ..
+    start + width`` take the slots that ``at`` (``[L or 1, 1, N, H or 1, width, 1]``, below ``length``)
+    names. One gather for all layers, or a few layers at a time where the gathered copy (into
+    ``scratch(shape)`` if given) would pass ``_GATHER_BYTES``."""
+    n_layers, _, n, heads, _, head_dim = kv.shape
+    per_layer = 2 * n * heads * width * head_dim * kv.element_size()
+    chunk = max(1, _GATHER_BYTES // max(per_layer, 1))
+    for lo in range(0, n_layers, chunk):
+        hi = min(lo + chunk, n_layers)
+        slabs = kv[lo:hi] if chunk < n_layers else kv
+        index = (at if at.shape[0] == 1 or chunk >= n_layers else at[lo:hi]).expand(hi - lo, 2, n, heads, width, head_dim)
+        out = None if scratch is None else scratch(tuple(index.shape))
+        slabs.narrow(-2, start, width).copy_(torch.gather(slabs.narrow(-2, 0, length), -2, index, out=out))
+
+
 #: ordered removal of at most this many slots per head moves the tail in place (CPU memmove)
 _MEMMOVE_MAX = 16
-#: the most bytes one gather of ``evict_rows`` copies out (the slabs' kept slots of a few layers)
-_GATHER_BYTES = 256 << 20
+#: the most bytes one gather of the slabs' kept slots copies out (all layers, else a few at a time)
+_GATHER_BYTES = 64 << 20
 
 
 class _Plan:

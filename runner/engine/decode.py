@@ -396,7 +396,7 @@ class DecodeLoop:
         (``cache.evict_rows``) when their sessions share a protocol and slot contract (budgets and
         lengths may differ); False when they cannot (nothing changed: each evicts alone)."""
         s0 = group[0]
-        if (not self.shared or len(group) < 2
+        if (not self.shared
                 or any(s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group)):
             return False
         start = self.engine.mark()

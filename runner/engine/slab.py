@@ -46,7 +46,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvleague.runner.engine.backend import HFBackend
-from kvleague.runner.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _Plan
+from kvleague.runner.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _row_order, gather_slots
 from kvleague.runner.engine.decode import BatchSlabLayer
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import active_recorder, recording
@@ -61,6 +61,12 @@ class FixedSlabLayer(SlabLayer):
     slots: torch.Tensor | None = None
     #: free slots are attended over (masked), and 0 x NaN garbage would still be NaN
     zeroed = True
+    #: the store's reallocation of every layer at once (``SlabStore._grow``); False: this layer alone
+    grow_all: Any = None
+
+    def resize(self, capacity: int) -> None:
+        if self.grow_all is None or not self.grow_all(capacity, self._k):
+            super().resize(capacity)
 
     def planned(self, needed: int) -> int:
         """The capacity a pass that needs ``needed`` slots runs at: the current one while it fits; the
@@ -110,8 +116,9 @@ class FixedBatchSlabLayer(BatchSlabLayer):
 
 
 class SlabStore(BudgetedCache):
-    """The budgeted cache over fixed slabs: ``BudgetedCache``'s bookkeeping and selection, one gather
-    per buffer to compact, no shrinking."""
+    """The budgeted cache over fixed slabs: ``BudgetedCache``'s bookkeeping and selection, no shrinking.
+    Every layer's K and V are views of one ``[L, 2, 1, H, capacity, d]`` tensor (``kv``), grown
+    together, so an eviction moves the kept slots of all layers with one gather."""
 
     def __init__(self, config, n_layers: int, n_kv_heads: int, device: torch.device, reserve: int | None = None):
         super().__init__(config, n_layers, n_kv_heads, device, reserve)
@@ -122,16 +129,56 @@ class SlabStore(BudgetedCache):
         if reserve is not None and limit is not None and reserve > limit:
             reserve = None  # a budget past the model's context (no eviction): the slab grows as it fills
         cache.layers = [FixedSlabLayer(reserve) for _ in cache.layers]
+        for layer in cache.layers:
+            layer.grow_all = self._grow
         self.cache = cache
+        self.kv: torch.Tensor | None = None
+        self._kv_views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _evict_layer(self, layer, plan: _Plan) -> None:
-        budget = plan.budget
+    def _grow(self, capacity: int, like: torch.Tensor) -> bool:
+        """Reallocate every layer's slabs as views of one tensor of ``capacity`` slots, keeping what they
+        hold; False (nothing done) where a layer's shape differs from ``like``'s (``[1, H, *, d]``)."""
+        layers = self.cache.layers
+        shape = (*like.shape[:-2], like.shape[-1])
+        if any(layer._k is not None and layer._k.dim() == 4 and (*layer._k.shape[:-2], layer._k.shape[-1]) != shape
+               for layer in layers):
+            return False
+        kv = like.new_zeros((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
+        for l, layer in enumerate(layers):
+            n = layer._nk if layer.is_initialized and layer._k is not None and layer._k.dim() == 4 else 0
+            if n:
+                kv[l, 0].narrow(-2, 0, n).copy_(layer._k.narrow(-2, 0, n))
+                kv[l, 1].narrow(-2, 0, n).copy_(layer._v.narrow(-2, 0, n))
+            layer.bind(kv[l, 0], kv[l, 1], n)
+        self.kv, self._kv_views = kv, [layer.buffers for layer in layers]
+        return True
+
+    def _move_kept(self, keep: torch.Tensor, budget: int, ordered: bool) -> torch.Tensor:
+        """One gather for every layer's K and V (the HF store's slot layout), while every layer's slabs
+        are still the views of ``kv`` (a batched decode rebinds them to its own slabs' rows)."""
+        kv = self.kv
+        if kv is None or any(layer._k is not k for layer, (k, _) in zip(self.cache.layers, self._kv_views)):
+            return super()._move_kept(keep, budget, ordered)
+        order = _row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
+        # as [L or 1, 1, 1, H or 1, B, 1], broadcast over K / V, the batch of one and head_dim
+        if order.dim() == 1:
+            at = order[None, None, None, None, :, None]
+        elif order.dim() == 2:
+            at = order[:, None, None, None, :, None]
+        else:
+            at = order[:, None, None, :, :, None]
+        gather_slots(kv, at, 0, budget, keep.shape[-1], lambda shape: self._scratch_view(kv, shape))
+        for layer in self.cache.layers:
+            layer.truncate(budget)
+        return order
+
+    def _evict_layer(self, layer, plan) -> None:
         for buf in layer.buffers:  # [1, H, capacity, d]
             index = plan.gather_index(tuple(buf.shape))  # the HF store's slot layout; one per plan and shape
             tmp = self._scratch_view(buf, tuple(index.shape))
             torch.gather(buf, -2, index, out=tmp)
-            buf.narrow(-2, 0, budget).copy_(tmp)
-        layer.truncate(budget)
+            buf.narrow(-2, 0, plan.budget).copy_(tmp)
+        layer.truncate(plan.budget)
 
     def _shrink(self, budget: int) -> None:
         """Fixed slabs: never reallocated."""
