@@ -15,7 +15,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, batch_hidden
 from kvleague.methods.kernels import PositionTable
 from kvleague.methods.registry import register_method
 from kvleague.runner.engine.errors import KvleagueError
@@ -241,8 +241,9 @@ class EpiKVFamily(EvictionMethod):
         n = first.info.n_layers
         reference = first.arithmetic == "reference"
         distance: dict[int, torch.Tensor] = {}
+        newest: dict[int, torch.Tensor] = {}  # layer -> every sequence's hidden state, [n, hidden]
         for layer in set(first.group_a) | set(first.group_b):
-            h = torch.stack([o.hidden_states[first._hook(layer, n)][0] for o in observations])
+            h = newest[layer] = batch_hidden(observations, first._hook(layer, n))[:, -1]
             prev = torch.stack([m.previous[layer] for m in methods])
             distance[layer] = (h - prev).norm(dim=-1) if reference else torch.linalg.vector_norm(h.float() - prev.float(), dim=-1)
 
@@ -258,9 +259,10 @@ class EpiKVFamily(EvictionMethod):
 
         # one copy to the host for all sequences, and per sequence only Python floats from here on
         positions = torch.stack([o.new_positions for o in observations]).view(-1).tolist()
-        for method, obs, position, d_a, d_b in zip(methods, observations, positions, change(first.group_a), change(first.group_b)):
+        for i, (method, position, d_a, d_b) in enumerate(zip(methods, positions, change(first.group_a), change(first.group_b))):
             method._push_one(position, d_a, d_b)
-            method._remember(obs.hidden_states)
+            for layer, h in newest.items():  # as _remember
+                method.previous[layer] = h[i]
 
     def token_scores(self, cache: CacheView) -> torch.Tensor:
         """The frozen scores of the cached tokens, float64 ``[T]`` on the CPU."""

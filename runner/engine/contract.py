@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Sequence
 
 if TYPE_CHECKING:  # tensors are only annotations here: the registries and the CLI import this without torch
@@ -125,9 +126,9 @@ class Observation:
     #: absolute position of every cache slot after this pass appended its tokens (before any
     #: eviction), one ``[H, T]`` tensor per layer
     cache_positions: list[torch.Tensor]
-    #: layer index -> ``[C, hidden]``: output of decoder layer ``l`` (HF ``hidden_states[l + 1]``
+    #: layer index -> ``[C, hidden]`` (a dict, or a batched step's :class:`RowHidden`): output of decoder layer ``l`` (HF ``hidden_states[l + 1]``
     #: for every layer but the last, where HF applies the final norm)
-    hidden_states: dict[int, torch.Tensor] | None = None
+    hidden_states: Mapping[int, torch.Tensor] | None = None
     #: per layer ``[H, C, d]``
     new_keys: list[torch.Tensor] | None = None
     new_values: list[torch.Tensor] | None = None
@@ -137,6 +138,41 @@ class Observation:
     #: per layer ``[H_q, w, T]`` float32 softmax rows of the last ``w`` new queries over all T slots,
     #: indexed by layer: a list, or one ``[L, H_q, w, T]`` tensor (a batched decode step's)
     attention: list[torch.Tensor] | torch.Tensor | None = None
+
+
+class RowHidden(Mapping):
+    """Row ``row`` of a batched decode step's hidden states (``batch``: layer -> ``[N, C, hidden]``) as
+    ``Observation.hidden_states`` (layer -> ``[C, hidden]``, for ``layers``): each layer's row is cut
+    when read, and :func:`batch_hidden` reads a layer of every row of the batch as one tensor."""
+
+    def __init__(self, batch: dict[int, torch.Tensor], row: int, layers: Sequence[int]):
+        self.batch, self.row, self.layers = batch, row, layers
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self.layers:
+            raise KeyError(layer)
+        return self.batch[layer][self.row]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def batch_hidden(observations: Sequence[Observation], layer: int) -> torch.Tensor:
+    """``[n, C, hidden]``: layer ``layer``'s hidden states of every observation, one tensor (the batch's
+    own, or its rows, where the observations are rows of one batched step; else stacked)."""
+    import torch
+
+    hidden = [o.hidden_states for o in observations]
+    first = hidden[0]
+    if isinstance(first, RowHidden) and all(isinstance(h, RowHidden) and h.batch is first.batch for h in hidden):
+        batch, rows = first.batch[layer], [h.row for h in hidden]
+        if rows == list(range(batch.shape[0])):
+            return batch
+        return batch.index_select(0, torch.tensor(rows, device=batch.device))
+    return torch.stack([h[layer] for h in hidden])
 
 
 class CacheView:

@@ -45,7 +45,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvleague.runner.engine.cache import SlabLayer, evict_rows
-from kvleague.runner.engine.contract import BatchCacheView, Observation
+from kvleague.runner.engine.contract import BatchCacheView, Observation, RowHidden
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import BatchAttentionRecorder, recording
 from kvleague.runner.engine.protocol import GenerationSettings
@@ -368,7 +368,7 @@ class DecodeLoop:
             new_positions=new_positions,
             new_token_ids=token,
             cache_positions=list(s.cache.positions),  # eviction rebinds entries of the live list
-            hidden_states={layer: self.hidden[layer][r] for layer in s.hidden_layers} if s.hidden_layers else None,
+            hidden_states=RowHidden(self.hidden, r, s.hidden_layers) if s.hidden_layers else None,
             **recorded,
         )
 
