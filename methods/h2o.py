@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, stacked_layers
 from kvleague.methods.kernels import per_kv_head
 from kvleague.methods.registry import register_method
 
@@ -87,9 +87,9 @@ class H2O(EvictionMethod):
     @classmethod
     def _observe_together(cls, methods, observations) -> None:
         n, n_kv = len(methods), methods[0].info.n_kv_heads
-        rows = torch.stack([_stacked(o.attention) for o in observations]).sum(dim=3)  # [N, L, H_q, T]
+        rows = torch.stack([stacked_layers(o.attention) for o in observations]).sum(dim=3)  # [N, L, H_q, T]
         received = rows.view(n, rows.shape[1], n_kv, rows.shape[2] // n_kv, rows.shape[-1]).mean(dim=3)  # [N, L, H_kv, T]
-        positions = torch.stack([_stacked(o.cache_positions) for o in observations])  # [N, L, H, T]
+        positions = torch.stack([stacked_layers(o.cache_positions) for o in observations])  # [N, L, H, T]
         if methods[0].acc is not None:
             received = received + carry(torch.stack([m.acc for m in methods]),
                                         torch.stack([m.acc_positions for m in methods]), positions)
@@ -133,8 +133,3 @@ class H2O(EvictionMethod):
             for i, row in zip(members, scores):
                 out[i] = row
         return out
-
-
-def _stacked(per_layer) -> torch.Tensor:
-    """Per-layer tensors as one (a batched decode step hands some over stacked already)."""
-    return per_layer if isinstance(per_layer, torch.Tensor) else torch.stack(list(per_layer))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, newest_rows
 from kvleague.runner.engine.probe import attention_rows
 
 
@@ -139,7 +139,7 @@ class NotableAttention(EvictionMethod):
 
     def attended(self, obs: Observation) -> torch.Tensor:
         """Positions of the cached tokens the newest query of ``obs`` attends to notably."""
-        row = torch.stack([r[:, -1, :] for r in obs.attention]).mean(dim=(0, 1))  # [T]
+        row = newest_rows(obs.attention).mean(dim=(0, 1))  # [T]
         return obs.cache_positions[0][0][(row > self.alpha / row.shape[0]).cpu()]
 
 

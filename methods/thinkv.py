@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, newest_rows
 from kvleague.methods.kernels import PositionTable, rank_in_unit, rank_within
 from kvleague.methods.registry import register_method
 
@@ -102,7 +102,7 @@ class ThinKV(EvictionMethod):
         self.sparsity_count: dict[int, int] = {}
 
     def observe(self, obs: Observation) -> None:
-        rows = torch.stack([r[:, -1, :] for r in obs.attention])  # [L, H_q, T]
+        rows = newest_rows(obs.attention)  # [L, H_q, T]
         self.acc.add(obs.cache_positions[0][0], rows.mean(dim=(0, 1)))
         if obs.phase != "decode":
             return

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, stacked_layers
 from kvleague.methods.registry import register_method
 from kvleague.runner.engine.errors import KvleagueError
 
@@ -42,9 +42,8 @@ class TOVA(EvictionMethod):
         if cls.observe is not TOVA.observe:
             return super().observe_batch(methods, observations)
         for members in groups_by([o.attention[0].shape[-1] for o in observations]):
-            rows = [observations[i].attention for i in members]
-            per_layer = [torch.stack([r[l][:, -1, :] for r in rows]).mean(dim=1) for l in range(len(rows[0]))]
-            last = torch.stack(per_layer, dim=1)  # [n, L, T]
+            rows = torch.stack([stacked_layers(observations[i].attention) for i in members])  # [n, L, H_q, w, T]
+            last = rows[:, :, :, -1, :].mean(dim=2)  # [n, L, T]
             for j, i in enumerate(members):
                 methods[i].last = last[j]
 

@@ -231,3 +231,31 @@ def test_a_batch_of_epikv_reads_the_host_a_fixed_number_of_times_per_step(tiny_m
     two, eight = (count(engine, name, n, 16, prompt, 4) for name, n in (("epikv", 2), ("epikv", 8)))
     assert two["evictions"] == eight["evictions"] == 5
     assert 0 < eight["host_reads_per_step"] <= two["host_reads_per_step"]
+
+
+def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path):
+    """What a batched step does per row is per row, not per row and layer: the methods' observations,
+    scores and the eviction of every layer's slabs are tensors over the layers (a row's queries,
+    attention rows and hidden states stacked once per step for the batch; one gather for all layers).
+    The ops a row adds to a step (batch 8 against batch 2) grow from a 2-layer to a 6-layer llama by
+    at most one op per extra layer more than ``full``'s do (its slabs are built per row and layer once
+    per decode). Before, snapkv added ~4 ops per row and layer, tova ~18."""
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.models.tiny import make_tiny_model
+
+    names = ("full", "epikv", "h2o", "snapkv", "tova", "raas")
+    per_row: dict[int, dict[str, float]] = {}
+    for layers in (2, 6):
+        engine = load_engine(str(make_tiny_model("llama", tmp_path / f"l{layers}", layers=layers)), backend="slab")
+        engine.eos_ids = set()
+        engine.backend.graphs = True
+        prompt = list(range(40, 80))
+        per_row[layers] = {}
+        for name in names:
+            two, eight = (count(engine, name, n, 16, prompt, 4) for n in (2, 8))
+            per_row[layers][name] = (eight["ops_per_step"] - two["ops_per_step"]) / 6
+    growth = {name: per_row[6][name] - per_row[2][name] for name in names}
+    assert growth["full"] > 0  # the slabs built per row and layer: the count sees the layers
+    for name in names[1:]:
+        assert growth[name] - growth["full"] <= 4, (name, growth)  # 4 extra layers

@@ -175,6 +175,22 @@ def batch_hidden(observations: Sequence[Observation], layer: int) -> torch.Tenso
     return torch.stack([h[layer] for h in hidden])
 
 
+def stacked_layers(per_layer) -> torch.Tensor:
+    """An observation's per-layer tensors (a list, or one tensor already: a batched step's) as one ``[L, ...]`` tensor."""
+    import torch
+
+    return per_layer if isinstance(per_layer, torch.Tensor) else torch.stack(list(per_layer))
+
+
+def newest_rows(attention) -> torch.Tensor:
+    """``[L, H_q, T]``: the newest query's attention row of every layer of ``Observation.attention``."""
+    import torch
+
+    if isinstance(attention, torch.Tensor):  # a batched step's, [L, H_q, w, T]: one copy, the layout of the stack below
+        return attention[:, :, -1, :].contiguous()
+    return torch.stack([r[:, -1, :] for r in attention])
+
+
 class CacheView:
     """Read-only view of the cache at eviction time, handed to :meth:`EvictionMethod.score`.
 

@@ -83,13 +83,18 @@ class BatchAttentionRecorder(AttentionRecorder):
     raw: list = field(default_factory=list)
     _float_weights: dict = field(default_factory=dict)
     _stacked_queries: torch.Tensor | None = None
+    #: the rows whose method asks for attention rows this step (computed together where no kernel gives weights)
+    wanted: frozenset = frozenset()
+    _rows_of: dict | None = None
 
-    def start_batch(self, lengths: list[int]) -> None:
+    def start_batch(self, lengths: list[int], wanted=frozenset()) -> None:
         self.start(1)
         self.lengths = lengths
+        self.wanted = wanted
         self.raw = [None] * self.n_layers
         self._float_weights = {}
         self._stacked_queries = None
+        self._rows_of = None
 
     def _weights(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s eager weights in float32, converted once for every row of the batch."""
@@ -125,12 +130,36 @@ class BatchAttentionRecorder(AttentionRecorder):
         if attention:
             if all(w is not None for _, _, _, w, _ in self.raw):  # the eager kernel's weights, every layer's in one tensor
                 out["attention"] = self._all_weights()[i, ..., :n]
+            elif all(w is None for _, _, _, w, _ in self.raw) and i in self.wanted:
+                out["attention"] = self._computed_rows()[i]
             else:
                 out["attention"] = [
                     self._weights(layer)[i, :, :, :n] if w is not None else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
                     for layer, (q, k, _, w, scaling) in enumerate(self.raw)
                 ]
         return out
+
+    def _computed_rows(self) -> dict[int, torch.Tensor]:
+        """Row -> ``[L, H_q, 1, n]``: the newest query's attention rows of every layer, computed from q
+        and K (a kernel without weights) for the rows in ``wanted``: rows holding equal numbers of
+        slots in one matmul per layer, and their layers in one tensor."""
+        if self._rows_of is None:
+            self._rows_of = {}
+            by_length: dict[int, list[int]] = {}
+            for i in sorted(self.wanted):
+                by_length.setdefault(self.lengths[i], []).append(i)
+            for n, rows in by_length.items():
+                index = None if rows == list(range(len(self.lengths))) else torch.tensor(rows, device=self.raw[0][0].device)
+                per_layer = []
+                for q, k, _, _, scaling in self.raw:
+                    q, k = q[:, :, -1:], k[:, :, :n]
+                    if index is not None:
+                        q, k = q.index_select(0, index), k.index_select(0, index)
+                    per_layer.append(attention_rows(q, k, scaling))  # [m, H_q, 1, n]
+                stacked = torch.stack(per_layer, dim=1)  # [m, L, H_q, 1, n]
+                for j, i in enumerate(rows):
+                    self._rows_of[i] = stacked[j]
+        return self._rows_of
 
 
 def attention_rows(
@@ -141,17 +170,18 @@ def attention_rows(
     By default the queries are the newest: query i of the window sits at storage slot ``T - w + i``
     and sees slots ``<= T - w + i``. ``future`` (bool, broadcastable to ``[H_kv, group, w, T]``, True =
     hidden) replaces that rule, e.g. causality by absolute position for queries kept from earlier steps.
-    Returns float32 ``[H_q, w, T]``. The query heads of each GQA group share one matmul against
+    Returns float32 ``[H_q, w, T]`` (with ``query`` ``[..., H_q, w, d]`` and ``keys`` ``[..., H_kv, T, d]``,
+    ``[..., H_q, w, T]``). The query heads of each GQA group share one matmul against
     their KV head (``[H_kv, group * w, d] @ [H_kv, d, T]``), so K is never repeated per query head.
     """
-    h_q, w, d = query.shape
-    h_kv, t = keys.shape[0], keys.shape[1]
-    q = query.float().reshape(h_kv, (h_q // h_kv) * w, d)  # query head j belongs to KV head j // group
+    *lead, h_q, w, d = query.shape  # leading dimensions (a batch): each its own keys
+    h_kv, t = keys.shape[-3], keys.shape[-2]
+    q = query.float().reshape(*lead, h_kv, (h_q // h_kv) * w, d)  # query head j belongs to KV head j // group
     k = keys if keys.dtype == torch.float32 else keys.float()
-    scores = torch.matmul(q, k.transpose(-1, -2)).view(h_q, w, t)
+    scores = torch.matmul(q, k.transpose(-1, -2)).view(*lead, h_q, w, t)
     scores.mul_(scaling)
     if future is not None:
-        scores.view(h_kv, h_q // h_kv, w, t).masked_fill_(future, float("-inf"))
+        scores.view(*lead, h_kv, h_q // h_kv, w, t).masked_fill_(future, float("-inf"))
     elif w > 1:
         slots = torch.arange(t, device=scores.device)
         last_visible = torch.arange(t - w, t, device=scores.device)
