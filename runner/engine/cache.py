@@ -435,6 +435,29 @@ class BudgetedCache:
         return scores.to(self.device if nan_check else scores.device, scores.dtype if scores.is_floating_point() else torch.float32)
 
 
+def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[int]) -> None:
+    """``caches[i].track(positions[rows[i]], prompt=False)`` for every cache (a batched decode step's
+    one token per row): caches whose bookkeeping has one shape appended with one concatenation for
+    all of them, each keeping a view of its row."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(caches):
+        groups.setdefault((tuple(c._pos.shape), c.device), []).append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            i = members[0]
+            caches[i].track(positions[rows[i] : rows[i] + 1], prompt=False)
+            continue
+        at = [rows[i] for i in members]
+        new = positions if at == list(range(positions.shape[0])) else positions[torch.tensor(at, device=positions.device)]
+        pos = torch.stack([caches[i]._pos for i in members])  # [m, (L,) H, T]
+        prompt = torch.stack([caches[i]._prompt for i in members])
+        new = new.to(pos.device).view(-1, *(1,) * (pos.dim() - 1)).expand(*pos.shape[:-1], 1)
+        pos = torch.cat([pos, new], dim=-1)
+        prompt = torch.cat([prompt, torch.zeros((*prompt.shape[:-1], 1), dtype=torch.bool, device=prompt.device)], dim=-1)
+        for j, i in enumerate(members):
+            caches[i]._set(pos[j], prompt[j], caches[i].uniform)
+
+
 def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets: list[int], protocol: Protocol,
                current_positions: list[int], ordered: bool, kv: torch.Tensor, rows: list[int]) -> list[int] | None:
     """:meth:`BudgetedCache.evict` for several caches at once, each the row ``rows[i]`` of the batched

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvleague.runner.engine.cache import SlabLayer, evict_rows
+from kvleague.runner.engine.cache import SlabLayer, evict_rows, track_rows
 from kvleague.runner.engine.contract import BatchCacheView, Observation, RowHidden
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.probe import BatchAttentionRecorder, recording
@@ -333,12 +333,16 @@ class DecodeLoop:
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
         rss = current_rss() if self.device.type != "cuda" else None  # the process's: one read for the batch
+        if self.shared:  # every row's new slot booked at once (its position, a generated token)
+            track_rows([s.cache for s in live.values()], positions, list(live))
         for r, s in live.items():
             if self.shared:
                 for layer in s.cache.cache.layers:
                     layer.set_length(lengths[r] + 1)
+                s.count_appended(1, rss)
+            else:
+                s.after_forward(new_positions[r], prompt=False, rss=rss)
             s.logits = self.logits[r]
-            s.after_forward(new_positions[r], prompt=False, rss=rss)
         self._observe(live, new_positions, token_ids)
         self._evict(live)
 

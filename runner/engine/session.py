@@ -219,7 +219,11 @@ class Session:
         """Book the tokens a forward pass appended at absolute ``positions`` (``rss``: the process's
         resident memory read once for a whole batch, as ``PeakMemory.sample`` takes it)."""
         self.cache.track(positions, prompt)
-        self.next_position += positions.shape[-1]
+        self.count_appended(positions.shape[-1], rss)
+
+    def count_appended(self, n: int, rss: int | None = None) -> None:
+        """Book ``n`` tokens the cache has just tracked (``after_forward`` without the tracking)."""
+        self.next_position += n
         self.peak_entries = max(self.peak_entries, self.cache.length)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.cache.kv_bytes())
         self.memory.sample(rss)
