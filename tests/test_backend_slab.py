@@ -174,6 +174,24 @@ def test_an_eviction_moves_every_layer_with_one_gather(pairs, prompts, monkeypat
         assert all(shape[:3] == (slab.n_layers, 2, 1) for shape in gathered)
 
 
+@pytest.mark.parametrize("name", ["epikv", "snapkv", "tova"])
+def test_a_gather_of_a_few_layers_at_a_time_keeps_what_hf_keeps(pairs, prompts, monkeypatch, name):
+    """Where one gather of every layer's kept slots would copy out more than ``_GATHER_BYTES`` (a
+    large cache), the layers go a few at a time: here one at a time, alone and batched, against hf."""
+    from kvleague.runner.engine import cache as cache_module
+
+    hf, slab = pairs["qwen3"]
+    protocol, settings = PROTOCOLS["qwen3"], SETTINGS["qwen3"]
+    alone = [hf.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
+    batched = hf.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * len(prompts))
+    monkeypatch.setattr(cache_module, "_GATHER_BYTES", 1)
+    for oracle, result in zip(alone, [slab.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]):
+        _same(oracle, result)
+    for oracle, result in zip(batched, slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol,
+                                                            settings, [3] * len(prompts))):
+        _same(oracle, result)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", METHODS)
 def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):

@@ -214,11 +214,15 @@ def test_rows_with_their_own_budgets_and_lengths_evict_together(engines64, promp
         assert len(together) >= 4 and all(x is not None for x in together)
 
 
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", ["knorm", "streaming_llm", "tova", "random", "epikv", "h2o", "snapkv"])
-def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines64, prompts, name, monkeypatch):
+def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines64, prompts, name, path, monkeypatch):
     """The batched selection against the per-row one on the same batch: after decoding, every row's
     K/V slots, positions and prompt flags are equal slot for slot (order-free methods refill holes
-    from above the budget; ordered ones compact), not only as sets of kept positions."""
+    from above the budget; ordered ones compact), not only as sets of kept positions. ``gpu``: the
+    moves a GPU makes (every kept slot, not only those after the first dropped one), gathered one
+    layer at a time (as the slabs of a large cache are)."""
+    import kvleague.runner.engine.cache as cache
     import kvleague.runner.engine.decode as decode
     from kvleague.runner.engine.decode import DecodeLoop
     from kvleague.runner.engine.session import Session
@@ -231,6 +235,9 @@ def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines6
     def run(together: bool):
         if not together:
             monkeypatch.setattr(decode, "evict_rows", lambda *a, **k: None)
+        elif path == "gpu":
+            monkeypatch.setattr(cache, "_first_dropped", lambda keep: 0)
+            monkeypatch.setattr(cache, "_GATHER_BYTES", 1)
         sessions = [Session(engine, build_method(name), b, protocol, 5) for b in budgets]
         for session, p in zip(sessions, chosen):
             with session:
