@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, batch_hidden
-from kvleague.methods.kernels import PositionTable
+from kvleague.methods.kernels import PositionTable, read_tables
 from kvleague.methods.registry import register_method
 from kvleague.runner.engine.errors import KvleagueError
 
@@ -279,9 +279,7 @@ class EpiKVFamily(EvictionMethod):
         if (cls.score is not EpiKVFamily.score or cls.token_scores is not EpiKVFamily.token_scores
                 or not caches.equal_lengths or any(m.value_reserve for m in methods)):
             return super().score_batch(methods, caches)
-        positions = torch.stack([view.token_positions for view in caches.views]).cpu()
-        top = int(positions.max()) if positions.numel() else None  # one host read for the batch
-        return [method.table.read(row, top) for method, row in zip(methods, positions)]
+        return read_tables([method.table for method in methods], caches.views)
 
     def apply_value_reserve(self, scores: torch.Tensor, cache: CacheView) -> torch.Tensor:
         if self.value_reserve == 0:

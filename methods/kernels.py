@@ -58,6 +58,14 @@ class PositionTable:
         return self.data[positions.cpu()]
 
 
+def read_tables(tables: list[PositionTable], views) -> list[torch.Tensor]:
+    """Each table's values at the token positions of its cache view (equal lengths): every view's
+    positions come to the host in one copy, and one host read sizes every table."""
+    positions = torch.stack([view.token_positions for view in views]).cpu()
+    top = int(positions.max()) if positions.numel() else None
+    return [table.read(row, top) for table, row in zip(tables, positions)]
+
+
 def per_kv_head(rows: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     """``[H_q, T]`` -> ``[H_kv, T]``: mean over the query heads of each GQA group."""
     h_q, t = rows.shape

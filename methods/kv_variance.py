@@ -4,10 +4,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from kvleague.methods.kernels import PositionTable
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, stacked_layers
+from kvleague.methods.kernels import PositionTable, read_tables
 from kvleague.methods.registry import register_method
 
 
@@ -56,8 +57,30 @@ class RollingVariance(EvictionMethod):
             score = torch.tensor([sum(self.series) / len(self.series)])  # float32, as the authors' tensor
             self.table.write(obs.new_positions[i : i + 1], score)
 
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        """Decode steps: every sequence's per-layer variances in one operation and one copy to the host,
+        then each sequence's series and score in Python floats, as ``observe``."""
+        if cls.observe is not RollingVariance.observe or any(o.phase != "decode" or o.new_positions.shape[0] != 1
+                                                              for o in observations):
+            return super().observe_batch(methods, observations)
+        new = torch.stack([stacked_layers(o.new_keys if cls.tensor == "keys" else o.new_values) for o in observations])
+        per_layer = new[..., 0, :].var(dim=-1).mean(dim=-1).tolist()  # [n][L]: each layer's float, as observe's item()
+        positions = torch.stack([o.new_positions for o in observations]).view(-1).tolist()
+        for method, values, position in zip(methods, per_layer, positions):
+            method.series.append(sum(values) / len(values))
+            # the float32 tensor observe writes
+            method.table.write_one(position, float(np.float32(sum(method.series) / len(method.series))))
+
     def score(self, cache: CacheView) -> torch.Tensor:
         return self.table.read(cache.token_positions)
+
+    @classmethod
+    def score_batch(cls, methods, caches) -> list[torch.Tensor]:
+        """Equal-length caches: every row's positions to the host in one copy, then each its own table, as ``score``."""
+        if cls.score is not RollingVariance.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        return read_tables([method.table for method in methods], caches.views)
 
 
 @register_method("kv_val")

@@ -129,9 +129,9 @@ class Observation:
     #: layer index -> ``[C, hidden]`` (a dict, or a batched step's :class:`RowHidden`): output of decoder layer ``l`` (HF ``hidden_states[l + 1]``
     #: for every layer but the last, where HF applies the final norm)
     hidden_states: Mapping[int, torch.Tensor] | None = None
-    #: per layer ``[H, C, d]``
-    new_keys: list[torch.Tensor] | None = None
-    new_values: list[torch.Tensor] | None = None
+    #: per layer ``[H, C, d]``, indexed by layer: a list, or one ``[L, H, C, d]`` tensor (a batched decode step's)
+    new_keys: list[torch.Tensor] | torch.Tensor | None = None
+    new_values: list[torch.Tensor] | torch.Tensor | None = None
     #: per layer ``[H_q, C, d]`` (post-RoPE), indexed by layer: a list, or one ``[L, H_q, C, d]`` tensor
     #: (a batched decode step's, which stacks every layer once for all rows)
     queries: list[torch.Tensor] | torch.Tensor | None = None

@@ -83,6 +83,7 @@ class BatchAttentionRecorder(AttentionRecorder):
     raw: list = field(default_factory=list)
     _float_weights: dict = field(default_factory=dict)
     _stacked_queries: torch.Tensor | None = None
+    _stacked_new: tuple | None = None
     #: the rows whose method asks for attention rows this step (computed together where no kernel gives weights)
     wanted: frozenset = frozenset()
     _rows_of: dict | None = None
@@ -94,6 +95,7 @@ class BatchAttentionRecorder(AttentionRecorder):
         self.raw = [None] * self.n_layers
         self._float_weights = {}
         self._stacked_queries = None
+        self._stacked_new = None
         self._rows_of = None
 
     def _weights(self, layer: int) -> torch.Tensor:
@@ -111,6 +113,17 @@ class BatchAttentionRecorder(AttentionRecorder):
             self._float_weights["all"] = torch.stack([w for _, _, _, w, _ in self.raw], dim=1).float()
         return self._float_weights["all"]
 
+    def _new_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, L, H, 1, d]`` keys and values: every row's new entry (at its slot ``lengths[i] - 1``) of
+        every layer, gathered once for every row."""
+        if self._stacked_new is None:
+            k0 = self.raw[0][1]
+            rows = torch.arange(len(self.lengths), device=k0.device)
+            slots = torch.tensor([n - 1 for n in self.lengths], device=k0.device)
+            self._stacked_new = tuple(torch.stack([x[rows, :, slots] for x in per_layer], dim=1).unsqueeze(-2)
+                                      for per_layer in ([k for _, k, _, _, _ in self.raw], [v for _, _, v, _, _ in self.raw]))
+        return self._stacked_new
+
     def _queries(self) -> torch.Tensor:
         """``[N, L, H_q, 1, d]``: every layer's queries in one tensor, stacked once for every row."""
         if self._stacked_queries is None:
@@ -118,15 +131,14 @@ class BatchAttentionRecorder(AttentionRecorder):
         return self._stacked_queries
 
     def row(self, i: int, queries: bool, new_keys_values: bool, attention: bool) -> dict:
-        """Row i's ``queries`` (one ``[L, H_q, 1, d]`` tensor) / ``new_keys`` / ``new_values`` /
+        """Row i's ``queries`` (one ``[L, H_q, 1, d]`` tensor) / ``new_keys`` / ``new_values`` (one ``[L, H, 1, d]`` each) /
         ``attention`` (per layer; one ``[L, H_q, 1, T]`` tensor under the eager kernel) (``None`` unless asked)."""
         n = self.lengths[i]
         out = {"queries": None, "new_keys": None, "new_values": None, "attention": None}
         if queries:
             out["queries"] = self._queries()[i]
         if new_keys_values:
-            out["new_keys"] = [k[i, :, n - 1 : n] for _, k, _, _, _ in self.raw]
-            out["new_values"] = [v[i, :, n - 1 : n] for _, _, v, _, _ in self.raw]
+            out["new_keys"], out["new_values"] = (x[i] for x in self._new_keys_values())
         if attention:
             if all(w is not None for _, _, _, w, _ in self.raw):  # the eager kernel's weights, every layer's in one tensor
                 out["attention"] = self._all_weights()[i, ..., :n]

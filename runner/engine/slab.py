@@ -6,13 +6,15 @@ loops (``session.py``, ``decode.py``: track, observe, score, select); what diffe
 and the forward pass:
 
 * **Fixed slabs.** Per layer, K and V are one ``[batch, kv_heads, capacity, head_dim]`` buffer each,
-  allocated zeroed once at ``capacity`` = budget + what one pass appends (the prefill chunk, or the
+  views of one ``[layers, 2, batch, kv_heads, capacity, head_dim]`` tensor (``SlabStore.kv``; a
+  batch's ``DecodeLoop.kv``), allocated zeroed once at ``capacity`` = budget + what one pass appends (the prefill chunk, or the
   cadence's buffer + 1; a first prefill longer than that sizes it once to the prompt; a budget past
   the model's context, i.e. no eviction, grows it geometrically instead). Lengths and
   absolute positions are device tensors (``BudgetedCache``'s bookkeeping); the slab is never
   reallocated by an eviction and never shrinks.
-* **Compaction in place.** An eviction moves the kept slots to the front with one gather per buffer
-  (into a reused scratch, then one copy back): the same slot layout the HF store's memmove / hole
+* **Compaction in place.** An eviction moves the kept slots of every layer's K and V to the front
+  with one gather (``cache.gather_slots``: into a reused scratch, then one copy back; a few layers at
+  a time where the copy would pass 64 MiB): the same slot layout the HF store's memmove / hole
   filling produce (``_Plan.order``), so the two backends hold the same entries in the same slots.
 * **Constant shapes.** Every forward attends over the whole slab (``capacity`` keys) with a 4D mask
   (slot visible iff valid and causally before the query), built here on the device from the start
