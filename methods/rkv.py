@@ -6,9 +6,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
 from kvleague.methods.registry import register_method
-from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance
+from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance, window_importance_batch
 
 
 def redundancy(keys: torch.Tensor) -> torch.Tensor:
@@ -71,3 +71,28 @@ class RKV(ObservesQueryWindow, EvictionMethod):
         redundant = torch.stack([redundancy(k) for k in cache.keys])
         scores = self.lam * importance - (1.0 - self.lam) * redundant
         return scores.masked_fill(own, float("inf"))
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Sequences with equal slot counts, window fill and hyperparameters: the importance of all of
+        them from one batched matmul per layer (:func:`window_importance_batch`), the redundancy of
+        each layer's keys for all of them in one operation, then ``score``'s arithmetic."""
+        if cls.score is not RKV.score:
+            return super().score_batch(methods, caches)
+        out: list = [None] * len(caches)
+        keys = [(n, m.queries.positions.shape[0], tuple(sorted(m.params().items()))) for n, m in zip(caches.lengths, methods)]
+        for members in groups_by(keys):
+            first = methods[members[0]]
+            if len(members) == 1:
+                out[members[0]] = first.score(caches.views[members[0]])
+                continue
+            importance, own = window_importance_batch([methods[i].queries for i in members], caches, members,
+                                                      first.kernel, first.pooling)
+            rows = None if len(members) == len(caches) else torch.tensor(members, device=caches.keys[0].device)
+            t = caches.views[members[0]].length
+            redundant = torch.stack([redundancy((k if rows is None else k.index_select(0, rows))[:, :, :t])
+                                     for k in caches.keys], dim=1)  # [n, L, H_kv, T]
+            scores = (first.lam * importance - (1.0 - first.lam) * redundant).masked_fill(own, float("inf"))
+            for j, i in enumerate(members):
+                out[i] = scores[j]
+        return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
-from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, pool, window_importance
+from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance, window_importance_batch
 from kvleague.methods.registry import register_method
 
 
@@ -51,9 +51,8 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
 
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Sequences with equal slot counts, window fill and kernel: the window attention of each layer
-        for all of them in one batched matmul, then the same per-row softmax, mean, pooling and GQA mean
-        as :func:`window_importance`."""
+        """Sequences with equal slot counts, window fill and kernel: :func:`window_importance_batch`
+        (each layer's window attention for all of them in one batched matmul)."""
         if cls.score is not SnapKV.score:
             return super().score_batch(methods, caches)
         out: list = [None] * len(caches)
@@ -62,32 +61,9 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
             if len(members) == 1:
                 out[members[0]] = methods[members[0]].score(caches.views[members[0]])
                 continue
-            views = [caches.views[i] for i in members]
-            windows = [methods[i].queries for i in members]
-            rows = None if len(members) == len(caches) else torch.tensor(members, device=caches.keys[0].device)
-            t = views[0].length
-            scores, owns = [], []
-            queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
-            query_pos = torch.stack([w.positions for w in windows]).to(caches.keys[0].device)  # [n, w]
-            for layer in range(len(caches.keys)):
-                q = queries[:, layer]  # [n, H_q, w, d]
-                padded = caches.keys[layer]  # every evicting row's keys, one tensor (a view of the slab where it can be)
-                k = (padded if rows is None else padded.index_select(0, rows))[:, :, :t]  # [n, H_kv, T, d]
-                key_pos = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
-                n, h_q, w, d = q.shape
-                h_kv, t = k.shape[1], k.shape[2]
-                group = h_q // h_kv
-                logits = torch.matmul(q.float().reshape(n, h_kv, group * w, d), k.float().transpose(-1, -2)).view(n, h_q, w, t)
-                logits.mul_(windows[0].scaling)
-                future = key_pos[:, :, None, None, :] > query_pos[:, None, None, :, None]
-                logits.view(n, h_kv, group, w, t).masked_fill_(future, float("-inf"))
-                attn = torch.softmax(logits, dim=-1).mean(dim=2)  # [n, H_q, T]
-                own = key_pos >= query_pos[:, :1, None]  # the window's own slots
-                attn = attn.masked_fill(own.repeat_interleave(group, dim=1), 0.0)
-                pooled = pool(attn.reshape(n * h_q, t), methods[members[0]].kernel, "avg")
-                scores.append(pooled.view(n, h_kv, group, t).mean(dim=2))
-                owns.append(own)
-            batch = torch.stack(scores, dim=1).masked_fill(torch.stack(owns, dim=1), float("inf"))  # [n, L, H_kv, T]
+            scores, own = window_importance_batch([methods[i].queries for i in members], caches, members,
+                                                  methods[members[0]].kernel, "avg")
+            batch = scores.masked_fill(own, float("inf"))  # [n, L, H_kv, T]
             for j, i in enumerate(members):
                 out[i] = batch[j]
         return out
