@@ -95,7 +95,8 @@ def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch
 #: the built-ins that vectorise: (observe_batch, score_batch) replace per-sequence calls on equal-length rows
 VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score"), "hs_variance": ("observe", "score"),
               "h2o": ("observe", "score"), "tova": ("observe",), "knorm": ("score",), "keydiff": ("score",),
-              "streaming_llm": ("score",), "snapkv": ("score",), "rkv": ("score",), "kv_key": ("observe", "score"),
+              "streaming_llm": ("score",), "snapkv": ("score",), "rkv": ("score",),
+              "scissorhands": ("score",), "kv_key": ("observe", "score"),
               "kv_val": ("observe", "score")}
 #: variants whose vectorised path has arithmetic of its own: ``name:hyperparameter=value``
 VARIANTS = {"epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
