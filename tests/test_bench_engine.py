@@ -239,12 +239,12 @@ def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path
     attention rows and hidden states stacked once per step for the batch; one gather for all layers).
     The ops a row adds to a step (batch 8 against batch 2) grow from a 2-layer to a 6-layer llama by
     at most one op per extra layer more than ``full``'s do (its slabs are built per row and layer once
-    per decode). Before, snapkv added ~4 ops per row and layer, tova ~18."""
+    per decode). Before, snapkv added ~4 ops per row and layer, tova ~18, rkv and scissorhands ~50."""
     from kvleague.runner.bench.step_ops import count
     from kvleague.runner.models import load_engine
     from kvleague.runner.models.tiny import make_tiny_model
 
-    names = ("full", "epikv", "h2o", "snapkv", "tova", "raas")
+    names = ("full", "epikv", "h2o", "snapkv", "tova", "raas", "rkv", "scissorhands", "kv_key")
     per_row: dict[int, dict[str, float]] = {}
     for layers in (2, 6):
         engine = load_engine(str(make_tiny_model("llama", tmp_path / f"l{layers}", layers=layers)), backend="slab")
