@@ -53,8 +53,8 @@ for that sequence alone (``tests/test_batch.py`` checks every built-in method th
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Sequence
 
 if TYPE_CHECKING:  # tensors are only annotations here: the registries and the CLI import this without torch
@@ -126,8 +126,9 @@ class Observation:
     #: absolute position of every cache slot after this pass appended its tokens (before any
     #: eviction), one ``[H, T]`` tensor per layer
     cache_positions: list[torch.Tensor]
-    #: layer index -> ``[C, hidden]`` (a dict, or a batched step's :class:`RowHidden`): output of decoder layer ``l`` (HF ``hidden_states[l + 1]``
-    #: for every layer but the last, where HF applies the final norm)
+    #: layer index -> ``[C, hidden]`` (a dict, or a batched step's :class:`RowHidden`): output of
+    #: decoder layer ``l`` (HF ``hidden_states[l + 1]`` for every layer but the last, where HF
+    #: applies the final norm)
     hidden_states: Mapping[int, torch.Tensor] | None = None
     #: per layer ``[H, C, d]``, indexed by layer: a list, or one ``[L, H, C, d]`` tensor (a batched decode step's)
     new_keys: list[torch.Tensor] | torch.Tensor | None = None

@@ -131,8 +131,9 @@ class BatchAttentionRecorder(AttentionRecorder):
         return self._stacked_queries
 
     def row(self, i: int, queries: bool, new_keys_values: bool, attention: bool) -> dict:
-        """Row i's ``queries`` (one ``[L, H_q, 1, d]`` tensor) / ``new_keys`` / ``new_values`` (one ``[L, H, 1, d]`` each) /
-        ``attention`` (per layer; one ``[L, H_q, 1, T]`` tensor under the eager kernel) (``None`` unless asked)."""
+        """Row i's ``queries`` (one ``[L, H_q, 1, d]`` tensor), ``new_keys`` / ``new_values`` (one
+        ``[L, H, 1, d]`` each) and ``attention`` (one ``[L, H_q, 1, T]`` tensor; per layer where the
+        kernels differ between layers); ``None`` unless asked."""
         n = self.lengths[i]
         out = {"queries": None, "new_keys": None, "new_values": None, "attention": None}
         if queries:
