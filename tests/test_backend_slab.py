@@ -174,6 +174,24 @@ def test_an_eviction_moves_every_layer_with_one_gather(pairs, prompts, monkeypat
         assert all(shape[:3] == (slab.n_layers, 2, 1) for shape in gathered)
 
 
+def test_a_slab_that_must_grow_grows_before_its_step_is_captured(pairs, prompts, monkeypatch):
+    """A method that never evicts fills its slab, which grows (geometrically) on the graph's path
+    before the step is keyed by the slabs' addresses: one capture per capacity, not a second one
+    keyed by the slabs the step itself replaced; the tokens stay hf's."""
+    from kvleague.runner.engine.slab import GraphedStep
+
+    hf, slab = pairs["llama"]
+    captured = []
+    init = GraphedStep.__init__
+    monkeypatch.setattr(GraphedStep, "__init__", lambda self, backend, n, capacity: captured.append(capacity) or init(self, backend, n, capacity))
+    monkeypatch.setattr(slab.backend, "graphs", True)
+    settings = GenerationSettings(max_new_tokens=300)
+    budget = slab.model.config.max_position_embeddings + 1  # past the context: no eviction, the slab grows
+    oracle = hf.generate(prompts[0], build_method("full"), budget, Protocol(), settings)
+    _same(oracle, slab.generate(prompts[0], build_method("full"), budget, Protocol(), settings))
+    assert len(captured) >= 2 and len(captured) == len(set(captured)), captured
+
+
 @pytest.mark.parametrize("name", ["epikv", "snapkv", "tova"])
 def test_a_gather_of_a_few_layers_at_a_time_keeps_what_hf_keeps(pairs, prompts, monkeypatch, name):
     """Where one gather of every layer's kept slots would copy out more than ``_GATHER_BYTES`` (a

@@ -273,6 +273,12 @@ class SlabBackend(HFBackend):
         if recorder is not None:
             recorder.kv_length = start_slot + c  # a single sequence's valid slots (a batch's recorder cuts per row)
         if c == 1 and self.graphs:
+            if not isinstance(layer, BatchSlabLayer):
+                # grow before the step is keyed by the slabs' addresses (grown inside, it would be keyed
+                # by the old ones and captured again at the next step)
+                for each in cache.layers:
+                    if each.capacity < capacity:
+                        each.resize(capacity)
             self.steps["graph" if self.device.type == "cuda" else "static"] += 1
             return self._graph_step(token_ids, rope_positions, cache, start_slot, attention_mask, capacity)
         if c == 1:
