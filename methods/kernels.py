@@ -5,6 +5,7 @@ two or more methods compute the same way is defined here once."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -183,35 +184,34 @@ def window_importance(
     return torch.stack(scores), torch.stack(masks)
 
 
+def window_attention_batch(windows: list[QueryWindow], caches: BatchCacheView,
+                           members: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer, :meth:`QueryWindow.attention` of the sequences ``members`` of a batch, which hold
+    equal numbers of slots and equal window fills, in one batched matmul: the attention ``[n, H_q, w,
+    T]``, the slots' positions ``[n, H_kv, T]`` and the window's ``[n, w]``."""
+    views = [caches.views[i] for i in members]
+    keys = caches.keys_of(members)
+    queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
+    query_pos = torch.stack([w.positions for w in windows]).to(keys[0].device)  # [n, w]
+    for layer, k in enumerate(keys):
+        key_pos = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
+        future = key_pos[:, :, None, None, :] > query_pos[:, None, None, :, None]
+        yield attention_rows(queries[:, layer], k, windows[0].scaling, future).nan_to_num_(0.0), key_pos, query_pos
+
+
 def window_importance_batch(windows: list[QueryWindow], caches: BatchCacheView, members: list[int], kernel: int,
                             how: str = "avg") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`window_importance` of the sequences ``members`` of a batch, which hold equal numbers of
-    slots and equal window fills: each layer's window attention for all of them in one batched matmul,
-    then the same per-row softmax, mean, pooling and GQA mean. ``[n, L, H_kv, T]`` importance and the
-    ``[n, L, H_kv, T]`` mask of the window's own slots."""
-    views = [caches.views[i] for i in members]
-    rows = None if len(members) == len(caches) else torch.tensor(members, device=caches.keys[0].device)
-    t = views[0].length
-    queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
-    query_pos = torch.stack([w.positions for w in windows]).to(caches.keys[0].device)  # [n, w]
+    slots and equal window fills (:func:`window_attention_batch`), then the same per-row mean, pooling
+    and GQA mean. ``[n, L, H_kv, T]`` importance and the ``[n, L, H_kv, T]`` mask of the window's own slots."""
     scores, owns = [], []
-    for layer in range(len(caches.keys)):
-        q = queries[:, layer]  # [n, H_q, w, d]
-        padded = caches.keys[layer]  # every evicting row's keys, one tensor (a view of the slab where it can be)
-        k = (padded if rows is None else padded.index_select(0, rows))[:, :, :t]  # [n, H_kv, T, d]
-        key_pos = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
-        n, h_q, w, d = q.shape
-        h_kv = k.shape[1]
-        group = h_q // h_kv
-        logits = torch.matmul(q.float().reshape(n, h_kv, group * w, d), k.float().transpose(-1, -2)).view(n, h_q, w, t)
-        logits.mul_(windows[0].scaling)
-        future = key_pos[:, :, None, None, :] > query_pos[:, None, None, :, None]
-        logits.view(n, h_kv, group, w, t).masked_fill_(future, float("-inf"))
-        attn = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(dim=2)  # [n, H_q, T]
+    for attn, key_pos, query_pos in window_attention_batch(windows, caches, members):
+        n, h_q, _, t = attn.shape
+        group = h_q // key_pos.shape[1]
         own = key_pos >= query_pos[:, :1, None]  # the window's own slots
-        attn = attn.masked_fill(own.repeat_interleave(group, dim=1), 0.0)
+        attn = attn.mean(dim=2).masked_fill(own.repeat_interleave(group, dim=1), 0.0)  # [n, H_q, T]
         pooled = pool(attn.reshape(n * h_q, t), kernel, how)
-        scores.append(pooled.view(n, h_kv, group, t).mean(dim=2))
+        scores.append(pooled.view(n, -1, group, t).mean(dim=2))
         owns.append(own)
     return torch.stack(scores, dim=1), torch.stack(owns, dim=1)
 

@@ -88,10 +88,7 @@ class RKV(ObservesQueryWindow, EvictionMethod):
                 continue
             importance, own = window_importance_batch([methods[i].queries for i in members], caches, members,
                                                       first.kernel, first.pooling)
-            rows = None if len(members) == len(caches) else torch.tensor(members, device=caches.keys[0].device)
-            t = caches.views[members[0]].length
-            redundant = torch.stack([redundancy((k if rows is None else k.index_select(0, rows))[:, :, :t])
-                                     for k in caches.keys], dim=1)  # [n, L, H_kv, T]
+            redundant = torch.stack([redundancy(k) for k in caches.keys_of(members)], dim=1)  # [n, L, H_kv, T]
             scores = (first.lam * importance - (1.0 - first.lam) * redundant).masked_fill(own, float("inf"))
             for j, i in enumerate(members):
                 out[i] = scores[j]

@@ -5,8 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
-from kvleague.runner.engine.probe import attention_rows
-from kvleague.methods.kernels import QueryWindow, per_kv_head
+from kvleague.methods.kernels import QueryWindow, per_kv_head, window_attention_batch
 from kvleague.methods.registry import register_method
 
 
@@ -62,8 +61,8 @@ class Scissorhands(EvictionMethod):
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
         """Sequences with equal slot counts and history fill: each layer's history attention for all
-        of them in one batched matmul (:func:`attention_rows` with a leading batch dimension), then
-        ``score``'s counts and means on that dimension."""
+        of them in one batched matmul (:func:`window_attention_batch`), then ``score``'s counts and
+        means on that dimension."""
         if cls.score is not Scissorhands.score:
             return super().score_batch(methods, caches)
         out: list = [None] * len(caches)
@@ -71,20 +70,10 @@ class Scissorhands(EvictionMethod):
             if len(members) == 1:
                 out[members[0]] = methods[members[0]].score(caches.views[members[0]])
                 continue
-            windows, views = [methods[i].queries for i in members], [caches.views[i] for i in members]
-            device = caches.keys[0].device
-            rows = None if len(members) == len(caches) else torch.tensor(members, device=device)
-            t, n = views[0].length, len(members)
-            queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
-            query_pos = torch.stack([w.positions for w in windows]).to(device)  # [n, w]
             scores = []
-            for layer, padded in enumerate(caches.keys):
-                keys = (padded if rows is None else padded.index_select(0, rows))[:, :, :t]  # [n, H_kv, T, d]
-                positions = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
-                future = positions[:, :, None, None, :] > query_pos[:, None, None, :, None]
-                attn = attention_rows(queries[:, layer], keys, windows[0].scaling, future).nan_to_num_(0.0)  # [n, H_q, w, T]
-                h_q, w = attn.shape[1], attn.shape[2]
-                h_kv = keys.shape[1]
+            for attn, positions, query_pos in window_attention_batch([methods[i].queries for i in members], caches, members):
+                n, h_q, w, t = attn.shape
+                h_kv = positions.shape[1]
                 group = attn.reshape(n, h_kv, h_q // h_kv, w * t).mean(dim=2).view(n, h_kv, w, t)
                 seen = positions[:, :, None, :] <= query_pos[:, None, :, None]  # [n, H_kv, w, T]
                 visible = seen.sum(dim=-1, keepdim=True).clamp_min(1)

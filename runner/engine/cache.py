@@ -526,15 +526,9 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     # only the slots from there on move (a few, where a method drops recent tokens); on a GPU all move,
     # since reading where that slot is would make the host wait for the device inside the step
     start = _first_dropped(keep) if device.type == "cpu" else 0
-    width = k_max - start
-    o = order[..., start:]  # [N, w], [N, L, w] or [N, L, H, w]
-    # the slots to gather, as [L or 1, 1, N, H or 1, w, 1], broadcast over K / V and head_dim
-    at = o[None, None, :, None, :, None] if dim == 1 else o.transpose(0, 1).unsqueeze(1).unsqueeze(-1)
-    if dim == 2:
-        at = at.unsqueeze(3)
     part = kv[:, :, rows[0] : rows[0] + n] if contiguous else kv.index_select(2, index)  # [L, 2, n, H, capacity, d]
     # slots past a row's own count take whatever its padded order names: past its new length
-    gather_slots(part, at, start, width, t)
+    gather_slots(part, order[..., start:], start, t)
     if not contiguous:  # a copy of the rows: written back
         kv.index_copy_(2, index, part)
     if dim == 1:
@@ -647,19 +641,27 @@ def _row_order(keep: torch.Tensor, kept, k_max: int, ordered: bool) -> torch.Ten
     return order[..., :k_max]
 
 
-def gather_slots(kv: torch.Tensor, at: torch.Tensor, start: int, width: int, length: int,
+def gather_slots(kv: torch.Tensor, order: torch.Tensor, start: int, length: int,
                  scratch: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
-    """Every layer's K and V at once: in ``kv`` (``[L, 2, N, H, capacity, d]``), slots ``start ..
-    start + width`` take the slots that ``at`` (``[L or 1, 1, N, H or 1, width, 1]``, below ``length``)
-    names. One gather for all layers, or a few layers at a time where the gathered copy (into
-    ``scratch(shape)`` if given) would pass ``_GATHER_BYTES``."""
+    """Every layer's K and V at once: in ``kv`` (``[L, 2, N, H, capacity, d]``), slots ``start`` ..
+    ``start + w`` of each row take the slots (below ``length``) that ``order`` names: ``[N, w]`` (every
+    layer and head alike), ``[N, L, w]`` or ``[N, L, H, w]``. One gather for all layers, or a few
+    layers at a time where the gathered copy (into ``scratch(shape)`` if given) would pass
+    ``_GATHER_BYTES``."""
+    # as [L or 1, 1, N, H or 1, w, 1], broadcast over K / V and head_dim
+    if order.dim() == 2:
+        at = order[None, None, :, None, :, None]
+    elif order.dim() == 3:
+        at = order.transpose(0, 1)[:, None, :, None, :, None]
+    else:
+        at = order.transpose(0, 1)[:, None, :, :, :, None]
     n_layers, _, n, heads, _, head_dim = kv.shape
-    per_layer = 2 * n * heads * width * head_dim * kv.element_size()
-    chunk = max(1, _GATHER_BYTES // max(per_layer, 1))
+    width = order.shape[-1]
+    chunk = max(1, _GATHER_BYTES // max(2 * n * heads * width * head_dim * kv.element_size(), 1))
     for lo in range(0, n_layers, chunk):
         hi = min(lo + chunk, n_layers)
-        slabs = kv[lo:hi] if chunk < n_layers else kv
-        index = (at if at.shape[0] == 1 or chunk >= n_layers else at[lo:hi]).expand(hi - lo, 2, n, heads, width, head_dim)
+        slabs, index = (kv, at) if chunk >= n_layers else (kv[lo:hi], at if at.shape[0] == 1 else at[lo:hi])
+        index = index.expand(hi - lo, 2, n, heads, width, head_dim)
         out = None if scratch is None else scratch(tuple(index.shape))
         slabs.narrow(-2, start, width).copy_(torch.gather(slabs.narrow(-2, 0, length), -2, index, out=out))
 

@@ -265,6 +265,7 @@ class BatchCacheView:
         self.lengths = [v.length for v in views]
         self._padded = padded
         self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._members_keys: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.views)
@@ -285,6 +286,18 @@ class BatchCacheView:
         if self._kv is None:
             self._kv = self._padded()
         return self._kv[1]
+
+    def keys_of(self, members: list[int]) -> list[torch.Tensor]:
+        """Per layer ``[n, H, T, d]``: the keys of the sequences ``members``, which hold the same number
+        of slots T, without padding (views of ``keys`` when ``members`` are all the sequences)."""
+        import torch
+
+        key = tuple(members)
+        if key not in self._members_keys:
+            t = self.lengths[members[0]]
+            rows = None if len(members) == len(self) else torch.tensor(members, device=self.keys[0].device)
+            self._members_keys[key] = [(k if rows is None else k.index_select(0, rows))[:, :, :t] for k in self.keys]
+        return self._members_keys[key]
 
 
 @dataclass

@@ -162,14 +162,7 @@ class SlabStore(BudgetedCache):
         if kv is None or any(layer._k is not k for layer, (k, _) in zip(self.cache.layers, self._kv_views)):
             return super()._move_kept(keep, budget, ordered)
         order = _row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
-        # as [L or 1, 1, 1, H or 1, B, 1], broadcast over K / V, the batch of one and head_dim
-        if order.dim() == 1:
-            at = order[None, None, None, None, :, None]
-        elif order.dim() == 2:
-            at = order[:, None, None, None, :, None]
-        else:
-            at = order[:, None, None, :, :, None]
-        gather_slots(kv, at, 0, budget, keep.shape[-1], lambda shape: self._scratch_view(kv, shape))
+        gather_slots(kv, order[None], 0, keep.shape[-1], lambda shape: self._scratch_view(kv, shape))  # a batch of one
         for layer in self.cache.layers:
             layer.truncate(budget)
         return order
