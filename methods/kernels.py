@@ -5,13 +5,16 @@ two or more methods compute the same way is defined here once."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, newest_rows
+from kvleague.runner.engine.contract import (
+    BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, newest_rows,
+)
 from kvleague.runner.engine.probe import attention_rows
 
 
@@ -39,13 +42,18 @@ class PositionTable:
 
     def write_one(self, position: int, value: float) -> None:
         """``write`` of one value (the batched decode path)."""
-        self.reserve(position)
-        # no torch op: a numpy view of ``data``'s memory, made again whenever ``data`` is not where it
-        # points (grown, or a copied table, whose copied view would point at the original's)
+        self.array(position)[position] = value
+
+    def array(self, top: int) -> np.ndarray:
+        """The table as a numpy array, room made for every position up to ``top``: reads and writes
+        through it are the table's, without a torch op (valid until the table grows again)."""
+        self.reserve(top)
+        # made again whenever ``data`` is not where it points (grown, or a copied table, whose copied
+        # view would point at the original's)
         array = self._array
         if array is None or array.ctypes.data != self.data.data_ptr():
             self._array = array = self.data.numpy()
-        array[position] = value
+        return array
 
     def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._grow(positions)
@@ -59,12 +67,45 @@ class PositionTable:
         return self.data[positions.cpu()]
 
 
+def positions_on_host(views, *extra: Callable[[CacheView], torch.Tensor]) -> tuple[torch.Tensor, int | None]:
+    """``[N, T]`` the token positions of cache views of equal lengths on the host, in one copy, and the
+    largest (``None`` when empty). ``extra``: per view, more ``[T]`` integer columns to bring along in
+    the same copy (then ``[N, k + 1, T]``, the positions first)."""
+    rows = [torch.stack([view.token_positions, *(f(view).long() for f in extra)]) if extra else view.token_positions
+            for view in views]
+    host = torch.stack(rows).cpu()
+    positions = host[:, 0] if extra else host
+    return host, (int(positions.max()) if positions.numel() else None)
+
+
 def read_tables(tables: list[PositionTable], views) -> list[torch.Tensor]:
     """Each table's values at the token positions of its cache view (equal lengths): every view's
     positions come to the host in one copy, and one host read sizes every table."""
-    positions = torch.stack([view.token_positions for view in views]).cpu()
-    top = int(positions.max()) if positions.numel() else None
+    positions, top = positions_on_host(views)
     return [table.read(row, top) for table, row in zip(tables, positions)]
+
+
+def newest_on_host(observations: Sequence[Observation], keys: Sequence,
+                   reduce: Callable[[torch.Tensor, int], list[torch.Tensor]]) -> Iterator[tuple[list[int], np.ndarray, np.ndarray, list[np.ndarray]]]:
+    """The newest query's attention rows of a batch's observations, reduced on the device and brought
+    to the host in one copy per group: observations with equal numbers of slots and new tokens and
+    equal ``keys[i]`` (a method's hyperparameters) form a group. ``reduce(rows, i)`` maps the group's
+    rows ``[n, L, H_q, T]`` to columns ``[n, k]`` (any k); ``i`` is a member, whose key the group shares. Yields per group the members' indices, their
+    new tokens' positions ``[n, C]`` and cached positions ``[n, T]`` (int64) and the columns (float64).
+
+    One observation alone goes the same way, so a sequence gets the same arithmetic alone and batched."""
+    shapes = [(o.cache_positions[0].shape[-1], o.new_positions.shape[0], key) for o, key in zip(observations, keys)]
+    for members in groups_by(shapes):
+        group = [observations[i] for i in members]
+        rows = torch.stack([newest_rows(o.attention) for o in group])  # [n, L, H_q, T]
+        columns = reduce(rows, members[0])
+        cached = torch.stack([o.cache_positions[0][0] for o in group])
+        new = torch.stack([o.new_positions for o in group]).to(cached.device)
+        widths = [new.shape[1], cached.shape[1]] + [c.shape[1] for c in columns]
+        # float64 holds every position exactly
+        host = torch.cat([new.double(), cached.double(), *(c.double() for c in columns)], dim=1).cpu().numpy()
+        parts = np.split(host, np.cumsum(widths)[:-1], axis=1)
+        yield members, parts[0].astype(np.int64), parts[1].astype(np.int64), parts[2:]
 
 
 def per_kv_head(rows: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
@@ -146,10 +187,31 @@ class NotableAttention(EvictionMethod):
         if self.alpha <= 0:
             raise ValueError(f"alpha must be > 0, got {self.alpha}")
 
-    def attended(self, obs: Observation) -> torch.Tensor:
-        """Positions of the cached tokens the newest query of ``obs`` attends to notably."""
-        row = newest_rows(obs.attention).mean(dim=(0, 1))  # [T]
-        return obs.cache_positions[0][0][(row > self.alpha / row.shape[0]).cpu()]
+    def note(self, new: np.ndarray, attended: np.ndarray, now: float) -> None:
+        """Record one pass: its new tokens' positions ``new``, the positions ``attended`` of the cached
+        tokens its newest query (at position ``now``) attends to notably."""
+        raise NotImplementedError
+
+    def observe(self, obs: Observation) -> None:
+        self._note_all([self], [obs])
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        if cls.observe is not NotableAttention.observe:
+            return super().observe_batch(methods, observations)
+        cls._note_all(methods, observations)
+
+    @staticmethod
+    def _note_all(methods, observations) -> None:
+        """Every sequence's notable slots from one reduction per group and one copy to the host."""
+        def notable(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
+            row = rows.mean(dim=(1, 2))  # [n, T]
+            # compared in the rows' dtype, as a tensor with a Python threshold is
+            return [row > methods[i].alpha / row.shape[-1]]
+
+        for members, new, cached, (hit,) in newest_on_host(observations, [m.alpha for m in methods], notable):
+            for i, new_i, cached_i, hit_i in zip(members, new, cached, hit):
+                methods[i].note(new_i, cached_i[hit_i != 0], float(new_i[-1]))
 
 
 def pool(scores: torch.Tensor, kernel: int, how: str = "avg") -> torch.Tensor:

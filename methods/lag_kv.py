@@ -1,39 +1,43 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod
 from kvleague.methods.registry import register_method
 
 
 def lag_std(x: torch.Tensor, lag: int, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x`` ``[H, T, d]`` -> ``[H, T]``: std over d of each token, chunk i min/max-normalised by chunk i-1.
+    """``x`` ``[..., T, d]`` -> ``[..., T]``: std over d of each token, chunk i min/max-normalised by chunk i-1.
 
     Chunks are consecutive runs of ``lag`` cache slots from the oldest (the last may be shorter).
     For chunk i > 0: x' = (x - min_{i-1}) / (max_{i-1} - min_{i-1} + eps), min/max per head and
     channel over the tokens of chunk i-1; chunk 0 uses raw x. Sample std (ddof = 1) over head_dim,
-    stored in ``dtype``.
+    stored in ``dtype``. Leading dimensions (heads, a batch's rows) are independent.
     """
-    h, t, d = x.shape
+    *lead, t, d = x.shape
     full = (t // lag) * lag
-    std = torch.empty(h, t, dtype=dtype, device=x.device)
-    std[:, : min(lag, t)] = x[:, : min(lag, t)].std(dim=-1)
+    std = torch.empty(*lead, t, dtype=dtype, device=x.device)
+    std[..., : min(lag, t)] = x[..., : min(lag, t), :].std(dim=-1)
     if t <= lag:
         return std
-    chunks = x[:, :full].reshape(h, t // lag, lag, d)
-    lo, hi = chunks.amin(dim=2), chunks.amax(dim=2)  # [H, n_chunks, d]
+    chunks = x[..., :full, :].reshape(*lead, t // lag, lag, d)
+    lo, hi = chunks.amin(dim=-2), chunks.amax(dim=-2)  # [..., n_chunks, d]
     n_full = t // lag
     if n_full > 1:
-        ref_lo, ref_hi = lo[:, :-1, None], hi[:, :-1, None]
-        normed = (chunks[:, 1:] - ref_lo).div_(ref_hi - ref_lo + eps)
-        std[:, lag:full] = normed.std(dim=-1).reshape(h, -1)
+        ref_lo, ref_hi = lo[..., :-1, None, :], hi[..., :-1, None, :]
+        normed = (chunks[..., 1:, :, :] - ref_lo).div_(ref_hi - ref_lo + eps)
+        std[..., lag:full] = normed.std(dim=-1).reshape(*lead, -1)
     if full < t:  # the trailing partial chunk, normalised by the last full chunk
-        tail = (x[:, full:] - lo[:, -1:]) / (hi[:, -1:] - lo[:, -1:] + eps)
-        std[:, full:] = tail.std(dim=-1)
+        tail = (x[..., full:, :] - lo[..., -1:, :]) / (hi[..., -1:, :] - lo[..., -1:, :] + eps)
+        std[..., full:] = tail.std(dim=-1)
     return std
+
+
+#: a batch's reference arithmetic stacks every layer of several rows: at most this many bytes at once
+_STACK_BYTES = 256 << 20
 
 
 @register_method("lag_kv")
@@ -75,16 +79,41 @@ class LagKV(EvictionMethod):
         if self.arithmetic not in ("reference", "float32"):
             raise ValueError(f"arithmetic must be reference or float32, got {self.arithmetic!r}")
 
+    #: scored from the keys and the values (``lag_kv_key``: the keys alone)
+    uses_values: ClassVar[bool] = True
+
     def score(self, cache: CacheView) -> torch.Tensor:
-        if self.arithmetic == "reference":
-            total = None
-            for tensors in (cache.keys, cache.values):
+        return self.scores(cache.keys, cache.values if self.uses_values else None)
+
+    def scores(self, keys: list[torch.Tensor], values: list[torch.Tensor] | None) -> torch.Tensor:
+        """Per layer ``[..., H, T, d]`` keys and values (leading dimensions: a batch's rows) -> ``[..., T]``."""
+        total = None
+        for tensors in (keys, values) if values is not None else (keys,):
+            if self.arithmetic == "reference":
                 x = torch.stack(tensors).mean(dim=0)
-                s = lag_std(x, self.lag, self.eps, x.dtype).mean(dim=0).float()
-                total = s if total is None else total + s
-            return total
-        keys, values = _layer_mean(cache.keys), _layer_mean(cache.values)
-        return lag_std(keys, self.lag, self.eps).mean(dim=0) + lag_std(values, self.lag, self.eps).mean(dim=0)
+                s = lag_std(x, self.lag, self.eps, x.dtype).mean(dim=-2).float()
+            else:
+                s = lag_std(_layer_mean(tensors), self.lag, self.eps).mean(dim=-2)
+            total = s if total is None else total + s
+        return total
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths, equal hyperparameters: the rows scored together, as many at once as
+        keep the reference arithmetic's stack of every layer under ``_STACK_BYTES``."""
+        first = methods[0]
+        if (cls.score is not LagKV.score or cls.scores is not LagKV.scores or not caches.equal_lengths
+                or any(m.params() != first.params() for m in methods)):
+            return super().score_batch(methods, caches)
+        _, heads, _, dim = caches.keys[0].shape
+        row_bytes = len(caches.keys) * heads * caches.lengths[0] * dim * caches.keys[0].element_size()
+        step = max(1, _STACK_BYTES // max(row_bytes, 1))
+        out: list[torch.Tensor] = []
+        for start in range(0, len(methods), step):
+            members = list(range(start, min(start + step, len(methods))))
+            values = caches.values_of(members) if cls.uses_values else None
+            out.extend(first.scores(caches.keys_of(members), values))
+        return out
 
 
 def _layer_mean(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -105,8 +134,4 @@ class LagKVKey(LagKV):
     :class:`LagKV`.
     """
 
-    def score(self, cache: CacheView) -> torch.Tensor:
-        if self.arithmetic == "reference":
-            x = torch.stack(cache.keys).mean(dim=0)
-            return lag_std(x, self.lag, self.eps, x.dtype).mean(dim=0).float()
-        return lag_std(_layer_mean(cache.keys), self.lag, self.eps).mean(dim=0)
+    uses_values: ClassVar[bool] = False

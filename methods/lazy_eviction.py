@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, Observation, SequenceInfo
-from kvleague.methods.kernels import NotableAttention, PositionTable
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, SequenceInfo
+from kvleague.methods.kernels import NotableAttention, PositionTable, positions_on_host
 from kvleague.methods.registry import register_method
 
 
@@ -32,16 +33,24 @@ class LazyEviction(NotableAttention):
         self.last = PositionTable()
         self.mri = PositionTable()
 
-    def observe(self, obs: Observation) -> None:
-        self.last.write(obs.new_positions, obs.new_positions.double())
-        self.mri.write(obs.new_positions, torch.zeros(obs.new_positions.shape[0], dtype=torch.float64))
-        hit = self.attended(obs)
-        if hit.numel():
-            now = float(obs.new_positions[-1])
-            gap = now - self.last.read(hit)
-            self.mri.write(hit, torch.maximum(self.mri.read(hit), gap))
-            self.last.write(hit, torch.full((hit.numel(),), now, dtype=torch.float64))
+    def note(self, new: np.ndarray, attended: np.ndarray, now: float) -> None:
+        top = int(new.max())
+        last, mri = self.last.array(top), self.mri.array(top)
+        last[new] = new
+        mri[new] = 0.0
+        mri[attended] = np.maximum(mri[attended], now - last[attended])
+        last[attended] = now
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        positions = cache.token_positions
-        return self.mri.read(positions) - (cache.current_position - self.last.read(positions))
+        return self._score(cache.token_positions, cache.current_position)
+
+    def _score(self, positions: torch.Tensor, now: int, top: int | None = None) -> torch.Tensor:
+        return self.mri.read(positions, top) - (now - self.last.read(positions, top))
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths: every row's positions come to the host in one copy."""
+        if cls.score is not LazyEviction.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        positions, top = positions_on_host(caches.views)
+        return [m._score(row, view.current_position, top) for m, row, view in zip(methods, positions, caches.views)]

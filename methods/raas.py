@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, Observation, SequenceInfo
-from kvleague.methods.kernels import NotableAttention, PositionTable
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, SequenceInfo
+from kvleague.methods.kernels import NotableAttention, PositionTable, read_tables
 from kvleague.methods.registry import register_method
 
 
@@ -31,11 +32,17 @@ class RaaS(NotableAttention):
         super().reset(info)
         self.stamp = PositionTable()
 
-    def observe(self, obs: Observation) -> None:
-        self.stamp.write(obs.new_positions, obs.new_positions.double())
-        hit = self.attended(obs)
-        if hit.numel():
-            self.stamp.write(hit, torch.full((hit.numel(),), float(obs.new_positions[-1]), dtype=torch.float64))
+    def note(self, new: np.ndarray, attended: np.ndarray, now: float) -> None:
+        stamp = self.stamp.array(int(new.max()))
+        stamp[new] = new
+        stamp[attended] = now
 
     def score(self, cache: CacheView) -> torch.Tensor:
         return self.stamp.read(cache.token_positions)
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths: every row's positions come to the host in one copy."""
+        if cls.score is not RaaS.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        return read_tables([m.stamp for m in methods], caches.views)

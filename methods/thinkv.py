@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, newest_rows
-from kvleague.methods.kernels import PositionTable, rank_in_unit, rank_within
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.methods.kernels import PositionTable, newest_on_host, positions_on_host, rank_in_unit, rank_within
 from kvleague.methods.registry import register_method
 
 REASONING, EXECUTION, TRANSITION = "R", "E", "T"
@@ -102,15 +103,36 @@ class ThinKV(EvictionMethod):
         self.sparsity_count: dict[int, int] = {}
 
     def observe(self, obs: Observation) -> None:
-        rows = newest_rows(obs.attention)  # [L, H_q, T]
-        self.acc.add(obs.cache_positions[0][0], rows.mean(dim=(0, 1)))
-        if obs.phase != "decode":
+        self._observe_all([self], [obs])
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        if cls.observe is not ThinKV.observe:
+            return super().observe_batch(methods, observations)
+        cls._observe_all(methods, observations)
+
+    @staticmethod
+    def _observe_all(methods, observations) -> None:
+        """Every sequence's accumulated attention and sparsity from one reduction per group and one copy
+        to the host (:func:`newest_on_host`)."""
+        def reduce(rows: torch.Tensor, i: int) -> list[torch.Tensor]:  # [n, L, H_q, T]
+            below = rows < methods[i].sparsity_tau / rows.shape[-1]
+            return [rows.mean(dim=(1, 2)), below.float().mean(dim=(1, 2, 3))[:, None]]
+
+        taus = [m.sparsity_tau for m in methods]
+        for members, new, cached, (mean, sparsity) in newest_on_host(observations, taus, reduce):
+            for j, i in enumerate(members):
+                methods[i]._note(observations[i].phase, new[j], cached[j], mean[j], float(sparsity[j, 0]))
+
+    def _note(self, phase: str, new: np.ndarray, cached: np.ndarray, mean: np.ndarray, sparsity: float) -> None:
+        """One pass: the newest query's attention ``mean`` (over layers and query heads) on the ``cached``
+        positions, and, decoding, its ``sparsity``."""
+        self.acc.array(int(cached.max()))[cached] += mean  # positions are distinct
+        if phase != "decode":
             return
-        position = int(obs.new_positions[-1])
+        position = int(new[-1])
         if self.gen_start is None:
             self.gen_start = position
-        t = rows.shape[-1]
-        sparsity = float((rows < self.sparsity_tau / t).float().mean())
         seg = (position - self.gen_start) // self.segment
         self.sparsity_sum[seg] = self.sparsity_sum.get(seg, 0.0) + sparsity
         self.sparsity_count[seg] = self.sparsity_count.get(seg, 0) + 1
@@ -124,17 +146,29 @@ class ThinKV(EvictionMethod):
         return types
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        positions = cache.token_positions.cpu()
-        acc = self.acc.read(positions)
+        (host,), top = positions_on_host([cache], _prompt_flags)
+        return self._score(host[0], ~host[1].bool(), cache.current_position, top)
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths: every row's positions and prompt flags come to the host in one copy."""
+        if cls.score is not ThinKV.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        host, top = positions_on_host(caches.views, _prompt_flags)
+        return [m._score(row[0], ~row[1].bool(), view.current_position, top)
+                for m, row, view in zip(methods, host, caches.views)]
+
+    def _score(self, positions: torch.Tensor, generated: torch.Tensor, now: int, top: int | None) -> torch.Tensor:
+        """Scores of the slots at ``positions`` (on the host), ``generated`` where not prompt."""
+        acc = self.acc.read(positions, top)
         tier = torch.zeros(positions.shape[0], dtype=torch.float64)
         if self.gen_start is not None:
-            generated = ~cache.is_prompt[0][0].cpu()
             rel = positions - self.gen_start
-            n_complete = (cache.current_position - self.gen_start + 1) // self.segment
+            n_complete = (now - self.gen_start + 1) // self.segment
             seg = torch.div(rel, self.segment, rounding_mode="floor")
             tier[generated & (seg >= n_complete)] = TIER_OPEN
             closed = generated & (seg >= 0) & (seg < n_complete)
-            if bool(closed.any()):
+            if n_complete > 0:
                 quotas = thought_quotas(self.segment_types(n_complete), self.keep_schedule)
                 # -1 marks a protected transition segment
                 quota_of = torch.tensor([-1 if q is None else q for q in quotas], dtype=torch.long)
@@ -145,3 +179,7 @@ class ThinKV(EvictionMethod):
                 closed_tier = torch.where(quota < 0, TIER_TRANSITION, closed_tier)
                 tier[closed] = closed_tier.to(torch.float64)
         return tier + rank_in_unit(acc)
+
+
+def _prompt_flags(view: CacheView) -> torch.Tensor:
+    return view.is_prompt[0][0]

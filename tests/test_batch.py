@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvleague.methods import available_methods, build_method
+from kvleague.methods.kernels import PositionTable
 from kvleague.methods.knorm import KeyNorm
 from kvleague.runner.engine.batch import auto_batch_size
 from kvleague.runner.engine.contract import CacheView, EvictionMethod
@@ -97,10 +98,15 @@ VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score")
               "h2o": ("observe", "score"), "tova": ("observe",), "knorm": ("score",), "keydiff": ("score",),
               "streaming_llm": ("score",), "snapkv": ("score",), "rkv": ("score",),
               "scissorhands": ("score",), "kv_key": ("observe", "score"),
-              "kv_val": ("observe", "score")}
+              "kv_val": ("observe", "score"), "raas": ("observe", "score"), "lazy_eviction": ("observe", "score"),
+              "thinkv": ("observe", "score"), "lag_kv": ("score",), "lag_kv_key": ("score",)}
 #: variants whose vectorised path has arithmetic of its own: ``name:hyperparameter=value``
 VARIANTS = {"epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
-            "hs_variance:arithmetic=float64": ("hs_variance", {"arithmetic": "float64"})}
+            "hs_variance:arithmetic=float64": ("hs_variance", {"arithmetic": "float64"}),
+            # chunks short enough that the cache holds several, and a partial one
+            "lag_kv:lag=4": ("lag_kv", {"lag": 4}),
+            "lag_kv:arithmetic=float32,lag=5": ("lag_kv", {"arithmetic": "float32", "lag": 5}),
+            "lag_kv_key:lag=3": ("lag_kv_key", {"lag": 3})}
 
 
 @pytest.mark.parametrize("case", sorted(VECTORISED) + sorted(VARIANTS))
@@ -128,9 +134,10 @@ def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64,
     assert not calls, f"per-sequence {calls[0]} called: the vectorised path did not run"
     for single, result in zip(alone, batched):
         _same(single, result)
-    for single, batch_member in zip(own, methods):  # frozen per-position scores: bit for bit, not only their ranking
-        if hasattr(single, "table"):
-            assert torch.equal(single.table.data, batch_member.table.data)
+    for single, batch_member in zip(own, methods):  # per-position state: bit for bit, not only its ranking
+        for name, table in vars(single).items():
+            if isinstance(table, PositionTable):
+                assert torch.equal(table.data, getattr(batch_member, name).data), name
 
 
 def test_a_batch_mixes_methods_kernels_and_finishing_times(engines64, prompts, monkeypatch):

@@ -239,13 +239,16 @@ def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path
     attention rows and hidden states stacked once per step for the batch; one gather for all layers).
     The ops a row adds to a step (batch 8 against batch 2) grow from a 2-layer to a 6-layer llama by
     at most one op per extra layer more than ``full``'s do (its slabs are built per row and layer once
-    per decode). Before, snapkv added ~4 ops per row and layer, tova ~18, rkv and scissorhands ~50."""
+    per decode). Before, snapkv added ~4 ops per row and layer, tova ~18, rkv and scissorhands ~50. The
+    host reads a step makes do not grow with the rows (before: raas ~4 per row, lazy_eviction ~9)."""
     from kvleague.runner.bench.step_ops import count
     from kvleague.runner.models import load_engine
     from kvleague.runner.models.tiny import make_tiny_model
 
-    names = ("full", "epikv", "h2o", "snapkv", "tova", "raas", "rkv", "scissorhands", "kv_key")
+    names = ("full", "epikv", "h2o", "snapkv", "tova", "raas", "lazy_eviction", "thinkv", "rkv", "scissorhands",
+             "kv_key", "lag_kv")
     per_row: dict[int, dict[str, float]] = {}
+    reads_per_row: dict[str, float] = {}
     for layers in (2, 6):
         engine = load_engine(str(make_tiny_model("llama", tmp_path / f"l{layers}", layers=layers)), backend="slab")
         engine.eos_ids = set()
@@ -255,7 +258,10 @@ def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path
         for name in names:
             two, eight = (count(engine, name, n, 16, prompt, 4) for n in (2, 8))
             per_row[layers][name] = (eight["ops_per_step"] - two["ops_per_step"]) / 6
+            reads_per_row[name] = max(reads_per_row.get(name, 0), (eight["host_reads_per_step"] - two["host_reads_per_step"]) / 6)
     growth = {name: per_row[6][name] - per_row[2][name] for name in names}
     assert growth["full"] > 0  # the slabs built per row and layer: the count sees the layers
     for name in names[1:]:
         assert growth[name] - growth["full"] <= 4, (name, growth)  # 4 extra layers
+    # and no method reads a value on the host per row (a device synchronization each on a GPU)
+    assert all(reads <= 0 for reads in reads_per_row.values()), reads_per_row

@@ -265,7 +265,7 @@ class BatchCacheView:
         self.lengths = [v.length for v in views]
         self._padded = padded
         self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._members_keys: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._members_rows: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.views)
@@ -289,15 +289,28 @@ class BatchCacheView:
 
     def keys_of(self, members: list[int]) -> list[torch.Tensor]:
         """Per layer ``[n, H, T, d]``: the keys of the sequences ``members``, which hold the same number
-        of slots T, without padding (views of ``keys`` when ``members`` are all the sequences)."""
+        of slots T, without padding (views of ``keys`` when ``members`` are consecutive)."""
+        return self._rows_of(members, 0)
+
+    def values_of(self, members: list[int]) -> list[torch.Tensor]:
+        """As :meth:`keys_of`, the values."""
+        return self._rows_of(members, 1)
+
+    def _rows_of(self, members: list[int], which: int) -> list[torch.Tensor]:
         import torch
 
-        key = tuple(members)
-        if key not in self._members_keys:
+        key = (tuple(members), which)
+        if key not in self._members_rows:
             t = self.lengths[members[0]]
-            rows = None if len(members) == len(self) else torch.tensor(members, device=self.keys[0].device)
-            self._members_keys[key] = [(k if rows is None else k.index_select(0, rows))[:, :, :t] for k in self.keys]
-        return self._members_keys[key]
+            padded = self.keys if which == 0 else self.values
+            first, last = members[0], members[-1]
+            if members == list(range(first, last + 1)):  # a view
+                rows = [x[first : last + 1, :, :t] for x in padded]
+            else:
+                index = torch.tensor(members, device=padded[0].device)
+                rows = [x.index_select(0, index)[:, :, :t] for x in padded]
+            self._members_rows[key] = rows
+        return self._members_rows[key]
 
 
 @dataclass
