@@ -230,14 +230,23 @@ class EpiKVFamily(EvictionMethod):
         """Decode steps of instances with equal hyperparameters: d^l of every sequence in one tensor
         operation per layer (the same elementwise arithmetic as ``_change``); the z-scores stay per
         sequence (each has its own series)."""
+        if cls.observe is not EpiKVFamily.observe:
+            return super().observe_batch(methods, observations)
+        EpiKVFamily._observe_signals(methods, observations)
+
+    @staticmethod
+    def _observe_signals(methods, observations) -> None:
+        """:meth:`EpiKVFamily.observe` of every sequence, batched where it can be (a subclass that
+        observes more calls this, then observes its own)."""
         first = methods[0]
         if (
             len(methods) < 2
-            or cls.observe is not EpiKVFamily.observe
             or any(o.phase != "decode" or o.new_positions.shape[0] != 1 for o in observations)
             or any(m.params() != first.params() or len(m.previous) < len(set(first.group_a) | set(first.group_b)) for m in methods)
         ):
-            return super().observe_batch(methods, observations)
+            for method, obs in zip(methods, observations):
+                EpiKVFamily.observe(method, obs)
+            return
         n = first.info.n_layers
         reference = first.arithmetic == "reference"
         distance: dict[int, torch.Tensor] = {}

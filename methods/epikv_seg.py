@@ -5,10 +5,11 @@ from typing import Literal
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, Needs, Observation, SequenceInfo
 from kvleague.methods.epikv import EpiKV
 from kvleague.methods.kernels import (
     PositionTable,
+    positions_on_host,
     rank_in_unit,
     rank_within,
     segment_bounds,
@@ -108,6 +109,18 @@ class EpiKVSeg(EpiKV):
 
     def observe(self, obs: Observation) -> None:
         super().observe(obs)
+        self._observe_variance(obs)
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        """The EpiKV family's batched signals, then each sequence's key variances."""
+        if cls.observe is not EpiKVSeg.observe:
+            return super().observe_batch(methods, observations)
+        EpiKV._observe_signals(methods, observations)
+        for method, obs in zip(methods, observations):
+            method._observe_variance(obs)
+
+    def _observe_variance(self, obs: Observation) -> None:
         if self.selection == "fill":  # the authors' selection reads the variances from the cache instead
             self.key_var.write(obs.new_positions, key_variance(obs.new_keys))
 
@@ -137,22 +150,46 @@ class EpiKVSeg(EpiKV):
         return self.apply_value_reserve(scores, cache)
 
     def _authors_scores(self, cache: CacheView) -> torch.Tensor:
-        positions = cache.token_positions.cpu()
-        prompt = cache.is_prompt[0][0].cpu()
-        epikv = self.token_scores(cache)
+        (host,), top = positions_on_host([cache], with_prompt=True)
+        classify = max(cache.length - self._recent(cache.budget), 0)
+        # as the authors: k.float().var(dim=-1).mean(dim=(0, 1)) per layer on [1, H, C, d], mean over layers
+        per_slot = torch.stack([k[None, :, :classify].float().var(dim=-1).mean(dim=(0, 1)) for k in cache.keys]).mean(dim=0)
+        return self._authors_from(host[0], host[1].bool(), per_slot.cpu(), cache.budget, top)
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """``selection: authors``, caches of equal lengths: every row's key variances per slot in one
+        operation per layer, and with its positions and prompt flags one copy to the host."""
+        if (cls.score is not EpiKVSeg.score or cls._authors_scores is not EpiKVSeg._authors_scores
+                or cls.token_scores is not EpiKVSeg.token_scores or not caches.equal_lengths or any(m.selection != "authors" for m in methods)):
+            return super().score_batch(methods, caches)
+        members = list(range(len(methods)))
+        # [n, T]: every slot's, the same per slot as the prefix of ``classify`` slots that a row alone reads
+        per_slot = torch.stack([k.float().var(dim=-1).mean(dim=1) for k in caches.keys_of(members)]).mean(dim=0)
+        host, top = positions_on_host(caches.views, with_prompt=True)
+        per_slot = per_slot.cpu()
+        out = []
+        for method, view, row, variances in zip(methods, caches.views, host, per_slot):
+            classify = max(view.length - method._recent(view.budget), 0)
+            out.append(method._authors_from(row[0], row[1].bool(), variances[:classify], view.budget, top))
+        return out
+
+    def _authors_from(self, positions: torch.Tensor, prompt: torch.Tensor, per_slot: torch.Tensor, budget: int,
+                      top: int | None) -> torch.Tensor:
+        """The authors' selection from a cache's positions and prompt flags and the key variance of its
+        first ``classify`` slots (``per_slot``), on the host (the ``epikv`` scores: :meth:`token_scores`'s)."""
+        epikv = self.table.read(positions, top)
         length = positions.shape[0]
-        recent = self._recent(cache.budget)
-        classify = max(length - recent, 0)
+        recent = self._recent(budget)
+        classify = per_slot.shape[0]
         scores = torch.full((length,), float("-inf"), dtype=torch.float64)
         scores[prompt] = float("inf")
         scores[classify:] = float("inf")
         if classify == 0:
             return scores
-        # as the authors: k.float().var(dim=-1).mean(dim=(0, 1)) per layer on [1, H, C, d], mean over layers
-        per_slot = torch.stack([k[None, :, :classify].float().var(dim=-1).mean(dim=(0, 1)) for k in cache.keys]).mean(dim=0).cpu()
         bounds = segment_bounds(classify, self.segment)
         types = tertile_types([float(per_slot[a:b].mean()) for a, b in bounds], descending=True)
-        remaining = cache.budget - recent - int(prompt.sum())
+        remaining = budget - recent - int(prompt.sum())
         for (start, end), kind in zip(bounds, types):
             if remaining <= 0:
                 break

@@ -67,15 +67,16 @@ class PositionTable:
         return self.data[positions.cpu()]
 
 
-def positions_on_host(views, *extra: Callable[[CacheView], torch.Tensor]) -> tuple[torch.Tensor, int | None]:
+def positions_on_host(views, with_prompt: bool = False) -> tuple[torch.Tensor, int | None]:
     """``[N, T]`` the token positions of cache views of equal lengths on the host, in one copy, and the
-    largest (``None`` when empty). ``extra``: per view, more ``[T]`` integer columns to bring along in
-    the same copy (then ``[N, k + 1, T]``, the positions first)."""
-    rows = [torch.stack([view.token_positions, *(f(view).long() for f in extra)]) if extra else view.token_positions
-            for view in views]
-    host = torch.stack(rows).cpu()
-    positions = host[:, 0] if extra else host
-    return host, (int(positions.max()) if positions.numel() else None)
+    largest (``None`` when empty). ``with_prompt``: ``[N, 2, T]``, each view's prompt flags (1 where
+    the slot holds a prompt token) beside its positions, in the same copy."""
+    positions = torch.stack([view.token_positions for view in views])
+    if with_prompt:
+        positions = torch.stack([positions, torch.stack([view.is_prompt[0][0] for view in views]).long()], dim=1)
+    host = positions.cpu()
+    top = host[:, 0] if with_prompt else host
+    return host, (int(top.max()) if top.numel() else None)
 
 
 def read_tables(tables: list[PositionTable], views) -> list[torch.Tensor]:

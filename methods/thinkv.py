@@ -146,7 +146,7 @@ class ThinKV(EvictionMethod):
         return types
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        (host,), top = positions_on_host([cache], _prompt_flags)
+        (host,), top = positions_on_host([cache], with_prompt=True)
         return self._score(host[0], ~host[1].bool(), cache.current_position, top)
 
     @classmethod
@@ -154,7 +154,7 @@ class ThinKV(EvictionMethod):
         """Caches of equal lengths: every row's positions and prompt flags come to the host in one copy."""
         if cls.score is not ThinKV.score or not caches.equal_lengths:
             return super().score_batch(methods, caches)
-        host, top = positions_on_host(caches.views, _prompt_flags)
+        host, top = positions_on_host(caches.views, with_prompt=True)
         return [m._score(row[0], ~row[1].bool(), view.current_position, top)
                 for m, row, view in zip(methods, host, caches.views)]
 
@@ -179,7 +179,3 @@ class ThinKV(EvictionMethod):
                 closed_tier = torch.where(quota < 0, TIER_TRANSITION, closed_tier)
                 tier[closed] = closed_tier.to(torch.float64)
         return tier + rank_in_unit(acc)
-
-
-def _prompt_flags(view: CacheView) -> torch.Tensor:
-    return view.is_prompt[0][0]
