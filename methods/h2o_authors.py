@@ -4,13 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.methods.kernels import ObservesTogether, layer_mean_row, newest_on_host, positions_on_host
 from kvleague.methods.registry import register_method
 
 
 @register_method("h2o_authors")
 @dataclass
-class H2OAuthors(EvictionMethod):
+class H2OAuthors(ObservesTogether, EvictionMethod):
     """H2O as the EpiKV authors' harness runs it (their ``H2OEviction``): one global accumulated-attention score.
 
     Per decode step, a_t = mean over layers of (mean over query heads of the new query's softmax
@@ -45,21 +46,41 @@ class H2OAuthors(EvictionMethod):
         super().reset(info)
         self.acc = torch.zeros(1024, dtype=torch.float32)  # by absolute position
 
-    def observe(self, obs: Observation) -> None:
-        if obs.phase != "decode":
-            return
-        step = torch.stack([rows[:, -1:][None].mean(dim=(0, 1, 2)) for rows in obs.attention]).mean(dim=0).cpu()
-        positions = obs.cache_positions[0][0].cpu()
+    @classmethod
+    def observe_together(cls, methods, observations) -> None:
+        """Decode steps: each sequence's row (:func:`layer_mean_row`, float32) with its cached positions,
+        sequences of equal lengths in one reduction and one copy to the host."""
+        decoding = [i for i, obs in enumerate(observations) if obs.phase == "decode"]
+        group = [methods[i] for i in decoding]
+
+        def row(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
+            return [layer_mean_row(rows, torch.float32)]
+
+        for members, _, cached, (step,) in newest_on_host([observations[i] for i in decoding], [None] * len(group), row):
+            for j, i in enumerate(members):
+                group[i]._accumulate(torch.from_numpy(cached[j]), torch.from_numpy(step[j]).float())
+
+    def _accumulate(self, positions: torch.Tensor, step: torch.Tensor) -> None:
         top = int(positions.max()) + 1
         if top > self.acc.shape[0]:
             self.acc = torch.cat([self.acc, torch.zeros(max(top, self.acc.shape[0]) , dtype=torch.float32)])
         self.acc[positions] += step
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        positions = cache.token_positions.cpu()
+        return self._score(cache.token_positions.cpu(), cache.budget)
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths: every row's positions come to the host in one copy."""
+        if cls.score is not H2OAuthors.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        positions, _ = positions_on_host(caches.views)
+        return [m._score(row, view.budget) for m, row, view in zip(methods, positions, caches.views)]
+
+    def _score(self, positions: torch.Tensor, budget: int) -> torch.Tensor:
         scores = self.acc[positions].clone()
-        sinks = min(self.n_sink, cache.budget // 4)
-        recent = min(self.recent, cache.budget - sinks)
+        sinks = min(self.n_sink, budget // 4)
+        recent = min(self.recent, budget - sinks)
         ordered = positions.sort().values
         scores[positions < (ordered[sinks] if sinks < len(ordered) else positions.max() + 1)] = float("inf")
         if recent > 0:

@@ -115,13 +115,6 @@ def per_kv_head(rows: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return rows.view(n_kv_heads, h_q // n_kv_heads, t).mean(dim=1)
 
 
-def last_query_row(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[1, H, 1, T]``: the newest query's attention row of one layer in the layout and ``dtype`` (the
-    model's) of HF's eager ``attentions``, so reductions over it round as code written against HF does
-    (the eager kernel's weights are in the model dtype; the engine hands them over as float32, exactly)."""
-    return rows[:, -1:][None].to(dtype)
-
-
 class QueryWindow:
     """The last ``window`` post-RoPE queries of every layer, with their absolute positions.
 
@@ -174,8 +167,37 @@ class ObservesQueryWindow:
         self.queries.push(obs)
 
 
+class ObservesTogether:
+    """Mixin of a method whose ``observe`` is :meth:`observe_together` of one sequence: a batch's
+    sequences are observed by one call of it (unless a subclass overrides ``observe``), so a sequence
+    gets the same arithmetic alone and batched."""
+
+    def observe(self, obs: Observation) -> None:
+        type(self).observe_together([self], [obs])
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        if cls.observe is not ObservesTogether.observe:
+            return super().observe_batch(methods, observations)
+        cls.observe_together(methods, observations)
+
+    @classmethod
+    def observe_together(cls, methods, observations) -> None:
+        """``methods[i]`` observes ``observations[i]``, for every i."""
+        raise NotImplementedError
+
+
+def layer_mean_row(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, L, H_q, T]`` newest-query attention rows -> ``[n, T]``: per layer the mean over query heads,
+    then the mean over layers, in ``dtype``. The EpiKV authors' harness averages HF's eager weights
+    ``[1, H_q, q, T]`` per layer (``a.mean(dim=(0, 1))[-1, :]``, stacked and averaged), which are in the
+    model's dtype (the engine hands them over as float32, exactly); reduced in that dtype here, the rows
+    round as theirs."""
+    return rows.to(dtype).mean(dim=2).mean(dim=1)
+
+
 @dataclass
-class NotableAttention(EvictionMethod):
+class NotableAttention(ObservesTogether, EvictionMethod):
     """Base of the methods that track when a cached token last drew notable attention (RaaS, LazyEviction):
     the newest query's weight on it, averaged over layers and query heads, above ``alpha`` / n (n = the
     cached keys it sees; ``alpha = 1``: above uniform)."""
@@ -193,17 +215,8 @@ class NotableAttention(EvictionMethod):
         tokens its newest query (at position ``now``) attends to notably."""
         raise NotImplementedError
 
-    def observe(self, obs: Observation) -> None:
-        self._note_all([self], [obs])
-
     @classmethod
-    def observe_batch(cls, methods, observations) -> None:
-        if cls.observe is not NotableAttention.observe:
-            return super().observe_batch(methods, observations)
-        cls._note_all(methods, observations)
-
-    @staticmethod
-    def _note_all(methods, observations) -> None:
+    def observe_together(cls, methods, observations) -> None:
         """Every sequence's notable slots from one reduction per group and one copy to the host."""
         def notable(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
             row = rows.mean(dim=(1, 2))  # [n, T]
@@ -289,9 +302,12 @@ def check_window_kernel(window: int, kernel: int) -> None:
 
 
 def top_by_score_then_position(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` highest ``scores``; equal scores: the larger position first (deterministic)."""
-    order = sorted(range(scores.shape[0]), key=lambda i: (float(scores[i]), int(positions[i])), reverse=True)
-    return torch.tensor(order[:k], dtype=torch.long)
+    """Indices of the ``k`` highest ``scores``; equal scores: the larger position first (deterministic).
+
+    Two stable sorts (positions are distinct), no Python loop over the slots; ``+ 0.0`` makes -0.0 equal
+    to 0.0, as a comparison does."""
+    by_position = torch.argsort(positions, descending=True, stable=True)
+    return by_position[torch.argsort(scores[by_position] + 0.0, descending=True, stable=True)][:k]
 
 
 def segment_bounds(length: int, segment: int) -> list[tuple[int, int]]:

@@ -4,14 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
 from kvleague.methods.registry import register_method
-from kvleague.methods.kernels import last_query_row
+from kvleague.methods.kernels import ObservesTogether, layer_mean_row, newest_on_host
 
 
 @register_method("longflow_authors")
 @dataclass
-class LongFlowAuthors(EvictionMethod):
+class LongFlowAuthors(ObservesTogether, EvictionMethod):
     """LongFlow as the EpiKV authors' harness runs it (their ``LongFlowEviction``): attention times value L1 norm.
 
     score_i = a_i · n_i with a = mean over layers of the newest query's attention row (mean over query
@@ -35,9 +35,30 @@ class LongFlowAuthors(EvictionMethod):
         super().reset(info)
         self.row: torch.Tensor | None = None
 
-    def observe(self, obs: Observation) -> None:
-        self.row = torch.stack([last_query_row(r, self.info.dtype).mean(dim=(0, 1))[-1, :] for r in obs.attention]).mean(dim=0).float().cpu()
+    @classmethod
+    def observe_together(cls, methods, observations) -> None:
+        """Each sequence's row (:func:`layer_mean_row`, the model's dtype, then float32), sequences of
+        equal lengths in one reduction and one copy to the host."""
+        def row(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
+            return [layer_mean_row(rows, methods[i].info.dtype).float()]
+
+        for members, _, _, (attention,) in newest_on_host(observations, [m.info.dtype for m in methods], row):
+            for j, i in enumerate(members):
+                methods[i].row = torch.from_numpy(attention[j]).float()
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        value_l1 = torch.stack([v[None].float().abs().sum(dim=-1).mean(dim=(0, 1)) for v in cache.values]).mean(dim=0).cpu()
-        return self.row * value_l1
+        return self.row * value_l1([v[None] for v in cache.values])[0].cpu()
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths: the value norms of every row in one operation per layer, one copy to the host."""
+        if cls.score is not LongFlowAuthors.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        norms = value_l1(caches.values_of(list(range(len(methods))))).cpu()
+        return [m.row * n for m, n in zip(methods, norms)]
+
+
+def value_l1(values: list[torch.Tensor]) -> torch.Tensor:
+    """Per layer ``[n, H, T, d]`` -> ``[n, T]``: as the authors, ``v.float().abs().sum(dim=-1)`` averaged
+    over KV heads per layer, then over layers."""
+    return torch.stack([v.float().abs().sum(dim=-1).mean(dim=1) for v in values]).mean(dim=0)

@@ -4,14 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from kvleague.methods.kernels import PositionTable, last_query_row
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.methods.kernels import ObservesTogether, PositionTable, layer_mean_row, newest_on_host, positions_on_host
 from kvleague.methods.registry import register_method
 
 
 @register_method("raas_authors")
 @dataclass
-class RaaSAuthors(EvictionMethod):
+class RaaSAuthors(ObservesTogether, EvictionMethod):
     """RaaS as the EpiKV authors' harness runs it (their ``RaaSEviction``): LRU stamps from median attention.
 
     Every generated token gets a timestamp when it enters the cache (the decode step, here its
@@ -47,14 +47,29 @@ class RaaSAuthors(EvictionMethod):
         self.stamp = PositionTable()
         self.fed = PositionTable()  # 1.0 at positions that were fed (prompt), never stamped
 
-    def observe(self, obs: Observation) -> None:
-        if obs.phase == "prefill":
-            self.fed.write(obs.new_positions, torch.ones(obs.new_positions.shape[0]))
-            return
-        step = float(obs.new_positions[-1])
-        self.stamp.write(obs.new_positions, torch.full((obs.new_positions.shape[0],), step))
-        positions = obs.cache_positions[0][0].cpu()
-        row = torch.stack([last_query_row(r, self.info.dtype).mean(dim=(0, 1, 2)) for r in obs.attention]).mean(dim=0).cpu()
+    @classmethod
+    def observe_together(cls, methods, observations) -> None:
+        """Decode steps: each sequence's row (:func:`layer_mean_row`, the model's dtype) with its new and
+        cached positions, sequences of equal lengths in one reduction and one copy to the host."""
+        decoding = []
+        for i, (method, obs) in enumerate(zip(methods, observations)):
+            if obs.phase == "prefill":
+                method.fed.write(obs.new_positions, torch.ones(obs.new_positions.shape[0]))
+            else:
+                decoding.append(i)
+        group = [methods[i] for i in decoding]
+
+        def row(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
+            return [layer_mean_row(rows, group[i].info.dtype)]
+
+        dtypes = [m.info.dtype for m in group]
+        for members, new, cached, (attention,) in newest_on_host([observations[i] for i in decoding], dtypes, row):
+            for j, i in enumerate(members):
+                group[i]._stamp(torch.from_numpy(new[j]), torch.from_numpy(cached[j]), torch.from_numpy(attention[j]))
+
+    def _stamp(self, new: torch.Tensor, positions: torch.Tensor, row: torch.Tensor) -> None:
+        step = float(new[-1])
+        self.stamp.write(new, torch.full((new.shape[0],), step))
         generated = self.fed.read(positions) == 0
         decode_attention = row[generated]
         if decode_attention.numel():
@@ -62,7 +77,17 @@ class RaaSAuthors(EvictionMethod):
             self.stamp.write(hit, torch.full((hit.shape[0],), step))
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        positions = cache.token_positions.cpu()
+        return self._score(cache.token_positions.cpu())
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths: every row's positions come to the host in one copy."""
+        if cls.score is not RaaSAuthors.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        positions, _ = positions_on_host(caches.views)
+        return [m._score(row) for m, row in zip(methods, positions)]
+
+    def _score(self, positions: torch.Tensor) -> torch.Tensor:
         scores = self.stamp.read(positions).clone()
         scores[self.fed.read(positions) != 0] = float("inf")
         return scores

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
 from kvleague.methods.registry import register_method
-from kvleague.methods.kernels import check_window_kernel, last_query_row
+from kvleague.methods.kernels import ObservesTogether, check_window_kernel, layer_mean_row, newest_on_host
 
 
 def standardise(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def global_redundancy(keys: list[torch.Tensor]) -> torch.Tensor:
 
 @register_method("rkv_authors")
 @dataclass
-class RKVAuthors(EvictionMethod):
+class RKVAuthors(ObservesTogether, EvictionMethod):
     """R-KV as the EpiKV authors' harness runs it (their ``RKVEviction``): one global score, standardised terms.
 
     After every decode forward the method records a = mean over layers of the newest query's attention
@@ -76,12 +76,21 @@ class RKVAuthors(EvictionMethod):
         self.rows: deque[torch.Tensor] = deque(maxlen=self.window)  # decode rows, dense by absolute position
         self.fed_row: torch.Tensor | None = None  # the last fed token's row, until the next decode step
 
-    def observe(self, obs: Observation) -> None:
-        row = torch.stack([last_query_row(r, self.info.dtype).mean(dim=(0, 1))[-1, :] for r in obs.attention]).mean(dim=0).float().cpu()
-        positions = obs.cache_positions[0][0].cpu()
+    @classmethod
+    def observe_together(cls, methods, observations) -> None:
+        """Each sequence's row (:func:`layer_mean_row`, the model's dtype, then float32) with its cached
+        positions, sequences of equal lengths in one reduction and one copy to the host."""
+        def row(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
+            return [layer_mean_row(rows, methods[i].info.dtype).float()]
+
+        for members, _, cached, (attention,) in newest_on_host(observations, [m.info.dtype for m in methods], row):
+            for j, i in enumerate(members):
+                methods[i]._record(observations[i].phase, torch.from_numpy(cached[j]), torch.from_numpy(attention[j]).float())
+
+    def _record(self, phase: str, positions: torch.Tensor, row: torch.Tensor) -> None:
         dense = torch.zeros(int(positions.max()) + 1, dtype=torch.float32)
         dense[positions] = row
-        if obs.phase == "prefill":  # the authors' class never sees a prefill: used only to compress it
+        if phase == "prefill":  # the authors' class never sees a prefill: used only to compress it
             self.fed_row = dense
         else:
             self.fed_row = None

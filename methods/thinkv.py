@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from kvleague.methods.kernels import PositionTable, newest_on_host, positions_on_host, rank_in_unit, rank_within
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.methods.kernels import ObservesTogether, PositionTable, newest_on_host, positions_on_host, rank_in_unit, rank_within
 from kvleague.methods.registry import register_method
 
 REASONING, EXECUTION, TRANSITION = "R", "E", "T"
@@ -43,7 +43,7 @@ def thought_quotas(types: list[str], schedule: tuple[int, ...]) -> list[int | No
 
 @register_method("thinkv")
 @dataclass
-class ThinKV(EvictionMethod):
+class ThinKV(ObservesTogether, EvictionMethod):
     """ThinKV (eviction part): thought-typed 128-token segments, older thoughts keep fewer tokens.
 
     Generated tokens are cut into segments of ``segment`` (128) positions counted from the first
@@ -102,17 +102,8 @@ class ThinKV(EvictionMethod):
         self.sparsity_sum: dict[int, float] = {}
         self.sparsity_count: dict[int, int] = {}
 
-    def observe(self, obs: Observation) -> None:
-        self._observe_all([self], [obs])
-
     @classmethod
-    def observe_batch(cls, methods, observations) -> None:
-        if cls.observe is not ThinKV.observe:
-            return super().observe_batch(methods, observations)
-        cls._observe_all(methods, observations)
-
-    @staticmethod
-    def _observe_all(methods, observations) -> None:
+    def observe_together(cls, methods, observations) -> None:
         """Every sequence's accumulated attention and sparsity from one reduction per group and one copy
         to the host (:func:`newest_on_host`)."""
         def reduce(rows: torch.Tensor, i: int) -> list[torch.Tensor]:  # [n, L, H_q, T]

@@ -4,8 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
-from kvleague.methods.kernels import last_query_row, segment_bounds, tertile_types, top_by_score_then_position
+from kvleague.runner.engine.contract import (
+    BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo, groups_by, newest_rows,
+)
+from kvleague.methods.kernels import ObservesTogether, layer_mean_row, positions_on_host, segment_bounds, tertile_types, top_by_score_then_position
 from kvleague.methods.registry import register_method
 
 
@@ -17,7 +19,7 @@ def attention_entropy(row: torch.Tensor) -> float:
 
 @register_method("thinkv_authors")
 @dataclass
-class ThinKVAuthors(EvictionMethod):
+class ThinKVAuthors(ObservesTogether, EvictionMethod):
     """ThinKV as the EpiKV authors' harness runs it (their ``ThinKVEviction``): per-segment quotas, fewer than B.
 
     At each eviction (cache length T > B), with r = min(``recent``, B // 4) and C = T - r:
@@ -75,22 +77,40 @@ class ThinKVAuthors(EvictionMethod):
         self.entropy_row: torch.Tensor | None = None
         self.rank_row: torch.Tensor | None = None
 
-    def observe(self, obs: Observation) -> None:
-        rows = [last_query_row(r, self.info.dtype) for r in obs.attention]
-        # as the authors: a.mean(dim=(0, 1))[-1, :] per layer, then the mean over the classifier layers
-        self.entropy_row = torch.stack([a.mean(dim=(0, 1))[-1, :] for a in rows[-self.classifier_layers :]]).mean(dim=0).cpu()
-        self.rank_row = rows[-1].mean(dim=(0, 1, 2)).cpu()
+    @classmethod
+    def observe_together(cls, methods, observations) -> None:
+        """Each sequence's rows from the newest query's attention in the last ``classifier_layers``
+        layers: sequences of equal lengths together, one copy to the host per group (alone: a group of one)."""
+        keys = [(o.cache_positions[0].shape[-1], m.classifier_layers, m.info.dtype) for m, o in zip(methods, observations)]
+        for members in groups_by(keys):
+            first = methods[members[0]]
+            rows = torch.stack([newest_rows(observations[i].attention[-first.classifier_layers :]) for i in members])
+            # as the authors: the classifier layers' mean row; the last layer's ranks the slots
+            entropy, rank = layer_mean_row(rows, first.info.dtype), layer_mean_row(rows[:, -1:], first.info.dtype)
+            host = torch.stack([entropy, rank], dim=1).cpu()
+            for i, (entropy_row, rank_row) in zip(members, host):
+                methods[i].entropy_row, methods[i].rank_row = entropy_row, rank_row
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        positions = cache.token_positions.cpu()
+        return self._score(cache.token_positions.cpu(), cache.budget)
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        """Caches of equal lengths: every row's positions come to the host in one copy."""
+        if cls.score is not ThinKVAuthors.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        positions, _ = positions_on_host(caches.views)
+        return [m._score(row, view.budget) for m, row, view in zip(methods, positions, caches.views)]
+
+    def _score(self, positions: torch.Tensor, budget: int) -> torch.Tensor:
         length = positions.shape[0]
-        recent = min(self.recent, cache.budget // 4)
+        recent = min(self.recent, budget // 4)
         classify = length - recent
         scores = torch.full((length,), float("-inf"), dtype=torch.float64)
         scores[classify:] = float("inf")
         bounds = segment_bounds(classify, self.segment)
         labels = tertile_types([attention_entropy(self.entropy_row[a:b]) for a, b in bounds])
-        remaining = cache.budget - recent
+        remaining = budget - recent
         for (start, end), label in zip(bounds, labels):
             if remaining <= 0:
                 break
@@ -100,5 +120,3 @@ class ThinKVAuthors(EvictionMethod):
                 scores[chosen] = self.rank_row[chosen].double()
                 remaining -= n_keep
         return scores
-
-

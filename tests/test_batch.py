@@ -100,7 +100,9 @@ VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score")
               "scissorhands": ("score",), "kv_key": ("observe", "score"),
               "kv_val": ("observe", "score"), "raas": ("observe", "score"), "lazy_eviction": ("observe", "score"),
               "thinkv": ("observe", "score"), "lag_kv": ("score",), "lag_kv_key": ("score",),
-              "epikv_seg": ("observe", "score")}
+              "epikv_seg": ("observe", "score"), "thinkv_authors": ("observe", "score"),
+              "h2o_authors": ("observe", "score"), "raas_authors": ("observe", "score"),
+              "longflow_authors": ("observe", "score"), "rkv_authors": ("observe",)}
 #: variants whose vectorised path has arithmetic of its own: ``name:hyperparameter=value``
 VARIANTS = {"epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
             "hs_variance:arithmetic=float64": ("hs_variance", {"arithmetic": "float64"}),
@@ -108,7 +110,9 @@ VARIANTS = {"epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
             "lag_kv:lag=4": ("lag_kv", {"lag": 4}),
             "lag_kv:arithmetic=float32,lag=5": ("lag_kv", {"arithmetic": "float32", "lag": 5}),
             "lag_kv_key:lag=3": ("lag_kv_key", {"lag": 3}),
-            "epikv_seg:segment=3": ("epikv_seg", {"segment": 3, "quotas": (2, 1, 0), "recent_window": 2})}
+            "epikv_seg:segment=3": ("epikv_seg", {"segment": 3, "quotas": (2, 1, 0), "recent_window": 2}),
+            # a window short enough that the accumulated attention chooses (the default keeps sinks + window)
+            "h2o_authors:recent=2": ("h2o_authors", {"recent": 2})}
 #: (prompt tokens, budget, new tokens) where the default (14, 12, 10) would not reach the path: EpiKV-Seg's
 #: quotas fill only the budget a short prompt leaves, over several segments of generated tokens
 SETUPS = {"epikv_seg:segment=3": (5, 14, 24)}

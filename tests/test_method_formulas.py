@@ -571,3 +571,21 @@ def test_position_table_write_one_is_write_and_a_copy_is_its_own():
     twin = copy.deepcopy(one)
     twin.write_one(3, 42.0)
     assert one.read(torch.tensor([3])).item() == 0.1 and twin.read(torch.tensor([3])).item() == 42.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_by_score_then_position_is_the_sorted_order_of_score_then_position(dtype):
+    """The kept slots of the authors' ports (ThinKV's, EpiKV-Seg's quotas): the ``k`` highest scores,
+    equal scores (many here, -0.0 and 0.0 among them, and infinities) the larger position first, as
+    Python's ``sorted`` on (score, position) pairs, for every k."""
+    from kvleague.methods.kernels import top_by_score_then_position
+
+    generator = torch.Generator().manual_seed(7)
+    values = torch.tensor([0.0, -0.0, 0.25, -1.5, float("inf"), float("-inf"), 3.0], dtype=dtype)
+    for _ in range(20):
+        n = int(torch.randint(1, 60, (1,), generator=generator))
+        scores = values[torch.randint(0, len(values), (n,), generator=generator)]
+        positions = torch.randperm(4 * n, generator=generator)[:n]
+        oracle = sorted(range(n), key=lambda i: (float(scores[i]), int(positions[i])), reverse=True)
+        for k in (0, 1, n // 2, n):
+            assert top_by_score_then_position(scores, positions, k).tolist() == oracle[:k]
