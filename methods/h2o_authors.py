@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
@@ -58,13 +59,14 @@ class H2OAuthors(ObservesTogether, EvictionMethod):
 
         for members, _, cached, (step,) in newest_on_host([observations[i] for i in decoding], [None] * len(group), row):
             for j, i in enumerate(members):
-                group[i]._accumulate(torch.from_numpy(cached[j]), torch.from_numpy(step[j]).float())
+                group[i]._accumulate(cached[j], step[j].astype(np.float32))
 
-    def _accumulate(self, positions: torch.Tensor, step: torch.Tensor) -> None:
+    def _accumulate(self, positions: np.ndarray, step: np.ndarray) -> None:
+        """One decode step's float32 row added at its positions, on the host (a numpy view of ``acc``)."""
         top = int(positions.max()) + 1
         if top > self.acc.shape[0]:
             self.acc = torch.cat([self.acc, torch.zeros(max(top, self.acc.shape[0]) , dtype=torch.float32)])
-        self.acc[positions] += step
+        self.acc.numpy()[positions] += step
 
     def score(self, cache: CacheView) -> torch.Tensor:
         return self._score(cache.token_positions.cpu(), cache.budget)

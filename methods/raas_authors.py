@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
@@ -65,16 +66,19 @@ class RaaSAuthors(ObservesTogether, EvictionMethod):
         dtypes = [m.info.dtype for m in group]
         for members, new, cached, (attention,) in newest_on_host([observations[i] for i in decoding], dtypes, row):
             for j, i in enumerate(members):
-                group[i]._stamp(torch.from_numpy(new[j]), torch.from_numpy(cached[j]), torch.from_numpy(attention[j]))
+                group[i]._stamp(new[j], cached[j], attention[j])
 
-    def _stamp(self, new: torch.Tensor, positions: torch.Tensor, row: torch.Tensor) -> None:
+    def _stamp(self, new: np.ndarray, positions: np.ndarray, row: np.ndarray) -> None:
+        """One decode step, on the host (numpy views of the tables, no torch op per sequence)."""
         step = float(new[-1])
-        self.stamp.write(new, torch.full((new.shape[0],), step))
-        generated = self.fed.read(positions) == 0
+        top = int(max(new.max(), positions.max()))
+        stamp, fed = self.stamp.array(top), self.fed.array(top)
+        stamp[new] = step
+        generated = fed[positions] == 0
         decode_attention = row[generated]
-        if decode_attention.numel():
-            hit = positions[generated][decode_attention >= decode_attention.median()]
-            self.stamp.write(hit, torch.full((hit.shape[0],), step))
+        if decode_attention.size:
+            median = np.sort(decode_attention)[(decode_attention.size - 1) // 2]  # the lower one, as torch's
+            stamp[positions[generated][decode_attention >= median]] = step
 
     def score(self, cache: CacheView) -> torch.Tensor:
         return self._score(cache.token_positions.cpu())
@@ -84,10 +88,10 @@ class RaaSAuthors(ObservesTogether, EvictionMethod):
         """Caches of equal lengths: every row's positions come to the host in one copy."""
         if cls.score is not RaaSAuthors.score or not caches.equal_lengths:
             return super().score_batch(methods, caches)
-        positions, _ = positions_on_host(caches.views)
-        return [m._score(row) for m, row in zip(methods, positions)]
+        positions, top = positions_on_host(caches.views)
+        return [m._score(row, top) for m, row in zip(methods, positions)]
 
-    def _score(self, positions: torch.Tensor) -> torch.Tensor:
-        scores = self.stamp.read(positions).clone()
-        scores[self.fed.read(positions) != 0] = float("inf")
+    def _score(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
+        scores = self.stamp.read(positions, top).clone()
+        scores[self.fed.read(positions, top) != 0] = float("inf")
         return scores
