@@ -240,13 +240,14 @@ def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path
     The ops a row adds to a step (batch 8 against batch 2) grow from a 2-layer to a 6-layer llama by
     at most one op per extra layer more than ``full``'s do (its slabs are built per row and layer once
     per decode). Before, snapkv added ~4 ops per row and layer, tova ~18, rkv and scissorhands ~50. The
-    host reads a step makes do not grow with the rows (before: raas ~4 per row, lazy_eviction ~9)."""
+    host reads a step makes do not grow with the rows (before: raas ~4 per row, lazy_eviction ~9,
+    raas_authors ~6)."""
     from kvleague.runner.bench.step_ops import count
     from kvleague.runner.models import load_engine
     from kvleague.runner.models.tiny import make_tiny_model
 
     names = ("full", "epikv", "h2o", "snapkv", "tova", "raas", "lazy_eviction", "thinkv", "rkv", "scissorhands",
-             "kv_key", "lag_kv")
+             "kv_key", "lag_kv", "h2o_authors", "raas_authors", "longflow_authors")
     per_row: dict[int, dict[str, float]] = {}
     reads_per_row: dict[str, float] = {}
     for layers in (2, 6):
