@@ -151,7 +151,7 @@ class QueryWindow:
 
     def in_window(self, key_positions: torch.Tensor) -> torch.Tensor:
         """``[H, T]`` True for the slots holding the window's own tokens."""
-        return key_positions >= int(self.positions[0])
+        return key_positions >= self.positions[0].to(key_positions.device)  # a tensor: no host read
 
 
 class ObservesQueryWindow:

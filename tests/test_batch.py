@@ -421,3 +421,25 @@ def test_knorm_parts_from_another_run_only_at_a_rounding_tie(engines, prompt_ids
     assert not torch.equal(moved.log[1][0][0], after[0])
     with pytest.raises(AssertionError, match="not close"):  # a score moved beyond rounding
         assert_parted_only_at_a_rounding_tie(plain, moved, base.kept_positions, far.kept_positions)
+
+
+@pytest.mark.parametrize("reduce", [(0, 1), (1,), ()], ids=["token", "layer", "head"])
+def test_a_nan_score_is_refused_alone_and_batched(engines64, prompts, reduce):
+    """A method whose score has one NaN (scores per token, per layer or per head) is refused with one
+    line, by a sequence evicting alone and by rows evicting together (the NaN check rides on the
+    eviction's one host read)."""
+
+    class NaNScore(KeyNorm):
+        def score(self, cache):
+            scores = super().score(cache)  # [L, H, T]
+            scores = (scores.mean(dim=reduce) if reduce else scores).clone()
+            scores[..., 1] = float("nan")
+            return scores
+
+    engine = engines64["llama"]
+    same_length = [p[-BUDGET - 2 :] for p in prompts[-4:]]
+    with pytest.raises(KvleagueError, match="score: the method returned NaN scores"):
+        engine.generate(same_length[0], NaNScore(), BUDGET, Protocol(), GenerationSettings(max_new_tokens=2))
+    with pytest.raises(KvleagueError, match="score: the method returned NaN scores"):
+        engine.generate_batch(same_length, [NaNScore() for _ in same_length], BUDGET, Protocol(),
+                              GenerationSettings(max_new_tokens=4))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -284,7 +285,7 @@ class BudgetedCache:
         (protected slots excepted); every layer and KV head must then keep the same number of slots.
         ``ordered=False`` lets the kept slots change order (see the module docstring)."""
         length = self.length
-        scores = self._normalise(scores, length)
+        scores = self._normalise(scores, length).to(self.device)
         if scores.dim() == 1 and not self.uniform:
             raise KvleagueError("score: per-token scores [T] need every layer and head to hold the same tokens")
         if scores.dim() == 2 and not self.heads_agree:
@@ -292,24 +293,29 @@ class BudgetedCache:
         pos, prompt = self._ranking_layout(scores.dim())
         window = _window(pos, protocol, current_position, protocol.recent_for(budget))
         prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
-        n_prompt = int(prompt_tier.sum(dim=-1).max()) if protocol.protect_prompt else 0
-        n_protected = int((window | prompt_tier).sum(dim=-1).max())
+        ranked = _tiers(scores, window, prompt_tier)
+        # -inf: the method asks for the slot to go even if the cache then holds fewer than B
+        keepable = (ranked != float("-inf")).sum(dim=-1)
+        # prompt slots, protected slots (most over layers and heads), fewest and most keepable, and
+        # whether a score is NaN: one host read
+        n_prompt, n_protected, fewest, most, nan = torch.stack([
+            prompt_tier.sum(dim=-1).max(), (window | prompt_tier).sum(dim=-1).max(), keepable.min(), keepable.max(),
+            torch.isnan(scores).any().long()]).tolist()
+        if nan:
+            raise KvleagueError("score: the method returned NaN scores")
         _check_protected(n_protected, budget, protocol)
         # prompt_over_budget "keep": the whole prompt stays even beyond B (then nothing else does)
         kept = max(budget, n_prompt)
         self.ranked = False
         if kept >= length:
             return 0
-        ranked = _tiers(scores, window, prompt_tier)
-        # -inf: the method asks for the slot to go even if the cache then holds fewer than B
-        keepable = (ranked != float("-inf")).sum(dim=-1)
-        if int(keepable.min()) < kept:
-            if scores.dim() > 1 and bool((keepable != keepable.reshape(-1)[0]).any()):
+        if fewest < kept:
+            if scores.dim() > 1 and fewest != most:
                 raise KvleagueError(
                     "score: -inf (must drop) leaves a different number of slots in different layers or heads; "
                     "every layer and KV head of a cache holds the same number of slots"
                 )
-            kept = int(keepable.min())
+            kept = fewest
         self.ranked = _ranking_decided(length, kept, n_protected)
         keep = _keep_top(ranked, kept, pos)  # shape of scores
         budget = kept
@@ -422,7 +428,9 @@ class BudgetedCache:
             if isinstance(layer, SlabLayer) and layer.capacity > 2 * target:
                 layer.resize(target)
 
-    def _normalise(self, scores: torch.Tensor, length: int, nan_check: bool = True) -> torch.Tensor:
+    def _normalise(self, scores: torch.Tensor, length: int) -> torch.Tensor:
+        """``scores`` checked for type and shape, as a floating tensor where they are (NaN is checked
+        with the eviction's one host read)."""
         if not isinstance(scores, torch.Tensor):
             raise KvleagueError(f"score: a method must return a torch.Tensor, got {type(scores).__name__}")
         allowed = {1: (length,), 2: (self.n_layers, length), 3: (self.n_layers, self.n_kv_heads, length)}
@@ -430,9 +438,7 @@ class BudgetedCache:
             raise KvleagueError(
                 f"score: shape {tuple(scores.shape)} is not one of [T]={allowed[1]}, [L, T]={allowed[2]}, [L, H, T]={allowed[3]}"
             )
-        if nan_check and torch.isnan(scores).any():
-            raise KvleagueError("score: the method returned NaN scores")
-        return scores.to(self.device if nan_check else scores.device, scores.dtype if scores.is_floating_point() else torch.float32)
+        return scores if scores.is_floating_point() else scores.float()
 
 
 def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[int]) -> None:
@@ -477,7 +483,7 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     if (dim == 1 and not all(c.uniform for c in caches)) or (dim == 2 and not all(c.heads_agree for c in caches)):
         return None
     lengths = [c.length for c in caches]
-    scores = [c._normalise(x, t, nan_check=False) for c, x, t in zip(caches, scores, lengths)]
+    scores = [c._normalise(x, t) for c, x, t in zip(caches, scores, lengths)]
     if len({(x.device, x.dtype) for x in scores}) > 1:
         return None
     t = max(lengths)
@@ -488,8 +494,6 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         return torch.stack([torch.nn.functional.pad(x, (0, t - x.shape[-1]), value=fill) for x in tensors])
 
     stacked = padded(scores, float("-inf")).to(first.device)  # [N, (L, (H,)) t]: one copy to the device
-    if torch.isnan(stacked).any():
-        raise KvleagueError("score: the method returned NaN scores")
     layouts = [c._ranking_layout(dim) for c in caches]
     pos, prompt = padded([p for p, _ in layouts], -1), padded([f for _, f in layouts], False)
     device = pos.device
@@ -501,10 +505,14 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     window = _window(pos, protocol, current, recent) & valid
     prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
     ranked = _tiers(stacked, window, prompt_tier)
-    # per row: prompt slots, protected slots (most over layers and heads), fewest keepable: the one host read
+    # per row: prompt slots, protected slots (most over layers and heads), fewest keepable, and whether
+    # a score is NaN: the one host read
     counts = torch.stack([prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values,
                           (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values,
-                          ((ranked != float("-inf")) & valid).sum(dim=-1).reshape(n, -1).min(dim=1).values]).tolist()
+                          ((ranked != float("-inf")) & valid).sum(dim=-1).reshape(n, -1).min(dim=1).values,
+                          torch.isnan(stacked).reshape(n, -1).any(dim=1).long()]).tolist()
+    if any(counts[3]):
+        raise KvleagueError("score: the method returned NaN scores")
     n_prompt = counts[0] if protocol.protect_prompt else [0] * n
     kept = [max(b, p) for b, p in zip(budgets, n_prompt)]
     if any(keepable < min(k, length) for keepable, k, length in zip(counts[2], kept, lengths)):
@@ -566,9 +574,10 @@ def _tiers(scores: torch.Tensor, window: torch.Tensor, prompt_tier: torch.Tensor
     the more recent position (:func:`_keep_top`)."""
     if scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.float()
-    top = torch.tensor(torch.finfo(scores.dtype).max, dtype=scores.dtype)
-    below_top = float(torch.nextafter(top, torch.zeros_like(top)))
-    ranked = torch.where(window, float(top), scores.clamp(max=below_top))
+    top = torch.finfo(scores.dtype).max
+    as_numpy = np.dtype(str(scores.dtype).removeprefix("torch.")).type  # no tensor for the host to read
+    below_top = float(np.nextafter(as_numpy(top), as_numpy(0)))
+    ranked = torch.where(window, top, scores.clamp(max=below_top))
     return torch.where(prompt_tier, float("inf"), ranked)
 
 
