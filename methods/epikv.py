@@ -197,6 +197,9 @@ class EpiKVFamily(EvictionMethod):
         return (total / len(layers)).double().cpu()
 
     def observe(self, obs: Observation) -> None:
+        if self._decodes_one(obs):  # the path of a batch's decode step, with a batch of one
+            EpiKVFamily._observe_decode([self], [obs])
+            return
         hidden = obs.hidden_states
         if self.series == "all" or obs.phase == "decode":
             self._push(obs.new_positions, self._change(self.group_a, hidden), self._change(self.group_b, hidden))
@@ -234,42 +237,60 @@ class EpiKVFamily(EvictionMethod):
             return super().observe_batch(methods, observations)
         EpiKVFamily._observe_signals(methods, observations)
 
+    def _decodes_one(self, obs: Observation) -> bool:
+        """A decode step of one token whose predecessor's hidden states are held."""
+        return (obs.phase == "decode" and obs.new_positions.shape[0] == 1
+                and len(self.previous) == len(set(self.group_a) | set(self.group_b)))
+
     @staticmethod
     def _observe_signals(methods, observations) -> None:
         """:meth:`EpiKVFamily.observe` of every sequence, batched where it can be (a subclass that
         observes more calls this, then observes its own)."""
         first = methods[0]
-        if (
-            len(methods) < 2
-            or any(o.phase != "decode" or o.new_positions.shape[0] != 1 for o in observations)
-            or any(m.params() != first.params() or len(m.previous) < len(set(first.group_a) | set(first.group_b)) for m in methods)
-        ):
-            for method, obs in zip(methods, observations):
-                EpiKVFamily.observe(method, obs)
+        if all(m._decodes_one(o) and m.params() == first.params() for m, o in zip(methods, observations)):
+            EpiKVFamily._observe_decode(methods, observations)
             return
+        for method, obs in zip(methods, observations):
+            EpiKVFamily.observe(method, obs)
+
+    @staticmethod
+    def _observe_decode(methods, observations) -> None:
+        """One decode step of sequences with equal hyperparameters: d^l of every sequence in one tensor
+        operation per layer (the same elementwise arithmetic as ``_change``) and one copy to the host;
+        the z-scores per sequence, in Python floats (each has its own series)."""
+        first = methods[0]
         n = first.info.n_layers
         reference = first.arithmetic == "reference"
+        layers = sorted(set(first.group_a) | set(first.group_b))
         distance: dict[int, torch.Tensor] = {}
         newest: dict[int, torch.Tensor] = {}  # layer -> every sequence's hidden state, [n, hidden]
-        for layer in set(first.group_a) | set(first.group_b):
+        for layer in layers:
             h = newest[layer] = batch_hidden(observations, first._hook(layer, n))[:, -1]
             prev = torch.stack([m.previous[layer] for m in methods])
             distance[layer] = (h - prev).norm(dim=-1) if reference else torch.linalg.vector_norm(h.float() - prev.float(), dim=-1)
 
-        def change(layers: list[int]) -> list[float]:
-            """Per sequence, the mean of d over ``layers``, as ``_change`` computes it."""
-            if reference:  # a Python sum in layer order
-                lists = [distance[layer].tolist() for layer in layers]
-                return [sum(col) / len(layers) for col in zip(*lists)]
+        def mean(group: list[int]) -> torch.Tensor:
             total = None
-            for layer in layers:
+            for layer in group:
                 total = distance[layer] if total is None else total + distance[layer]
-            return (total / len(layers)).double().tolist()
+            return total / len(group)
 
-        # one copy to the host for all sequences, and per sequence only Python floats from here on
-        positions = torch.stack([o.new_positions for o in observations]).view(-1).tolist()
-        for i, (method, position, d_a, d_b) in enumerate(zip(methods, positions, change(first.group_a), change(first.group_b))):
-            method._push_one(position, d_a, d_b)
+        # reference: every layer's d (a Python sum in layer order below); else each group's mean. With
+        # the positions, one copy to the host (float64 holds each exactly)
+        columns = [distance[layer] for layer in layers] if reference else [mean(first.group_a), mean(first.group_b)]
+        positions = torch.stack([o.new_positions for o in observations])[:, -1]
+        host = torch.stack([c.double() for c in columns] + [positions.to(columns[0].device).double()]).tolist()
+        if reference:
+            row = {layer: host[k] for k, layer in enumerate(layers)}
+
+            def change(group: list[int]) -> list[float]:
+                return [sum(col) / len(group) for col in zip(*(row[layer] for layer in group))]
+
+            d_a, d_b = change(first.group_a), change(first.group_b)
+        else:
+            d_a, d_b = host[0], host[1]
+        for i, (method, position) in enumerate(zip(methods, host[-1])):
+            method._push_one(int(position), d_a[i], d_b[i])
             for layer, h in newest.items():  # as _remember
                 method.previous[layer] = h[i]
 

@@ -139,7 +139,7 @@ class EpiKVSeg(EpiKV):
         tier = torch.where(in_recent, TIER_RECENT, TIER_FILL).to(torch.float64)
         if bool(old.any()):
             seg_ids, seg_index = torch.unique(seg[old], return_inverse=True)
-            var = self.key_var.read(positions[old])
+            var = self.key_var.read_host(positions[old])
             mean_var = torch.zeros(seg_ids.shape[0], dtype=torch.float64).index_add_(0, seg_index, var)
             mean_var /= torch.bincount(seg_index, minlength=seg_ids.shape[0]).to(torch.float64)
             quota = tertile_quotas(mean_var, self.quotas)[seg_index]  # per old token
@@ -178,7 +178,7 @@ class EpiKVSeg(EpiKV):
                       top: int | None) -> torch.Tensor:
         """The authors' selection from a cache's positions and prompt flags and the key variance of its
         first ``classify`` slots (``per_slot``), on the host (the ``epikv`` scores: :meth:`token_scores`'s)."""
-        epikv = self.table.read(positions, top)
+        epikv = self.table.read_host(positions, top)
         length = positions.shape[0]
         recent = self._recent(budget)
         classify = per_slot.shape[0]

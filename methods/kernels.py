@@ -60,11 +60,15 @@ class PositionTable:
         self.data.index_add_(0, positions.cpu(), values.to(torch.float64).cpu())
 
     def read(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
-        """The values at ``positions``; ``fill`` at positions never written (past the table's end too).
-        ``top``: the largest of ``positions`` when the caller knows it (no host read here)."""
+        """The values at ``positions`` (on any device); ``fill`` at positions never written (past the
+        table's end too). ``top``: the largest of ``positions`` when the caller knows it (no host read here)."""
+        return self.read_host(positions.cpu(), top)
+
+    def read_host(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
+        """:meth:`read` of positions already on the host (no copy)."""
         if positions.numel():
             self.reserve(int(positions.max()) if top is None else top)
-        return self.data[positions.cpu()]
+        return self.data[positions]
 
 
 def positions_on_host(views, with_prompt: bool = False) -> tuple[torch.Tensor, int | None]:
@@ -83,7 +87,7 @@ def read_tables(tables: list[PositionTable], views) -> list[torch.Tensor]:
     """Each table's values at the token positions of its cache view (equal lengths): every view's
     positions come to the host in one copy, and one host read sizes every table."""
     positions, top = positions_on_host(views)
-    return [table.read(row, top) for table, row in zip(tables, positions)]
+    return [table.read_host(row, top) for table, row in zip(tables, positions)]
 
 
 def newest_on_host(observations: Sequence[Observation], keys: Sequence,

@@ -42,10 +42,11 @@ class LazyEviction(NotableAttention):
         last[attended] = now
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        return self._score(cache.token_positions, cache.current_position)
+        return self._score(cache.token_positions.cpu(), cache.current_position)
 
     def _score(self, positions: torch.Tensor, now: int, top: int | None = None) -> torch.Tensor:
-        return self.mri.read(positions, top) - (now - self.last.read(positions, top))
+        """Scores of the slots at ``positions`` (on the host)."""
+        return self.mri.read_host(positions, top) - (now - self.last.read_host(positions, top))
 
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:

@@ -92,6 +92,6 @@ class RaaSAuthors(ObservesTogether, EvictionMethod):
         return [m._score(row, top) for m, row in zip(methods, positions)]
 
     def _score(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
-        scores = self.stamp.read(positions, top).clone()
-        scores[self.fed.read(positions, top) != 0] = float("inf")
+        scores = self.stamp.read_host(positions, top).clone()
+        scores[self.fed.read_host(positions, top) != 0] = float("inf")
         return scores

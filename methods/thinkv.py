@@ -151,7 +151,7 @@ class ThinKV(ObservesTogether, EvictionMethod):
 
     def _score(self, positions: torch.Tensor, generated: torch.Tensor, now: int, top: int | None) -> torch.Tensor:
         """Scores of the slots at ``positions`` (on the host), ``generated`` where not prompt."""
-        acc = self.acc.read(positions, top)
+        acc = self.acc.read_host(positions, top)
         tier = torch.zeros(positions.shape[0], dtype=torch.float64)
         if self.gen_start is not None:
             rel = positions - self.gen_start

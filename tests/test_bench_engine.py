@@ -185,8 +185,8 @@ def test_needs_default_keeps_slots_in_order():
 
 def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
     """``bench.step_ops``: the captured body is left out of the count (a whole eager step dispatches
-    far more ops than the loop around it), ``full`` reads nothing on the host, and a method that
-    evicts every step shows its evictions and its reads."""
+    far more ops than the loop around it), ``full`` copies nothing to the host but its tokens, and a
+    method that evicts every step shows its evictions, its reads and its copies."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kvleague.methods import build_method
@@ -201,6 +201,9 @@ def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
     full = count(engine, "full", 1, 16, prompt, 4)
     h2o = count(engine, "h2o", 2, 16, prompt, 4)
     assert full["host_reads_per_step"] == 0 and h2o["host_reads_per_step"] > 0 and h2o["evictions"] == 5
+    # every step copies its chosen tokens to the host (5 tokens over the 4 steps counted); an
+    # eviction copies its counts as well
+    assert full["to_host_per_step"] == 5 / 4 and h2o["to_host_per_step"] >= 2
 
     class All(TorchDispatchMode):
         n = 0

@@ -3,15 +3,25 @@
 On a GPU the slab backend replays each decode step's forward as one CUDA graph; everything else in
 the step (the decode loop's bookkeeping, the method's observe / score, the engine's selection and
 moves) is dispatched op by op from the host, and every read of a device value on the host drains
-the device's queue. This script counts both on the CPU, where the counts are the same as anywhere:
-per decode step, the ATen ops dispatched **outside** the captured body (the slab backend with
-``graphs=True``, which runs the body eagerly off CUDA, excluded from the count) and the ops among
-them that read a tensor's value on the host (``HOST_READS``: ``item`` / ``bool`` / ``int``,
-``nonzero``, ``equal``; ``tolist`` dispatches nothing on a CPU tensor and is not counted). Prompts
-are fed before counting starts; only decoding is counted. Reads of CPU tensors cost a GPU nothing
-(EpiKV's z-scores are Python floats), so the host reads bound the device synchronizations from above.
-One count differs from a GPU's: on a CPU a batched eviction reads where its first dropped slot is
-(``cache.evict_rows``: one host read and ~9 ops per eviction, which a GPU skips).
+the device's queue. This script counts on the CPU, where the counts are the same as anywhere, per
+decode step and **outside** the captured body (the slab backend with ``graphs=True``, which runs the
+body eagerly off CUDA, excluded from the count):
+
+* ``ops``: the ATen ops dispatched;
+* ``host reads``: those that read a tensor's value on the host (``HOST_READS``: ``item`` / ``bool``
+  / ``int``, ``nonzero``, ``equal``, ...);
+* ``to host``: ``tolist()`` and ``cpu()`` calls (``TO_HOST``: a copy to the host on a GPU, nothing
+  dispatched on a CPU).
+
+A CPU cannot tell a tensor the code keeps on the host (EpiKV's score tables, a method's per-position
+state) from one that lives on the device, so both count: the reads and the copies to the host bound
+the waits of a GPU's host on its device per step from above. Not counted: copies to the device
+(``torch.tensor(..., device=)``, ``.to(device)`` of a host-made tensor; from pageable memory each
+waits for the device's queue too): the step's tokens and positions, and per eviction a few small
+tensors and the scores of a method that scores on the host. Prompts are fed before counting
+starts; only decoding is counted. One count differs from a GPU's: on a CPU a batched eviction reads
+where its first dropped slot is (``cache.evict_rows``: one host read and ~9 ops per eviction, which
+a GPU skips).
 
     python -m kvleague.runner.bench.step_ops [--methods full,epikv,h2o,snapkv] [--batch-sizes 1,8,32]
                                              [--budget 32] [--prompt-tokens 64] [--steps 32] [--json OUT]
@@ -30,6 +40,8 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+#: tensor methods that copy a tensor to the host (on a GPU; a CPU dispatches nothing for them)
+TO_HOST = frozenset({"tolist", "cpu"})
 #: ATen ops that read a tensor's value on the host (or size an output by it)
 HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "nonzero", "equal", "masked_select", "unique",
                         "_unique", "_unique2", "unique_consecutive", "unique_dim", "bincount"})
@@ -37,6 +49,7 @@ HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "nonzero", 
 
 def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: int) -> dict:
     """Per decode step of ``batch`` sequences under method ``name``: ops outside the captured body and host reads."""
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kvleague.methods import build_method
@@ -47,12 +60,20 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
     class Counter(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.ops = self.reads = self.inside = 0
+            self.ops = self.reads = self.to_host = self.inside = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not self.inside:
                 self.ops += 1
                 self.reads += func.overloadpacket.__name__ in HOST_READS
+            return func(*args, **(kwargs or {}))
+
+    class Copies(TorchFunctionMode):
+        """``tolist`` and ``cpu``: a copy to the host on a GPU, nothing dispatched on a CPU."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if not counter.inside and getattr(func, "__name__", "") in TO_HOST:
+                counter.to_host += 1
             return func(*args, **(kwargs or {}))
 
     counter = Counter()
@@ -71,12 +92,13 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
             session.feed(prompt)
     GraphedStep._body = uncounted
     try:
-        with counter:
+        with Copies(), counter:
             DecodeLoop(engine, sessions, GenerationSettings(max_new_tokens=steps + 1)).run()
     finally:
         GraphedStep._body = body
     return {"method": name, "batch_size": batch, "ops_per_step": counter.ops / steps,
-            "host_reads_per_step": counter.reads / steps, "evictions": sessions[0].evictions}
+            "host_reads_per_step": counter.reads / steps, "to_host_per_step": counter.to_host / steps,
+            "evictions": sessions[0].evictions}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"host work per decode step outside the captured step: {label}; prompt {args.prompt_tokens}, "
           f"B = {args.budget}, {args.steps} steps")
     print(h.table(rows, [("method", "method", ""), ("batch_size", "batch", "d"), ("ops_per_step", "ops/step", ".1f"),
-                         ("host_reads_per_step", "host reads/step", ".1f"), ("evictions", "evictions", "d")]))
+                         ("host_reads_per_step", "host reads/step", ".1f"), ("to_host_per_step", "to host/step", ".1f"),
+                         ("evictions", "evictions", "d")]))
     report = {"config": vars(args), "model_label": label, "environment": h.environment(), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
