@@ -50,6 +50,9 @@ class RollingVariance(EvictionMethod):
     def observe(self, obs: Observation) -> None:
         if obs.phase != "decode":
             return
+        if obs.new_positions.shape[0] == 1:  # the path of a batch's decode step, with a batch of one
+            RollingVariance._observe_decode([self], [obs])
+            return
         tensors = obs.new_keys if self.tensor == "keys" else obs.new_values
         for i in range(obs.new_positions.shape[0]):
             per_layer = [x[:, i, :].var(dim=-1).mean().item() for x in tensors]
@@ -59,15 +62,23 @@ class RollingVariance(EvictionMethod):
 
     @classmethod
     def observe_batch(cls, methods, observations) -> None:
-        """Decode steps: every sequence's per-layer variances in one operation and one copy to the host,
-        then each sequence's series and score in Python floats, as ``observe``."""
         if cls.observe is not RollingVariance.observe or any(o.phase != "decode" or o.new_positions.shape[0] != 1
                                                               for o in observations):
             return super().observe_batch(methods, observations)
-        new = torch.stack([stacked_layers(o.new_keys if cls.tensor == "keys" else o.new_values) for o in observations])
-        per_layer = new[..., 0, :].var(dim=-1).mean(dim=-1).tolist()  # [n][L]: each layer's float, as observe's item()
-        positions = torch.stack([o.new_positions for o in observations]).view(-1).tolist()
-        for method, values, position in zip(methods, per_layer, positions):
+        cls._observe_decode(methods, observations)
+
+    @staticmethod
+    def _observe_decode(methods, observations) -> None:
+        """Decode steps of one token: every sequence's per-layer variances in one operation and, with the
+        positions, one copy to the host; then each sequence's series and score in Python floats, as the
+        loop over the new tokens of ``observe`` (each layer's float as its ``item()``)."""
+        tensor = methods[0].tensor
+        new = torch.stack([stacked_layers(o.new_keys if tensor == "keys" else o.new_values) for o in observations])
+        per_layer = new[..., 0, :].var(dim=-1).mean(dim=-1)  # [n, L]
+        positions = torch.stack([o.new_positions for o in observations]).to(per_layer.device)  # [n, 1]
+        host = torch.cat([per_layer.double(), positions.double()], dim=1).tolist()  # float64 holds each exactly
+        for method, row in zip(methods, host):
+            values, position = row[:-1], int(row[-1])
             method.series.append(sum(values) / len(values))
             # the float32 tensor observe writes
             method.table.write_one(position, float(np.float32(sum(method.series) / len(method.series))))
