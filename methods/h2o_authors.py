@@ -5,14 +5,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
-from kvleague.methods.kernels import ObservesTogether, layer_mean_row, newest_on_host, positions_on_host
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.methods.kernels import ObservesTogether, ScoresOnHost, layer_mean_row, newest_on_host
 from kvleague.methods.registry import register_method
 
 
 @register_method("h2o_authors")
 @dataclass
-class H2OAuthors(ObservesTogether, EvictionMethod):
+class H2OAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     """H2O as the EpiKV authors' harness runs it (their ``H2OEviction``): one global accumulated-attention score.
 
     Per decode step, a_t = mean over layers of (mean over query heads of the new query's softmax
@@ -68,18 +68,9 @@ class H2OAuthors(ObservesTogether, EvictionMethod):
             self.acc = torch.cat([self.acc, torch.zeros(max(top, self.acc.shape[0]) , dtype=torch.float32)])
         self.acc.numpy()[positions] += step
 
-    def score(self, cache: CacheView) -> torch.Tensor:
-        return self._score(cache.token_positions.cpu(), cache.budget)
-
-    @classmethod
-    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Caches of equal lengths: every row's positions come to the host in one copy."""
-        if cls.score is not H2OAuthors.score or not caches.equal_lengths:
-            return super().score_batch(methods, caches)
-        positions, _ = positions_on_host(caches.views)
-        return [m._score(row, view.budget) for m, row, view in zip(methods, positions, caches.views)]
-
-    def _score(self, positions: torch.Tensor, budget: int) -> torch.Tensor:
+    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
+                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+        budget = cache.budget
         scores = self.acc[positions].clone()
         sinks = min(self.n_sink, budget // 4)
         recent = min(self.recent, budget - sinks)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -188,6 +189,37 @@ class ObservesTogether:
     @classmethod
     def observe_together(cls, methods, observations) -> None:
         """``methods[i]`` observes ``observations[i]``, for every i."""
+        raise NotImplementedError
+
+
+class ScoresOnHost:
+    """Mixin of a method that scores from its cache's token positions on the host and its own state
+    there (:meth:`score_on_host`): a sequence alone copies its positions to the host, a batch's rows of
+    equal length copy theirs in one copy (:func:`positions_on_host`)."""
+
+    #: the prompt flags come along (``score_on_host``'s ``prompt``)
+    prompt_on_host: ClassVar[bool] = False
+
+    def score(self, cache: CacheView) -> torch.Tensor:
+        (row,), top = positions_on_host([cache], with_prompt=self.prompt_on_host)
+        return self._score_row(row, cache, top)
+
+    @classmethod
+    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
+        if cls.score is not ScoresOnHost.score or not caches.equal_lengths:
+            return super().score_batch(methods, caches)
+        host, top = positions_on_host(caches.views, with_prompt=cls.prompt_on_host)
+        return [m._score_row(row, view, top) for m, row, view in zip(methods, host, caches.views)]
+
+    def _score_row(self, row: torch.Tensor, cache: CacheView, top: int | None) -> torch.Tensor:
+        if self.prompt_on_host:
+            return self.score_on_host(row[0], cache, top, row[1].bool())
+        return self.score_on_host(row, cache, top)
+
+    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
+                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """The scores of ``cache``'s slots from their ``positions`` (``[T]``, on the host; ``top`` their
+        largest) and, with ``prompt_on_host``, their ``prompt`` flags (on the host)."""
         raise NotImplementedError
 
 

@@ -5,14 +5,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, SequenceInfo
-from kvleague.methods.kernels import NotableAttention, PositionTable, positions_on_host
+from kvleague.runner.engine.contract import CacheView, SequenceInfo
+from kvleague.methods.kernels import NotableAttention, PositionTable, ScoresOnHost
 from kvleague.methods.registry import register_method
 
 
 @register_method("lazy_eviction")
 @dataclass
-class LazyEviction(NotableAttention):
+class LazyEviction(ScoresOnHost, NotableAttention):
     """LazyEviction: keep tokens whose attention recurs; evict those overdue past their usual recurrence gap.
 
     A token t is "attended" at step p when the query at position p gives it a weight (averaged over
@@ -41,17 +41,6 @@ class LazyEviction(NotableAttention):
         mri[attended] = np.maximum(mri[attended], now - last[attended])
         last[attended] = now
 
-    def score(self, cache: CacheView) -> torch.Tensor:
-        return self._score(cache.token_positions.cpu(), cache.current_position)
-
-    def _score(self, positions: torch.Tensor, now: int, top: int | None = None) -> torch.Tensor:
-        """Scores of the slots at ``positions`` (on the host)."""
-        return self.mri.read_host(positions, top) - (now - self.last.read_host(positions, top))
-
-    @classmethod
-    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Caches of equal lengths: every row's positions come to the host in one copy."""
-        if cls.score is not LazyEviction.score or not caches.equal_lengths:
-            return super().score_batch(methods, caches)
-        positions, top = positions_on_host(caches.views)
-        return [m._score(row, view.current_position, top) for m, row, view in zip(methods, positions, caches.views)]
+    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
+                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mri.read_host(positions, top) - (cache.current_position - self.last.read_host(positions, top))

@@ -5,14 +5,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, SequenceInfo
-from kvleague.methods.kernels import NotableAttention, PositionTable, read_tables
+from kvleague.runner.engine.contract import CacheView, SequenceInfo
+from kvleague.methods.kernels import NotableAttention, PositionTable, ScoresOnHost
 from kvleague.methods.registry import register_method
 
 
 @register_method("raas")
 @dataclass
-class RaaS(NotableAttention):
+class RaaS(ScoresOnHost, NotableAttention):
     """RaaS: keep "milestone" tokens: each token's timestamp is the last step it received notable attention.
 
     stamp_t starts at t's own position; whenever a query at position p gives t an attention weight
@@ -37,12 +37,6 @@ class RaaS(NotableAttention):
         stamp[new] = new
         stamp[attended] = now
 
-    def score(self, cache: CacheView) -> torch.Tensor:
-        return self.stamp.read(cache.token_positions)
-
-    @classmethod
-    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Caches of equal lengths: every row's positions come to the host in one copy."""
-        if cls.score is not RaaS.score or not caches.equal_lengths:
-            return super().score_batch(methods, caches)
-        return read_tables([m.stamp for m in methods], caches.views)
+    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
+                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+        return self.stamp.read_host(positions, top)

@@ -5,14 +5,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
-from kvleague.methods.kernels import ObservesTogether, PositionTable, layer_mean_row, newest_on_host, positions_on_host
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.methods.kernels import ObservesTogether, PositionTable, ScoresOnHost, layer_mean_row, newest_on_host
 from kvleague.methods.registry import register_method
 
 
 @register_method("raas_authors")
 @dataclass
-class RaaSAuthors(ObservesTogether, EvictionMethod):
+class RaaSAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     """RaaS as the EpiKV authors' harness runs it (their ``RaaSEviction``): LRU stamps from median attention.
 
     Every generated token gets a timestamp when it enters the cache (the decode step, here its
@@ -80,18 +80,8 @@ class RaaSAuthors(ObservesTogether, EvictionMethod):
             median = np.sort(decode_attention)[(decode_attention.size - 1) // 2]  # the lower one, as torch's
             stamp[positions[generated][decode_attention >= median]] = step
 
-    def score(self, cache: CacheView) -> torch.Tensor:
-        return self._score(cache.token_positions.cpu())
-
-    @classmethod
-    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Caches of equal lengths: every row's positions come to the host in one copy."""
-        if cls.score is not RaaSAuthors.score or not caches.equal_lengths:
-            return super().score_batch(methods, caches)
-        positions, top = positions_on_host(caches.views)
-        return [m._score(row, top) for m, row in zip(methods, positions)]
-
-    def _score(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
+    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
+                      prompt: torch.Tensor | None = None) -> torch.Tensor:
         scores = self.stamp.read_host(positions, top).clone()
         scores[self.fed.read_host(positions, top) != 0] = float("inf")
         return scores

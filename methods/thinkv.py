@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
-from kvleague.methods.kernels import ObservesTogether, PositionTable, newest_on_host, positions_on_host, rank_in_unit, rank_within
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.methods.kernels import ObservesTogether, PositionTable, ScoresOnHost, newest_on_host, rank_in_unit, rank_within
 from kvleague.methods.registry import register_method
 
 REASONING, EXECUTION, TRANSITION = "R", "E", "T"
@@ -43,7 +43,7 @@ def thought_quotas(types: list[str], schedule: tuple[int, ...]) -> list[int | No
 
 @register_method("thinkv")
 @dataclass
-class ThinKV(ObservesTogether, EvictionMethod):
+class ThinKV(ScoresOnHost, ObservesTogether, EvictionMethod):
     """ThinKV (eviction part): thought-typed 128-token segments, older thoughts keep fewer tokens.
 
     Generated tokens are cut into segments of ``segment`` (128) positions counted from the first
@@ -74,6 +74,7 @@ class ThinKV(ObservesTogether, EvictionMethod):
     """
 
     needs = Needs(attention=True, attention_window=1)
+    prompt_on_host = True  # generated tokens are segmented, prompt ones not
 
     segment: int = 128
     keep_schedule: tuple[int, ...] = (64, 32, 16, 8, 4)
@@ -136,26 +137,14 @@ class ThinKV(ObservesTogether, EvictionMethod):
             types.append(classify(mean, self.thresholds))
         return types
 
-    def score(self, cache: CacheView) -> torch.Tensor:
-        (host,), top = positions_on_host([cache], with_prompt=True)
-        return self._score(host[0], ~host[1].bool(), cache.current_position, top)
-
-    @classmethod
-    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Caches of equal lengths: every row's positions and prompt flags come to the host in one copy."""
-        if cls.score is not ThinKV.score or not caches.equal_lengths:
-            return super().score_batch(methods, caches)
-        host, top = positions_on_host(caches.views, with_prompt=True)
-        return [m._score(row[0], ~row[1].bool(), view.current_position, top)
-                for m, row, view in zip(methods, host, caches.views)]
-
-    def _score(self, positions: torch.Tensor, generated: torch.Tensor, now: int, top: int | None) -> torch.Tensor:
-        """Scores of the slots at ``positions`` (on the host), ``generated`` where not prompt."""
+    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
+                      prompt: torch.Tensor | None = None) -> torch.Tensor:
         acc = self.acc.read_host(positions, top)
         tier = torch.zeros(positions.shape[0], dtype=torch.float64)
         if self.gen_start is not None:
+            generated = ~prompt
             rel = positions - self.gen_start
-            n_complete = (now - self.gen_start + 1) // self.segment
+            n_complete = (cache.current_position - self.gen_start + 1) // self.segment
             seg = torch.div(rel, self.segment, rounding_mode="floor")
             tier[generated & (seg >= n_complete)] = TIER_OPEN
             closed = generated & (seg >= 0) & (seg < n_complete)

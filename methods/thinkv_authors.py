@@ -5,9 +5,9 @@ from dataclasses import dataclass
 import torch
 
 from kvleague.runner.engine.contract import (
-    BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo, groups_by, newest_rows,
+    CacheView, EvictionMethod, Needs, SequenceInfo, groups_by, newest_rows,
 )
-from kvleague.methods.kernels import ObservesTogether, layer_mean_row, positions_on_host, segment_bounds, tertile_types, top_by_score_then_position
+from kvleague.methods.kernels import ObservesTogether, ScoresOnHost, layer_mean_row, segment_bounds, tertile_types, top_by_score_then_position
 from kvleague.methods.registry import register_method
 
 
@@ -19,7 +19,7 @@ def attention_entropy(row: torch.Tensor) -> float:
 
 @register_method("thinkv_authors")
 @dataclass
-class ThinKVAuthors(ObservesTogether, EvictionMethod):
+class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     """ThinKV as the EpiKV authors' harness runs it (their ``ThinKVEviction``): per-segment quotas, fewer than B.
 
     At each eviction (cache length T > B), with r = min(``recent``, B // 4) and C = T - r:
@@ -91,19 +91,9 @@ class ThinKVAuthors(ObservesTogether, EvictionMethod):
             for i, (entropy_row, rank_row) in zip(members, host):
                 methods[i].entropy_row, methods[i].rank_row = entropy_row, rank_row
 
-    def score(self, cache: CacheView) -> torch.Tensor:
-        return self._score(cache.token_positions.cpu(), cache.budget)
-
-    @classmethod
-    def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Caches of equal lengths: every row's positions come to the host in one copy."""
-        if cls.score is not ThinKVAuthors.score or not caches.equal_lengths:
-            return super().score_batch(methods, caches)
-        positions, _ = positions_on_host(caches.views)
-        return [m._score(row, view.budget) for m, row, view in zip(methods, positions, caches.views)]
-
-    def _score(self, positions: torch.Tensor, budget: int) -> torch.Tensor:
-        length = positions.shape[0]
+    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
+                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+        budget, length = cache.budget, positions.shape[0]
         recent = min(self.recent, budget // 4)
         classify = length - recent
         scores = torch.full((length,), float("-inf"), dtype=torch.float64)
