@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvleague.runner.engine.contract import (
-    BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, newest_rows,
+    BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, newest_rows, stacked_layers,
 )
 from kvleague.runner.engine.probe import attention_rows
 
@@ -145,6 +145,30 @@ class QueryWindow:
             self.queries = torch.cat([self.queries, new], dim=2)[:, :, -w:]
             self.positions = torch.cat([self.positions, pos])[-w:]
 
+    @staticmethod
+    def push_all(windows: list["QueryWindow"], observations: Sequence[Observation]) -> None:
+        """``windows[i].push(observations[i])`` for every i: full windows of equal size taking one query
+        each (a decode step) shift together, in one operation for the batch (the same values as
+        ``push``'s, which cuts the oldest query off each)."""
+        shifting: dict[int, list[int]] = {}
+        for i, (window, obs) in enumerate(zip(windows, observations)):
+            if window.queries is not None and window.queries.shape[2] == window.window and obs.new_positions.shape[0] == 1:
+                shifting.setdefault(window.window, []).append(i)
+            else:
+                window.push(obs)
+        for members in shifting.values():
+            if len(members) == 1:
+                windows[members[0]].push(observations[members[0]])
+                continue
+            old = torch.stack([windows[i].queries for i in members])  # [n, L, H_q, w, d]
+            new = torch.stack([stacked_layers(observations[i].queries)[:, :, -1:] for i in members])
+            queries = torch.cat([old[:, :, :, 1:], new], dim=3).unbind(0)
+            old_pos = torch.stack([windows[i].positions for i in members])
+            new_pos = torch.stack([observations[i].new_positions for i in members]).to(old_pos.device)
+            positions = torch.cat([old_pos[:, 1:], new_pos], dim=1).unbind(0)
+            for i, q, p in zip(members, queries, positions):
+                windows[i].queries, windows[i].positions = q, p
+
     def attention(self, layer: int, keys: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """Softmax attention ``[H_q, w, T]`` (float32) of the window's queries over ``keys`` ``[H_kv, T, d]``.
 
@@ -170,6 +194,12 @@ class ObservesQueryWindow:
 
     def observe(self, obs: Observation) -> None:
         self.queries.push(obs)
+
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        if cls.observe is not ObservesQueryWindow.observe:
+            return super().observe_batch(methods, observations)
+        QueryWindow.push_all([m.queries for m in methods], observations)
 
 
 class ObservesTogether:

@@ -46,6 +46,12 @@ class Scissorhands(EvictionMethod):
     def observe(self, obs: Observation) -> None:
         self.queries.push(obs)
 
+    @classmethod
+    def observe_batch(cls, methods, observations) -> None:
+        if cls.observe is not Scissorhands.observe:
+            return super().observe_batch(methods, observations)
+        QueryWindow.push_all([m.queries for m in methods], observations)
+
     def score(self, cache: CacheView) -> torch.Tensor:
         out = []
         for layer, (keys, positions) in enumerate(zip(cache.keys, cache.positions)):

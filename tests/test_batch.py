@@ -96,8 +96,8 @@ def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch
 #: the built-ins that vectorise: (observe_batch, score_batch) replace per-sequence calls on equal-length rows
 VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score"), "hs_variance": ("observe", "score"),
               "h2o": ("observe", "score"), "tova": ("observe",), "knorm": ("score",), "keydiff": ("score",),
-              "streaming_llm": ("score",), "snapkv": ("score",), "rkv": ("score",),
-              "scissorhands": ("score",), "kv_key": ("observe", "score"),
+              "streaming_llm": ("score",), "snapkv": ("observe", "score"), "rkv": ("observe", "score"),
+              "scissorhands": ("observe", "score"), "kv_key": ("observe", "score"),
               "kv_val": ("observe", "score"), "raas": ("observe", "score"), "lazy_eviction": ("observe", "score"),
               "thinkv": ("observe", "score"), "lag_kv": ("score",), "lag_kv_key": ("score",),
               "epikv_seg": ("observe", "score"), "thinkv_authors": ("observe", "score"),
@@ -112,7 +112,10 @@ VARIANTS = {"epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
             "lag_kv_key:lag=3": ("lag_kv_key", {"lag": 3}),
             "epikv_seg:segment=3": ("epikv_seg", {"segment": 3, "quotas": (2, 1, 0), "recent_window": 2}),
             # a window short enough that the accumulated attention chooses (the default keeps sinks + window)
-            "h2o_authors:recent=2": ("h2o_authors", {"recent": 2})}
+            "h2o_authors:recent=2": ("h2o_authors", {"recent": 2}),
+            # query windows that fill while decoding, so a batch's windows shift together
+            "snapkv:window=4": ("snapkv", {"window": 4}),
+            "scissorhands:history=4": ("scissorhands", {"history": 4})}
 #: (prompt tokens, budget, new tokens) where the default (14, 12, 10) would not reach the path: EpiKV-Seg's
 #: quotas fill only the budget a short prompt leaves, over several segments of generated tokens
 SETUPS = {"epikv_seg:segment=3": (5, 14, 24)}
