@@ -24,7 +24,7 @@ A slab shrinks back to its reserve once a long prompt has been compressed, so me
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -543,23 +543,35 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         at = order[:, None, :].expand(n, first.n_kv_heads, k_max)
         new_pos = padded([c._pos for c in caches], -1).gather(2, at)
         new_prompt = padded([c._prompt for c in caches], False).gather(2, at)
-        for r, (c, k) in enumerate(zip(caches, kept)):
-            c._set(new_pos[r, :, :k], new_prompt[r, :, :k], True)
+        for c, row_pos, row_prompt in zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept)):
+            c._set(row_pos, row_prompt, True)
     else:
         if dim == 3:  # the ranking's layout is already every layer's and head's
             full_pos, full_prompt = pos, prompt
+        elif all(c.uniform for c in caches):  # one broadcast over the layers for the batch
+            shape = (n, first.n_layers, first.n_kv_heads, t)
+            full_pos = padded([c._pos for c in caches], -1)[:, None].expand(shape)
+            full_prompt = padded([c._prompt for c in caches], False)[:, None].expand(shape)
         else:
             per_layer = [c._per_layer() for c in caches]
             full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
         at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, k_max) if order.dim() == 3 else order
         new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
         heads_same, layers_same = _agreement(keep).tolist()
-        for r, (c, k) in enumerate(zip(caches, kept)):
-            c._finish(new_pos[r, ..., :k], new_prompt[r, ..., :k], heads_same[r], layers_same[r])
+        for r, (c, row_pos, row_prompt) in enumerate(zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept))):
+            c._finish(row_pos, row_prompt, heads_same[r], layers_same[r])
     for c, k in zip(caches, kept):
         for layer in c.cache.layers:
             layer.truncate(k)
     return [length - k for length, k in zip(lengths, kept)]
+
+
+def _rows(padded: torch.Tensor, kept: list[int]) -> Sequence[torch.Tensor]:
+    """Row r of ``padded`` (``[N, ..., k_max]``) cut to its ``kept[r]`` slots: one slice and one unbind
+    where every row keeps as many (not two views per row)."""
+    if len(set(kept)) == 1:
+        return padded[..., : kept[0]].unbind(0)
+    return [padded[r, ..., :k] for r, k in enumerate(kept)]
 
 
 def _window(pos: torch.Tensor, protocol: Protocol, current_position, recent) -> torch.Tensor:
