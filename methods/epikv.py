@@ -289,10 +289,11 @@ class EpiKVFamily(EvictionMethod):
             d_a, d_b = change(first.group_a), change(first.group_b)
         else:
             d_a, d_b = host[0], host[1]
+        rows = {layer: h.unbind(0) for layer, h in newest.items()}  # as _remember
         for i, (method, position) in enumerate(zip(methods, host[-1])):
             method._push_one(int(position), d_a[i], d_b[i])
-            for layer, h in newest.items():  # as _remember
-                method.previous[layer] = h[i]
+            for layer, row in rows.items():
+                method.previous[layer] = row[i]
 
     def token_scores(self, cache: CacheView) -> torch.Tensor:
         """The frozen scores of the cached tokens, float64 ``[T]`` on the CPU."""

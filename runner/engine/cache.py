@@ -460,8 +460,8 @@ def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[
         new = new.to(pos.device).view(-1, *(1,) * (pos.dim() - 1)).expand(*pos.shape[:-1], 1)
         pos = torch.cat([pos, new], dim=-1)
         prompt = torch.cat([prompt, torch.zeros((*prompt.shape[:-1], 1), dtype=torch.bool, device=prompt.device)], dim=-1)
-        for j, i in enumerate(members):
-            caches[i]._set(pos[j], prompt[j], caches[i].uniform)
+        for i, row_pos, row_prompt in zip(members, pos.unbind(0), prompt.unbind(0)):
+            caches[i]._set(row_pos, row_prompt, caches[i].uniform)
 
 
 def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets: list[int], protocol: Protocol,
@@ -494,8 +494,11 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         return torch.stack([torch.nn.functional.pad(x, (0, t - x.shape[-1]), value=fill) for x in tensors])
 
     stacked = padded(scores, float("-inf")).to(first.device)  # [N, (L, (H,)) t]: one copy to the device
-    layouts = [c._ranking_layout(dim) for c in caches]
-    pos, prompt = padded([p for p, _ in layouts], -1), padded([f for _, f in layouts], False)
+    if dim == 1:  # every cache uniform: its first head's row, for the batch at once
+        pos, prompt = padded([c._pos for c in caches], -1)[:, 0], padded([c._prompt for c in caches], False)[:, 0]
+    else:
+        layouts = [c._ranking_layout(dim) for c in caches]
+        pos, prompt = padded([p for p, _ in layouts], -1), padded([f for _, f in layouts], False)
     device = pos.device
     lead = [1] * (pos.dim() - 1)
     # every row's length, newest position and recent window: one copy to the device

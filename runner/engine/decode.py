@@ -335,6 +335,7 @@ class DecodeLoop:
         rss = current_rss() if self.device.type != "cuda" else None  # the process's: one read for the batch
         if self.shared:  # every row's new slot booked at once (its position, a generated token)
             track_rows([s.cache for s in live.values()], positions, list(live))
+        logits = self.logits.unbind(0)  # every row's, cut once
         for r, s in live.items():
             if self.shared:
                 for layer in s.cache.cache.layers:
@@ -342,7 +343,7 @@ class DecodeLoop:
                 s.count_appended(1, rss)
             else:
                 s.after_forward(new_positions[r], prompt=False, rss=rss)
-            s.logits = self.logits[r]
+            s.logits = logits[r]
         self._observe(live, new_positions, token_ids)
         self._evict(live)
 
@@ -351,10 +352,11 @@ class DecodeLoop:
         for r, s in sessions.items():
             if not s.method.never_evicts:
                 groups[type(s.method)].append(r)
-        tokens = torch.tensor(token_ids) if groups else None  # every row's new token: one tensor for all
+        if groups:  # every row's new token and position: one tensor for all, cut once
+            tokens, positions = torch.tensor(token_ids)[:, None].unbind(0), new_positions.unbind(0)
         for cls, members in groups.items():
             start = self.engine.mark()
-            observations = [self._observation(r, sessions[r], new_positions[r], tokens[r : r + 1]) for r in members]
+            observations = [self._observation(r, sessions[r], positions[r], tokens[r]) for r in members]
             if len(members) == 1:
                 sessions[members[0]].method.observe(observations[0])
             else:
