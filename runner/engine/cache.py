@@ -343,15 +343,17 @@ class BudgetedCache:
         pos, prompt = self._per_layer()
         return (pos[:, 0], prompt[:, 0]) if dim == 2 else (pos, prompt)
 
-    def _finish(self, pos: torch.Tensor, prompt: torch.Tensor, heads_same: bool, layers_same: bool) -> None:
+    def _finish(self, pos: torch.Tensor, prompt: torch.Tensor, heads_same: bool, layers_same: bool,
+                first_layer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store per-layer ``[L, H, B]`` bookkeeping after an eviction whose keep masks were equal
         across each layer's heads (``heads_same``) and across the layers (``layers_same``; see
         :func:`_agreement`). Layers (heads) that held the same slots still do when their masks were
-        equal; otherwise they are taken to differ from now on."""
+        equal; otherwise they are taken to differ from now on. ``first_layer``: a copy of ``pos[0]``
+        and ``prompt[0]`` made already (a batch's, made for every row at once)."""
         heads_agree = self.heads_agree and heads_same
         uniform = self.uniform and heads_agree and layers_same
         if uniform:
-            self._set(pos[0].clone(), prompt[0].clone(), True)
+            self._set(*(first_layer or (pos[0].clone(), prompt[0].clone())), True)
         else:
             self._set(pos, prompt, False)
         self._heads_agree = heads_agree
@@ -494,11 +496,18 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         return torch.stack([torch.nn.functional.pad(x, (0, t - x.shape[-1]), value=fill) for x in tensors])
 
     stacked = padded(scores, float("-inf")).to(first.device)  # [N, (L, (H,)) t]: one copy to the device
-    if dim == 1:  # every cache uniform: its first head's row, for the batch at once
-        pos, prompt = padded([c._pos for c in caches], -1)[:, 0], padded([c._prompt for c in caches], False)[:, 0]
-    else:
+    if all(c.uniform for c in caches):  # every cache's positions broadcast over its layers, for the batch at once
+        base_pos, base_prompt = padded([c._pos for c in caches], -1), padded([c._prompt for c in caches], False)  # [N, H, t]
+        if dim == 1:
+            pos, prompt = base_pos[:, 0], base_prompt[:, 0]
+        else:
+            shape = (n, first.n_layers, first.n_kv_heads, t)
+            full_pos, full_prompt = base_pos[:, None].expand(shape), base_prompt[:, None].expand(shape)
+            pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
+    else:  # per-layer bookkeeping: as each cache lays it out (every layer's and head's for dim 3)
         layouts = [c._ranking_layout(dim) for c in caches]
         pos, prompt = padded([p for p, _ in layouts], -1), padded([f for _, f in layouts], False)
+        full_pos, full_prompt = (pos, prompt) if dim == 3 else (None, None)
     device = pos.device
     lead = [1] * (pos.dim() - 1)
     # every row's length, newest position and recent window: one copy to the device
@@ -544,25 +553,22 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         kv.index_copy_(2, index, part)
     if dim == 1:
         at = order[:, None, :].expand(n, first.n_kv_heads, k_max)
-        new_pos = padded([c._pos for c in caches], -1).gather(2, at)
-        new_prompt = padded([c._prompt for c in caches], False).gather(2, at)
+        new_pos, new_prompt = base_pos.gather(2, at), base_prompt.gather(2, at)
         for c, row_pos, row_prompt in zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept)):
             c._set(row_pos, row_prompt, True)
     else:
-        if dim == 3:  # the ranking's layout is already every layer's and head's
-            full_pos, full_prompt = pos, prompt
-        elif all(c.uniform for c in caches):  # one broadcast over the layers for the batch
-            shape = (n, first.n_layers, first.n_kv_heads, t)
-            full_pos = padded([c._pos for c in caches], -1)[:, None].expand(shape)
-            full_prompt = padded([c._prompt for c in caches], False)[:, None].expand(shape)
-        else:
+        if full_pos is None:  # [L, T] scores over caches whose layers differ
             per_layer = [c._per_layer() for c in caches]
             full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
         at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, k_max) if order.dim() == 3 else order
         new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
         heads_same, layers_same = _agreement(keep).tolist()
-        for r, (c, row_pos, row_prompt) in enumerate(zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept))):
-            c._finish(row_pos, row_prompt, heads_same[r], layers_same[r])
+        # a row that stays uniform keeps a copy of its first layer's: cut for the batch at once
+        stays = any(c.uniform and h and l for c, h, l in zip(caches, heads_same, layers_same))
+        firsts = (zip(_rows(new_pos[:, 0].clone(), kept), _rows(new_prompt[:, 0].clone(), kept)) if stays
+                  else [None] * n)
+        for r, (c, row_pos, row_prompt, first_layer) in enumerate(zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept), firsts)):
+            c._finish(row_pos, row_prompt, heads_same[r], layers_same[r], first_layer)
     for c, k in zip(caches, kept):
         for layer in c.cache.layers:
             layer.truncate(k)
