@@ -150,18 +150,19 @@ class EpiKVSeg(EpiKV):
         return self.apply_value_reserve(scores, cache)
 
     def _authors_scores(self, cache: CacheView) -> torch.Tensor:
-        (host,), top = positions_on_host([cache], with_prompt=True)
+        (host,), _ = positions_on_host([cache], with_prompt=True)
         classify = max(cache.length - self._recent(cache.budget), 0)
         # as the authors: k.float().var(dim=-1).mean(dim=(0, 1)) per layer on [1, H, C, d], mean over layers
         per_slot = torch.stack([k[None, :, :classify].float().var(dim=-1).mean(dim=(0, 1)) for k in cache.keys]).mean(dim=0)
-        return self._authors_from(host[0], host[1].bool(), per_slot.cpu(), cache.budget, top)
+        return self._authors_from(host[0], host[1].bool(), self.token_scores(cache), per_slot.cpu(), cache.budget)
 
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
         """``selection: authors``, caches of equal lengths: every row's key variances per slot in one
         operation per layer, and with its positions and prompt flags one copy to the host."""
         if (cls.score is not EpiKVSeg.score or cls._authors_scores is not EpiKVSeg._authors_scores
-                or cls.token_scores is not EpiKVSeg.token_scores or not caches.equal_lengths or any(m.selection != "authors" for m in methods)):
+                or cls.token_scores is not EpiKVSeg.token_scores or not caches.equal_lengths
+                or any(m.selection != "authors" for m in methods)):
             return super().score_batch(methods, caches)
         members = list(range(len(methods)))
         # [n, T]: every slot's, the same per slot as the prefix of ``classify`` slots that a row alone reads
@@ -171,14 +172,17 @@ class EpiKVSeg(EpiKV):
         out = []
         for method, view, row, variances in zip(methods, caches.views, host, per_slot):
             classify = max(view.length - method._recent(view.budget), 0)
-            out.append(method._authors_from(row[0], row[1].bool(), variances[:classify], view.budget, top))
+            positions, prompt = row
+            # the epikv scores as token_scores reads them, from the positions already on the host
+            epikv = method.table.read_host(positions, top)
+            out.append(method._authors_from(positions, prompt.bool(), epikv, variances[:classify], view.budget))
         return out
 
-    def _authors_from(self, positions: torch.Tensor, prompt: torch.Tensor, per_slot: torch.Tensor, budget: int,
-                      top: int | None) -> torch.Tensor:
-        """The authors' selection from a cache's positions and prompt flags and the key variance of its
-        first ``classify`` slots (``per_slot``), on the host (the ``epikv`` scores: :meth:`token_scores`'s)."""
-        epikv = self.table.read_host(positions, top)
+    def _authors_from(self, positions: torch.Tensor, prompt: torch.Tensor, epikv: torch.Tensor, per_slot: torch.Tensor,
+                      budget: int) -> torch.Tensor:
+        """The authors' selection from a cache's positions, prompt flags and ``epikv`` scores
+        (:meth:`token_scores`) and the key variance of its first ``classify`` slots (``per_slot``), on
+        the host."""
         length = positions.shape[0]
         recent = self._recent(budget)
         classify = per_slot.shape[0]

@@ -56,10 +56,6 @@ class PositionTable:
             self._array = array = self.data.numpy()
         return array
 
-    def add(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        self._grow(positions)
-        self.data.index_add_(0, positions.cpu(), values.to(torch.float64).cpu())
-
     def read(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
         """The values at ``positions`` (on any device); ``fill`` at positions never written (past the
         table's end too). ``top``: the largest of ``positions`` when the caller knows it (no host read here)."""
@@ -184,13 +180,15 @@ class QueryWindow:
 
 
 class ObservesQueryWindow:
-    """Mixin of a method that scores with its ``window`` most recent post-RoPE queries (SnapKV's
-    observation window; it declares ``Needs(queries=True)`` and a ``window`` field): kept in a
-    :class:`QueryWindow` for the whole sequence."""
+    """Mixin of a method that scores with its most recent post-RoPE queries (SnapKV's observation
+    window; it declares ``Needs(queries=True)`` and the field named by ``window_field`` holding how
+    many): kept in a :class:`QueryWindow` for the whole sequence."""
+
+    window_field: ClassVar[str] = "window"
 
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)
-        self.queries = QueryWindow(self.window, info.head_dim)
+        self.queries = QueryWindow(getattr(self, self.window_field), info.head_dim)
 
     def observe(self, obs: Observation) -> None:
         self.queries.push(obs)

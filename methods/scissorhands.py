@@ -4,14 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by
-from kvleague.methods.kernels import QueryWindow, per_kv_head, window_attention_batch
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from kvleague.methods.kernels import ObservesQueryWindow, per_kv_head, window_attention_batch
 from kvleague.methods.registry import register_method
 
 
 @register_method("scissorhands")
 @dataclass
-class Scissorhands(EvictionMethod):
+class Scissorhands(ObservesQueryWindow, EvictionMethod):
     """Scissorhands: evict the tokens most often unimportant to the last ``history`` queries, per KV head.
 
     For each of the last ``history`` (64) queries q and cached key t, t is "unimportant" to q when its
@@ -32,25 +32,13 @@ class Scissorhands(EvictionMethod):
     """
 
     needs = Needs(queries=True)
+    window_field = "history"  # the queries it keeps
 
     history: int = 64
 
     def __post_init__(self) -> None:
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
-
-    def reset(self, info: SequenceInfo) -> None:
-        super().reset(info)
-        self.queries = QueryWindow(self.history, info.head_dim)
-
-    def observe(self, obs: Observation) -> None:
-        self.queries.push(obs)
-
-    @classmethod
-    def observe_batch(cls, methods, observations) -> None:
-        if cls.observe is not Scissorhands.observe:
-            return super().observe_batch(methods, observations)
-        QueryWindow.push_all([m.queries for m in methods], observations)
 
     def score(self, cache: CacheView) -> torch.Tensor:
         out = []
