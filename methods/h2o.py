@@ -65,7 +65,7 @@ class H2O(EvictionMethod):
     def observe(self, obs: Observation) -> None:
         n_kv = self.info.n_kv_heads
         received = torch.stack([per_kv_head(rows.sum(dim=1), n_kv) for rows in obs.attention])  # [L, H_kv, T]
-        positions = torch.stack(list(obs.cache_positions))
+        positions = obs.cache_positions.stacked
         if self.acc is not None:
             received = received + carry(self.acc, self.acc_positions, positions)
         self.acc, self.acc_positions = received, positions
@@ -76,7 +76,7 @@ class H2O(EvictionMethod):
         for all of them in one operation (``carry`` and the GQA mean work on leading batch dimensions)."""
         if cls.observe is not H2O.observe:
             return super().observe_batch(methods, observations)
-        keys = [(o.cache_positions[0].shape[-1], None if m.acc is None else m.acc.shape[-1])
+        keys = [(o.cache_positions.shape[-1], None if m.acc is None else m.acc.shape[-1])
                 for m, o in zip(methods, observations)]
         for members in groups_by(keys):
             if len(members) == 1:
@@ -89,7 +89,7 @@ class H2O(EvictionMethod):
         n, n_kv = len(methods), methods[0].info.n_kv_heads
         rows = torch.stack([stacked_layers(o.attention) for o in observations]).sum(dim=3)  # [N, L, H_q, T]
         received = rows.view(n, rows.shape[1], n_kv, rows.shape[2] // n_kv, rows.shape[-1]).mean(dim=3)  # [N, L, H_kv, T]
-        positions = torch.stack([stacked_layers(o.cache_positions) for o in observations])  # [N, L, H, T]
+        positions = torch.stack([o.cache_positions.stacked for o in observations])  # [N, L, H, T]
         if methods[0].acc is not None:
             received = received + carry(torch.stack([m.acc for m in methods]),
                                         torch.stack([m.acc_positions for m in methods]), positions)
@@ -98,7 +98,7 @@ class H2O(EvictionMethod):
 
     def accumulated(self, cache: CacheView) -> torch.Tensor:
         """``[L, H_kv, T]`` accumulated attention of the cached slots."""
-        return carry(self.acc, self.acc_positions, torch.stack(cache.positions))
+        return carry(self.acc, self.acc_positions, cache.positions.stacked)
 
     def n_recent(self, cache: CacheView) -> int:
         """How many of the newest positions H2O's recent window holds under ``cache.budget``."""
@@ -108,7 +108,7 @@ class H2O(EvictionMethod):
         scores = self.accumulated(cache)
         n_recent = self.n_recent(cache)
         if n_recent > 0:
-            recent = torch.stack(cache.positions) > cache.current_position - n_recent
+            recent = cache.positions.stacked > cache.current_position - n_recent
             scores = scores.masked_fill(recent, float("inf"))
         return scores
 
@@ -125,7 +125,7 @@ class H2O(EvictionMethod):
                 out[members[0]] = methods[members[0]].score(caches.views[members[0]])
                 continue
             group, views = [methods[i] for i in members], [caches.views[i] for i in members]
-            positions = torch.stack([torch.stack(v.positions) for v in views])  # [n, L, H, T]
+            positions = torch.stack([v.positions.stacked for v in views])  # [n, L, H, T]
             scores = carry(torch.stack([m.acc for m in group]), torch.stack([m.acc_positions for m in group]), positions)
             # the recent window per row (with none, the threshold is the newest position: nothing is above it)
             threshold = torch.tensor([v.current_position - m.n_recent(v) for m, v in zip(group, views)])

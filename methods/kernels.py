@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kvleague.runner.engine.contract import (
-    BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, newest_rows, stacked_layers,
+    BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, chunks, groups_by, newest_rows,
+    stacked_layers,
 )
 from kvleague.runner.engine.probe import attention_rows
 
@@ -72,9 +73,10 @@ def positions_on_host(views, with_prompt: bool = False) -> tuple[torch.Tensor, i
     """``[N, T]`` the token positions of cache views of equal lengths on the host, in one copy, and the
     largest (``None`` when empty). ``with_prompt``: ``[N, 2, T]``, each view's prompt flags (1 where
     the slot holds a prompt token) beside its positions, in the same copy."""
-    positions = torch.stack([view.token_positions for view in views])
+    # each view's first layer (no op for a cache whose layers agree), then the first head of them all
+    positions = torch.stack([view.positions[0] for view in views])[:, 0]
     if with_prompt:
-        positions = torch.stack([positions, torch.stack([view.is_prompt[0][0] for view in views]).long()], dim=1)
+        positions = torch.stack([positions, torch.stack([view.is_prompt[0] for view in views])[:, 0].long()], dim=1)
     host = positions.cpu()
     top = host[:, 0] if with_prompt else host
     return host, (int(top.max()) if top.numel() else None)
@@ -96,7 +98,7 @@ def newest_on_host(observations: Sequence[Observation], keys: Sequence,
     new tokens' positions ``[n, C]`` and cached positions ``[n, T]`` (int64) and the columns (float64).
 
     One observation alone goes the same way, so a sequence gets the same arithmetic alone and batched."""
-    shapes = [(o.cache_positions[0].shape[-1], o.new_positions.shape[0], key) for o, key in zip(observations, keys)]
+    shapes = [(o.cache_positions.shape[-1], o.new_positions.shape[0], key) for o, key in zip(observations, keys)]
     for members in groups_by(shapes):
         group = [observations[i] for i in members]
         rows = torch.stack([newest_rows(o.attention) for o in group])  # [n, L, H_q, T]
@@ -326,17 +328,25 @@ def window_importance(
 
 def window_attention_batch(windows: list[QueryWindow], caches: BatchCacheView,
                            members: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer, :meth:`QueryWindow.attention` of the sequences ``members`` of a batch, which hold
-    equal numbers of slots and equal window fills, in one batched matmul: the attention ``[n, H_q, w,
-    T]``, the slots' positions ``[n, H_kv, T]`` and the window's ``[n, w]``."""
-    views = [caches.views[i] for i in members]
-    keys = caches.keys_of(members)
+    """:meth:`QueryWindow.attention` of the sequences ``members`` of a batch, which hold equal numbers
+    of slots and equal window fills, for as many layers at once as keep the float32 work under
+    ``contract.STACK_BYTES`` (one batched matmul each). Per chunk of c layers: the attention ``[n, c,
+    H_q, w, T]``, the slots' positions ``[n, c, H_kv, T]`` and the window's ``[n, w]``."""
+    keys = caches.stacked_of(members, 0)  # [L, n, H_kv, T, d]
+    n_layers, n, h_kv, t, d = keys.shape
     queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
-    query_pos = torch.stack([w.positions for w in windows]).to(keys[0].device)  # [n, w]
-    for layer, k in enumerate(keys):
-        key_pos = torch.stack([v.positions[layer] for v in views])  # [n, H_kv, T]
-        future = key_pos[:, :, None, None, :] > query_pos[:, None, None, :, None]
-        yield attention_rows(queries[:, layer], k, windows[0].scaling, future).nan_to_num_(0.0), key_pos, query_pos
+    h_q, w = queries.shape[2:4]
+    query_pos = torch.stack([w.positions for w in windows]).to(keys.device)  # [n, w]
+    key_pos = torch.stack([caches.views[i].positions.stacked for i in members])  # [n, L, H_kv, T]
+    # per layer: the keys in float32, the scores and their softmax
+    for part in chunks(n_layers, 4 * n * t * (h_kv * d + 2 * h_q * w)):
+        pos = key_pos[:, part]
+        future = pos[:, :, :, None, None, :] > query_pos[:, None, None, None, :, None]  # [n, c, H_kv, 1, w, T]
+        # contiguous: a matmul over a strided view of several layers takes another GEMM path, whose
+        # float32 bits differ from one layer's alone
+        k = keys[part].transpose(0, 1).contiguous()
+        attn = attention_rows(queries[:, part], k, windows[0].scaling, future)
+        yield attn.nan_to_num_(0.0), pos, query_pos
 
 
 def window_importance_batch(windows: list[QueryWindow], caches: BatchCacheView, members: list[int], kernel: int,
@@ -346,14 +356,16 @@ def window_importance_batch(windows: list[QueryWindow], caches: BatchCacheView, 
     and GQA mean. ``[n, L, H_kv, T]`` importance and the ``[n, L, H_kv, T]`` mask of the window's own slots."""
     scores, owns = [], []
     for attn, key_pos, query_pos in window_attention_batch(windows, caches, members):
-        n, h_q, _, t = attn.shape
-        group = h_q // key_pos.shape[1]
-        own = key_pos >= query_pos[:, :1, None]  # the window's own slots
-        attn = attn.mean(dim=2).masked_fill(own.repeat_interleave(group, dim=1), 0.0)  # [n, H_q, T]
-        pooled = pool(attn.reshape(n * h_q, t), kernel, how)
-        scores.append(pooled.view(n, -1, group, t).mean(dim=2))
+        n, c, h_q, _, t = attn.shape
+        group = h_q // key_pos.shape[2]
+        own = key_pos >= query_pos[:, :1, None, None]  # the window's own slots
+        attn = attn.mean(dim=3).masked_fill(own.repeat_interleave(group, dim=2), 0.0)  # [n, c, H_q, T]
+        pooled = pool(attn.reshape(n * c * h_q, t), kernel, how)
+        scores.append(pooled.view(n, c, -1, group, t).mean(dim=3))
         owns.append(own)
-    return torch.stack(scores, dim=1), torch.stack(owns, dim=1)
+    if len(scores) == 1:
+        return scores[0], owns[0]
+    return torch.cat(scores, dim=1), torch.cat(owns, dim=1)
 
 
 def check_window_kernel(window: int, kernel: int) -> None:

@@ -39,8 +39,8 @@ class KeyDiff(EvictionMethod):
             n = caches.lengths[members[0]]
             keys = [k[members, :, :n] if len(members) < len(caches) else k[:, :, :n] for k in caches.keys]
             scores = torch.stack([_dissimilarity(k) for k in keys])  # [L, n, H, T]
-            for j, i in enumerate(members):
-                out[i] = scores[:, j]
+            for i, row in zip(members, scores.unbind(1)):
+                out[i] = row
         return out
 
 

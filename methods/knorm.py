@@ -25,7 +25,9 @@ class KeyNorm(EvictionMethod):
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
         """One norm over the padded batch per layer (each row's norm is the same operation)."""
-        norms = torch.stack([_neg_norm(k) for k in caches.keys])  # [L, N, H, S]
+        norms = _neg_norm(caches.stacked(0))  # [L, N, H, S]
+        if caches.equal_lengths:
+            return list(norms.unbind(1))
         return [norms[:, i, :, :n] for i, n in enumerate(caches.lengths)]
 
 

@@ -5,7 +5,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, chunks
 from kvleague.methods.registry import register_method
 
 
@@ -34,10 +34,6 @@ def lag_std(x: torch.Tensor, lag: int, eps: float, dtype: torch.dtype = torch.fl
         tail = (x[..., full:, :] - lo[..., -1:, :]) / (hi[..., -1:, :] - lo[..., -1:, :] + eps)
         std[..., full:] = tail.std(dim=-1)
     return std
-
-
-#: a batch's reference arithmetic stacks every layer of several rows: at most this many bytes at once
-_STACK_BYTES = 256 << 20
 
 
 @register_method("lag_kv")
@@ -100,17 +96,16 @@ class LagKV(EvictionMethod):
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
         """Caches of equal lengths, equal hyperparameters: the rows scored together, as many at once as
-        keep the reference arithmetic's stack of every layer under ``_STACK_BYTES``."""
+        keep the reference arithmetic's stack of every layer under ``contract.STACK_BYTES`` (``chunks``)."""
         first = methods[0]
         if (cls.score is not LagKV.score or cls.scores is not LagKV.scores or not caches.equal_lengths
                 or any(m.params() != first.params() for m in methods)):
             return super().score_batch(methods, caches)
-        _, heads, _, dim = caches.keys[0].shape
-        row_bytes = len(caches.keys) * heads * caches.lengths[0] * dim * caches.keys[0].element_size()
-        step = max(1, _STACK_BYTES // max(row_bytes, 1))
+        keys = caches.stacked(0)  # [L, N, H, T, d]
+        n_layers, _, heads, _, dim = keys.shape
         out: list[torch.Tensor] = []
-        for start in range(0, len(methods), step):
-            members = list(range(start, min(start + step, len(methods))))
+        for part in chunks(len(methods), n_layers * heads * caches.lengths[0] * dim * keys.element_size()):
+            members = list(range(part.start, part.stop))
             values = caches.values_of(members) if cls.uses_values else None
             out.extend(first.scores(caches.keys_of(members), values))
         return out

@@ -90,6 +90,6 @@ class RKV(ObservesQueryWindow, EvictionMethod):
                                                       first.kernel, first.pooling)
             redundant = torch.stack([redundancy(k) for k in caches.keys_of(members)], dim=1)  # [n, L, H_kv, T]
             scores = (first.lam * importance - (1.0 - first.lam) * redundant).masked_fill(own, float("inf"))
-            for j, i in enumerate(members):
-                out[i] = scores[j]
+            for i, row in zip(members, scores.unbind(0)):
+                out[i] = row
         return out

@@ -66,14 +66,14 @@ class Scissorhands(ObservesQueryWindow, EvictionMethod):
                 continue
             scores = []
             for attn, positions, query_pos in window_attention_batch([methods[i].queries for i in members], caches, members):
-                n, h_q, w, t = attn.shape
-                h_kv = positions.shape[1]
-                group = attn.reshape(n, h_kv, h_q // h_kv, w * t).mean(dim=2).view(n, h_kv, w, t)
-                seen = positions[:, :, None, :] <= query_pos[:, None, :, None]  # [n, H_kv, w, T]
+                n, c, h_q, w, t = attn.shape
+                h_kv = positions.shape[2]
+                group = attn.reshape(n, c, h_kv, h_q // h_kv, w * t).mean(dim=3).view(n, c, h_kv, w, t)
+                seen = positions[:, :, :, None, :] <= query_pos[:, None, None, :, None]  # [n, c, H_kv, w, T]
                 visible = seen.sum(dim=-1, keepdim=True).clamp_min(1)
                 unimportant = (group < 1.0 / visible) & seen
-                scores.append(-unimportant.sum(dim=2).float() + group.mean(dim=2))
-            batch = torch.stack(scores, dim=1)  # [n, L, H_kv, T]
-            for j, i in enumerate(members):
-                out[i] = batch[j]
+                scores.append(-unimportant.sum(dim=3).float() + group.mean(dim=3))
+            batch = torch.cat(scores, dim=1)  # [n, L, H_kv, T]
+            for i, row in zip(members, batch.unbind(0)):
+                out[i] = row
         return out

@@ -64,6 +64,6 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
             scores, own = window_importance_batch([methods[i].queries for i in members], caches, members,
                                                   methods[members[0]].kernel, "avg")
             batch = scores.masked_fill(own, float("inf"))  # [n, L, H_kv, T]
-            for j, i in enumerate(members):
-                out[i] = batch[j]
+            for i, row in zip(members, batch.unbind(0)):
+                out[i] = row
         return out

@@ -45,6 +45,6 @@ class StreamingLLM(EvictionMethod):
             n_sink = torch.tensor([methods[i].n_sink for i in members], device=positions.device)[:, None]
             sink = torch.arange(positions.shape[-1], device=positions.device)[None, :] < n_sink  # in sorted order
             scores = positions.scatter(1, order, torch.where(sink, float("inf"), positions.gather(1, order)))
-            for j, i in enumerate(members):
-                out[i] = scores[j]
+            for i, row in zip(members, scores.unbind(0)):
+                out[i] = row
         return out

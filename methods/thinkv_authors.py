@@ -81,7 +81,7 @@ class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     def observe_together(cls, methods, observations) -> None:
         """Each sequence's rows from the newest query's attention in the last ``classifier_layers``
         layers: sequences of equal lengths together, one copy to the host per group (alone: a group of one)."""
-        keys = [(o.cache_positions[0].shape[-1], m.classifier_layers, m.info.dtype) for m, o in zip(methods, observations)]
+        keys = [(o.cache_positions.shape[-1], m.classifier_layers, m.info.dtype) for m, o in zip(methods, observations)]
         for members in groups_by(keys):
             first = methods[members[0]]
             rows = torch.stack([newest_rows(observations[i].attention[-first.classifier_layers :]) for i in members])

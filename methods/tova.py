@@ -41,11 +41,11 @@ class TOVA(EvictionMethod):
         per layer."""
         if cls.observe is not TOVA.observe:
             return super().observe_batch(methods, observations)
-        for members in groups_by([o.attention[0].shape[-1] for o in observations]):
+        for members in groups_by([o.cache_positions.shape[-1] for o in observations]):
             rows = torch.stack([stacked_layers(observations[i].attention) for i in members])  # [n, L, H_q, w, T]
             last = rows[:, :, :, -1, :].mean(dim=2)  # [n, L, T]
-            for j, i in enumerate(members):
-                methods[i].last = last[j]
+            for i, row in zip(members, last.unbind(0)):
+                methods[i].last = row
 
     def score(self, cache: CacheView) -> torch.Tensor:
         if self.last is None or self.last.shape[-1] != cache.length:

@@ -9,6 +9,7 @@ cadence, chunked prefill and seeded sampling are all exercised per sequence.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -125,6 +126,29 @@ SETUPS = {"epikv_seg:segment=3": (5, 14, 24)}
 def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64, prompts, case):
     """Equal-length prompts (different tokens) put every row at B together: the vectorised paths run
     (no per-sequence ``observe`` / ``score`` call while decoding) and still match the oracle."""
+    _batched_equals_alone(engines64, prompts, case)
+
+
+@pytest.mark.parametrize("case", ["snapkv:window=4", "scissorhands:history=4", "rkv", "lag_kv:lag=4", "lag_kv_key:lag=3",
+                                  "thinkv", "tova"])
+def test_layers_and_rows_taken_a_few_at_a_time_equal_each_sequence_alone(engines64, prompts, case, monkeypatch):
+    """Under a memory cap that admits one layer (one row) at a time, the batched arithmetic that stacks
+    layers (the window's attention, the newest query's rows under SDPA) or rows (LagKV) runs in
+    several chunks and still equals each sequence alone (ThinKV's accumulated attention bit for bit)."""
+    from kvleague.methods import kernels
+    from kvleague.runner.engine import contract, probe
+
+    sizes = []
+    chunks = contract.chunks
+    monkeypatch.setattr(contract, "STACK_BYTES", 1)
+    spy = lambda count, each: sizes.append(count) or chunks(count, each)
+    for module in (kernels, probe, sys.modules[build_method(case.split(":")[0]).__module__]):
+        monkeypatch.setattr(module, "chunks", spy, raising=False)
+    _batched_equals_alone(engines64, prompts, case)
+    assert sizes and all(size > 1 for size in sizes)
+
+
+def _batched_equals_alone(engines64, prompts, case):
     name, params = VARIANTS.get(case, (case, {}))
     n_prompt, budget, new_tokens = SETUPS.get(case, (14, 12, 10))
     engine, protocol = engines64["llama"], Protocol(sink=1, recent=2)

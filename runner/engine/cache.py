@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvleague.runner.engine.contract import CacheView, Phase
+from kvleague.runner.engine.contract import CacheView, PerLayer, Phase
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.protocol import Protocol
 
@@ -188,7 +188,8 @@ class BudgetedCache:
         self._generated_flag: torch.Tensor | None = None  # a decode step's prompt flags (all False), reused
         self.uniform = True  # every layer and head holds the same tokens (in the same slots)
         self._heads_agree = True  # within each layer, every head does
-        self._views: tuple[list, list] | None = None
+        #: ``positions`` and ``is_prompt``, each cut when first read after a change
+        self._views: list[PerLayer | None] = [None, None]
         self._scratch: torch.Tensor | None = None
         self._scratch_last: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last view of it, by shape
         self.bytes_per_slot = 0
@@ -203,25 +204,21 @@ class BudgetedCache:
     def length(self) -> int:
         return self._pos.shape[-1]
 
-    def _lists(self) -> tuple[list, list]:
-        if self._views is None:
-            if self.uniform:
-                self._views = ([self._pos] * self.n_layers, [self._prompt] * self.n_layers)
-            else:
-                self._views = (list(self._pos.unbind(0)), list(self._prompt.unbind(0)))
-        return self._views
-
     @property
-    def positions(self) -> list[torch.Tensor]:
+    def positions(self) -> PerLayer:
         """Per layer ``[H, T]`` absolute positions (fresh tensors after every change: never mutated)."""
-        return self._lists()[0]
+        if self._views[0] is None:
+            self._views[0] = PerLayer(self._pos, self.n_layers if self.uniform else None)
+        return self._views[0]
 
     @property
-    def is_prompt(self) -> list[torch.Tensor]:
-        return self._lists()[1]
+    def is_prompt(self) -> PerLayer:
+        if self._views[1] is None:
+            self._views[1] = PerLayer(self._prompt, self.n_layers if self.uniform else None)
+        return self._views[1]
 
     def _set(self, pos: torch.Tensor, prompt: torch.Tensor, uniform: bool) -> None:
-        self._pos, self._prompt, self.uniform, self._views = pos, prompt, uniform, None
+        self._pos, self._prompt, self.uniform, self._views = pos, prompt, uniform, [None, None]
 
     def _per_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[L, H, T]`` positions and flags (a broadcast view while uniform)."""
@@ -256,8 +253,10 @@ class BudgetedCache:
         layers = self.cache.layers
         return CacheView(
             layers=lambda: ([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers]),
-            positions=self.positions,
-            is_prompt=self.is_prompt,
+            # read while scoring, before the eviction: the bookkeeping of the cache being scored
+            positions=lambda: self.positions,
+            is_prompt=lambda: self.is_prompt,
+            length=self.length,
             budget=budget,
             phase=phase,
             current_position=current_position,
@@ -462,8 +461,14 @@ def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[
         new = new.to(pos.device).view(-1, *(1,) * (pos.dim() - 1)).expand(*pos.shape[:-1], 1)
         pos = torch.cat([pos, new], dim=-1)
         prompt = torch.cat([prompt, torch.zeros((*prompt.shape[:-1], 1), dtype=torch.bool, device=prompt.device)], dim=-1)
-        for i, row_pos, row_prompt in zip(members, pos.unbind(0), prompt.unbind(0)):
+        rows_pos = pos.unbind(0)
+        # every row's layers cut at once: the observation of this step reads them (``positions``)
+        layers = pos.flatten(0, 1).unbind(0) if pos.dim() == 4 else None
+        n_layers = pos.shape[1] if layers is not None else 0
+        for j, (i, row_pos, row_prompt) in enumerate(zip(members, rows_pos, prompt.unbind(0))):
             caches[i]._set(row_pos, row_prompt, caches[i].uniform)
+            if layers is not None:
+                caches[i]._views[0] = PerLayer(row_pos, layers=layers[j * n_layers : (j + 1) * n_layers])
 
 
 def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets: list[int], protocol: Protocol,
@@ -504,10 +509,10 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
             shape = (n, first.n_layers, first.n_kv_heads, t)
             full_pos, full_prompt = base_pos[:, None].expand(shape), base_prompt[:, None].expand(shape)
             pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
-    else:  # per-layer bookkeeping: as each cache lays it out (every layer's and head's for dim 3)
-        layouts = [c._ranking_layout(dim) for c in caches]
-        pos, prompt = padded([p for p, _ in layouts], -1), padded([f for _, f in layouts], False)
-        full_pos, full_prompt = (pos, prompt) if dim == 3 else (None, None)
+    else:  # per-layer bookkeeping (dim 2 or 3): every layer's and head's, stacked once for the batch
+        per_layer = [c._per_layer() for c in caches]
+        full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
+        pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
     device = pos.device
     lead = [1] * (pos.dim() - 1)
     # every row's length, newest position and recent window: one copy to the device
@@ -557,9 +562,6 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         for c, row_pos, row_prompt in zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept)):
             c._set(row_pos, row_prompt, True)
     else:
-        if full_pos is None:  # [L, T] scores over caches whose layers differ
-            per_layer = [c._per_layer() for c in caches]
-            full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
         at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, k_max) if order.dim() == 3 else order
         new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
         heads_same, layers_same = _agreement(keep).tolist()

@@ -53,9 +53,9 @@ for that sequence alone (``tests/test_batch.py`` checks every built-in method th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal
 
 if TYPE_CHECKING:  # tensors are only annotations here: the registries and the CLI import this without torch
     import torch
@@ -124,8 +124,9 @@ class Observation:
     #: token ids of the new tokens, shape ``[C]``
     new_token_ids: torch.Tensor
     #: absolute position of every cache slot after this pass appended its tokens (before any
-    #: eviction), one ``[H, T]`` tensor per layer
-    cache_positions: list[torch.Tensor]
+    #: eviction), one ``[H, T]`` tensor per layer (a :class:`PerLayer`, also one ``[L, H, T]`` tensor:
+    #: ``.stacked``; a list given is made one)
+    cache_positions: PerLayer
     #: layer index -> ``[C, hidden]`` (a dict, or a batched step's :class:`RowHidden`): output of
     #: decoder layer ``l`` (HF ``hidden_states[l + 1]`` for every layer but the last, where HF
     #: applies the final norm)
@@ -139,6 +140,9 @@ class Observation:
     #: per layer ``[H_q, w, T]`` float32 softmax rows of the last ``w`` new queries over all T slots,
     #: indexed by layer: a list, or one ``[L, H_q, w, T]`` tensor (a batched decode step's)
     attention: list[torch.Tensor] | torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.cache_positions = PerLayer.of(self.cache_positions)
 
 
 class RowHidden(Mapping):
@@ -161,6 +165,43 @@ class RowHidden(Mapping):
         return len(self.layers)
 
 
+class PerLayer(tuple):
+    """The cache's per-layer ``[H, T]`` bookkeeping (positions, prompt flags): a tuple of one tensor per
+    layer (what ``torch.stack`` and ``zip`` take), cut from one table, which ``stacked`` gives whole
+    as ``[L, H, T]`` with no op (a broadcast view where every layer shares one ``[H, T]``, ``n_layers``
+    given), so a batched method reads it without stacking the layers again."""
+
+    def __new__(cls, table: torch.Tensor, n_layers: int | None = None, layers: Sequence[torch.Tensor] | None = None) -> "PerLayer":
+        """``layers``: ``table``'s layers cut already (a batch's, cut for every row at once)."""
+        if layers is None:
+            layers = table.unbind(0) if n_layers is None else (table,) * n_layers
+        self = super().__new__(cls, layers)
+        self._table, self._n_layers = table, n_layers
+        return self
+
+    def __reduce__(self):
+        return PerLayer, (self._table, self._n_layers)
+
+    @classmethod
+    def of(cls, per_layer: Sequence[torch.Tensor]) -> "PerLayer":
+        """``per_layer`` itself when it is one, else its tensors stacked (a list a test or a caller made)."""
+        import torch
+
+        return per_layer if isinstance(per_layer, PerLayer) else cls(torch.stack(list(per_layer)))
+
+    @property
+    def stacked(self) -> torch.Tensor:
+        """``[L, H, T]``."""
+        if self._n_layers is None:
+            return self._table
+        return self._table.expand(self._n_layers, *self._table.shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``stacked``'s shape, read without an op."""
+        return (len(self), *self._table.shape[-2:])
+
+
 def batch_hidden(observations: Sequence[Observation], layer: int) -> torch.Tensor:
     """``[n, C, hidden]``: layer ``layer``'s hidden states of every observation, one tensor (the batch's
     own, or its rows, where the observations are rows of one batched step; else stacked)."""
@@ -177,9 +218,12 @@ def batch_hidden(observations: Sequence[Observation], layer: int) -> torch.Tenso
 
 
 def stacked_layers(per_layer) -> torch.Tensor:
-    """An observation's per-layer tensors (a list, or one tensor already: a batched step's) as one ``[L, ...]`` tensor."""
+    """Per-layer tensors (a list, a :class:`PerLayer`, or one tensor already: a batched step's) as one
+    ``[L, ...]`` tensor."""
     import torch
 
+    if isinstance(per_layer, PerLayer):
+        return per_layer.stacked
     return per_layer if isinstance(per_layer, torch.Tensor) else torch.stack(list(per_layer))
 
 
@@ -195,19 +239,20 @@ def newest_rows(attention) -> torch.Tensor:
 class CacheView:
     """Read-only view of the cache at eviction time, handed to :meth:`EvictionMethod.score`.
 
-    The engine passes ``layers`` (a callable returning ``(keys, values)``) instead of the lists:
-    they are built on first read, so a method that scores from positions or its own state (EpiKV)
-    costs no per-layer slicing of the cache."""
+    The engine passes ``layers`` (a callable returning ``(keys, values)``) instead of the lists, and
+    callables for ``positions`` / ``is_prompt``: each is built on first read, so a method that scores
+    from positions or its own state (EpiKV) costs no per-layer slicing of the cache, and one that
+    scores from keys (Knorm) none of its bookkeeping."""
 
     def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None, *,
-                 positions: list[torch.Tensor], is_prompt: list[torch.Tensor], budget: int, phase: Phase,
+                 positions: Sequence[torch.Tensor] | Callable[[], PerLayer],
+                 is_prompt: Sequence[torch.Tensor] | Callable[[], PerLayer], budget: int, phase: Phase,
                  current_position: int,
-                 layers: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None):
+                 layers: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None,
+                 length: int | None = None):
         self._keys, self._values, self._layers = keys, values, layers
-        #: per layer ``[H, T]`` absolute positions of the slots
-        self.positions = positions
-        #: per layer ``[H, T]`` True where the slot holds a prompt (fed, not generated) token
-        self.is_prompt = is_prompt
+        self._bookkeeping = [positions, is_prompt]
+        self._length = length
         #: number of slots the engine will keep
         self.budget = budget
         self.phase = phase
@@ -217,6 +262,22 @@ class CacheView:
     def _build(self) -> None:
         if self._keys is None and self._layers is not None:
             self._keys, self._values = self._layers()
+
+    def _read(self, which: int) -> PerLayer:
+        given = self._bookkeeping[which]
+        if not isinstance(given, PerLayer):
+            self._bookkeeping[which] = given = given() if callable(given) else PerLayer.of(given)
+        return given
+
+    @property
+    def positions(self) -> PerLayer:
+        """Per layer ``[H, T]`` absolute positions of the slots (also ``[L, H, T]``: ``.stacked``)."""
+        return self._read(0)
+
+    @property
+    def is_prompt(self) -> PerLayer:
+        """Per layer ``[H, T]``: True where the slot holds a prompt (fed, not generated) token."""
+        return self._read(1)
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -232,7 +293,8 @@ class CacheView:
 
     @property
     def length(self) -> int:
-        return self.positions[0].shape[-1]
+        """Slots held (T)."""
+        return self.positions.shape[-1] if self._length is None else self._length
 
     @property
     def token_positions(self) -> torch.Tensor:
@@ -241,6 +303,17 @@ class CacheView:
 
     def __repr__(self) -> str:
         return f"CacheView(length={self.length}, budget={self.budget}, phase={self.phase!r}, current_position={self.current_position})"
+
+
+#: the most bytes a batched computation over stacked layers or rows may hold at once (:func:`chunks`)
+STACK_BYTES = 256 << 20
+
+
+def chunks(count: int, bytes_each: int) -> list[slice]:
+    """``range(count)`` in slices of as many items as keep ``bytes_each`` apiece under
+    :data:`STACK_BYTES` (at least one each): the layers (or rows) a batched computation takes at once."""
+    step = max(1, STACK_BYTES // max(bytes_each, 1))
+    return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 
 def groups_by(keys: Sequence) -> list[list[int]]:
@@ -257,15 +330,18 @@ class BatchCacheView:
 
     ``views[i]`` is sequence i's own :class:`CacheView` (what ``score`` gets). ``keys`` / ``values``
     are the same entries as one padded tensor per layer, ``[N, H, S, d]`` with ``S`` = the longest
-    cache: row i holds ``lengths[i]`` slots, the rest is padding a method must ignore. They are
-    built on first use (a view of the batched slab when the rows are contiguous, else a copy)."""
+    cache: row i holds ``lengths[i]`` slots, the rest is padding a method must ignore. Every layer's
+    are also one tensor, ``stacked(0)`` (keys) / ``stacked(1)`` (values), ``[L, N, H, S, d]``, for a
+    method that treats the layers at once. Each is built on first use by ``padded(which)`` (a view
+    of the batched slab when the rows are contiguous, else a copy)."""
 
-    def __init__(self, views: list[CacheView], padded: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]):
+    def __init__(self, views: list[CacheView], padded: Callable[[int], torch.Tensor]):
         self.views = views
         self.lengths = [v.length for v in views]
         self._padded = padded
-        self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._members_rows: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}
+        self._stacked: list[torch.Tensor | None] = [None, None]
+        self._members_rows: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+        self._per_layer: dict[tuple, list[torch.Tensor]] = {}  # the lists of layers, cut once each
 
     def __len__(self) -> int:
         return len(self.views)
@@ -275,40 +351,49 @@ class BatchCacheView:
         """Every sequence holds the same number of slots (then ``keys`` has no padding)."""
         return len(set(self.lengths)) == 1
 
+    def stacked(self, which: int) -> torch.Tensor:
+        """``[L, N, H, S, d]``: every layer's keys (``which`` 0) or values (1), padded as ``keys``."""
+        if self._stacked[which] is None:
+            self._stacked[which] = self._padded(which)
+        return self._stacked[which]
+
+    def _layers(self, which: int, members: list[int] | None) -> list[torch.Tensor]:
+        key = (which, None if members is None else tuple(members))
+        if key not in self._per_layer:
+            whole = self.stacked(which) if members is None else self.stacked_of(members, which)
+            self._per_layer[key] = list(whole.unbind(0))
+        return self._per_layer[key]
+
     @property
     def keys(self) -> list[torch.Tensor]:
-        if self._kv is None:
-            self._kv = self._padded()
-        return self._kv[0]
+        return self._layers(0, None)
 
     @property
     def values(self) -> list[torch.Tensor]:
-        if self._kv is None:
-            self._kv = self._padded()
-        return self._kv[1]
+        return self._layers(1, None)
 
     def keys_of(self, members: list[int]) -> list[torch.Tensor]:
         """Per layer ``[n, H, T, d]``: the keys of the sequences ``members``, which hold the same number
         of slots T, without padding (views of ``keys`` when ``members`` are consecutive)."""
-        return self._rows_of(members, 0)
+        return self._layers(0, members)
 
     def values_of(self, members: list[int]) -> list[torch.Tensor]:
         """As :meth:`keys_of`, the values."""
-        return self._rows_of(members, 1)
+        return self._layers(1, members)
 
-    def _rows_of(self, members: list[int], which: int) -> list[torch.Tensor]:
+    def stacked_of(self, members: list[int], which: int) -> torch.Tensor:
+        """``[L, n, H, T, d]``: :meth:`keys_of` (``which`` 0) or :meth:`values_of` (1), every layer in one tensor."""
         import torch
 
         key = (tuple(members), which)
         if key not in self._members_rows:
             t = self.lengths[members[0]]
-            padded = self.keys if which == 0 else self.values
+            padded = self.stacked(which)
             first, last = members[0], members[-1]
             if members == list(range(first, last + 1)):  # a view
-                rows = [x[first : last + 1, :, :t] for x in padded]
+                rows = padded[:, first : last + 1, :, :t]
             else:
-                index = torch.tensor(members, device=padded[0].device)
-                rows = [x.index_select(0, index)[:, :, :t] for x in padded]
+                rows = padded.index_select(1, torch.tensor(members, device=padded.device))[:, :, :, :t]
             self._members_rows[key] = rows
         return self._members_rows[key]
 
@@ -368,6 +453,8 @@ class EvictionMethod:
 __all__ = [
     "BatchCacheView",
     "CacheView",
+    "PerLayer",
+    "chunks",
     "groups_by",
     "EvictionMethod",
     "Needs",

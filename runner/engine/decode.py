@@ -328,7 +328,8 @@ class DecodeLoop:
             cache, start_slot = sessions[0].cache.cache, lengths[0]
         if self.recorder is not None:
             self.recorder.start_batch([n + 1 for n in lengths], frozenset(
-                r for r, s in enumerate(sessions) if r not in self.dead and s.method.needs.attention and not s.method.never_evicts))
+                r for r, s in enumerate(sessions) if r not in self.dead and s.method.needs.attention and not s.method.never_evicts),
+                self.kv[:, 0] if self.shared else None)
         self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask)
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
@@ -374,7 +375,7 @@ class DecodeLoop:
             phase="decode",
             new_positions=new_positions,
             new_token_ids=token,
-            cache_positions=list(s.cache.positions),  # eviction rebinds entries of the live list
+            cache_positions=s.cache.positions,  # immutable: an eviction makes new bookkeeping
             hidden_states=RowHidden(self.hidden, r, s.hidden_layers) if s.hidden_layers else None,
             **recorded,
         )
@@ -419,16 +420,11 @@ class DecodeLoop:
     def _padded(self, members: list[int], views):
         """Builder of ``BatchCacheView.keys`` / ``values`` for slab rows ``members``."""
 
-        def build():
+        def build(which: int) -> torch.Tensor:  # 0: keys, 1: values; [L, n, H, longest, d]
             longest = max(v.length for v in views)
             contiguous = members == list(range(members[0], members[0] + len(members)))
-            index = None if contiguous else torch.tensor(members, device=self.device)
-            keys, values = [], []
-            for layer in self.cache.layers:
-                for slab, out in ((layer.slab_k, keys), (layer.slab_v, values)):
-                    rows = slab[members[0] : members[-1] + 1] if contiguous else slab.index_select(0, index)
-                    out.append(rows[:, :, :longest])
-            return keys, values
+            slab = self.kv[:, which, :, :, :longest]
+            return slab[:, members[0] : members[-1] + 1] if contiguous else slab.index_select(1, torch.tensor(members, device=self.device))
 
         return build
 

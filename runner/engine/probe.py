@@ -19,6 +19,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from kvleague.runner.engine.contract import chunks
+
 INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _ACTIVE: contextvars.ContextVar["AttentionRecorder | None"] = contextvars.ContextVar("kvleague_recorder", default=None)
 
@@ -87,11 +89,15 @@ class BatchAttentionRecorder(AttentionRecorder):
     #: the rows whose method asks for attention rows this step (computed together where no kernel gives weights)
     wanted: frozenset = frozenset()
     _rows_of: dict | None = None
+    #: ``[L, N, H, S, d]``: every layer's keys in one tensor (a batch's slabs), whose layers the
+    #: kernels saw; None: the layers' keys are apart
+    keys: torch.Tensor | None = None
 
-    def start_batch(self, lengths: list[int], wanted=frozenset()) -> None:
+    def start_batch(self, lengths: list[int], wanted=frozenset(), keys: torch.Tensor | None = None) -> None:
         self.start(1)
         self.lengths = lengths
         self.wanted = wanted
+        self.keys = keys
         self.raw = [None] * self.n_layers
         self._float_weights = {}
         self._stacked_queries = None
@@ -155,24 +161,49 @@ class BatchAttentionRecorder(AttentionRecorder):
     def _computed_rows(self) -> dict[int, torch.Tensor]:
         """Row -> ``[L, H_q, 1, n]``: the newest query's attention rows of every layer, computed from q
         and K (a kernel without weights) for the rows in ``wanted``: rows holding equal numbers of
-        slots in one matmul per layer, and their layers in one tensor."""
+        slots together, every layer in one matmul where the layers' keys are one tensor (as many
+        layers at once as keep the float32 work under ``STACK_BYTES``), else one per layer."""
         if self._rows_of is None:
             self._rows_of = {}
             by_length: dict[int, list[int]] = {}
             for i in sorted(self.wanted):
                 by_length.setdefault(self.lengths[i], []).append(i)
+            keys = self._stacked_keys()
             for n, rows in by_length.items():
                 index = None if rows == list(range(len(self.lengths))) else torch.tensor(rows, device=self.raw[0][0].device)
-                per_layer = []
-                for q, k, _, _, scaling in self.raw:
-                    q, k = q[:, :, -1:], k[:, :, :n]
+                scaling = self.raw[0][4]
+                if keys is not None:
+                    q, k = self._queries()[:, :, :, -1:], keys[:, :, :, :n]  # [N, L, H_q, 1, d], [L, N, H, n, d]
                     if index is not None:
-                        q, k = q.index_select(0, index), k.index_select(0, index)
-                    per_layer.append(attention_rows(q, k, scaling))  # [m, H_q, 1, n]
-                stacked = torch.stack(per_layer, dim=1)  # [m, L, H_q, 1, n]
-                for j, i in enumerate(rows):
-                    self._rows_of[i] = stacked[j]
+                        q, k = q.index_select(0, index), k.index_select(1, index)
+                    m, n_layers, h_q, _, d = q.shape
+                    # contiguous: a matmul over a strided view of several layers takes another GEMM
+                    # path, whose float32 bits differ from one layer's alone
+                    parts = [attention_rows(q[:, part], k[part].transpose(0, 1).contiguous(), scaling)  # [m, c, H_q, 1, n]
+                             for part in chunks(n_layers, 4 * m * n * (k.shape[2] * d + 2 * h_q))]
+                    stacked = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+                else:
+                    per_layer = []
+                    for q, k, _, _, scaling in self.raw:
+                        q, k = q[:, :, -1:], k[:, :, :n]
+                        if index is not None:
+                            q, k = q.index_select(0, index), k.index_select(0, index)
+                        per_layer.append(attention_rows(q, k, scaling))  # [m, H_q, 1, n]
+                    stacked = torch.stack(per_layer, dim=1)  # [m, L, H_q, 1, n]
+                self._rows_of.update(zip(rows, stacked.unbind(0)))
         return self._rows_of
+
+    def _stacked_keys(self) -> torch.Tensor | None:
+        """``keys`` where every layer's recorded keys are its layer of it (the same memory; else None)
+        and every layer has one scaling."""
+        keys = self.keys
+        if keys is None or len({scaling for *_, scaling in self.raw}) != 1:
+            return None
+        step = keys.stride(0) * keys.element_size()
+        if any(k.data_ptr() != keys.data_ptr() + l * step or k.shape[:2] != keys.shape[1:3] or k.stride() != keys.stride()[1:]
+               for l, (_, k, _, _, _) in enumerate(self.raw)):
+            return None
+        return keys
 
 
 def attention_rows(

@@ -271,7 +271,7 @@ class Session:
                 phase="prefill",
                 new_positions=positions,
                 new_token_ids=torch.tensor(token_ids),
-                cache_positions=list(cache.positions),  # eviction rebinds entries of the live list
+                cache_positions=cache.positions,  # immutable: an eviction makes new bookkeeping
                 hidden_states={layer: self.hidden[layer] for layer in self.hidden_layers} if self.hidden_layers else None,
                 new_keys=rec.k_new if rec and rec.new_keys_values else None,
                 new_values=rec.v_new if rec and rec.new_keys_values else None,
