@@ -5,7 +5,6 @@ from dataclasses import dataclass
 import torch
 
 from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, stacked_layers
-from kvleague.methods.kernels import per_kv_head
 from kvleague.methods.registry import register_method
 
 
@@ -63,8 +62,10 @@ class H2O(EvictionMethod):
         self.acc_positions: torch.Tensor | None = None
 
     def observe(self, obs: Observation) -> None:
-        n_kv = self.info.n_kv_heads
-        received = torch.stack([per_kv_head(rows.sum(dim=1), n_kv) for rows in obs.attention])  # [L, H_kv, T]
+        # every layer's rows summed over the pass's queries (a prefill's layer by layer: C x T each)
+        attention = obs.attention
+        rows = attention.sum(dim=2) if isinstance(attention, torch.Tensor) else torch.stack([r.sum(dim=1) for r in attention])
+        received = rows.view(rows.shape[0], self.info.n_kv_heads, -1, rows.shape[-1]).mean(dim=2)  # [L, H_kv, T]
         positions = obs.cache_positions.stacked
         if self.acc is not None:
             received = received + carry(self.acc, self.acc_positions, positions)

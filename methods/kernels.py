@@ -1,5 +1,5 @@
-"""Kernels shared by several methods: per-position state, GQA reduction, the observation window of
-queries and its attention, segment and rank helpers. A method's own formula stays in its file; what
+"""Kernels shared by several methods: per-position state, the observation window of queries and its
+attention, segment and rank helpers. A method's own formula stays in its file; what
 two or more methods compute the same way is defined here once."""
 
 from __future__ import annotations
@@ -112,12 +112,6 @@ def newest_on_host(observations: Sequence[Observation], keys: Sequence,
         yield members, parts[0].astype(np.int64), parts[1].astype(np.int64), parts[2:]
 
 
-def per_kv_head(rows: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """``[H_q, T]`` -> ``[H_kv, T]``: mean over the query heads of each GQA group."""
-    h_q, t = rows.shape
-    return rows.view(n_kv_heads, h_q // n_kv_heads, t).mean(dim=1)
-
-
 class QueryWindow:
     """The last ``window`` post-RoPE queries of every layer, with their absolute positions.
 
@@ -166,19 +160,6 @@ class QueryWindow:
             positions = torch.cat([old_pos[:, 1:], new_pos], dim=1).unbind(0)
             for i, q, p in zip(members, queries, positions):
                 windows[i].queries, windows[i].positions = q, p
-
-    def attention(self, layer: int, keys: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """Softmax attention ``[H_q, w, T]`` (float32) of the window's queries over ``keys`` ``[H_kv, T, d]``.
-
-        Causal by absolute position: a query at position p sees the cached keys at positions <= p; a
-        query whose every earlier key was evicted sees none, and its row is all zeros (not NaN).
-        """
-        future = key_positions[:, None, None, :] > self.positions.to(key_positions.device)[None, None, :, None]
-        return attention_rows(self.queries[layer], keys, self.scaling, future).nan_to_num_(0.0)
-
-    def in_window(self, key_positions: torch.Tensor) -> torch.Tensor:
-        """``[H, T]`` True for the slots holding the window's own tokens."""
-        return key_positions >= self.positions[0].to(key_positions.device)  # a tensor: no host read
 
 
 class ObservesQueryWindow:
@@ -313,49 +294,26 @@ def window_importance(
     """SnapKV's importance ``[L, H_kv, T]`` and the ``[L, H_kv, T]`` mask of the window's own slots.
 
     Per layer: mean over the window's queries of their attention, the window's own slots set to 0,
-    pooled along the slots, then averaged over each GQA group.
-    """
-    scores, masks = [], []
-    for layer, (keys, positions) in enumerate(zip(cache.keys, cache.positions)):
-        attn = window.attention(layer, keys, positions).mean(dim=1)  # [H_q, T]
-        own = window.in_window(positions)
-        group = attn.shape[0] // keys.shape[0]
-        attn = attn.masked_fill(own.repeat_interleave(group, dim=0), 0.0)
-        scores.append(per_kv_head(pool(attn, kernel, how), keys.shape[0]))
-        masks.append(own)
-    return torch.stack(scores), torch.stack(masks)
-
-
-def window_attention_batch(windows: list[QueryWindow], caches: BatchCacheView,
-                           members: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """:meth:`QueryWindow.attention` of the sequences ``members`` of a batch, which hold equal numbers
-    of slots and equal window fills, for as many layers at once as keep the float32 work under
-    ``contract.STACK_BYTES`` (one batched matmul each). Per chunk of c layers: the attention ``[n, c,
-    H_q, w, T]``, the slots' positions ``[n, c, H_kv, T]`` and the window's ``[n, w]``."""
-    keys = caches.stacked_of(members, 0)  # [L, n, H_kv, T, d]
-    n_layers, n, h_kv, t, d = keys.shape
-    queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
-    h_q, w = queries.shape[2:4]
-    query_pos = torch.stack([w.positions for w in windows]).to(keys.device)  # [n, w]
-    key_pos = torch.stack([caches.views[i].positions.stacked for i in members])  # [n, L, H_kv, T]
-    # per layer: the keys in float32, the scores and their softmax
-    for part in chunks(n_layers, 4 * n * t * (h_kv * d + 2 * h_q * w)):
-        pos = key_pos[:, part]
-        future = pos[:, :, :, None, None, :] > query_pos[:, None, None, None, :, None]  # [n, c, H_kv, 1, w, T]
-        # contiguous: a matmul over a strided view of several layers takes another GEMM path, whose
-        # float32 bits differ from one layer's alone
-        k = keys[part].transpose(0, 1).contiguous()
-        attn = attention_rows(queries[:, part], k, windows[0].scaling, future)
-        yield attn.nan_to_num_(0.0), pos, query_pos
+    pooled along the slots, then averaged over each GQA group (:func:`importance_of`, a batch of one:
+    the same arithmetic as :func:`window_importance_batch`)."""
+    scores, own = importance_of(window_attention(window, cache), kernel, how)
+    return scores[0], own[0]
 
 
 def window_importance_batch(windows: list[QueryWindow], caches: BatchCacheView, members: list[int], kernel: int,
                             how: str = "avg") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`window_importance` of the sequences ``members`` of a batch, which hold equal numbers of
-    slots and equal window fills (:func:`window_attention_batch`), then the same per-row mean, pooling
-    and GQA mean. ``[n, L, H_kv, T]`` importance and the ``[n, L, H_kv, T]`` mask of the window's own slots."""
+    slots and equal window fills (:func:`window_attention_batch`). ``[n, L, H_kv, T]`` importance and
+    the ``[n, L, H_kv, T]`` mask of the window's own slots."""
+    return importance_of(window_attention_batch(windows, caches, members), kernel, how)
+
+
+def importance_of(attention: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kernel: int,
+                  how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """SnapKV's importance from a window's attention, chunk by chunk of layers (as the window
+    attention yields them): ``[n, L, H_kv, T]`` and the mask of the window's own slots."""
     scores, owns = [], []
-    for attn, key_pos, query_pos in window_attention_batch(windows, caches, members):
+    for attn, key_pos, query_pos in attention:
         n, c, h_q, _, t = attn.shape
         group = h_q // key_pos.shape[2]
         own = key_pos >= query_pos[:, :1, None, None]  # the window's own slots
@@ -366,6 +324,48 @@ def window_importance_batch(windows: list[QueryWindow], caches: BatchCacheView, 
     if len(scores) == 1:
         return scores[0], owns[0]
     return torch.cat(scores, dim=1), torch.cat(owns, dim=1)
+
+
+def window_attention(window: QueryWindow, cache: CacheView) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`window_attention_batch` of one sequence (``n`` = 1): its layers' keys stacked a chunk
+    at a time."""
+    keys = cache.keys
+    h_kv, t, d = keys[0].shape
+    return _window_attention([window], lambda part: torch.stack(keys[part])[None], cache.positions.stacked[None],
+                             len(keys), h_kv * t * d)
+
+
+def window_attention_batch(windows: list[QueryWindow], caches: BatchCacheView,
+                           members: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:meth:`QueryWindow.attention` of the sequences ``members`` of a batch, which hold equal numbers
+    of slots and equal window fills, for as many layers at once as keep the float32 work under
+    ``contract.STACK_BYTES`` (one batched matmul each). Per chunk of c layers: the attention ``[n, c,
+    H_q, w, T]``, the slots' positions ``[n, c, H_kv, T]`` and the window's ``[n, w]``."""
+    keys = caches.stacked_of(members, 0)  # [L, n, H_kv, T, d]
+    n_layers, n, h_kv, t, d = keys.shape
+    key_pos = torch.stack([caches.views[i].positions.stacked for i in members])  # [n, L, H_kv, T]
+    # contiguous: a matmul over a strided view of several layers takes another GEMM path, whose
+    # float32 bits differ from one layer's alone
+    return _window_attention(windows, lambda part: keys[part].transpose(0, 1).contiguous(), key_pos, n_layers,
+                             n * h_kv * t * d)
+
+
+def _window_attention(windows: list[QueryWindow], keys_of: Callable[[slice], torch.Tensor], key_pos: torch.Tensor,
+                      n_layers: int, key_elements: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The windows' attention over ``keys_of(layers)`` (``[n, c, H_kv, T, d]``, contiguous) and the
+    slots' positions ``key_pos`` ``[n, L, H_kv, T]``, per chunk of layers; ``key_elements``: one
+    layer's keys, for the chunks' size (the keys in float32, the scores and their softmax). Causal by
+    absolute position: a query at position p sees the cached keys at positions <= p; a query whose
+    every earlier key was evicted sees none, and its row is all zeros (not NaN)."""
+    queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
+    n, _, h_q, w, _ = queries.shape
+    query_pos = torch.stack([w.positions for w in windows]).to(key_pos.device)  # [n, w]
+    t = key_pos.shape[-1]
+    for part in chunks(n_layers, 4 * (key_elements + 2 * n * h_q * w * t)):
+        pos = key_pos[:, part]
+        future = pos[:, :, :, None, None, :] > query_pos[:, None, None, None, :, None]  # [n, c, H_kv, 1, w, T]
+        attn = attention_rows(queries[:, part], keys_of(part), windows[0].scaling, future)
+        yield attn.nan_to_num_(0.0), pos, query_pos
 
 
 def check_window_kernel(window: int, kernel: int) -> None:

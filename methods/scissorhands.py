@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
-from kvleague.methods.kernels import ObservesQueryWindow, per_kv_head, window_attention_batch
+from kvleague.methods.kernels import ObservesQueryWindow, window_attention, window_attention_batch
 from kvleague.methods.registry import register_method
 
 
@@ -41,22 +41,12 @@ class Scissorhands(ObservesQueryWindow, EvictionMethod):
             raise ValueError(f"history must be >= 1, got {self.history}")
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        out = []
-        for layer, (keys, positions) in enumerate(zip(cache.keys, cache.positions)):
-            attn = self.queries.attention(layer, keys, positions)  # [H_q, w, T]
-            h_q, w, t = attn.shape
-            group = per_kv_head(attn.reshape(h_q, w * t), keys.shape[0]).view(-1, w, t)  # [H_kv, w, T]
-            seen = positions[:, None, :] <= self.queries.positions.to(positions.device)[None, :, None]  # [H_kv, w, T]
-            visible = seen.sum(dim=-1, keepdim=True).clamp_min(1)  # keys each query sees
-            unimportant = (group < 1.0 / visible) & seen
-            out.append(-unimportant.sum(dim=1).float() + group.mean(dim=1))
-        return torch.stack(out)
+        return _unimportance(window_attention(self.queries, cache))[0]
 
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Sequences with equal slot counts and history fill: each layer's history attention for all
-        of them in one batched matmul (:func:`window_attention_batch`), then ``score``'s counts and
-        means on that dimension."""
+        """Sequences with equal slot counts and history fill: the history's attention for all of them
+        in one batched matmul (:func:`window_attention_batch`), then ``score``'s counts and means."""
         if cls.score is not Scissorhands.score:
             return super().score_batch(methods, caches)
         out: list = [None] * len(caches)
@@ -64,16 +54,22 @@ class Scissorhands(ObservesQueryWindow, EvictionMethod):
             if len(members) == 1:
                 out[members[0]] = methods[members[0]].score(caches.views[members[0]])
                 continue
-            scores = []
-            for attn, positions, query_pos in window_attention_batch([methods[i].queries for i in members], caches, members):
-                n, c, h_q, w, t = attn.shape
-                h_kv = positions.shape[2]
-                group = attn.reshape(n, c, h_kv, h_q // h_kv, w * t).mean(dim=3).view(n, c, h_kv, w, t)
-                seen = positions[:, :, :, None, :] <= query_pos[:, None, None, :, None]  # [n, c, H_kv, w, T]
-                visible = seen.sum(dim=-1, keepdim=True).clamp_min(1)
-                unimportant = (group < 1.0 / visible) & seen
-                scores.append(-unimportant.sum(dim=3).float() + group.mean(dim=3))
-            batch = torch.cat(scores, dim=1)  # [n, L, H_kv, T]
+            batch = _unimportance(window_attention_batch([methods[i].queries for i in members], caches, members))
             for i, row in zip(members, batch.unbind(0)):
                 out[i] = row
         return out
+
+
+def _unimportance(attention) -> torch.Tensor:
+    """``[n, L, H_kv, T]``: the score from the history's attention, chunk by chunk of layers (as
+    ``kernels.window_attention`` / ``window_attention_batch`` yield it)."""
+    scores = []
+    for attn, positions, query_pos in attention:
+        n, c, h_q, w, t = attn.shape
+        h_kv = positions.shape[2]
+        group = attn.reshape(n, c, h_kv, h_q // h_kv, w * t).mean(dim=3).view(n, c, h_kv, w, t)  # GQA mean
+        seen = positions[:, :, :, None, :] <= query_pos[:, None, None, :, None]  # [n, c, H_kv, w, T]
+        visible = seen.sum(dim=-1, keepdim=True).clamp_min(1)  # keys each query sees
+        unimportant = (group < 1.0 / visible) & seen
+        scores.append(-unimportant.sum(dim=3).float() + group.mean(dim=3))
+    return scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)

@@ -4,14 +4,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, stacked_layers
+from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo, groups_by, stacked_layers
+from kvleague.methods.kernels import ObservesTogether
 from kvleague.methods.registry import register_method
 from kvleague.runner.engine.errors import KvleagueError
 
 
 @register_method("tova")
 @dataclass
-class TOVA(EvictionMethod):
+class TOVA(ObservesTogether, EvictionMethod):
     """TOVA: keep the tokens the current query attends to most, averaged over heads, per layer.
 
     score[l, t] = mean over the query heads of layer l of A_l[q, t], the softmax attention of the
@@ -32,15 +33,10 @@ class TOVA(EvictionMethod):
         super().reset(info)
         self.last: torch.Tensor | None = None
 
-    def observe(self, obs: Observation) -> None:
-        self.last = torch.stack([rows[:, -1, :].mean(dim=0) for rows in obs.attention])
-
     @classmethod
-    def observe_batch(cls, methods, observations) -> None:
-        """Sequences holding equal numbers of slots: the head mean of their newest rows in one operation
-        per layer."""
-        if cls.observe is not TOVA.observe:
-            return super().observe_batch(methods, observations)
+    def observe_together(cls, methods, observations) -> None:
+        """Sequences holding equal numbers of slots: the head mean of every layer's newest row, for all
+        of them in one operation (a sequence alone: a batch of one)."""
         for members in groups_by([o.cache_positions.shape[-1] for o in observations]):
             rows = torch.stack([stacked_layers(observations[i].attention) for i in members])  # [n, L, H_q, w, T]
             last = rows[:, :, :, -1, :].mean(dim=2)  # [n, L, T]

@@ -315,7 +315,7 @@ def test_h2o_accumulation_survives_per_head_eviction(engines, prompt_ids):
 
 
 def test_snapkv_window_attention_equals_eager_rows(engines, tiny_models, prompt_ids):
-    from kvleague.methods.kernels import QueryWindow
+    from kvleague.methods.kernels import QueryWindow, window_attention
 
     engine = engines["llama"]
     method = build_method("snapkv", {"window": 8})
@@ -324,7 +324,7 @@ def test_snapkv_window_attention_equals_eager_rows(engines, tiny_models, prompt_
         out = session.decode(GenerationSettings(max_new_tokens=6))  # window: 3 prompt + 5 decode queries
         view = session.cache.view(4096, "decode", session.next_position - 1)
         window: QueryWindow = method.queries
-        rows = [window.attention(l, view.keys[l], view.positions[l]) for l in range(engine.n_layers)]
+        rows = torch.cat([attn for attn, _, _ in window_attention(window, view)], dim=1)[0]  # [L, H_q, w, T]
     ids = prompt_ids[:30] + out.token_ids[:-1]
     eager = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], attn_implementation="eager")
     with torch.no_grad():

@@ -250,9 +250,8 @@ class BudgetedCache:
         self._set(torch.cat([self._pos, pos], dim=-1), torch.cat([self._prompt, flag], dim=-1), self.uniform)
 
     def view(self, budget: int, phase: Phase, current_position: int) -> CacheView:
-        layers = self.cache.layers
         return CacheView(
-            layers=lambda: ([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers]),
+            layers=self.layer_tensors,
             # read while scoring, before the eviction: the bookkeeping of the cache being scored
             positions=lambda: self.positions,
             is_prompt=lambda: self.is_prompt,
@@ -261,6 +260,15 @@ class BudgetedCache:
             phase=phase,
             current_position=current_position,
         )
+
+    def slabs(self) -> torch.Tensor | None:
+        """Every layer's K and V as one ``[L, 2, 1, H, capacity, d]`` tensor, where the store keeps them
+        so (the slab backend's), else None."""
+        return None
+
+    def layer_tensors(self, which: int) -> list[torch.Tensor]:
+        """Per layer ``[H, T, d]``: the keys (``which`` 0) or the values (1) held."""
+        return [(layer.keys if which == 0 else layer.values)[0] for layer in self.cache.layers]
 
     def _protected(
         self, pos: torch.Tensor, prompt: torch.Tensor, protocol: Protocol, current_position: int, budget: int

@@ -239,18 +239,18 @@ def newest_rows(attention) -> torch.Tensor:
 class CacheView:
     """Read-only view of the cache at eviction time, handed to :meth:`EvictionMethod.score`.
 
-    The engine passes ``layers`` (a callable returning ``(keys, values)``) instead of the lists, and
-    callables for ``positions`` / ``is_prompt``: each is built on first read, so a method that scores
-    from positions or its own state (EpiKV) costs no per-layer slicing of the cache, and one that
-    scores from keys (Knorm) none of its bookkeeping."""
+    The engine passes ``layers`` (``layers(0)``: the keys, ``layers(1)``: the values) instead of the
+    lists, and callables for ``positions`` / ``is_prompt``: each is built on first read, so a method
+    that scores from positions or its own state (EpiKV) costs no per-layer slicing of the cache, one
+    that scores from keys (Knorm) none of its values or bookkeeping."""
 
     def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None, *,
                  positions: Sequence[torch.Tensor] | Callable[[], PerLayer],
                  is_prompt: Sequence[torch.Tensor] | Callable[[], PerLayer], budget: int, phase: Phase,
                  current_position: int,
-                 layers: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None,
+                 layers: Callable[[int], list[torch.Tensor]] | None = None,
                  length: int | None = None):
-        self._keys, self._values, self._layers = keys, values, layers
+        self._kv, self._layers = [keys, values], layers
         self._bookkeeping = [positions, is_prompt]
         self._length = length
         #: number of slots the engine will keep
@@ -259,9 +259,10 @@ class CacheView:
         #: absolute position of the newest token
         self.current_position = current_position
 
-    def _build(self) -> None:
-        if self._keys is None and self._layers is not None:
-            self._keys, self._values = self._layers()
+    def _tensors(self, which: int) -> list[torch.Tensor]:
+        if self._kv[which] is None and self._layers is not None:
+            self._kv[which] = self._layers(which)
+        return self._kv[which]
 
     def _read(self, which: int) -> PerLayer:
         given = self._bookkeeping[which]
@@ -282,14 +283,12 @@ class CacheView:
     @property
     def keys(self) -> list[torch.Tensor]:
         """Per layer ``[H, T, d]`` (post-RoPE, as cached)."""
-        self._build()
-        return self._keys
+        return self._tensors(0)
 
     @property
     def values(self) -> list[torch.Tensor]:
         """Per layer ``[H, T, d]``."""
-        self._build()
-        return self._values
+        return self._tensors(1)
 
     @property
     def length(self) -> int:

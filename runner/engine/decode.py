@@ -327,9 +327,10 @@ class DecodeLoop:
         else:
             cache, start_slot = sessions[0].cache.cache, lengths[0]
         if self.recorder is not None:
+            slabs = self.kv if self.shared else sessions[0].cache.slabs()  # every layer's keys, one tensor
             self.recorder.start_batch([n + 1 for n in lengths], frozenset(
                 r for r, s in enumerate(sessions) if r not in self.dead and s.method.needs.attention and not s.method.never_evicts),
-                self.kv[:, 0] if self.shared else None)
+                None if slabs is None else slabs[:, 0])
         self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask)
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session

@@ -155,11 +155,26 @@ class SlabStore(BudgetedCache):
         self.kv, self._kv_views = kv, [layer.buffers for layer in layers]
         return True
 
+    def slabs(self) -> torch.Tensor | None:
+        """``kv`` while every layer's slabs are still its views (a batched decode rebinds them to its
+        own slabs' rows), else None."""
+        kv = self.kv
+        if kv is None or any(layer._k is not k for layer, (k, _) in zip(self.cache.layers, self._kv_views)):
+            return None
+        return kv
+
+    def layer_tensors(self, which: int) -> list[torch.Tensor]:
+        """Every layer's keys or values cut from ``kv`` with one op (not two per layer)."""
+        kv = self.slabs()
+        if kv is None:
+            return super().layer_tensors(which)
+        return list(kv[:, which, 0, :, : self.cache.layers[0]._nk].unbind(0))
+
     def _move_kept(self, keep: torch.Tensor, budget: int, ordered: bool) -> torch.Tensor:
         """One gather for every layer's K and V (the HF store's slot layout), while every layer's slabs
         are still the views of ``kv`` (a batched decode rebinds them to its own slabs' rows)."""
-        kv = self.kv
-        if kv is None or any(layer._k is not k for layer, (k, _) in zip(self.cache.layers, self._kv_views)):
+        kv = self.slabs()
+        if kv is None:
             return super()._move_kept(keep, budget, ordered)
         order = _row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
         gather_slots(kv, order[None], 0, keep.shape[-1], lambda shape: self._scratch_view(kv, shape))  # a batch of one
@@ -243,15 +258,19 @@ class SlabBackend(HFBackend):
         state to the callbacks that hooked its layer, each attention call to the active recorder
         (its keys and values: ``cache``'s slabs, which the kernel saw). Copies: the tapped tensors
         are the graph's, and the next replay rewrites them."""
-        hidden = {layer: out.clone() for layer, out in tap.hidden.items()}
+        hidden = dict(zip(tap.hidden, _copies(list(tap.hidden.values()))))
         for layers, on_hidden in self._observers:
             for layer in layers:
                 on_hidden(layer, hidden[layer])
         recorder = active_recorder()
         if recorder is not None:
-            for layer, (query, weights, scaling) in sorted(tap.attention.items()):
+            layers = sorted(tap.attention)
+            queries = _copies([tap.attention[layer][0] for layer in layers])
+            weights = [tap.attention[layer][1] for layer in layers]
+            weights = _copies(weights) if all(w is not None for w in weights) else [None if w is None else w.clone() for w in weights]
+            for layer, query, weight in zip(layers, queries, weights):
                 keys, values = _slabs(cache.layers[layer])
-                recorder.record(layer, query.clone(), keys, values, None if weights is None else weights.clone(), scaling)
+                recorder.record(layer, query, keys, values, weight, tap.attention[layer][2])
 
     # -- one forward pass over the slabs ------------------------------------------------------------
 
@@ -319,6 +338,13 @@ class SlabBackend(HFBackend):
             for layer in layers:  # the replay wrote the slot; the host-side length follows
                 layer.set_length(start_slot + 1)
         return logits
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of each tensor: tensors of one shape (every layer's) in one op, views of one stack."""
+    if len(tensors) > 1 and len({(t.shape, t.dtype) for t in tensors}) == 1:
+        return list(torch.stack(tensors).unbind(0))
+    return [t.clone() for t in tensors]
 
 
 def _slabs(layer) -> tuple[torch.Tensor, torch.Tensor]:
