@@ -98,7 +98,7 @@ class RKV(ObservesQueryWindow, EvictionMethod):
             importance, own = window_importance_batch([methods[i].queries for i in members], caches, members,
                                                       first.kernel, first.pooling)
             keys = caches.stacked_of(members, 0)  # [L, n, H_kv, T, d]
-            redundant = layers_redundancy(keys.__getitem__, keys.shape[0], keys[0].numel()).transpose(0, 1)  # [n, L, H_kv, T]
+            redundant = layers_redundancy(keys.__getitem__, keys.shape[0], keys.shape[1:].numel()).transpose(0, 1)  # [n, L, H_kv, T]
             scores = (first.lam * importance - (1.0 - first.lam) * redundant).masked_fill(own, float("inf"))
             for i, row in zip(members, scores.unbind(0)):
                 out[i] = row
