@@ -269,3 +269,28 @@ def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path
         assert growth[name] - growth["full"] <= 4, (name, growth)  # 4 extra layers
     # and no method reads a value on the host per row (a device synchronization each on a GPU)
     assert all(reads <= 0 for reads in reads_per_row.values()), reads_per_row
+
+
+def test_a_sequence_s_step_does_not_loop_over_the_layers(tmp_path):
+    """A sequence alone observes and scores over the layers at once, as a batch does (the window's
+    attention, R-KV's redundancy, the newest rows SDPA does not give, H2O's sums, the bookkeeping): the
+    ops of its decode step grow from a 2-layer to a 6-layer llama by no more than ``full``'s do (plus
+    half an op per layer). Before (``63b8d02``) snapkv added ~35 ops per layer, rkv ~48, scissorhands
+    ~44, tova ~13, raas / lazy_eviction / thinkv ~11, h2o ~6.5, lag_kv ~5, against ``full``'s ~4."""
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.models.tiny import make_tiny_model
+
+    names = ("full", "epikv", "h2o", "snapkv", "tova", "rkv", "scissorhands", "raas", "lazy_eviction", "thinkv",
+             "lag_kv", "kv_key", "h2o_authors")
+    ops: dict[tuple[str, int], float] = {}
+    for layers in (2, 6):
+        engine = load_engine(str(make_tiny_model("llama", tmp_path / f"l{layers}", layers=layers)), backend="slab")
+        engine.eos_ids = set()
+        engine.backend.graphs = True
+        for name in names:
+            ops[name, layers] = count(engine, name, 1, 16, list(range(40, 80)), 4)["ops_per_step"]
+    per_layer = {name: (ops[name, 6] - ops[name, 2]) / 4 for name in names}
+    assert per_layer["full"] > 0
+    for name in names[1:]:
+        assert per_layer[name] <= per_layer["full"] + 0.5, (name, per_layer)
