@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by, over_chunks
 from kvleague.methods.registry import register_method
 
 
@@ -28,18 +28,18 @@ class KeyDiff(EvictionMethod):
     needs = Needs(ordered_slots=False)
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        return torch.stack([_dissimilarity(k) for k in cache.keys])
+        keys = cache.keys  # every layer's, a few at a time (their float32 copies)
+        return over_chunks(lambda part: _dissimilarity(torch.stack(keys[part])), len(keys), 12 * keys[0].numel())
 
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
-        """Sequences holding equal numbers of slots (the steady state: all at B) in one computation per
-        layer; the anchor is a mean over the slots, so it never runs over padding."""
+        """Sequences holding equal numbers of slots (the steady state: all at B) in one computation over
+        the layers; the anchor is a mean over the slots, so it never runs over padding."""
         out: list = [None] * len(caches)
         for members in groups_by(caches.lengths):
-            n = caches.lengths[members[0]]
-            keys = [k[members, :, :n] if len(members) < len(caches) else k[:, :, :n] for k in caches.keys]
-            scores = torch.stack([_dissimilarity(k) for k in keys])  # [L, n, H, T]
-            for i, row in zip(members, scores.unbind(1)):
+            keys = caches.stacked_of(members, 0)  # [L, n, H, T, d]
+            scores = over_chunks(lambda part: _dissimilarity(keys[part]), keys.shape[0], 12 * keys.shape[1:].numel())
+            for i, row in zip(members, scores.unbind(1)):  # [L, n, H, T]
                 out[i] = row
         return out
 

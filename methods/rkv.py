@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, chunks, groups_by
+from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by, over_chunks
 from kvleague.methods.registry import register_method
 from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance, window_importance_batch
 
@@ -25,13 +24,6 @@ def redundancy(keys: torch.Tensor) -> torch.Tensor:
     self_sim = (unit * unit).sum(dim=-1)
     r = ((unit * total).sum(dim=-1) - self_sim) / max(t - 1, 1)
     return torch.softmax(r, dim=-1)
-
-
-def layers_redundancy(keys_of: Callable[[slice], torch.Tensor], n_layers: int, layer_elements: int) -> torch.Tensor:
-    """:func:`redundancy` of every layer's keys (``keys_of(layers)``: ``[c, ..., H, T, d]``), as many
-    layers at once as keep the unit keys in float32 and their products under ``STACK_BYTES``."""
-    parts = [redundancy(keys_of(part)) for part in chunks(n_layers, 8 * layer_elements)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @register_method("rkv")
@@ -76,8 +68,8 @@ class RKV(ObservesQueryWindow, EvictionMethod):
 
     def score(self, cache: CacheView) -> torch.Tensor:
         importance, own = window_importance(self.queries, cache, self.kernel, self.pooling)
-        keys = cache.keys
-        redundant = layers_redundancy(lambda part: torch.stack(keys[part]), len(keys), keys[0].numel())
+        keys = cache.keys  # every layer's, a few at a time: the unit keys in float32 and their products
+        redundant = over_chunks(lambda part: redundancy(torch.stack(keys[part])), len(keys), 8 * keys[0].numel())
         scores = self.lam * importance - (1.0 - self.lam) * redundant
         return scores.masked_fill(own, float("inf"))
 
@@ -98,7 +90,8 @@ class RKV(ObservesQueryWindow, EvictionMethod):
             importance, own = window_importance_batch([methods[i].queries for i in members], caches, members,
                                                       first.kernel, first.pooling)
             keys = caches.stacked_of(members, 0)  # [L, n, H_kv, T, d]
-            redundant = layers_redundancy(keys.__getitem__, keys.shape[0], keys.shape[1:].numel()).transpose(0, 1)  # [n, L, H_kv, T]
+            redundant = over_chunks(lambda part: redundancy(keys[part]), keys.shape[0],
+                                    8 * keys.shape[1:].numel()).transpose(0, 1)  # [n, L, H_kv, T]
             scores = (first.lam * importance - (1.0 - first.lam) * redundant).masked_fill(own, float("inf"))
             for i, row in zip(members, scores.unbind(0)):
                 out[i] = row

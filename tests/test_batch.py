@@ -129,11 +129,12 @@ def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64,
     _batched_equals_alone(engines64, prompts, case)
 
 
-@pytest.mark.parametrize("case", ["snapkv:window=4", "scissorhands:history=4", "rkv", "lag_kv:lag=4", "lag_kv_key:lag=3",
-                                  "thinkv", "tova"])
+@pytest.mark.parametrize("case", ["snapkv:window=4", "scissorhands:history=4", "rkv", "keydiff", "lag_kv:lag=4",
+                                  "lag_kv_key:lag=3", "thinkv", "tova"])
 def test_layers_and_rows_taken_a_few_at_a_time_equal_each_sequence_alone(engines64, prompts, case, monkeypatch):
     """Under a memory cap that admits one layer (one row) at a time, the batched arithmetic that stacks
-    layers (the window's attention, the newest query's rows under SDPA) or rows (LagKV) runs in
+    layers (the window's attention, the newest query's rows under SDPA, R-KV's redundancy, KeyDiff's
+    similarity) or rows (LagKV) runs in
     several chunks and still equals each sequence alone (ThinKV's accumulated attention bit for bit)."""
     from kvleague.methods import kernels
     from kvleague.runner.engine import contract, probe
@@ -142,7 +143,7 @@ def test_layers_and_rows_taken_a_few_at_a_time_equal_each_sequence_alone(engines
     chunks = contract.chunks
     monkeypatch.setattr(contract, "STACK_BYTES", 1)
     spy = lambda count, each: sizes.append(count) or chunks(count, each)
-    for module in (kernels, probe, sys.modules[build_method(case.split(":")[0]).__module__]):
+    for module in (contract, kernels, probe, sys.modules[build_method(case.split(":")[0]).__module__]):
         monkeypatch.setattr(module, "chunks", spy, raising=False)
     _batched_equals_alone(engines64, prompts, case)
     assert sizes and all(size > 1 for size in sizes)

@@ -276,13 +276,13 @@ def test_a_sequence_s_step_does_not_loop_over_the_layers(tmp_path):
     attention, R-KV's redundancy, the newest rows SDPA does not give, H2O's sums, the bookkeeping): the
     ops of its decode step grow from a 2-layer to a 6-layer llama by no more than ``full``'s do (plus
     half an op per layer). Before (``63b8d02``) snapkv added ~35 ops per layer, rkv ~48, scissorhands
-    ~44, tova ~13, raas / lazy_eviction / thinkv ~11, h2o ~6.5, lag_kv ~5, against ``full``'s ~4."""
+    ~44, tova and keydiff ~13, raas / lazy_eviction / thinkv ~11, h2o ~6.5, lag_kv ~5, against ``full``'s ~4."""
     from kvleague.runner.bench.step_ops import count
     from kvleague.runner.models import load_engine
     from kvleague.runner.models.tiny import make_tiny_model
 
-    names = ("full", "epikv", "h2o", "snapkv", "tova", "rkv", "scissorhands", "raas", "lazy_eviction", "thinkv",
-             "lag_kv", "kv_key", "h2o_authors")
+    names = ("full", "epikv", "h2o", "snapkv", "tova", "rkv", "scissorhands", "keydiff", "raas", "lazy_eviction",
+             "thinkv", "lag_kv", "kv_key", "h2o_authors")
     ops: dict[tuple[str, int], float] = {}
     for layers in (2, 6):
         engine = load_engine(str(make_tiny_model("llama", tmp_path / f"l{layers}", layers=layers)), backend="slab")

@@ -315,6 +315,15 @@ def chunks(count: int, bytes_each: int) -> list[slice]:
     return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 
+def over_chunks(compute: Callable[[slice], torch.Tensor], count: int, bytes_each: int) -> torch.Tensor:
+    """``compute(part)`` for each slice of :func:`chunks`, concatenated along the first dimension (the
+    one result as it is where one chunk holds everything)."""
+    import torch
+
+    parts = [compute(part) for part in chunks(count, bytes_each)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def groups_by(keys: Sequence) -> list[list[int]]:
     """Indices ``0..N-1`` grouped by equal ``keys[i]`` (first-seen order): the sequences of a batch a
     method can process as one tensor (e.g. those holding the same number of slots)."""
@@ -455,6 +464,7 @@ __all__ = [
     "PerLayer",
     "chunks",
     "groups_by",
+    "over_chunks",
     "EvictionMethod",
     "Needs",
     "Observation",
