@@ -337,8 +337,8 @@ def window_attention(window: QueryWindow, cache: CacheView) -> Iterator[tuple[to
 
 def window_attention_batch(windows: list[QueryWindow], caches: BatchCacheView,
                            members: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """:meth:`QueryWindow.attention` of the sequences ``members`` of a batch, which hold equal numbers
-    of slots and equal window fills, for as many layers at once as keep the float32 work under
+    """The window attention of the sequences ``members`` of a batch, which hold equal numbers of slots
+    and equal window fills (:func:`_window_attention`), for as many layers at once as keep the float32 work under
     ``contract.STACK_BYTES`` (one batched matmul each). Per chunk of c layers: the attention ``[n, c,
     H_q, w, T]``, the slots' positions ``[n, c, H_kv, T]`` and the window's ``[n, w]``."""
     keys = caches.stacked_of(members, 0)  # [L, n, H_kv, T, d]

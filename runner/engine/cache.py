@@ -217,8 +217,11 @@ class BudgetedCache:
             self._views[1] = PerLayer(self._prompt, self.n_layers if self.uniform else None)
         return self._views[1]
 
-    def _set(self, pos: torch.Tensor, prompt: torch.Tensor, uniform: bool) -> None:
+    def _set(self, pos: torch.Tensor, prompt: torch.Tensor, uniform: bool, layers: Sequence[torch.Tensor] | None = None) -> None:
+        """New bookkeeping; ``layers``: ``pos``'s per-layer tensors cut already (``positions``)."""
         self._pos, self._prompt, self.uniform, self._views = pos, prompt, uniform, [None, None]
+        if layers is not None:
+            self._views[0] = PerLayer(pos, layers=layers)
 
     def _per_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[L, H, T]`` positions and flags (a broadcast view while uniform)."""
@@ -469,14 +472,13 @@ def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[
         new = new.to(pos.device).view(-1, *(1,) * (pos.dim() - 1)).expand(*pos.shape[:-1], 1)
         pos = torch.cat([pos, new], dim=-1)
         prompt = torch.cat([prompt, torch.zeros((*prompt.shape[:-1], 1), dtype=torch.bool, device=prompt.device)], dim=-1)
-        rows_pos = pos.unbind(0)
-        # every row's layers cut at once: the observation of this step reads them (``positions``)
-        layers = pos.flatten(0, 1).unbind(0) if pos.dim() == 4 else None
-        n_layers = pos.shape[1] if layers is not None else 0
-        for j, (i, row_pos, row_prompt) in enumerate(zip(members, rows_pos, prompt.unbind(0))):
-            caches[i]._set(row_pos, row_prompt, caches[i].uniform)
-            if layers is not None:
-                caches[i]._views[0] = PerLayer(row_pos, layers=layers[j * n_layers : (j + 1) * n_layers])
+        # per-layer bookkeeping: every row's layers cut at once (this step's observation reads them)
+        layers = [None] * len(members)
+        if pos.dim() == 4:
+            cut, n_layers = pos.flatten(0, 1).unbind(0), pos.shape[1]
+            layers = [cut[j * n_layers : (j + 1) * n_layers] for j in range(len(members))]
+        for i, row_pos, row_prompt, row_layers in zip(members, pos.unbind(0), prompt.unbind(0), layers):
+            caches[i]._set(row_pos, row_prompt, caches[i].uniform, row_layers)
 
 
 def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets: list[int], protocol: Protocol,
@@ -516,10 +518,10 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         else:
             shape = (n, first.n_layers, first.n_kv_heads, t)
             full_pos, full_prompt = base_pos[:, None].expand(shape), base_prompt[:, None].expand(shape)
-            pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
     else:  # per-layer bookkeeping (dim 2 or 3): every layer's and head's, stacked once for the batch
         per_layer = [c._per_layer() for c in caches]
         full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
+    if dim > 1:  # the ranking's layout: each layer's first head for [L, T] scores
         pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
     device = pos.device
     lead = [1] * (pos.dim() - 1)

@@ -315,13 +315,13 @@ def chunks(count: int, bytes_each: int) -> list[slice]:
     return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 
-def over_chunks(compute: Callable[[slice], torch.Tensor], count: int, bytes_each: int) -> torch.Tensor:
-    """``compute(part)`` for each slice of :func:`chunks`, concatenated along the first dimension (the
-    one result as it is where one chunk holds everything)."""
+def over_chunks(compute: Callable[[slice], torch.Tensor], count: int, bytes_each: int, dim: int = 0) -> torch.Tensor:
+    """``compute(part)`` for each slice of :func:`chunks`, concatenated along ``dim`` (the one result
+    as it is where one chunk holds everything)."""
     import torch
 
     parts = [compute(part) for part in chunks(count, bytes_each)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def groups_by(keys: Sequence) -> list[list[int]]:

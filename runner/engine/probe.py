@@ -19,7 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from kvleague.runner.engine.contract import chunks
+from kvleague.runner.engine.contract import over_chunks
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _ACTIVE: contextvars.ContextVar["AttentionRecorder | None"] = contextvars.ContextVar("kvleague_recorder", default=None)
@@ -179,9 +179,8 @@ class BatchAttentionRecorder(AttentionRecorder):
                     m, n_layers, h_q, _, d = q.shape
                     # contiguous: a matmul over a strided view of several layers takes another GEMM
                     # path, whose float32 bits differ from one layer's alone
-                    parts = [attention_rows(q[:, part], k[part].transpose(0, 1).contiguous(), scaling)  # [m, c, H_q, 1, n]
-                             for part in chunks(n_layers, 4 * m * n * (k.shape[2] * d + 2 * h_q))]
-                    stacked = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+                    stacked = over_chunks(lambda part: attention_rows(q[:, part], k[part].transpose(0, 1).contiguous(), scaling),
+                                          n_layers, 4 * m * n * (k.shape[2] * d + 2 * h_q), dim=1)  # [m, L, H_q, 1, n]
                 else:
                     per_layer = []
                     for q, k, _, _, scaling in self.raw:

@@ -266,8 +266,7 @@ class SlabBackend(HFBackend):
         if recorder is not None:
             layers = sorted(tap.attention)
             queries = _copies([tap.attention[layer][0] for layer in layers])
-            weights = [tap.attention[layer][1] for layer in layers]
-            weights = _copies(weights) if all(w is not None for w in weights) else [None if w is None else w.clone() for w in weights]
+            weights = _copies([tap.attention[layer][1] for layer in layers])
             for layer, query, weight in zip(layers, queries, weights):
                 keys, values = _slabs(cache.layers[layer])
                 recorder.record(layer, query, keys, values, weight, tap.attention[layer][2])
@@ -340,11 +339,12 @@ class SlabBackend(HFBackend):
         return logits
 
 
-def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A copy of each tensor: tensors of one shape (every layer's) in one op, views of one stack."""
-    if len(tensors) > 1 and len({(t.shape, t.dtype) for t in tensors}) == 1:
+def _copies(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """A copy of each tensor (None stays None): tensors of one shape (every layer's) in one op, views
+    of one stack."""
+    if len(tensors) > 1 and None not in tensors and len({(t.shape, t.dtype) for t in tensors}) == 1:
         return list(torch.stack(tensors).unbind(0))
-    return [t.clone() for t in tensors]
+    return [None if t is None else t.clone() for t in tensors]
 
 
 def _slabs(layer) -> tuple[torch.Tensor, torch.Tensor]:
