@@ -17,7 +17,9 @@ import torch
 
 from kvleague.methods import available_methods, build_method
 from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.engine.decode import DecodeLoop
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.runner.engine.session import Session
 from tests.conftest import ARCHS
 # the batch tests' protocols (sinks and windows; compact positions, a buffered cadence and a kept
 # prompt; chunked prefill and seeded sampling) and settings
@@ -233,6 +235,39 @@ def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):
     for expected, single, in_batch in zip(oracle, alone, batched):
         _same(expected, single)
         _same(expected, in_batch)
+
+
+@pytest.mark.parametrize("name", ["h2o", "epikv", "snapkv"])
+def test_one_token_prompts_and_turns_on_the_graph_ready_path_equal_hf(pairs, prompts, name):
+    """A one-token prompt is a pass of one token before the sequence has slabs: it runs eagerly and
+    allocates them (it used to take the captured step's path and fail on the missing slabs, on CUDA
+    for every one-token prompt). A one-token second turn, alone and in a batch, is captured."""
+    hf, slab = pairs["llama"]
+    protocol, settings = Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=6)
+    turns = [[prompts[2][:1], prompts[1][:1]], [prompts[2][:1], prompts[0]], [prompts[2], prompts[1][:1]]]
+
+    def run(engine, batched):
+        sessions = [Session(engine, build_method(name), BUDGET, protocol, 0) for _ in turns]
+        for t in range(2):
+            for session, fed in zip(sessions, turns):
+                with session:
+                    session.feed(fed[t])
+                    if not batched:
+                        session.decode(settings)
+            if batched:
+                DecodeLoop(engine, sessions, settings).run()
+        return [session.result() for session in sessions]
+
+    oracle = run(hf, False)
+    slab.backend.graphs = True
+    try:
+        before = dict(slab.backend.steps)
+        results = run(slab, False) + run(slab, True)
+        assert slab.backend.steps["eager"] - before["eager"] == 4  # the four first passes of one token
+    finally:
+        slab.backend.graphs = False
+    for expected, result in zip(oracle + oracle, results):
+        _same(expected, result)
 
 
 @pytest.mark.parametrize("name", ["tova", "epikv", "h2o"])  # (knorm parts at rounding ties here: tests/rounding_ties.py)

@@ -283,8 +283,10 @@ class SlabBackend(HFBackend):
         recorder = active_recorder()
         if recorder is not None:
             recorder.kv_length = start_slot + c  # a single sequence's valid slots (a batch's recorder cuts per row)
-        if c == 1 and self.graphs:
-            if not isinstance(layer, BatchSlabLayer):
+        batched = isinstance(layer, BatchSlabLayer)
+        # a sequence's first pass (a one-token prompt) allocates its slabs, so it runs eagerly
+        if c == 1 and self.graphs and (batched or layer.capacity):
+            if not batched:
                 # grow before the step is keyed by the slabs' addresses (grown inside, it would be keyed
                 # by the old ones and captured again at the next step)
                 for each in cache.layers:
