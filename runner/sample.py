@@ -57,10 +57,10 @@ def run_samples(engine, task, samples, methods, budget: int, protocol, settings,
     if isinstance(task, EpisodicTask):
         raise TypeError(f"task {task.name!r} is episodic: its samples run one at a time (run_sample)")
     prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
-    if protocol.budget_base != "none":  # each prompt its own budget: one batch per budget
-        return [run_sample(engine, task, sample, method, budget, protocol, settings, seed)
-                for sample, method, seed in zip(samples, methods, seeds)]
-    generations = engine.generate_batch(prompts, list(methods), budget, protocol, settings, list(seeds))
+    # each prompt its own budget where budgets count from the prompt (one absolute protocol for all)
+    resolved = [protocol.for_prompt(budget, len(prompt)) for prompt in prompts]
+    generations = engine.generate_batch(prompts, list(methods), [b for _, b in resolved], resolved[0][0] if resolved else protocol,
+                                        settings, list(seeds))
     return [_scored(task, sample, generation) for sample, generation in zip(samples, generations)]
 
 

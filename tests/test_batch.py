@@ -388,10 +388,28 @@ def test_bad_batches_are_refused_with_one_line(engines64, prompts):
         (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], seeds=[1]), "seeds: 1 seeds"),
         (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], batch_size=0), "batch_size"),
         (dict(prompts=[prompts[0], []], methods=[build_method("knorm") for _ in range(2)]), "prompt 1 is an empty"),
+        (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], budget=[BUDGET]), "budget: 1 budgets for 2 prompts"),
     ]
     for kwargs, message in cases:
         with pytest.raises(KvleagueError, match=message):
-            engine.generate_batch(budget=BUDGET, **kwargs)
+            engine.generate_batch(**{"budget": BUDGET, **kwargs})
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "epikv", "tova"])
+def test_rows_with_their_own_budgets_equal_each_alone(engines64, prompts, name):
+    """Budgets relative to each prompt (``budget_base: prompt``, the paper regime) differ per row:
+    a batch of them gives each row what it gives alone at its own budget."""
+    engine = engines64["qwen3"]
+    protocol = Protocol(sink=1, recent=2, budget_base="prompt")
+    resolved = [protocol.for_prompt(6, len(p)) for p in prompts]
+    absolute, budgets = resolved[0][0], [b for _, b in resolved]
+    assert len(set(budgets)) == len(prompts) and all(r[0] == absolute for r in resolved)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
+    alone = [engine.generate(p, build_method(name), b, absolute, settings) for p, b in zip(prompts, budgets)]
+    batched = engine.generate_batch(prompts, [build_method(name) for _ in prompts], budgets, absolute, settings)
+    for single, row in zip(alone, batched):
+        _same(single, row)
+    assert all(r.evictions > 0 for r in alone)
 
 
 def test_auto_batch_size_fits_the_memory_it_is_given(engines64):

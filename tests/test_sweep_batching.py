@@ -55,19 +55,31 @@ def test_batch_size_is_checked_at_the_edge_and_not_hashed(tiny_models, tmp_path)
     assert parse_config({**base, "batch_size": 4}).config_hash() == parse_config(base).config_hash()
 
 
-def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, tmp_path):
-    cells = [c for c in expand(parse_config(config(tiny_models["llama"], tmp_path))).cells if c.task == "gsm8k"]
+@pytest.mark.parametrize("budget", [24, "prompt+8"])
+def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, tmp_path, monkeypatch, budget):
+    """Also with budgets relative to each prompt (``prompt+8``): each sample its own budget, the
+    group still one batch (it used to run sample by sample)."""
+    from kvleague.runner.engine.generation import Engine
+
+    cells = expand(parse_config(config(tiny_models["llama"], tmp_path, budgets=[budget], tasks=[{"name": "gsm8k", "limit": 5}]))).cells
     group = next(g for g in batches(cells, 4) if g[0].method == "h2o")
     assert len(group) == 4
     worker = CellWorker(torch_threads=1)
+    batched = []
+    inner = Engine.generate_batch
+    monkeypatch.setattr(Engine, "generate_batch", lambda self, prompts, *a, **k: batched.append(len(prompts)) or inner(self, prompts, *a, **k))
     together = worker.run_group(group)
+    assert batched == [4]
     alone = [worker.run(c) for c in group]
+    if budget != 24:  # each its own prompt's length + 8
+        assert [r["resolved_budget"] for r in alone] == [r["prompt_tokens"] + 8 for r in alone]
+        assert len({r["resolved_budget"] for r in alone}) > 1
     for t, a, cell in zip(together, alone, group):
         assert t["cell_key"] == a["cell_key"] == cell.key and t["status"] == a["status"] == "ok", (t.get("error"), a.get("error"))
         assert t["details"]["batch"] == {"cells": 4} and "batch" not in a["details"]
         assert t["details"]["backend"] == a["details"]["backend"] == "hf"
         for name in ("completion", "score", "correct", "extracted", "stop_reason", "generated_tokens", "prompt_tokens",
-                     "evictions", "evicted_tokens", "peak_cache_entries"):
+                     "evictions", "evicted_tokens", "peak_cache_entries", "resolved_budget"):
             assert t[name] == a[name], (name, cell.describe())
     assert sum(r["evictions"] for r in together) > 0
 

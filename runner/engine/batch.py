@@ -35,19 +35,20 @@ def generate_batch(
     engine,
     prompts: Sequence[str | list[int]],
     methods: Sequence[EvictionMethod],
-    budget: int,
+    budget: int | Sequence[int],
     protocol: Protocol | None = None,
     settings: GenerationSettings | None = None,
     seeds: Sequence[int] | None = None,
     batch_size: int | None = None,
 ) -> list[GenerationResult]:
     """Generate a completion for every prompt; result i is what ``engine.generate(prompts[i],
-    methods[i], budget, protocol, settings, seeds[i])`` returns (same tokens and kept positions,
+    methods[i], budgets[i], protocol, settings, seeds[i])`` returns (same tokens and kept positions,
     up to float rounding of the batched kernels), computed ``batch_size`` sequences at a time.
 
     ``methods``: one instance per prompt (distinct objects: each holds its sequence's state).
-    ``seeds``: one per prompt (default 0 each, as ``generate``). ``batch_size``: sequences decoded
-    together; ``None`` = :func:`auto_batch_size` (what fits in memory)."""
+    ``budget``: one for all, or one per prompt (budgets relative to each prompt, resolved by
+    ``Protocol.for_prompt``). ``seeds``: one per prompt (default 0 each, as ``generate``).
+    ``batch_size``: sequences decoded together; ``None`` = :func:`auto_batch_size` (what fits in memory)."""
     n = len(prompts)
     if len(methods) != n:
         raise KvleagueError(f"methods: {len(methods)} methods for {n} prompts; give one method instance per prompt")
@@ -55,6 +56,9 @@ def generate_batch(
     seeds = [0] * n if seeds is None else list(seeds)
     if len(seeds) != n:
         raise KvleagueError(f"seeds: {len(seeds)} seeds for {n} prompts; give one seed per prompt (or none)")
+    budgets = [budget] * n if isinstance(budget, int) else list(budget)
+    if len(budgets) != n:
+        raise KvleagueError(f"budget: {len(budgets)} budgets for {n} prompts; give one budget, or one per prompt")
     protocol = protocol or Protocol()
     settings = settings or GenerationSettings()
     tokenizer = engine.tokenizer
@@ -69,12 +73,12 @@ def generate_batch(
         groups[m.needs.eager].append(i)
     for members in groups.values():
         size = batch_size or auto_batch_size(
-            engine, [len(ids[i]) for i in members], settings.max_new_tokens, budget, protocol,
+            engine, [len(ids[i]) for i in members], settings.max_new_tokens, max(budgets[i] for i in members), protocol,
             never_evicts=all(methods[i].never_evicts for i in members),
         )
         for start in range(0, len(members), size):
             chunk = members[start : start + size]
-            sessions = [Session(engine, methods[i], budget, protocol, seeds[i]) for i in chunk]
+            sessions = [Session(engine, methods[i], budgets[i], protocol, seeds[i]) for i in chunk]
             for session, i in zip(sessions, chunk):
                 with session:
                     session.feed(ids[i])

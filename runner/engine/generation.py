@@ -89,16 +89,17 @@ class Engine:
         self,
         prompts: list[str | list[int]],
         methods: list[EvictionMethod],
-        budget: int,
+        budget: int | list[int],
         protocol: Protocol | None = None,
         settings: GenerationSettings | None = None,
         seeds: list[int] | None = None,
         batch_size: int | None = None,
     ) -> list[GenerationResult]:
         """:meth:`generate` for many prompts, decoded ``batch_size`` at a time (``None``: what fits in
-        memory). ``methods[i]`` is prompt i's own instance, ``seeds[i]`` its seed (default 0).
-        Result i equals ``generate(prompts[i], methods[i], budget, protocol, settings, seeds[i])`` in
-        tokens and kept positions; see ``runner/engine/batch.py``."""
+        memory). ``methods[i]`` is prompt i's own instance, ``seeds[i]`` its seed (default 0),
+        ``budget`` one for all or ``budget[i]`` prompt i's. Result i equals ``generate(prompts[i],
+        methods[i], budget[i], protocol, settings, seeds[i])`` in tokens and kept positions; see
+        ``runner/engine/batch.py``."""
         from kvleague.runner.engine.batch import generate_batch  # batch.py builds on this module's sessions
 
         return generate_batch(self, prompts, methods, budget, protocol, settings, seeds, batch_size)
