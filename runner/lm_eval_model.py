@@ -20,6 +20,10 @@ protocol (every field of ``runner.engine.protocol.Protocol``: ``cadence``, ``pos
 none) and ``add_special_tokens`` (how plain contexts are tokenized; default: the tokenizer's
 default). Every request runs on a fresh session (its own KV cache, a fresh method instance).
 
+lm-eval's ``--batch_size`` is honoured: requests with the same generation kwargs decode together
+(``Engine.generate_batch``; each exactly as alone, up to float rounding of the batched kernels), N at
+a time, or under ``auto`` (``auto:K`` too) as many as fit in memory, at most ``--max_batch_size``.
+
 Only ``generate_until`` is supported: kvleague measures what eviction does to generation, and a
 log-likelihood pass over a given continuation never evicts anything worth measuring.
 """
@@ -76,8 +80,8 @@ class KvleagueLM(LM):
         seed: int = 0,
         max_gen_toks: int = 256,
         add_special_tokens: Any = None,
-        batch_size: Any = None,  # accepted for lm-eval's CLI; requests run one at a time
-        max_batch_size: Any = None,
+        batch_size: Any = 1,
+        max_batch_size: Any = 64,
         engine: Any = None,
         **extra: Any,
     ) -> None:
@@ -105,6 +109,7 @@ class KvleagueLM(LM):
         self.protocol = Protocol.from_text(protocol)
         self.protocol.check_budget(self.budget)
         self.seed = int(seed)
+        self.batch_size, self.max_batch_size = _batch_size(batch_size), _positive("max_batch_size", max_batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.add_special_tokens = parse_optional(parse_bool)(add_special_tokens)
         if engine is None:
@@ -130,12 +135,26 @@ class KvleagueLM(LM):
         raise NotImplementedError(_NOT_SUPPORTED)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        outputs = []
-        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="kvleague generate_until"):
-            context, gen_kwargs = request.args[0], (request.args[1] if len(request.args) > 1 else {})
-            text = self.generate(context, gen_kwargs)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            outputs.append(text)
+        """Each request's completion, in order; requests with the same generation settings decode
+        together (``batch_size`` at a time; None: what fits in memory, at most ``max_batch_size``)."""
+        args = [(r.args[0], r.args[1] if len(r.args) > 1 else {}) for r in requests]
+        groups: dict[Any, list[int]] = {}
+        for i, (_, gen_kwargs) in enumerate(args):
+            groups.setdefault(self.settings(gen_kwargs), []).append(i)
+        step = self.batch_size or self.max_batch_size
+        outputs: list[str | None] = [None] * len(args)
+        records: list[dict | None] = [None] * len(args)
+        with tqdm(total=len(args), disable=disable_tqdm or self.rank != 0, desc="kvleague generate_until") as bar:
+            for settings, members in groups.items():
+                for at in range(0, len(members), step):
+                    chunk = members[at : at + step]
+                    results = self._generate([args[i][0] for i in chunk], settings)
+                    for i, result in zip(chunk, results):
+                        outputs[i], records[i] = result.completion, result.to_dict()
+                        records[i].pop("kept_positions", None)
+                        self.cache_hook.add_partial("generate_until", args[i], outputs[i])
+                    bar.update(len(chunk))
+        self.generations.extend(records)
         return outputs
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -203,17 +222,37 @@ class KvleagueLM(LM):
             add = True if self.add_special_tokens is None else self.add_special_tokens
         return [int(i) for i in self.tokenizer(context, add_special_tokens=add)["input_ids"]]
 
-    def generate(self, context: str, gen_kwargs: dict[str, Any] | None = None) -> str:
+    def _generate(self, contexts: list[str], settings) -> list:
+        """The engine's results for ``contexts``, decoded together: each a fresh method instance
+        (per-sequence state), its own budget (``budget_base: prompt``: room on top of its prompt)."""
         from kvleague.methods.registry import build_method
 
-        ids = self.encode(context)
-        method = build_method(self.method_name, self.method_params)  # fresh per-sequence state
-        protocol, budget = self.protocol.for_prompt(self.budget, len(ids))  # budget_base=prompt: room on top of it
-        result = self.engine.generate(ids, method, budget, protocol, self.settings(gen_kwargs), self.seed)
-        info = result.to_dict()
-        info.pop("kept_positions", None)
-        self.generations.append(info)
-        return result.completion
+        ids = [self.encode(context) for context in contexts]
+        resolved = [self.protocol.for_prompt(self.budget, len(each)) for each in ids]
+        methods = [build_method(self.method_name, self.method_params) for _ in ids]
+        return self.engine.generate_batch(ids, methods, [budget for _, budget in resolved], resolved[0][0], settings,
+                                          [self.seed] * len(ids), self.batch_size)
+
+
+def _positive(name: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1 or isinstance(value, bool):
+        raise KvleagueError(f"{name}: got {value!r}; allowed: a positive integer")
+    return number
+
+
+def _batch_size(value: Any) -> int | None:
+    """lm-eval's ``--batch_size``: a positive integer, or ``auto`` / ``auto:K`` (None: what fits in
+    memory; lm-eval's K, how often it re-measures, means nothing here)."""
+    if value is None or str(value).startswith("auto"):
+        return None
+    try:
+        return _positive("batch_size", value)
+    except KvleagueError:
+        raise KvleagueError(f"batch_size: got {value!r}; allowed: auto, auto:K or a positive integer") from None
 
 
 if __name__ != "__main__":  # as a script, the canonical module imported below registers it

@@ -112,20 +112,28 @@ def test_lmeval_family_errors_are_one_line(tmp_path):
         build_task("lmeval:")
 
 
-def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task):
+@pytest.mark.parametrize("batch_size", [1, 3, "auto"])
+def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task, monkeypatch, batch_size):
+    """lm-eval's batch size decodes that many requests together (``auto``: all four fit), each
+    completion the one the engine gives it alone."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from kvleague.runner.engine.generation import Engine
     from kvleague.runner.lm_eval_model import KvleagueLM
 
     root, completions = local_task
     lm = KvleagueLM.create_from_arg_string(
         f"pretrained={tiny_models['llama']},method={METHOD},budget={BUDGET},method.n_sink={PARAMS['n_sink']},dtype=float32",
-        {"device": "cpu", "batch_size": 1},
+        {"device": "cpu", "batch_size": batch_size},
     )
+    batches = []
+    inner = Engine.generate_batch
+    monkeypatch.setattr(Engine, "generate_batch", lambda self, prompts, *a, **k: batches.append(len(prompts)) or inner(self, prompts, *a, **k))
     out = lm_eval.simple_evaluate(
         model=lm, tasks=["kvl_echo"], task_manager=TaskManager(include_path=str(root), include_defaults=False), log_samples=True
     )
+    assert batches == {1: [1, 1, 1, 1], 3: [3, 1], "auto": [4]}[batch_size]
     assert out["results"]["kvl_echo"]["exact_match,raw"] == 0.5
     responses = [s["resps"][0][0] for s in sorted(out["samples"]["kvl_echo"], key=lambda s: s["doc_id"])]
     assert responses == completions
@@ -143,6 +151,12 @@ def test_kvleague_lm_rejects_loglikelihood_and_bad_args(engines):
         KvleagueLM(engine=engines["llama"], bogus=1)
     with pytest.raises(KvleagueError, match="method"):
         KvleagueLM(engine=engines["llama"], method="no_such_method")
+    for bad in (0, "big", "-2"):
+        with pytest.raises(KvleagueError, match=r"batch_size: got .*; allowed: auto, auto:K or a positive integer"):
+            KvleagueLM(engine=engines["llama"], batch_size=bad)
+    with pytest.raises(KvleagueError, match=r"max_batch_size: got 0; allowed: a positive integer"):
+        KvleagueLM(engine=engines["llama"], batch_size="auto", max_batch_size=0)
+    assert KvleagueLM(engine=engines["llama"], batch_size="auto:4").batch_size is None
     settings = lm.settings({"until": "\n\n", "max_gen_toks": 7, "do_sample": True, "temperature": 0.5, "top_p": 0.9})
     assert (settings.stop, settings.max_new_tokens, settings.temperature, settings.top_p) == (("\n\n",), 7, 0.5, 0.9)
     assert lm.settings({"temperature": 0.7}).temperature == 0.0  # lm-eval: greedy unless do_sample
