@@ -36,12 +36,20 @@ def run_sample(engine, task, sample, method, budget: int, protocol, settings, se
         protocol, budget = protocol.for_prompt(budget, len(prompt))
         generation = engine.generate(prompt, method, budget, protocol, settings, seed)
         return _scored(task, sample, generation)
-    if protocol.budget_base != "none":
-        raise KvleagueError(f"budget_base: {protocol.budget_base!r} needs the prompt before the episode starts; "
-                            f"episodic task {task.name!r} allows: none (or measure: fidelity)")
+    _check_episodic(task, protocol)
     with engine.session(method, budget, protocol, seed) as session:
         episode = task.run_episode(sample, session, engine.tokenizer, settings)
         generation = episode.generation if episode.generation is not None else session.result()
+    return _episode_run(episode, generation)
+
+
+def _check_episodic(task, protocol) -> None:
+    if protocol.budget_base != "none":
+        raise KvleagueError(f"budget_base: {protocol.budget_base!r} needs the prompt before the episode starts; "
+                            f"episodic task {task.name!r} allows: none (or measure: fidelity)")
+
+
+def _episode_run(episode, generation) -> SampleRun:
     summary = episode.to_dict()
     details: dict[str, Any] = {"episode": {k: summary[k] for k in ("fed_tokens", "generated_tokens", "steps") if k in summary}}
     details["episode"]["turns"] = len(episode.turns)
@@ -51,17 +59,34 @@ def run_sample(engine, task, sample, method, budget: int, protocol, settings, se
 
 
 def run_samples(engine, task, samples, methods, budget: int, protocol, settings, seeds) -> list[SampleRun]:
-    """:func:`run_sample` for several samples of a plain (not episodic) task, decoded together by
-    :meth:`Engine.generate_batch` (``methods[i]`` and ``seeds[i]`` are sample i's); each sequence
-    decodes as it would alone."""
+    """:func:`run_sample` for several samples, decoded together (``methods[i]`` and ``seeds[i]`` are
+    sample i's): a plain task's by :meth:`Engine.generate_batch`, an episodic task's episodes each
+    played by its own driver, their decodes batched round by round (``runner.engine.batch.drive_sessions``).
+    Each sequence decodes as it would alone."""
     if isinstance(task, EpisodicTask):
-        raise TypeError(f"task {task.name!r} is episodic: its samples run one at a time (run_sample)")
+        return _run_episodes(engine, task, samples, methods, budget, protocol, settings, seeds)
     prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
     # each prompt its own budget where budgets count from the prompt (one absolute protocol for all)
     resolved = [protocol.for_prompt(budget, len(prompt)) for prompt in prompts]
     generations = engine.generate_batch(prompts, list(methods), [b for _, b in resolved], resolved[0][0] if resolved else protocol,
                                         settings, list(seeds))
     return [_scored(task, sample, generation) for sample, generation in zip(samples, generations)]
+
+
+def _run_episodes(engine, task, samples, methods, budget: int, protocol, settings, seeds) -> list[SampleRun]:
+    from kvleague.runner.engine.batch import drive_sessions
+    from kvleague.runner.engine.session import Session
+
+    _check_episodic(task, protocol)
+    sessions = [Session(engine, method, budget, protocol, seed) for method, seed in zip(methods, seeds)]
+
+    def driver(sample):
+        def play(handle):
+            episode = task.run_episode(sample, handle, engine.tokenizer, settings)
+            return _episode_run(episode, episode.generation)
+        return play
+
+    return drive_sessions(engine, sessions, [driver(sample) for sample in samples])
 
 
 def _scored(task, sample, generation) -> SampleRun:

@@ -238,6 +238,84 @@ def test_real_tiny_model_episode_on_one_session(engines):
         assert fresh.decode(rec.settings).token_ids == last[1]
 
 
+def _some_calls(text: str):
+    """Tool calls for a random model: an ``open_locker`` call for two texts in three (by a checksum,
+    so the same text gets the same answer alone and in a batch), so episodes take different numbers
+    of steps and their decodes and feeds interleave in a batch."""
+    import zlib
+
+    from kvleague.tasks.tool_calls import ToolCall
+
+    return ([ToolCall("open_locker", {"locker_id": f"L-{zlib.crc32(text.encode()) % 1000}"})]
+            if zlib.crc32(text.encode()) % 3 else []), []
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "snapkv", "epikv"])
+def test_episodes_decoded_together_equal_each_alone(tiny_models, monkeypatch, name):
+    """``run_samples`` of an episodic task drives its episodes together (their decodes batched round
+    by round): every episode's transcript, feeds, tool observations, kept positions and counters
+    equal those of it alone (``run_sample``), in float64, where no float rounding parts a near-tie."""
+    from kvleague.methods.registry import build_method
+    from kvleague.runner.engine import batch
+    from kvleague.runner.engine.protocol import Protocol
+    from kvleague.runner.models import load_engine
+    from kvleague.runner.sample import run_sample, run_samples
+    from kvleague.tasks import episode
+
+    engine = load_engine(str(tiny_models["llama"]))
+    engine.model.double()
+    monkeypatch.setattr(episode, "parse_tool_calls", _some_calls)
+    task = build_task("kv_agent", {"n_episodes": 5, "n_lockers": 2, "n_queries": 2, "n_logs": 0})
+    samples = task.load()
+    settings, protocol, budget = GenerationSettings(max_new_tokens=5), Protocol(sink=2, recent=4, prefill_chunk=48), 96
+    alone = [run_sample(engine, task, s, build_method(name), budget, protocol, settings, 7) for s in samples]
+    rounds = []
+    inner = batch.DecodeLoop
+    monkeypatch.setattr(batch, "DecodeLoop", lambda engine, sessions, *a: rounds.append(len(sessions)) or inner(engine, sessions, *a))
+    together = run_samples(engine, task, samples, [build_method(name) for _ in samples], budget, protocol, settings, [7] * len(samples))
+    for one, row in zip(alone, together):
+        assert row.completion == one.completion and row.details == one.details and row.score == one.score
+        for field in ("token_ids", "kept_positions", "evictions", "evicted_tokens", "prompt_tokens", "generated_tokens",
+                      "peak_cache_entries"):
+            assert getattr(row.generation, field) == getattr(one.generation, field), field
+    steps = [one.details["episode"]["steps"] for one in alone]
+    assert max(rounds) == len(samples)  # decoded together
+    if name in ("streaming_llm", "h2o"):  # here the episodes take different numbers of steps
+        assert len(set(steps)) > 1
+    assert len(rounds) == max(steps) and sum(rounds) == sum(steps)  # one batch per round, a row per waiting episode
+    assert sum(one.generation.evictions for one in alone) > 0
+
+
+def test_a_failing_episode_stops_its_batch_and_raises(tiny_models, monkeypatch):
+    """An episode that raises stops the others at their next request (none is left waiting) and its
+    error is what the caller gets: the cell worker then runs the cells one by one."""
+    from kvleague.methods.registry import build_method
+    from kvleague.runner.engine.batch import drive_sessions
+    from kvleague.runner.engine.protocol import Protocol
+    from kvleague.runner.engine.session import Session
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]))
+    sessions = [Session(engine, build_method("h2o"), 32, Protocol(), 0) for _ in range(3)]
+    seen = []
+
+    def driver(i):
+        def play(handle):
+            handle.feed([5, 6, 7, 8 + i])
+            for step in range(4):
+                seen.append((i, len(handle.decode(GenerationSettings(max_new_tokens=2)).token_ids)))
+                if i == 1 and step == 1:
+                    raise ValueError("tool crashed")
+                handle.feed([9])
+        return play
+
+    with pytest.raises(ValueError, match="tool crashed"):
+        drive_sessions(engine, sessions, [driver(i) for i in range(3)])
+    assert sorted(seen) == [(i, 2) for i in range(3) for _ in range(2)]  # two rounds each, then the stop
+    import threading
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvleague-driver")]
+
+
 # ---------------------------------------------------------------------------------------------
 # BFCL multi-turn base on BFCL's own simulators and checker
 # ---------------------------------------------------------------------------------------------

@@ -25,23 +25,23 @@ def config(model, tmp_path, **over) -> dict:
     }
 
 
-def test_batches_group_a_cells_samples_and_keep_fidelity_and_episodes_alone(tiny_models, tmp_path):
+def test_batches_group_a_cells_samples_and_keep_episode_fidelity_alone(tiny_models, tmp_path):
     cells = expand(parse_config(config(tiny_models["llama"], tmp_path))).cells
     groups = batches(cells, 3)
     assert sorted(c.key for g in groups for c in g) == sorted(c.key for c in cells)  # each cell once
     for g in groups:
         assert 1 <= len(g) <= 3
-        if len(g) > 1:  # one plain task's generation cells under one method spec, budget and seed
-            assert {c.measure for c in g} == {"generation"} and {c.task for c in g} == {"gsm8k"}
+        if len(g) > 1:  # one task's generation cells under one method spec, budget and seed (episodes too)
+            assert {c.measure for c in g} == {"generation"} and len({c.task for c in g}) == 1
             assert len({(c.method, str(c.params), c.budget, c.seed, str(c.protocol)) for c in g}) == 1
             assert len({c.sample_id for c in g}) == len(g)
-    # 4 method specs x 5 gsm8k samples in groups of 3: 2 groups each
-    assert sum(len(g) > 1 for g in groups) == 4 * 2
-    # episodes (kv_agent) and fidelity cells run alone, fidelity cells in their grid order
-    alone = [g[0] for g in groups if g[0].task == "kv_agent"]
-    assert all(len(g) == 1 for g in groups if g[0].task == "kv_agent")
-    fidelity = [c.key for c in alone if c.measure == "fidelity"]
-    assert fidelity == [c.key for c in cells if c.measure == "fidelity"]
+    # 4 method specs x 5 gsm8k samples in groups of 3: 2 groups each; x 2 kv_agent episodes: 1 group each
+    assert sum(len(g) > 1 and g[0].task == "gsm8k" for g in groups) == 4 * 2
+    assert sum(len(g) == 2 and g[0].task == "kv_agent" for g in groups) == 4
+    # an episode's fidelity cells (against the reference agent: multi-segment) run alone, in grid order
+    fidelity = [g for g in groups if g[0].measure == "fidelity"]
+    assert all(len(g) == 1 for g in fidelity)
+    assert [g[0].key for g in fidelity] == [c.key for c in cells if c.measure == "fidelity"]
     assert all(len(g) == 1 for g in batches(cells, 1))
     assert max(len(g) for g in batches(cells, "auto")) == min(5, AUTO_BATCH_LIMIT)
 
@@ -55,23 +55,24 @@ def test_batch_size_is_checked_at_the_edge_and_not_hashed(tiny_models, tmp_path)
     assert parse_config({**base, "batch_size": 4}).config_hash() == parse_config(base).config_hash()
 
 
-@pytest.mark.parametrize("budget", [24, "prompt+8"])
-def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, tmp_path, monkeypatch, budget):
+@pytest.mark.parametrize("task,budget", [("gsm8k", 24), ("gsm8k", "prompt+8"), ("kv_agent", 48)])
+def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, tmp_path, monkeypatch, task, budget):
     """Also with budgets relative to each prompt (``prompt+8``): each sample its own budget, the
-    group still one batch (it used to run sample by sample)."""
-    from kvleague.runner.engine.generation import Engine
+    group still one batch (it used to run sample by sample); and episodes (multi-turn, their
+    decodes batched round by round; they used to run one by one)."""
+    from kvleague.runner.engine import batch
 
-    cells = expand(parse_config(config(tiny_models["llama"], tmp_path, budgets=[budget], tasks=[{"name": "gsm8k", "limit": 5}]))).cells
+    cells = expand(parse_config(config(tiny_models["llama"], tmp_path, budgets=[budget], tasks=[{"name": task, "limit": 5}]))).cells
     group = next(g for g in batches(cells, 4) if g[0].method == "h2o")
     assert len(group) == 4
     worker = CellWorker(torch_threads=1)
     batched = []
-    inner = Engine.generate_batch
-    monkeypatch.setattr(Engine, "generate_batch", lambda self, prompts, *a, **k: batched.append(len(prompts)) or inner(self, prompts, *a, **k))
+    inner = batch.DecodeLoop
+    monkeypatch.setattr(batch, "DecodeLoop", lambda engine, sessions, *a: batched.append(len(sessions)) or inner(engine, sessions, *a))
     together = worker.run_group(group)
-    assert batched == [4]
+    assert batched[0] == 4 and (task == "kv_agent" or batched == [4])  # one batch (per round, for episodes)
     alone = [worker.run(c) for c in group]
-    if budget != 24:  # each its own prompt's length + 8
+    if budget == "prompt+8":  # each its own prompt's length + 8
         assert [r["resolved_budget"] for r in alone] == [r["prompt_tokens"] + 8 for r in alone]
         assert len({r["resolved_budget"] for r in alone}) > 1
     for t, a, cell in zip(together, alone, group):

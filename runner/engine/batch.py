@@ -8,16 +8,23 @@ matrix product, so batching it buys little); decoding runs the one decode loop
 Sequences whose methods need eager attention (``Needs.eager``) and the others run as separate
 batches, so each runs under the kernel it would use alone.
 
-Multi-turn (agentic) episodes stay at batch 1 (``Engine.session``): each turn's length depends on
-the previous turn's tool output, so the sequences of a batch would wait on each other's tools and a
-batch would be as slow as its slowest episode at every turn.
+Multi-turn (agentic) episodes decode together through :func:`drive_sessions`: each episode's own
+code (a task's ``run_episode``) drives a :class:`SessionHandle` from its own thread, and the caller's
+thread carries out every request, in rounds: once each live episode waits on its session, the fed
+turns are prefilled one by one and the waiting decodes run as one batch. An episode that finished its
+decode early waits for the round's longest; one sequence's requests keep their order, so each episode
+feeds, observes and evicts exactly as alone. All tensor work stays on the caller's thread (hooks and
+``inference_mode`` are per thread); episode threads only run Python (parsing, tools).
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -168,3 +175,116 @@ def _free_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class SessionHandle:
+    """A :class:`Session` as its driver sees it under :func:`drive_sessions`: ``feed``, ``decode`` and
+    ``result`` ask the driving thread, which carries them out (decodes batched with the others)."""
+
+    def __init__(self, index: int, requests: queue.SimpleQueue):
+        self.index, self._requests, self._reply = index, requests, queue.SimpleQueue()
+
+    def feed(self, token_ids: list[int]) -> None:
+        return self._ask("feed", list(token_ids))
+
+    def decode(self, settings: GenerationSettings, on_token: Callable[[int], None] | None = None):
+        if on_token is not None:
+            raise KvleagueError("decode: on_token is not available to a session decoded in a batch (drive_sessions)")
+        return self._ask("decode", settings)
+
+    def result(self) -> GenerationResult:
+        return self._ask("result", None)
+
+    def _ask(self, kind: str, argument: Any) -> Any:
+        self._requests.put((self.index, kind, argument))
+        failed, value = self._reply.get()
+        if failed:
+            raise value
+        return value
+
+
+class _Abandoned(Exception):
+    """Raised in a driver whose batch stopped (another driver or a batched decode failed)."""
+
+
+def drive_sessions(engine, sessions: Sequence[Session], drivers: Sequence[Callable[[SessionHandle], Any]]) -> list[Any]:
+    """``drivers[i](handle_i)`` for every i, each in its own thread, ``handle_i`` standing for
+    ``sessions[i]``; their decodes run together (see the module docstring). Returns the drivers'
+    values in order. The first exception of a driver or of a batched decode is raised here, after
+    every driver has stopped."""
+    if len(sessions) != len(drivers):
+        raise KvleagueError(f"drive_sessions: {len(sessions)} sessions and {len(drivers)} drivers; give one driver per session")
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    handles = [SessionHandle(i, requests) for i in range(len(sessions))]
+    values: list[Any] = [None] * len(sessions)
+
+    def run(i: int) -> None:
+        try:
+            requests.put((i, "done", drivers[i](handles[i])))
+        except BaseException as exc:  # noqa: BLE001 - carried to the driving thread
+            requests.put((i, "failed", exc))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"kvleague-driver-{i}") for i in range(len(sessions))]
+    live, waiting = set(range(len(sessions))), {}
+    failure: BaseException | None = None
+    for thread in threads:
+        thread.start()
+    try:
+        while live:
+            while len(waiting) < len(live):  # a round starts once every live driver waits on its session
+                i, kind, argument = requests.get()
+                if kind == "done":
+                    values[i] = argument
+                    live.discard(i)
+                elif kind == "failed":
+                    raise argument
+                else:
+                    waiting[i] = (kind, argument)
+            replies = _carry_out(engine, sessions, waiting)
+            waiting = {}
+            for i, reply in replies.items():
+                handles[i]._reply.put(reply)
+    except BaseException as exc:
+        failure = exc
+    finally:
+        for i in waiting:
+            handles[i]._reply.put((True, _Abandoned("another sequence of the batch failed")))
+        while any(thread.is_alive() for thread in threads):  # the others stop at their next request
+            i, kind, _ = requests.get()
+            if kind not in ("done", "failed"):
+                handles[i]._reply.put((True, _Abandoned("another sequence of the batch failed")))
+    if failure is not None:
+        raise failure
+    return values
+
+
+def _carry_out(engine, sessions: Sequence[Session], waiting: dict[int, tuple[str, Any]]) -> dict[int, tuple[bool, Any]]:
+    """One round: each fed turn prefilled alone, results read, then the waiting decodes together,
+    one batch per (settings, attention kernel). A request's own error goes back to its driver."""
+    replies: dict[int, tuple[bool, Any]] = {}
+    decodes: dict[tuple, list[int]] = defaultdict(list)
+    for i, (kind, argument) in sorted(waiting.items()):
+        session = sessions[i]
+        try:
+            if kind == "feed":
+                with session:
+                    session.feed(argument)
+                replies[i] = (False, None)
+            elif kind == "result":
+                replies[i] = (False, session.result())
+            elif session.logits is None:
+                raise KvleagueError("decode: feed a prompt first")
+            else:
+                decodes[(argument, session.method.needs.eager)].append(i)
+        except Exception as exc:  # noqa: BLE001 - the driver's own request failed: it decides
+            replies[i] = (True, exc)
+    for (settings, _), members in decodes.items():
+        group = [sessions[i] for i in members]
+        for session in group:
+            if session.pending:  # the previous decode's last token, which no forward pass has seen yet
+                with session:
+                    session.flush_pending()
+        DecodeLoop(engine, group, settings).run()
+        for i, session in zip(members, group):
+            replies[i] = (False, session.outputs[-1])
+    return replies

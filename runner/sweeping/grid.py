@@ -232,8 +232,10 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     full-cache pass serves the group and its answers are teacher-forced together; scored on
     self-generated traces, it holds whole samples (at least ``batch_size`` cells, a sample never split,
     so every cell of a sample sees the one trace), whose traces decode together. At most
-    ``batch_size`` cells a group (``auto``: :data:`AUTO_BATCH_LIMIT`). Episodes stay alone
-    (multi-turn: batch 1). Each group stands where its first cell stood."""
+    ``batch_size`` cells a group (``auto``: :data:`AUTO_BATCH_LIMIT`). Episodes group as generation
+    cells do (their decodes batched round by round, ``runner.sample.run_samples``); an episode's
+    fidelity cells against a reference agent stay alone (multi-segment teacher forcing: batch 1).
+    Each group stands where its first cell stood."""
     from kvleague.tasks.episode import EpisodicTask
     from kvleague.tasks.registry import task_class
 
@@ -245,8 +247,8 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
         if cell.task not in episodic:
             episodic[cell.task] = issubclass(task_class(cell.task), EpisodicTask)
         self_trace = cell.measure == "fidelity" and cell.fidelity_reference == "self"
-        # an episode is multi-turn (batch 1) unless scored on its own trace (one prompt, one answer)
-        if limit == 1 or (episodic[cell.task] and not self_trace):
+        # an episode's fidelity is multi-segment (batch 1) unless scored on its own trace (one prompt, one answer)
+        if limit == 1 or (episodic[cell.task] and cell.measure == "fidelity" and not self_trace):
             groups.append([cell])
             continue
         if cell.measure == "fidelity":
