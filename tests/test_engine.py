@@ -398,6 +398,20 @@ def test_stop_strings_cut_the_completion(engines, prompt_ids):
     assert cut.completion == free[: starts[0]]
 
 
+def test_a_special_token_stop_string_ends_the_completion_before_it(engines, prompt_ids, monkeypatch):
+    """A stop string that is a special token (an end of turn that is not the model's EOS, as chat
+    formats add) is found in the decoded window and skipped in the completion: the completion is the
+    text before it (this used to raise: the cut looked for it in the text without special tokens)."""
+    engine = engines["llama"]
+    tokenizer = engine.tokenizer
+    special = next(t for t in tokenizer.all_special_tokens if tokenizer.convert_tokens_to_ids(t) < engine.backend.vocab_size)
+    special_id = tokenizer.convert_tokens_to_ids(special)
+    monkeypatch.setattr(engine, "eos_ids", set())
+    others = tuple(i for i in range(engine.backend.vocab_size) if i != special_id)  # the model can only say it
+    cut = engine.generate(prompt_ids, build_method("full"), 4096, settings=greedy(5, stop=(special,), suppress=others))
+    assert (cut.token_ids, cut.stop_reason, cut.completion) == ([special_id], "stop", "")
+
+
 def test_decode_streams_each_token_as_it_is_chosen(engines, prompt_ids):
     engine = engines["llama"]
     seen = []

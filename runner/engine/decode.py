@@ -270,8 +270,9 @@ class DecodeLoop:
                     continue
                 self._finish(i, own, step_start)
                 text = tokenizer.decode(own, skip_special_tokens=True)
-                if reason == "stop":  # the completion ends before the first stop string, which it excludes
-                    text = text[: min(text.find(x) for x in settings.stop if x in text)]
+                cuts = [text.find(x) for x in settings.stop if x in text] if reason == "stop" else []
+                if cuts:  # the completion ends before the first stop string, which it excludes (a special
+                    text = text[: min(cuts)]  # token's, such as an end of turn that is no EOS, is skipped already)
                 self.sessions[i].outputs.append(DecodeOutput(own, text, reason))
             if not keep_rows:
                 break
