@@ -3,7 +3,10 @@ never its speed (speed targets live in the benchmark's own output)."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvleague.runner.bench import harness as h
+from kvleague.runner.engine.errors import KvleagueError
 from tests.test_bench import _cli
 
 
@@ -64,3 +67,19 @@ def test_a_static_anchor_that_cannot_compile_is_reported_and_the_rest_still_runs
     report = h.read_report(tmp_path / "b.json")
     assert {(r["method"], r["batch_size"]) for r in report["rows"]} == {("full/single", 1), ("full", 1), ("generate", 1)}
     assert report["summary"]["engine_over_static"]["1"]["error"] == "inductor: no working C compiler"
+
+
+def test_bench_episodes_plays_them_alone_and_together_with_the_same_outcome(tiny_models, tmp_path, capsys):
+    """``kvleague bench episodes``: an agentic task's episodes one by one and decoded together, per
+    method; in float32 the two agree here (same transcripts, kept positions, counters)."""
+    _cli(["bench", "episodes", "--model", str(tiny_models["llama"]), "--samples", "3", "--budget", "64", "--new-tokens", "4",
+          "--methods", "full,h2o", "--threads", "1", "--json", str(tmp_path / "e.json")])
+    report = h.read_report(tmp_path / "e.json")
+    assert report["benchmark"] == "episodes" and [r["method"] for r in report["rows"]] == ["full", "h2o"]
+    for row in report["rows"]:
+        assert row["same_episodes"] and row["tokens_per_second_alone"] > 0 and row["tokens_per_second_together"] > 0
+        assert row["model_steps"] >= 3 and row["speedup"] > 0
+    assert {f["metric"] for f in report["figures"]} == {"episode_tokens_per_second", "episodes_together_speedup"}
+    assert "together tok/s" in capsys.readouterr().out
+    with pytest.raises(KvleagueError, match=r"^task: 'gsm8k' is not episodic; allowed: an agentic task"):
+        _cli(["bench", "episodes", "--model", str(tiny_models["llama"]), "--task", "gsm8k"])
