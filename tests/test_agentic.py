@@ -315,6 +315,24 @@ def test_a_failing_episode_stops_its_batch_and_raises(tiny_models, monkeypatch):
     import threading
     assert not [t for t in threading.enumerate() if t.name.startswith("kvleague-driver")]
 
+    # a batched decode that raises (out of memory, say) stops every driver the same way
+    from kvleague.runner.engine import batch
+
+    rounds = []
+    inner = batch.DecodeLoop
+
+    def failing(engine, group, *args):
+        rounds.append(len(group))
+        if len(rounds) == 2:
+            raise RuntimeError("CUDA out of memory")
+        return inner(engine, group, *args)
+
+    monkeypatch.setattr(batch, "DecodeLoop", failing)
+    sessions = [Session(engine, build_method("h2o"), 32, Protocol(), 0) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        drive_sessions(engine, sessions, [driver(i + 3) for i in range(3)])  # (no driver of these crashes)
+    assert rounds == [3, 3] and not [t for t in threading.enumerate() if t.name.startswith("kvleague-driver")]
+
 
 # ---------------------------------------------------------------------------------------------
 # BFCL multi-turn base on BFCL's own simulators and checker

@@ -233,11 +233,12 @@ def drive_sessions(engine, sessions: Sequence[Session], drivers: Sequence[Callab
         while live:
             while len(waiting) < len(live):  # a round starts once every live driver waits on its session
                 i, kind, argument = requests.get()
+                if kind in ("done", "failed"):
+                    live.discard(i)
+                if kind == "failed":
+                    raise argument
                 if kind == "done":
                     values[i] = argument
-                    live.discard(i)
-                elif kind == "failed":
-                    raise argument
                 else:
                     waiting[i] = (kind, argument)
             replies = _carry_out(engine, sessions, waiting)
@@ -246,13 +247,17 @@ def drive_sessions(engine, sessions: Sequence[Session], drivers: Sequence[Callab
                 handles[i]._reply.put(reply)
     except BaseException as exc:
         failure = exc
-    finally:
-        for i in waiting:
-            handles[i]._reply.put((True, _Abandoned("another sequence of the batch failed")))
-        while any(thread.is_alive() for thread in threads):  # the others stop at their next request
+        stop = (True, _Abandoned("another sequence of the batch failed"))
+        for i in waiting:  # still live: each raises the stop and reports "failed"
+            handles[i]._reply.put(stop)
+        while live:  # the others stop at their next request (each ends with one "done" or "failed")
             i, kind, _ = requests.get()
-            if kind not in ("done", "failed"):
-                handles[i]._reply.put((True, _Abandoned("another sequence of the batch failed")))
+            if kind in ("done", "failed"):
+                live.discard(i)
+            else:
+                handles[i]._reply.put(stop)
+    for thread in threads:
+        thread.join()
     if failure is not None:
         raise failure
     return values
