@@ -53,35 +53,48 @@ case "$cmd" in
     fi
     mkdir -p "$state"
     ray get-auth-token --generate >/dev/null
-    read -r gcs dash client agent_http agent_grpc env_agent metrics nm om <<<"$(free_ports 9)"
-    # Ray's unix sockets live under the temp dir: keep its path short (108-byte socket path limit)
-    tmp=$(mktemp -d /tmp/kvlray.XXXXXX)
-    setsid ray start --head --block \
-      --node-ip-address 127.0.0.1 --port "$gcs" \
-      --include-dashboard=true --dashboard-host 127.0.0.1 --dashboard-port "$dash" \
-      --ray-client-server-port "$client" --dashboard-agent-listen-port "$agent_http" \
-      --dashboard-agent-grpc-port "$agent_grpc" --runtime-env-agent-port "$env_agent" \
-      --metrics-export-port "$metrics" --node-manager-port "$nm" --object-manager-port "$om" \
-      --num-cpus "${KVLEAGUE_RAY_CPUS:-$(nproc)}" \
-      --object-store-memory "${KVLEAGUE_RAY_OBJECT_STORE_BYTES:-300000000}" \
-      --temp-dir "$tmp" --disable-usage-stats \
-      >"$state/head.log" 2>&1 </dev/null &
-    echo $! >"$state/head.pid"
-    printf 'export RAY_ADDRESS=http://127.0.0.1:%s\nexport RAY_GCS=127.0.0.1:%s\nexport RAY_AUTH_MODE=token\nexport RAY_TEMP_DIR=%s\n' "$dash" "$gcs" "$tmp" >"$state/env"
-    deadline=$((SECONDS + ${KVLEAGUE_RAY_START_TIMEOUT:-120}))
-    until ray job list --address "http://127.0.0.1:$dash" >/dev/null 2>&1; do
-      if ! alive; then
+    # Ray gives its own processes ~30 s to come up; on a loaded machine the GCS can miss that and the
+    # head exits ("timed out during startup"): such a start is tried once more, on fresh ports
+    for attempt in 1 2; do
+      read -r gcs dash client agent_http agent_grpc env_agent metrics nm om <<<"$(free_ports 9)"
+      # Ray's unix sockets live under the temp dir: keep its path short (108-byte socket path limit)
+      tmp=$(mktemp -d /tmp/kvlray.XXXXXX)
+      setsid ray start --head --block \
+        --node-ip-address 127.0.0.1 --port "$gcs" \
+        --include-dashboard=true --dashboard-host 127.0.0.1 --dashboard-port "$dash" \
+        --ray-client-server-port "$client" --dashboard-agent-listen-port "$agent_http" \
+        --dashboard-agent-grpc-port "$agent_grpc" --runtime-env-agent-port "$env_agent" \
+        --metrics-export-port "$metrics" --node-manager-port "$nm" --object-manager-port "$om" \
+        --num-cpus "${KVLEAGUE_RAY_CPUS:-$(nproc)}" \
+        --object-store-memory "${KVLEAGUE_RAY_OBJECT_STORE_BYTES:-300000000}" \
+        --temp-dir "$tmp" --disable-usage-stats \
+        >"$state/head.log" 2>&1 </dev/null &
+      echo $! >"$state/head.pid"
+      printf 'export RAY_ADDRESS=http://127.0.0.1:%s\nexport RAY_GCS=127.0.0.1:%s\nexport RAY_AUTH_MODE=token\nexport RAY_TEMP_DIR=%s\n' "$dash" "$gcs" "$tmp" >"$state/env"
+      deadline=$((SECONDS + ${KVLEAGUE_RAY_START_TIMEOUT:-120}))
+      up=""
+      until ray job list --address "http://127.0.0.1:$dash" >/dev/null 2>&1 && up=1; do
+        if ! alive; then
+          break
+        fi
+        if [ $SECONDS -ge $deadline ]; then
+          echo "ray head: Jobs API not up after ${KVLEAGUE_RAY_START_TIMEOUT:-120}s; log:" >&2
+          tail -20 "$state/head.log" >&2
+          "$0" stop "$state" >/dev/null 2>&1 || true
+          exit 1
+        fi
+        sleep 1
+      done
+      [ -n "$up" ] && break
+      if [ "$attempt" = 2 ] || ! grep -q "timed out during startup" "$state/head.log"; then
         echo "ray head failed to start; log:" >&2
-        tail -20 "$state/head.log" >&2
-        exit 1
-      fi
-      if [ $SECONDS -ge $deadline ]; then
-        echo "ray head: Jobs API not up after ${KVLEAGUE_RAY_START_TIMEOUT:-120}s; log:" >&2
         tail -20 "$state/head.log" >&2
         "$0" stop "$state" >/dev/null 2>&1 || true
         exit 1
       fi
-      sleep 1
+      echo "ray head timed out during startup (a loaded machine); starting it once more" >&2
+      "$0" stop "$state" >/dev/null 2>&1 || true
+      mkdir -p "$state"
     done
     cat "$state/env"
     ;;
