@@ -228,10 +228,9 @@ class KvleagueLM(LM):
         from kvleague.methods.registry import build_method
 
         ids = [self.encode(context) for context in contexts]
-        resolved = [self.protocol.for_prompt(self.budget, len(each)) for each in ids]
+        protocol, budgets = self.protocol.for_prompts(self.budget, [len(each) for each in ids])
         methods = [build_method(self.method_name, self.method_params) for _ in ids]
-        return self.engine.generate_batch(ids, methods, [budget for _, budget in resolved], resolved[0][0], settings,
-                                          [self.seed] * len(ids), self.batch_size)
+        return self.engine.generate_batch(ids, methods, budgets, protocol, settings, [self.seed] * len(ids), self.batch_size)
 
 
 def _positive(name: str, value: Any) -> int:

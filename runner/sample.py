@@ -67,9 +67,8 @@ def run_samples(engine, task, samples, methods, budget: int, protocol, settings,
         return _run_episodes(engine, task, samples, methods, budget, protocol, settings, seeds)
     prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
     # each prompt its own budget where budgets count from the prompt (one absolute protocol for all)
-    resolved = [protocol.for_prompt(budget, len(prompt)) for prompt in prompts]
-    generations = engine.generate_batch(prompts, list(methods), [b for _, b in resolved], resolved[0][0] if resolved else protocol,
-                                        settings, list(seeds))
+    absolute, budgets = protocol.for_prompts(budget, [len(prompt) for prompt in prompts])
+    generations = engine.generate_batch(prompts, list(methods), budgets, absolute, settings, list(seeds))
     return [_scored(task, sample, generation) for sample, generation in zip(samples, generations)]
 
 

@@ -402,8 +402,9 @@ def test_rows_with_their_own_budgets_equal_each_alone(engines64, prompts, name):
     engine = engines64["qwen3"]
     protocol = Protocol(sink=1, recent=2, budget_base="prompt")
     resolved = [protocol.for_prompt(6, len(p)) for p in prompts]
-    absolute, budgets = resolved[0][0], [b for _, b in resolved]
-    assert len(set(budgets)) == len(prompts) and all(r[0] == absolute for r in resolved)
+    absolute, budgets = protocol.for_prompts(6, [len(p) for p in prompts])  # what the batched callers use
+    assert budgets == [b for _, b in resolved] and all(r[0] == absolute for r in resolved)
+    assert len(set(budgets)) == len(prompts)
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
     alone = [engine.generate(p, build_method(name), b, absolute, settings) for p, b in zip(prompts, budgets)]
     batched = engine.generate_batch(prompts, [build_method(name) for _ in prompts], budgets, absolute, settings)

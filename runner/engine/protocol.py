@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Literal, Mapping, get_args, get_origin
+from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import core_schema
@@ -184,6 +184,11 @@ class Protocol(BaseModel):
             return self, budget
         fields = {**self.model_dump(), "budget_base": "none", "recent": self.recent_for(budget), "recent_max_fraction": None}
         return type(self)(**fields), prompt_tokens + budget
+
+    def for_prompts(self, budget: int, prompt_tokens: Sequence[int]) -> tuple["Protocol", list[int]]:
+        """:meth:`for_prompt` of prompts decoded together: the one protocol they share (under
+        ``prompt``, it depends on the room alone) and each prompt's budget."""
+        return self.for_prompt(budget, 0)[0], [self.for_prompt(budget, n)[1] for n in prompt_tokens]
 
     def check_budget(self, budget: int) -> None:
         if budget < 1:
