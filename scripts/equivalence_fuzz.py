@@ -6,10 +6,11 @@ budget (one, or one per sequence), 1-5 sequences of random lengths (one token in
 turns, greedy or seeded sampling, sometimes an EOS token that ends rows at different steps; or a
 batch of mixed methods, generated or teacher-forced. The oracle is the ``hf`` backend, one sequence
 at a time; against it: ``hf`` batched, ``slab`` alone and batched, and the slab backend's
-graph-ready step (what CUDA captures, run eagerly) alone and batched. Every difference in tokens,
-kept positions or eviction counters (teacher forcing: logits beyond 1e-5, as HF's eager attention takes
-its softmax in float32 whatever the model's dtype) is written as a JSON line
-with the trial's configuration; so is every exception. Exit status 1 if any.
+graph-ready step (what CUDA captures, run eagerly) alone and batched (generated batches through
+``drive_sessions``, the engine's multi-turn batching). Every difference in tokens, kept positions or
+eviction counters (teacher forcing: logits beyond 1e-5, as HF's eager attention takes its softmax in
+float32 whatever the model's dtype) is written as a JSON line with the trial's configuration; so is
+every exception. Exit status 1 if any.
 
 Float64, because batched kernels round differently from a batch of one and a float32 near-tie can
 part there (documented: docs/batching.md; HF's eager attention still rounds its softmax to float32, so
@@ -33,8 +34,7 @@ from pathlib import Path
 import torch
 
 from kvleague.methods import available_methods, build_method
-from kvleague.runner.engine.batch import teacher_force_batch
-from kvleague.runner.engine.decode import DecodeLoop
+from kvleague.runner.engine.batch import drive_sessions, teacher_force_batch
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from kvleague.runner.engine.session import Session
@@ -76,20 +76,21 @@ def summary(result) -> tuple:
 
 
 def play(engine, specs, budgets, protocol, settings, turns, seeds, batched) -> list[tuple]:
-    """Every sequence's turns (feed, decode), one sequence after another or all together."""
+    """Every sequence's turns (feed, decode), one sequence after another, or all together (the
+    engine's multi-turn batching, ``drive_sessions``: each turn's decodes as one batch)."""
     sessions = [Session(engine, method(s), b, protocol, seed) for s, b, seed in zip(specs, budgets, seeds)]
-    for t in range(len(turns[0])):
+
+    def converse(session, fed):
+        for ids in fed:
+            session.feed(ids)
+            session.decode(settings)
+
+    if batched:
+        drive_sessions(engine, sessions, [lambda handle, fed=fed: converse(handle, fed) for fed in turns])
+    else:
         for session, fed in zip(sessions, turns):
             with session:
-                session.feed(fed[t])
-                if not batched:
-                    session.decode(settings)
-        if batched:
-            groups = {}
-            for session in sessions:
-                groups.setdefault(session.method.needs.eager, []).append(session)
-            for group in groups.values():
-                DecodeLoop(engine, group, settings).run()
+                converse(session, fed)
     return [summary(s.result()) for s in sessions]
 
 

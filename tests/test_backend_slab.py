@@ -17,7 +17,7 @@ import torch
 
 from kvleague.methods import available_methods, build_method
 from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.decode import DecodeLoop
+from kvleague.runner.engine.batch import drive_sessions
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from kvleague.runner.engine.session import Session
 from tests.conftest import ARCHS
@@ -246,16 +246,19 @@ def test_one_token_prompts_and_turns_on_the_graph_ready_path_equal_hf(pairs, pro
     protocol, settings = Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=6)
     turns = [[prompts[2][:1], prompts[1][:1]], [prompts[2][:1], prompts[0]], [prompts[2], prompts[1][:1]]]
 
+    def play(session, fed):  # a sequence's turns, on its session (or, batched, its handle)
+        for ids in fed:
+            session.feed(ids)
+            session.decode(settings)
+
     def run(engine, batched):
         sessions = [Session(engine, build_method(name), BUDGET, protocol, 0) for _ in turns]
-        for t in range(2):
+        if batched:  # each turn's decodes together (the engine's multi-turn batching)
+            drive_sessions(engine, sessions, [lambda handle, fed=fed: play(handle, fed) for fed in turns])
+        else:
             for session, fed in zip(sessions, turns):
                 with session:
-                    session.feed(fed[t])
-                    if not batched:
-                        session.decode(settings)
-            if batched:
-                DecodeLoop(engine, sessions, settings).run()
+                    play(session, fed)
         return [session.result() for session in sessions]
 
     oracle = run(hf, False)
