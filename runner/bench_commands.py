@@ -1,4 +1,4 @@
-"""``kvleague bench {context,speed,kvpress,generate,batch,episodes,busy,all,store,targets}``: the systems benchmarks
+"""``kvleague bench {context,speed,kvpress,generate,batch,refill,episodes,busy,all,store,targets}``: the systems benchmarks
 (``runner/bench``).
 
 Each prints a table; ``--json OUT`` writes the report (for ``all``: a directory, one file per
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from kvleague.runner.bench import (batch, decode_speed, device_busy, engine_vs_generate, episodes, feasible_context, gpu_targets,
-                                   vs_kvpress)
+                                   refill, vs_kvpress)
 from kvleague.runner.bench.cli import add_common, finish
 
 BENCHES = {
@@ -22,6 +22,7 @@ BENCHES = {
     "kvpress": (vs_kvpress, "engine vs kvpress DecodingPress at equal method and budget"),
     "generate": (engine_vs_generate, "engine vs model.generate with no eviction"),
     "batch": (batch, "batched decoding: tokens/s at batch 1/4/8/16 per method beside model.generate"),
+    "refill": (refill, "continuous batching: a task's prompts in fixed chunks and with finished rows refilled, per method"),
     "episodes": (episodes, "multi-turn agentic episodes one by one and decoded together, per method"),
     "busy": (device_busy, "how busy the device is during decode steps (torch profiler), per method and batch size"),
 }

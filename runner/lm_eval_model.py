@@ -22,7 +22,8 @@ default). Every request runs on a fresh session (its own KV cache, a fresh metho
 
 lm-eval's ``--batch_size`` is honoured: requests with the same generation kwargs decode together
 (``Engine.generate_batch``; each exactly as alone, up to float rounding of the batched kernels), N at
-a time, or under ``auto`` (``auto:K`` too) as many as fit in memory, at most ``--max_batch_size``.
+a time, or under ``auto`` (``auto:K`` too) as many as fit in memory, at most ``--max_batch_size``;
+a request that finishes gives its row to the next one waiting (continuous batching).
 
 Only ``generate_until`` is supported: kvleague measures what eviction does to generation, and a
 log-likelihood pass over a given continuation never evicts anything worth measuring.
@@ -141,19 +142,18 @@ class KvleagueLM(LM):
         groups: dict[Any, list[int]] = {}
         for i, (_, gen_kwargs) in enumerate(args):
             groups.setdefault(self.settings(gen_kwargs), []).append(i)
-        step = self.batch_size or self.max_batch_size
         outputs: list[str | None] = [None] * len(args)
         records: list[dict | None] = [None] * len(args)
         with tqdm(total=len(args), disable=disable_tqdm or self.rank != 0, desc="kvleague generate_until") as bar:
             for settings, members in groups.items():
-                for at in range(0, len(members), step):
-                    chunk = members[at : at + step]
-                    results = self._generate([args[i][0] for i in chunk], settings)
-                    for i, result in zip(chunk, results):
-                        outputs[i], records[i] = result.completion, result.to_dict()
-                        records[i].pop("kept_positions", None)
-                        self.cache_hook.add_partial("generate_until", args[i], outputs[i])
-                    bar.update(len(chunk))
+                def finished(j: int, result, members=members) -> None:  # as each request's decode ends
+                    i = members[j]
+                    outputs[i], records[i] = result.completion, result.to_dict()
+                    records[i].pop("kept_positions", None)
+                    self.cache_hook.add_partial("generate_until", args[i], outputs[i])
+                    bar.update(1)
+
+                self._generate([args[i][0] for i in members], settings, finished)
         self.generations.extend(records)
         return outputs
 
@@ -222,15 +222,17 @@ class KvleagueLM(LM):
             add = True if self.add_special_tokens is None else self.add_special_tokens
         return [int(i) for i in self.tokenizer(context, add_special_tokens=add)["input_ids"]]
 
-    def _generate(self, contexts: list[str], settings) -> list:
-        """The engine's results for ``contexts``, decoded together: each a fresh method instance
-        (per-sequence state), its own budget (``budget_base: prompt``: room on top of its prompt)."""
+    def _generate(self, contexts: list[str], settings, on_result=None) -> list:
+        """The engine's results for ``contexts``, decoded ``batch_size`` at a time, each finished row
+        taken by the next context: each a fresh method instance (per-sequence state), its own budget
+        (``budget_base: prompt``: room on top of its prompt); ``on_result(j, result)`` as context j ends."""
         from kvleague.methods.registry import build_method
 
         ids = [self.encode(context) for context in contexts]
         protocol, budgets = self.protocol.for_prompts(self.budget, [len(each) for each in ids])
         methods = [build_method(self.method_name, self.method_params) for _ in ids]
-        return self.engine.generate_batch(ids, methods, budgets, protocol, settings, [self.seed] * len(ids), self.batch_size)
+        return self.engine.generate_batch(ids, methods, budgets, protocol, settings, [self.seed] * len(ids), self.batch_size,
+                                          on_result, self.max_batch_size)
 
 
 def _positive(name: str, value: Any) -> int:

@@ -58,17 +58,20 @@ def _episode_run(episode, generation) -> SampleRun:
     return SampleRun(generation=generation, completion=episode.completion, score=episode.score, details=details)
 
 
-def run_samples(engine, task, samples, methods, budget: int, protocol, settings, seeds) -> list[SampleRun]:
+def run_samples(engine, task, samples, methods, budget: int, protocol, settings, seeds,
+                rows: int | None = None, max_rows: int = 64) -> list[SampleRun]:
     """:func:`run_sample` for several samples, decoded together (``methods[i]`` and ``seeds[i]`` are
-    sample i's): a plain task's by :meth:`Engine.generate_batch`, an episodic task's episodes each
-    played by its own driver, their decodes batched round by round (``runner.engine.batch.drive_sessions``).
-    Each sequence decodes as it would alone."""
+    sample i's): a plain task's by :meth:`Engine.generate_batch`, ``rows`` at a time (None: what fits
+    in memory, at most ``max_rows``), a finished row taken by the next sample; an episodic task's
+    episodes each played by its own driver, all their decodes batched round by round
+    (``runner.engine.batch.drive_sessions``). Each sequence decodes as it would alone."""
     if isinstance(task, EpisodicTask):
         return _run_episodes(engine, task, samples, methods, budget, protocol, settings, seeds)
     prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
     # each prompt its own budget where budgets count from the prompt (one absolute protocol for all)
     absolute, budgets = protocol.for_prompts(budget, [len(prompt) for prompt in prompts])
-    generations = engine.generate_batch(prompts, list(methods), budgets, absolute, settings, list(seeds))
+    generations = engine.generate_batch(prompts, list(methods), budgets, absolute, settings, list(seeds), rows,
+                                        max_batch_size=max_rows)
     return [_scored(task, sample, generation) for sample, generation in zip(samples, generations)]
 
 

@@ -255,8 +255,9 @@ class SweepConfig(_Strict):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     #: how many generation cells (samples of one task under one model, method, budget, protocol and
-    #: settings; episodes too) decode together (``runner.sample.run_samples``), and how many fidelity
-    #: cells of one sample are teacher-forced together; ``auto``: up to 16, as many as fit in memory.
+    #: settings; episodes too) decode together (``runner.sample.run_samples``; a plain task's finished
+    #: row is taken by the next cell of its group, ``grid.QUEUED_BATCHES`` batches long), and how many
+    #: fidelity cells of one sample are teacher-forced together; ``auto``: up to 16, as many as fit in memory.
     #: An episode's fidelity cells against its reference agent run one at a time. Not part of the config hash:
     #: each sequence of a batch decodes as it would alone (docs/batching.md).
     batch_size: int | Literal["auto"] = "auto"

@@ -7,7 +7,9 @@ turns, greedy or seeded sampling, sometimes an EOS token that ends rows at diffe
 batch of mixed methods, generated or teacher-forced. The oracle is the ``hf`` backend, one sequence
 at a time; against it: ``hf`` batched, ``slab`` alone and batched, and the slab backend's
 graph-ready step (what CUDA captures, run eagerly) alone and batched (generated batches through
-``drive_sessions``, the engine's multi-turn batching). Every difference in tokens, kept positions or
+``drive_sessions``, the engine's multi-turn batching; single-turn batches of three or more prompts
+also through ``generate_batch`` with fewer rows than prompts, whose finished rows the waiting
+prompts take). Every difference in tokens, kept positions or
 eviction counters (teacher forcing: logits beyond 1e-5, as HF's eager attention takes its softmax in
 float32 whatever the model's dtype) is written as a JSON line with the trial's configuration; so is
 every exception. Exit status 1 if any.
@@ -161,6 +163,15 @@ def trial(rng: random.Random, engines: dict, ids: list[int], config: dict) -> di
             "slab_batch": play(slab, specs, budgets, protocol, settings, turns, seeds, True),
             "graph_alone": with_graphs(slab, lambda: play(slab, specs, budgets, protocol, settings, turns, seeds, False)),
             "graph_batch": with_graphs(slab, lambda: play(slab, specs, budgets, protocol, settings, turns, seeds, True))}
+    if count == 1 and n >= 3:  # continuous batching: fewer rows than prompts, finished rows taken by the next
+        rows = config["rows"] = rng.randint(2, n - 1)
+
+        def refilled(engine):
+            results = engine.generate_batch([t[0] for t in turns], [method(s) for s in specs], budgets, protocol, settings,
+                                            seeds, batch_size=rows)
+            return [summary(r) for r in results]
+
+        runs.update(hf_refill=refilled(hf), graph_refill=with_graphs(slab, lambda: refilled(slab)))
     return {k: [i for i, (o, r) in enumerate(zip(oracle, v)) if o != r] for k, v in runs.items()}
 
 

@@ -273,11 +273,13 @@ def test_one_token_prompts_and_turns_on_the_graph_ready_path_equal_hf(pairs, pro
         _same(expected, result)
 
 
-@pytest.mark.parametrize("name", ["tova", "epikv", "h2o"])  # (knorm parts at rounding ties here: tests/rounding_ties.py)
-def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pairs, name, monkeypatch):
+@pytest.mark.parametrize("name, batch_size", [("tova", 8), ("epikv", 8), ("h2o", 8), ("epikv", 3), ("h2o", 3)])  # (knorm parts at rounding ties here: tests/rounding_ties.py)
+def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pairs, name, batch_size, monkeypatch):
     """With captured steps, rows whose sequence ended (EOS at different steps) stay in the slabs as
     padding until fewer than half are live: every sequence still equals ``hf`` alone, and the batch
-    builds few graphs (a new one per batch size, not per finished row)."""
+    builds few graphs (a new one per batch size, not per finished row). Eight prompts through three
+    rows: each finished row is taken by the next prompt (continuous batching), at the same batch size,
+    so the rows' turnover costs no capture."""
     from kvleague.runner.engine import slab as slab_module
 
     hf, slab = pairs["llama"]
@@ -298,13 +300,36 @@ def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pa
     slab.backend.graphs = True
     before = slab.describe()["graph_captures"]
     try:
-        batched = slab.generate_batch(batch, [build_method(name) for _ in batch], BUDGET, protocol, settings)
+        batched = slab.generate_batch(batch, [build_method(name) for _ in batch], BUDGET, protocol, settings, batch_size=batch_size)
     finally:
         slab.backend.graphs = False
     for expected, result in zip(alone, batched):
         _same(expected, result)
-    assert captures[0] == 8 and len(captures) <= 4, captures  # batch sizes 8, then at most three halvings
+    # batch sizes 8 (or 3 while prompts wait), then at most three halvings (3: one, to 1)
+    assert captures[0] == batch_size and len(captures) <= (4 if batch_size == 8 else 2), captures
     assert slab.describe()["graph_captures"] - before == len(captures)  # what a run reports it paid
+
+
+def test_a_sequence_bound_to_a_batch_row_lets_its_own_slabs_go(pairs, prompts):
+    """A fed sequence joining a batch is copied into its row; its own slabs are freed then, not when
+    the batch ends (a continuous batch's finished sequences would hold a prefill's slabs each)."""
+    import gc
+    import weakref
+
+    from kvleague.runner.engine.decode import DecodeLoop
+
+    _, slab = pairs["llama"]
+    sessions = [Session(slab, build_method("h2o"), BUDGET, Protocol(), 0) for _ in range(2)]
+    for session, prompt in zip(sessions, prompts[:2]):
+        with session:
+            session.feed(prompt)
+    own = [weakref.ref(s.cache.kv) for s in sessions]
+    assert all(r() is not None for r in own)
+    loop = DecodeLoop(slab, sessions, GenerationSettings(max_new_tokens=3))
+    gc.collect()
+    assert all(r() is None for r in own)
+    loop.run()
+    assert all(len(s.generated) == 3 for s in sessions)
 
 
 def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pairs, prompts):

@@ -198,6 +198,40 @@ def test_a_batch_mixes_methods_kernels_and_finishing_times(engines64, prompts, m
         _same(single, result)
 
 
+def test_finished_rows_take_the_next_prompts(engines64, prompts, monkeypatch):
+    """Continuous batching: seven prompts through three rows, EOS ending sequences at different steps;
+    each finished row is taken by the next prompt (``DecodeLoop.refill``; ``full``, admitted into a
+    batch of evicting rows, makes the slabs grow), and every sequence equals it alone."""
+    import kvleague.runner.engine.batch as batch
+
+    engine = engines64["llama"]
+    names = ["knorm", "epikv", "tova", "snapkv", "streaming_llm", "full", "keydiff"]
+    protocol, settings = Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=24)
+    free = [engine.generate(p, build_method(n), BUDGET, protocol, settings) for p, n in zip(prompts, names)]
+    counts = torch.bincount(torch.tensor([t for r in free for t in r.token_ids[2:]]))
+    monkeypatch.setattr(engine, "eos_ids", {int(counts.argmax())})  # the commonest token ends sequences early
+    alone = [engine.generate(p, build_method(n), BUDGET, protocol, settings) for p, n in zip(prompts, names)]
+    assert len({r.generated_tokens for r in alone}) > 3
+    loops, admitted = [], []
+
+    class Loop(batch.DecodeLoop):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            loops.append(len(self.sessions))
+
+        def _admit(self):
+            before = len(self.sessions)
+            going = super()._admit()
+            admitted.append(len(self.sessions) - before)
+            return going
+
+    monkeypatch.setattr(batch, "DecodeLoop", Loop)
+    batched = engine.generate_batch(prompts[:7], [build_method(n) for n in names], BUDGET, protocol, settings, batch_size=3)
+    for single, result in zip(alone, batched):
+        _same(single, result)
+    assert loops == [3] and sum(admitted) == 4  # one loop of three rows; the other four prompts took finished rows
+
+
 def test_rows_of_one_method_apart_in_the_slab_evict_together(engines64, prompts, monkeypatch):
     """Equal-length rows, three methods interleaved (per-token, per-head and per-layer-head scores):
     each method's rows are not contiguous in the slab, and they still evict in one selection each
@@ -368,7 +402,7 @@ def test_slabs_that_must_grow_keep_every_row(engines64, prompts, monkeypatch):
     """Slabs that start with one free slot per row grow as the rows do, every row intact."""
     from kvleague.runner.engine.decode import DecodeLoop
 
-    monkeypatch.setattr(DecodeLoop, "_initial_capacity", lambda self: max(s.cache.length for s in self.sessions) + 1)
+    monkeypatch.setattr(DecodeLoop, "_capacity_for", lambda self, sessions: max(s.cache.length for s in sessions) + 1)
     engine = engines64["qwen2"]
     names = ["full", "knorm"] * 4
     settings = [GenerationSettings(max_new_tokens=n) for n in (12, 20)]

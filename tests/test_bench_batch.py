@@ -83,3 +83,32 @@ def test_bench_episodes_plays_them_alone_and_together_with_the_same_outcome(tiny
     assert "together tok/s" in capsys.readouterr().out
     with pytest.raises(KvleagueError, match=r"^task: 'gsm8k' is not episodic; allowed: an agentic task"):
         _cli(["bench", "episodes", "--model", str(tiny_models["llama"]), "--task", "gsm8k"])
+
+
+def test_bench_refill_decodes_fixed_chunks_and_continuously_with_the_same_sequences(tiny_models, tmp_path, capsys):
+    """``kvleague bench refill``: a task's prompts in fixed chunks of three rows and continuously (a
+    finished row taken by the next prompt), per method; an EOS the model emits makes the lengths differ,
+    and every sequence comes out the same both ways."""
+    import torch
+
+    from kvleague.methods import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings
+    from kvleague.runner.models import load_engine
+    from kvleague.tasks.registry import build_task
+
+    engine = load_engine(str(tiny_models["llama"]))
+    engine.eos_ids = set()
+    prompts = [build_task("gsm8k").build_prompt(s, engine.tokenizer) for s in build_task("gsm8k").load()[:6]]
+    free = engine.generate_batch(prompts, [build_method("full") for _ in prompts], 64, None, GenerationSettings(max_new_tokens=12))
+    eos = int(torch.bincount(torch.tensor([t for r in free for t in r.token_ids[1:]])).argmax())
+    _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--samples", "6", "--batch-size", "3", "--budget", "48",
+          "--new-tokens", "12", "--eos-token", str(eos), "--methods", "full,h2o", "--threads", "1", "--json", str(tmp_path / "r.json")])
+    report = h.read_report(tmp_path / "r.json")
+    assert report["benchmark"] == "refill" and [r["method"] for r in report["rows"]] == ["full", "h2o"]
+    for row in report["rows"]:
+        assert row["same_sequences"] and row["tokens_per_second_chunked"] > 0 and row["tokens_per_second_continuous"] > 0
+        assert row["mean_over_longest"] < 1  # the EOS ended some sequences early
+    assert {f["metric"] for f in report["figures"]} == {"batch_tokens_per_second", "continuous_batching_speedup"}
+    assert "continuous tok/s" in capsys.readouterr().out
+    with pytest.raises(KvleagueError, match=r"^task: 'kv_agent' is episodic; allowed: a plain task"):
+        _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--task", "kv_agent"])

@@ -114,12 +114,12 @@ def test_lmeval_family_errors_are_one_line(tmp_path):
 
 @pytest.mark.parametrize("batch_size", [1, 3, "auto"])
 def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task, monkeypatch, batch_size):
-    """lm-eval's batch size decodes that many requests together (``auto``: all four fit), each
-    completion the one the engine gives it alone."""
+    """lm-eval's batch size decodes that many requests together (``auto``: all four fit; 3: the
+    fourth takes the row of the first to finish), each completion the one the engine gives it alone."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from kvleague.runner.engine.generation import Engine
+    import kvleague.runner.engine.batch as batch
     from kvleague.runner.lm_eval_model import KvleagueLM
 
     root, completions = local_task
@@ -127,13 +127,19 @@ def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task, monke
         f"pretrained={tiny_models['llama']},method={METHOD},budget={BUDGET},method.n_sink={PARAMS['n_sink']},dtype=float32",
         {"device": "cpu", "batch_size": batch_size},
     )
-    batches = []
-    inner = Engine.generate_batch
-    monkeypatch.setattr(Engine, "generate_batch", lambda self, prompts, *a, **k: batches.append(len(prompts)) or inner(self, prompts, *a, **k))
+    batches = []  # per decode loop: (its rows, the requests it decoded)
+
+    class Loop(batch.DecodeLoop):
+        def run(self):
+            rows = len(self.active)
+            super().run()
+            batches.append((rows, len(self.sessions)))
+
+    monkeypatch.setattr(batch, "DecodeLoop", Loop)
     out = lm_eval.simple_evaluate(
         model=lm, tasks=["kvl_echo"], task_manager=TaskManager(include_path=str(root), include_defaults=False), log_samples=True
     )
-    assert batches == {1: [1, 1, 1, 1], 3: [3, 1], "auto": [4]}[batch_size]
+    assert batches == {1: [(1, 1)] * 4, 3: [(3, 4)], "auto": [(4, 4)]}[batch_size]
     assert out["results"]["kvl_echo"]["exact_match,raw"] == 0.5
     responses = [s["resps"][0][0] for s in sorted(out["samples"]["kvl_echo"], key=lambda s: s["doc_id"])]
     assert responses == completions

@@ -27,7 +27,7 @@ class FakeActor:
         self.run_group = types.SimpleNamespace(remote=self.submit)
         self.ping = types.SimpleNamespace(remote=lambda: Ref(self, None))
 
-    def submit(self, group):
+    def submit(self, group, batch_size="auto"):
         ref = Ref(self, group)
         self.calls.append(ref)
         return ref

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 from kvleague.runner.engine.errors import KvleagueError
 
 SCHEMA_VERSION = 1
-BENCHMARKS = ("feasible_context", "decode_speed", "vs_kvpress", "engine_vs_generate", "batch", "episodes", "device_busy")
+BENCHMARKS = ("feasible_context", "decode_speed", "vs_kvpress", "engine_vs_generate", "batch", "refill", "episodes", "device_busy")
 ENVIRONMENT_KEYS = (
     "cpu_model", "cpu_count", "cpu_affinity", "torch_threads", "gpu_name", "gpu_count", "cuda_version",
     "python_version", "torch_version", "transformers_version", "kvpress_version", "kvleague_version",

@@ -4,7 +4,9 @@
 :func:`teacher_force_batch` the batched ``Session.teacher_force`` that fidelity uses. Prefill is per
 sequence (``Session.feed``: chunked prefill and prefill-time eviction; a prompt chunk is already a
 matrix product, so batching it buys little); decoding runs the one decode loop
-(``runner/engine/decode.py``) over up to ``batch_size`` sequences, each exactly as it would alone.
+(``runner/engine/decode.py``) over ``batch_size`` rows, each sequence exactly as it would run alone.
+Batching is continuous: when a sequence ends (EOS, a stop string), the next prompt waiting is fed and
+takes its row, so a batch is not held to its longest sequence.
 Sequences whose methods need eager attention (``Needs.eager``) and the others run as separate
 batches, so each runs under the kernel it would use alone.
 
@@ -47,15 +49,20 @@ def generate_batch(
     settings: GenerationSettings | None = None,
     seeds: Sequence[int] | None = None,
     batch_size: int | None = None,
+    on_result: Callable[[int, GenerationResult], None] | None = None,
+    max_batch_size: int = MAX_AUTO_BATCH,
 ) -> list[GenerationResult]:
     """Generate a completion for every prompt; result i is what ``engine.generate(prompts[i],
     methods[i], budgets[i], protocol, settings, seeds[i])`` returns (same tokens and kept positions,
-    up to float rounding of the batched kernels), computed ``batch_size`` sequences at a time.
+    up to float rounding of the batched kernels), computed ``batch_size`` sequences at a time, a
+    finished sequence's row taken by the next prompt (continuous batching).
 
     ``methods``: one instance per prompt (distinct objects: each holds its sequence's state).
     ``budget``: one for all, or one per prompt (budgets relative to each prompt, resolved by
     ``Protocol.for_prompt``). ``seeds``: one per prompt (default 0 each, as ``generate``).
-    ``batch_size``: sequences decoded together; ``None`` = :func:`auto_batch_size` (what fits in memory)."""
+    ``batch_size``: sequences decoded together; ``None`` = :func:`auto_batch_size` (what fits in memory,
+    at most ``max_batch_size``).
+    ``on_result(i, result)``: called as sequence i finishes (progress, partial output)."""
     n = len(prompts)
     if len(methods) != n:
         raise KvleagueError(f"methods: {len(methods)} methods for {n} prompts; give one method instance per prompt")
@@ -74,6 +81,21 @@ def generate_batch(
         if not p:
             raise KvleagueError(f"prompts: prompt {i} is an empty token list")
     results: list[GenerationResult | None] = [None] * n
+    index: dict[int, int] = {}  # id(session) -> its prompt
+
+    def fed(i: int) -> Session:
+        session = Session(engine, methods[i], budgets[i], protocol, seeds[i])
+        index[id(session)] = i
+        with session:
+            session.feed(ids[i])
+        return session
+
+    def done(session: Session) -> None:
+        i = index[id(session)]
+        results[i] = session.result()
+        if on_result is not None:
+            on_result(i, results[i])
+
     # one kernel per batch: the sequences run under the attention they would use alone
     groups: dict[bool, list[int]] = defaultdict(list)
     for i, m in enumerate(methods):
@@ -81,17 +103,15 @@ def generate_batch(
     for members in groups.values():
         size = batch_size or auto_batch_size(
             engine, [len(ids[i]) for i in members], settings.max_new_tokens, max(budgets[i] for i in members), protocol,
-            never_evicts=all(methods[i].never_evicts for i in members),
+            never_evicts=all(methods[i].never_evicts for i in members), limit=max_batch_size,
         )
-        for start in range(0, len(members), size):
-            chunk = members[start : start + size]
-            sessions = [Session(engine, methods[i], budgets[i], protocol, seeds[i]) for i in chunk]
-            for session, i in zip(sessions, chunk):
-                with session:
-                    session.feed(ids[i])
-            DecodeLoop(engine, sessions, settings).run()
-            for session, i in zip(sessions, chunk):
-                results[i] = session.result()
+        if min(size, len(members)) == 1:
+            for i in members:
+                DecodeLoop(engine, [fed(i)], settings, on_done=done).run()
+        else:  # continuous batching: a finished sequence's row goes to the next prompt waiting
+            waiting = iter(members[size:])
+            DecodeLoop(engine, [fed(i) for i in members[:size]], settings, on_done=done,
+                       refill=lambda: None if (i := next(waiting, None)) is None else fed(i)).run()
     return results
 
 
@@ -140,6 +160,7 @@ def auto_batch_size(
     protocol: Protocol | None = None,
     never_evicts: bool = False,
     available_bytes: int | None = None,
+    limit: int = MAX_AUTO_BATCH,
 ) -> int:
     """The largest batch whose KV cache and decode activations fit in 80% of the free memory.
 
@@ -148,7 +169,7 @@ def auto_batch_size(
     activations of one decode step: float32 logits over the vocabulary, the MLP's intermediate
     states and one attention row per query head. Free memory: ``available_bytes``, else the CUDA
     device's free memory, else the host's MemAvailable. At least 1, at most the number of prompts
-    (and :data:`MAX_AUTO_BATCH`)."""
+    (and ``limit``)."""
     if not prompt_tokens:
         return 1
     protocol = protocol or Protocol()
@@ -161,7 +182,7 @@ def auto_batch_size(
     if available_bytes is None:
         available_bytes = _free_memory(engine.device)
     fit = int(0.8 * available_bytes) // max(1, kv + activations)
-    return max(1, min(fit, len(prompt_tokens), MAX_AUTO_BATCH))
+    return max(1, min(fit, len(prompt_tokens), limit))
 
 
 def _free_memory(device: torch.device) -> int:

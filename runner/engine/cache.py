@@ -230,6 +230,14 @@ class BudgetedCache:
             return self._pos.expand(shape), self._prompt.expand(shape)
         return self._pos, self._prompt
 
+    def adopt(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hold each layer's K and V in ``layers``' tensors (``[1, H, capacity, d]``: rows of a batch's
+        slabs, ``decode.py``), holding what the cache holds now (the caller copied it there); they are
+        never reallocated from then on (``pinned``)."""
+        self.pinned = True
+        for layer, (keys, values) in zip(self.cache.layers, layers):
+            layer.bind(keys, values, self.length)
+
     def kv_bytes(self) -> int:
         """Bytes of the K/V entries held (slots x layers x heads x head dim x 2 x element size)."""
         if not self.bytes_per_slot:

@@ -16,7 +16,10 @@ written at slot ``n_i``, a 2D padding mask (slot <= ``n_i``) hides the rest of t
 positions are per row (the true position, or ``n_i`` under ``positions: compact``). No sequence
 attends to anything it would not attend to alone. SDPA and eager build their 4D mask from the 2D
 one; FlashAttention-2 unpads by it (varlen), so the same code runs under all three kernels. A
-finished sequence leaves at once: its row is dropped from the slabs.
+finished sequence leaves: its row is dropped from the slabs (or kept as padding, ``_retire``), or,
+under continuous batching (``refill``: ``generate_batch`` with more prompts than rows), taken by the
+next prompt waiting, fed alone between steps and copied into the row: the batch stays full while
+prompts wait, and keeps its shapes (a captured step replays).
 
 **Observe and evict.** After the forward pass, the methods observe and, where a cache is above B
 (+ the cadence's buffer), score: a method class serving one sequence through ``observe`` /
@@ -124,13 +127,20 @@ class DecodeLoop:
     no EOS or stop string). Every session must run under the same attention kernel."""
 
     def __init__(self, engine, sessions: list["Session"], settings: GenerationSettings,
-                 scripts: list[Script] | None = None):
-        self.engine, self.backend, self.sessions, self.settings = engine, engine.backend, sessions, settings
+                 scripts: list[Script] | None = None, refill: Callable[[], "Session | None"] | None = None,
+                 on_done: Callable[["Session"], None] | None = None):
+        self.engine, self.backend, self.sessions, self.settings = engine, engine.backend, list(sessions), settings
         self.scripts = scripts
+        #: continuous batching (``generate_batch``): called between steps, outside the batch's hooks,
+        #: for the next fed session to take a finished sequence's row (None: none is left). A sequence
+        #: that finished here is never fed again: its row goes to the next.
+        self.refill = refill
+        #: called with each session as its decode ends (its output appended)
+        self.on_done = on_done
+        if refill is not None and (scripts is not None or len(sessions) < 2):
+            raise KvleagueError("decode: refill takes a batch of two or more generated (not teacher-forced) sequences")
         self.device = engine.device
         self.attn = sessions[0].attn_implementation
-        if any(s.attn_implementation != self.attn for s in sessions):
-            raise KvleagueError("decode: the sessions of one batch run under one attention kernel")
         self.active = list(range(len(sessions)))  # slab row r holds sessions[active[r]]
         #: one sequence decodes on its own cache; several on shared slabs
         self.shared = len(sessions) > 1
@@ -140,28 +150,39 @@ class DecodeLoop:
         #: captured per batch size: dropping a row would mean capturing anew)
         self.pad_finished = self.shared and self.backend.pads_finished_rows
         self.rows = _Rows()
+        for s in sessions:
+            self._check_joins(s)
         self.logits = torch.stack([s.logits for s in sessions])  # every session was fed: its next token's logits
+        #: each session's tokens of this decode
+        self.tokens: dict[int, list[int]] = {i: [] for i in self.active}
         if self.shared:
-            for s in sessions:
-                if not all(isinstance(layer, SlabLayer) for layer in s.cache.cache.layers):
-                    raise KvleagueError("batched decode: every layer must be a full-attention layer (no sliding-window cache)")
-            self._build_slabs(self._initial_capacity())
-        # what the batch must observe: the union of what its methods need
-        needs = [s.method.needs for s in sessions if not s.method.never_evicts]
-        self.hidden_layers = sorted({layer for s in sessions if not s.method.never_evicts for layer in s.hidden_layers})
+            self._build_slabs(self._capacity_for(sessions))
+        self._watch()
+        self.stop_window = 4 * max((len(x) for x in settings.stop), default=0) + 8
+
+    def _check_joins(self, session: "Session") -> None:
+        if session.attn_implementation != self.attn:
+            raise KvleagueError("decode: the sessions of one batch run under one attention kernel")
+        if self.shared and not all(isinstance(layer, SlabLayer) for layer in session.cache.cache.layers):
+            raise KvleagueError("batched decode: every layer must be a full-attention layer (no sliding-window cache)")
+
+    def _watch(self) -> None:
+        """What the batch observes: the union of what its rows' methods need."""
+        evicting = [s for s in (self.sessions[i] for i in self.active) if not s.method.never_evicts]
+        needs = [s.method.needs for s in evicting]
+        self.hidden_layers = sorted({layer for s in evicting for layer in s.hidden_layers})
         self.hidden: dict[int, torch.Tensor] = {}
         wants = {k: any(getattr(n, k) for n in needs) for k in ("queries", "new_keys_values", "attention")}
-        self.recorder = BatchAttentionRecorder(engine.n_layers, **wants) if any(wants.values()) else None
-        self.stop_window = 4 * max((len(x) for x in settings.stop), default=0) + 8
+        self.recorder = BatchAttentionRecorder(self.engine.n_layers, **wants) if any(wants.values()) else None
 
     # -- the batched slabs ------------------------------------------------------------------------
 
-    def _initial_capacity(self) -> int:
-        """Slots per row: what the longest row can reach (evicting: B + buffer + the step's token;
-        otherwise every new token), so the slabs never grow in the usual case."""
-        longest = max(s.cache.length for s in self.sessions)
-        if all(not s.method.never_evicts for s in self.sessions):
-            return max(longest, max(s.budget + s.protocol.buffer for s in self.sessions)) + 1
+    def _capacity_for(self, sessions: list["Session"]) -> int:
+        """Slots per row: what the longest of ``sessions`` can reach (evicting: B + buffer + the step's
+        token; otherwise every new token), so the slabs never grow in the usual case."""
+        longest = max(s.cache.length for s in sessions)
+        if all(not s.method.never_evicts for s in sessions):
+            return max(longest, max(s.budget + s.protocol.buffer for s in sessions)) + 1
         return longest + self.settings.max_new_tokens
 
     def _build_slabs(self, capacity: int) -> None:
@@ -170,24 +191,24 @@ class DecodeLoop:
         # every layer's K and V in one tensor, so that an eviction moves the kept slots of all of them
         # with one gather (cache.evict_rows); zeros, not empty: a padded slot is masked, but 0 x NaN
         # garbage would still be NaN
-        kv = first.new_zeros((self.engine.n_layers, 2, n, first.shape[1], capacity, first.shape[-1]))
-        for l, (k, v) in enumerate(kv):
-            for r, i in enumerate(self.active):
-                layer = self.sessions[i].cache.cache.layers[l]
-                length = layer.keys.shape[-2]
-                k[r : r + 1, :, :length].copy_(layer.keys)
-                v[r : r + 1, :, :length].copy_(layer.values)
+        self.kv = first.new_zeros((self.engine.n_layers, 2, n, first.shape[1], capacity, first.shape[-1]))
+        self.capacity = capacity
+        for r in range(n):
+            self._copy_in(r)
         self.cache = self.backend.empty_batch_cache()
-        self.cache.layers = [self.backend.batch_layer(kv[l, 0], kv[l, 1], self.rows) for l in range(kv.shape[0])]
-        self.kv, self.capacity = kv, capacity
+        self.cache.layers = [self.backend.batch_layer(self.kv[l, 0], self.kv[l, 1], self.rows) for l in range(self.kv.shape[0])]
         self._bind_rows()
 
-    def _bind_rows(self) -> None:
-        for r, i in enumerate(self.active):
-            cache = self.sessions[i].cache
-            cache.pinned = True
-            for layer, batch_layer in zip(cache.cache.layers, self.cache.layers):
-                layer.bind(batch_layer.slab_k[r : r + 1], batch_layer.slab_v[r : r + 1], cache.length)
+    def _copy_in(self, r: int) -> None:
+        """Row ``r`` of the slabs takes what its session's own cache holds."""
+        for l, layer in enumerate(self.sessions[self.active[r]].cache.cache.layers):
+            length = layer.keys.shape[-2]
+            self.kv[l, 0, r : r + 1, :, :length].copy_(layer.keys)
+            self.kv[l, 1, r : r + 1, :, :length].copy_(layer.values)
+
+    def _bind_rows(self, rows: list[int] | None = None) -> None:
+        for r in range(len(self.active)) if rows is None else rows:
+            self.sessions[self.active[r]].cache.adopt([(layer.slab_k[r : r + 1], layer.slab_v[r : r + 1]) for layer in self.cache.layers])
 
     def _reslab(self, keep_rows: list[int] | None = None, capacity: int | None = None) -> None:
         """Drop the rows not in ``keep_rows`` and/or move to a larger capacity (one copy of the slabs)."""
@@ -210,9 +231,12 @@ class DecodeLoop:
     # -- running ----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Decode until every session stops."""
-        with self._observing():
-            self._loop()
+        """Decode until every session stops (and, with ``refill``, every session it hands over)."""
+        while True:
+            with self._observing():
+                waits = self._loop()
+            if not waits or not self._admit():
+                return
 
     def feed(self, token_ids: list[int]) -> None:
         """One step over given tokens, one per session (a previous decode's pending last token)."""
@@ -229,10 +253,11 @@ class DecodeLoop:
     def _on_hidden(self, layer: int, output: torch.Tensor) -> None:
         self.hidden[layer] = output
 
-    def _loop(self) -> None:
+    def _loop(self) -> bool:
+        """Decode; True when it stopped for sequences to take finished rows (``refill``), False when done."""
         settings, tokenizer, eos = self.settings, self.engine.tokenizer, self.engine.eos_ids
         clock = self.engine.clock
-        tokens: dict[int, list[int]] = {i: [] for i in self.active}
+        tokens = self.tokens
         while self.active:
             step_start = clock()
             live = [r for r in range(len(self.active)) if r not in self.dead]
@@ -274,15 +299,62 @@ class DecodeLoop:
                 if cuts:  # the completion ends before the first stop string, which it excludes (a special
                     text = text[: min(cuts)]  # token's, such as an end of turn that is no EOS, is skipped already)
                 self.sessions[i].outputs.append(DecodeOutput(own, text, reason))
+                if self.on_done is not None:
+                    self.on_done(self.sessions[i])
+            if len(keep_rows) < len(live) and self.refill is not None:
+                # the finished rows wait as padding for the next sequences, which are fed between steps
+                # (outside this loop's hooks); the others take their step first
+                self.dead.update(set(live) - set(keep_rows))
+                if keep_rows:
+                    self._timed_step([chosen[r] if r in keep_rows else 0 for r in range(len(self.active))], step_start)
+                return True
             if not keep_rows:
                 break
             if len(keep_rows) < len(live):
                 chosen = self._retire(keep_rows, chosen)
-            self.step(chosen)
-            took = clock() - step_start
-            for r, i in enumerate(self.active):
-                if r not in self.dead:
-                    self.sessions[i].step_seconds.append(took)
+            self._timed_step(chosen, step_start)
+        return False
+
+    def _timed_step(self, chosen: list[int], step_start: float) -> None:
+        self.step(chosen)
+        took = self.engine.clock() - step_start
+        for r, i in enumerate(self.active):
+            if r not in self.dead:
+                self.sessions[i].step_seconds.append(took)
+
+    def _admit(self) -> bool:
+        """Finished rows take the next fed sessions (``refill``), each its row's slots; False when no
+        sequence is left to decode. Once ``refill`` runs dry, the finished rows leave as ``_retire``
+        decides."""
+        placed = []
+        for r in sorted(self.dead):
+            session = self.refill()
+            if session is None:
+                self.refill = None
+                break
+            self._check_joins(session)
+            self.sessions.append(session)
+            self.tokens[len(self.sessions) - 1] = []
+            placed.append((r, len(self.sessions) - 1))
+        if placed:
+            capacity = self._capacity_for([self.sessions[i] for _, i in placed])
+            if capacity > self.capacity:
+                self._reslab(capacity=capacity)
+            self.logits = self.logits.clone()  # the finished sessions keep views of their rows' logits
+            for r, i in placed:
+                self.active[r] = i
+                self.dead.discard(r)
+                self._copy_in(r)
+                self.logits[r] = self.sessions[i].logits
+            self._bind_rows([r for r, _ in placed])
+            self._watch()
+        live = [r for r in range(len(self.active)) if r not in self.dead]
+        if not live:
+            return False
+        if self.dead and self.refill is None and not (self.pad_finished and 2 * len(live) >= len(self.active)):
+            self.dead = set()
+            self._reslab(live)
+        return True
 
     def _retire(self, keep_rows: list[int], chosen: list[int]) -> list[int]:
         """Rows whose sequence just finished leave the batch; returns the next step's tokens, one per

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvleague.runner.engine.backend import HFBackend
@@ -94,15 +96,19 @@ class Engine:
         settings: GenerationSettings | None = None,
         seeds: list[int] | None = None,
         batch_size: int | None = None,
+        on_result: Callable[[int, GenerationResult], None] | None = None,
+        max_batch_size: int = 64,
     ) -> list[GenerationResult]:
         """:meth:`generate` for many prompts, decoded ``batch_size`` at a time (``None``: what fits in
-        memory). ``methods[i]`` is prompt i's own instance, ``seeds[i]`` its seed (default 0),
-        ``budget`` one for all or ``budget[i]`` prompt i's. Result i equals ``generate(prompts[i],
+        memory, at most ``max_batch_size``), a finished sequence's row taken by the next prompt. ``methods[i]`` is prompt i's own
+        instance, ``seeds[i]`` its seed (default 0), ``budget`` one for all or ``budget[i]`` prompt i's;
+        ``on_result(i, result)`` is called as prompt i finishes. Result i equals ``generate(prompts[i],
         methods[i], budget[i], protocol, settings, seeds[i])`` in tokens and kept positions; see
         ``runner/engine/batch.py``."""
         from kvleague.runner.engine.batch import generate_batch  # batch.py builds on this module's sessions
 
-        return generate_batch(self, prompts, methods, budget, protocol, settings, seeds, batch_size)
+        return generate_batch(self, prompts, methods, budget, protocol, settings, seeds, batch_size, on_result,
+                              max_batch_size)
 
     # -- for users above the engine: what the backend is, and whole-sequence passes -----------------
 

@@ -155,6 +155,12 @@ class SlabStore(BudgetedCache):
         self.kv, self._kv_views = kv, [layer.buffers for layer in layers]
         return True
 
+    def adopt(self, layers) -> None:
+        """As ``BudgetedCache.adopt``; the slabs of its own are let go (a finished sequence of a
+        continuous batch would otherwise keep its prefill's slabs until the batch ends)."""
+        super().adopt(layers)
+        self.kv, self._kv_views = None, []
+
     def slabs(self) -> torch.Tensor | None:
         """``kv`` while every layer's slabs are still its views (a batched decode rebinds them to its
         own slabs' rows), else None."""

@@ -133,15 +133,16 @@ class CellWorker:
         row["wall_seconds"] = time.perf_counter() - start
         return row
 
-    def run_group(self, cells: list[Cell]) -> list[dict[str, Any]]:
-        """Run cells that decode together (``grid.batches``) in batches that fit in memory
-        (``Engine.generate_batch``); one row per cell, in order. A group of one, one with an injected
-        failure, or one whose batch raised runs cell by cell, so every failure lands on its own cell."""
+    def run_group(self, cells: list[Cell], batch_size: int | str = "auto") -> list[dict[str, Any]]:
+        """Run cells that decode together (``grid.batches``), ``batch_size`` rows at a time (the sweep's;
+        ``auto``: what fits in memory, at most ``grid.AUTO_BATCH_LIMIT``), a finished row taken by the
+        next cell (``Engine.generate_batch``); one row per cell, in order. A group of one, one with an
+        injected failure, or one whose batch raised runs cell by cell, so every failure lands on its own cell."""
         if len(cells) == 1 or any(_matches(c, rule) for c in cells for rule in self.inject_failures):
             return [self.run(c) for c in cells]
         start = time.perf_counter()
         try:
-            rows = self._run_batch(cells)
+            rows = self._run_batch(cells, batch_size)
         except Exception:  # noqa: BLE001 - retried cell by cell, where each failure is recorded alone
             free_accelerator_memory()
             return [self.run(c) for c in cells]
@@ -152,9 +153,10 @@ class CellWorker:
         """What every row of this worker starts with: the cell it is for and where it ran."""
         return {"cell_key": cell.key, "worker": self.worker, "environment": self.env}
 
-    def _run_batch(self, cells: list[Cell]) -> list[dict[str, Any]]:
+    def _run_batch(self, cells: list[Cell], batch_size: int | str) -> list[dict[str, Any]]:
         from kvleague.methods.registry import build_method
         from kvleague.runner.sample import run_samples
+        from kvleague.runner.sweeping.grid import AUTO_BATCH_LIMIT
 
         first = cells[0]
         engine = self._engine_for(first.model)
@@ -162,7 +164,8 @@ class CellWorker:
             return self._run_fidelity_batch(cells, engine)
         runs = run_samples(engine, self._task(first.task, first.task_options), [c.sample for c in cells],
                            [build_method(c.method, c.params) for c in cells], first.budget,
-                           first.protocol, _settings(first), [c.gen_seed for c in cells])
+                           first.protocol, _settings(first), [c.gen_seed for c in cells],
+                           rows=None if batch_size == "auto" else int(batch_size), max_rows=AUTO_BATCH_LIMIT)
         return [_generation_row(run.score, run.generation, run.completion, {**run.details, "batch": {"cells": len(cells)}}, engine)
                 for run in runs]
 

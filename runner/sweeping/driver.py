@@ -179,7 +179,7 @@ class SweepRunner:
             progress.update(counts["ok"] + counts["failed"], counts["failed"])
 
         try:
-            self.scheduler.run(batches(pending, self.config.batch_size), record, tick)
+            self.scheduler.run(batches(pending, self.config.batch_size), record, tick, self.config.batch_size)
         finally:
             writer.flush(force=True)
             progress.close()

@@ -221,6 +221,10 @@ def load_tokenizer(model_spec: str):
 
 #: the most cells one batch takes under ``batch_size: auto`` (the worker then fits it to memory)
 AUTO_BATCH_LIMIT = 16
+#: a plain task's generation group holds this many batches' cells: its worker decodes ``batch_size``
+#: rows at a time and a finished row takes the next cell waiting (continuous batching), so the group
+#: is not held to the longest sequence of each batch
+QUEUED_BATCHES = 4
 
 
 def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
@@ -232,10 +236,12 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     full-cache pass serves the group and its answers are teacher-forced together; scored on
     self-generated traces, it holds whole samples (at least ``batch_size`` cells, a sample never split,
     so every cell of a sample sees the one trace), whose traces decode together. At most
-    ``batch_size`` cells a group (``auto``: :data:`AUTO_BATCH_LIMIT`). Episodes group as generation
-    cells do (their decodes batched round by round, ``runner.sample.run_samples``); an episode's
-    fidelity cells against a reference agent stay alone (multi-segment teacher forcing: batch 1).
-    Each group stands where its first cell stood."""
+    ``batch_size`` cells a group (``auto``: :data:`AUTO_BATCH_LIMIT`), except a plain task's
+    generation group: :data:`QUEUED_BATCHES` times that, decoded ``batch_size`` rows at a time, a
+    finished row taken by the next cell (``CellWorker.run_group``). Episodes group as generation cells
+    do, ``batch_size`` at most (their decodes batched round by round, ``runner.sample.run_samples``);
+    an episode's fidelity cells against a reference agent stay alone (multi-segment teacher forcing:
+    batch 1). Each group stands where its first cell stood."""
     from kvleague.tasks.episode import EpisodicTask
     from kvleague.tasks.registry import task_class
 
@@ -260,8 +266,9 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
         else:
             key = canonical_json([cell.model, cell.method, cell.params, cell.budget, cell.task, cell.task_options,
                                   cell.dims["protocol"], cell.generation, cell.seed])
+        most = limit * QUEUED_BATCHES if cell.measure != "fidelity" and not episodic[cell.task] else limit
         group = open_groups.get(key)
-        if group is None or (len(group) >= limit and not (self_trace and group[-1].sample_id == cell.sample_id)):
+        if group is None or (len(group) >= most and not (self_trace and group[-1].sample_id == cell.sample_id)):
             group = open_groups[key] = []
             groups.append(group)
         group.append(cell)

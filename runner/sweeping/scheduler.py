@@ -154,8 +154,10 @@ class Scheduler:
 
     # -- run ------------------------------------------------------------------------------------
 
-    def run(self, groups: list[list[Cell]], record: Callable[[Cell, dict[str, Any]], None], tick: Callable[[], None]) -> None:
-        """Run every group of cells (``grid.batches``: cells that decode together) on one actor;
+    def run(self, groups: list[list[Cell]], record: Callable[[Cell, dict[str, Any]], None], tick: Callable[[], None],
+            batch_size: int | str = "auto") -> None:
+        """Run every group of cells (``grid.batches``: cells that decode together, ``batch_size`` rows
+        at a time) on one actor;
         ``record(cell, row)`` for each result, ``tick()`` about once a second. A group whose actor died
         comes back as single cells, so a cell that kills its worker is found and fails alone."""
         self.init_ray()  # first: it sets the environment Ray reads once, at import
@@ -200,7 +202,7 @@ class Scheduler:
             record(cell, {"cell_key": cell.key, "status": "failed", "error": error})
 
         def send(slot: int, group: list[Cell]) -> None:
-            ref = self.actors[slot].run_group.remote(group)
+            ref = self.actors[slot].run_group.remote(group, batch_size)
             inflight[ref] = (slot, group)
             if not running[slot]:
                 since[slot] = time.monotonic()
