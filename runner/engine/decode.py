@@ -200,8 +200,14 @@ class DecodeLoop:
         self._bind_rows()
 
     def _copy_in(self, r: int) -> None:
-        """Row ``r`` of the slabs takes what its session's own cache holds."""
-        for l, layer in enumerate(self.sessions[self.active[r]].cache.cache.layers):
+        """Row ``r`` of the slabs takes what its session's own cache holds (one copy where the store
+        keeps every layer in one tensor, the slab backend's; else two per layer)."""
+        cache = self.sessions[self.active[r]].cache
+        own = cache.slabs()  # [L, 2, 1, H, capacity, d] or None
+        if own is not None:
+            self.kv[:, :, r : r + 1, :, : cache.length].copy_(own[:, :, :, :, : cache.length])
+            return
+        for l, layer in enumerate(cache.cache.layers):
             length = layer.keys.shape[-2]
             self.kv[l, 0, r : r + 1, :, :length].copy_(layer.keys)
             self.kv[l, 1, r : r + 1, :, :length].copy_(layer.values)
