@@ -89,11 +89,13 @@ def run_one(args) -> dict:
     for m in methods:
         chunked, continuous = results[(m, "chunked")], results[(m, "continuous")]
         same = all(a["outcome"] == b["outcome"] for a, b in zip(chunked, continuous))
-        tps = {way: h.median(r["generated"] / r["seconds"] for r in results[(m, way)]) for way in ("chunked", "continuous")}
+        per_round = {way: [r["generated"] / r["seconds"] for r in results[(m, way)]] for way in ("chunked", "continuous")}
+        tps = {way: h.median(values) for way, values in per_round.items()}
         speedup = h.ratio(tps["continuous"], tps["chunked"])
         lengths = chunked[0]["lengths"]
         table.append({"method": m, "tokens_per_second_chunked": tps["chunked"], "tokens_per_second_continuous": tps["continuous"],
                       "speedup": speedup, "same_sequences": same, "generated_tokens": sum(lengths),
+                      "rounds_chunked": per_round["chunked"], "rounds_continuous": per_round["continuous"],
                       "mean_over_longest": sum(lengths) / len(lengths) / max(1, max(lengths))})
         for way in ("chunked", "continuous"):
             figures.append(h.figure("batch_tokens_per_second", tps[way], "tokens/s", method=m, budget=budget, runner=way, **common))
