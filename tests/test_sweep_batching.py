@@ -8,7 +8,7 @@ import pytest
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.sweep_config import parse_config
 from kvleague.runner.sweeping.cell import CellWorker
-from kvleague.runner.sweeping.grid import AUTO_BATCH_LIMIT, QUEUED_BATCHES, batches, expand
+from kvleague.runner.sweeping.grid import AUTO_BATCH_LIMIT, QUEUED_BATCHES, batches, expand, spread
 
 
 def config(model, tmp_path, **over) -> dict:
@@ -45,6 +45,23 @@ def test_batches_group_a_cells_samples_and_keep_episode_fidelity_alone(tiny_mode
     assert [g[0].key for g in fidelity] == [c.key for c in cells if c.measure == "fidelity"]
     assert all(len(g) == 1 for g in batches(cells, 1))
     assert max(len(g) for g in batches(cells, "auto")) == min(5, AUTO_BATCH_LIMIT)
+
+
+def test_queued_groups_split_back_while_workers_would_idle(tiny_models, tmp_path):
+    """A plain task's generation groups queue four batches (continuous batching), but a sweep with
+    fewer groups than workers splits them back at batch boundaries, so no worker idles; other groups
+    (episodes, fidelity) never split, and every cell stays once, in order within its group."""
+    cells = [c for c in expand(parse_config(config(tiny_models["llama"], tmp_path))).cells if c.measure == "generation"]
+    groups = batches(cells, 2)
+    gsm8k = [g for g in groups if g[0].task == "gsm8k"]
+    assert [len(g) for g in gsm8k] == [5] * 4  # 5 samples <= 2 x QUEUED_BATCHES
+    assert spread(groups, 2, 1) == groups and spread(groups, 2, len(groups)) == groups
+    wide = spread(groups, 2, len(groups) + 4)
+    assert len(wide) == len(groups) + 4
+    assert [c.key for g in wide for c in g] == [c.key for g in groups for c in g]
+    split = spread(groups, 2, 10 * len(cells))  # as many workers as wanted: every queued group down to batches
+    assert sorted(len(g) for g in split if g[0].task == "gsm8k") == sorted([2, 2, 1] * 4)
+    assert [g for g in split if g[0].task != "gsm8k"] == [g for g in groups if g[0].task != "gsm8k"]
 
 
 def test_batch_size_is_checked_at_the_edge_and_not_hashed(tiny_models, tmp_path):

@@ -82,7 +82,7 @@ class FakeRay(types.ModuleType):
 
 def run_sweep(monkeypatch, steps: list[list[int]], workers: int, in_flight: int):
     """Groups of cells with the given step counts, on ``workers`` simulated actors; (ray, rows recorded)."""
-    groups = [[types.SimpleNamespace(key=f"g{g}c{i}", steps=s, attempts=0) for i, s in enumerate(group)]
+    groups = [[types.SimpleNamespace(key=f"g{g}c{i}", steps=s, attempts=0, measure="generation") for i, s in enumerate(group)]
               for g, group in enumerate(steps)]
     ray = FakeRay(sum(len(g) for g in groups))
     monkeypatch.setitem(sys.modules, "ray", ray)
@@ -128,3 +128,12 @@ def test_no_worker_idles_while_another_has_a_queue(monkeypatch, seed):
     assert sorted(r["cell_key"] for r in rows) == sorted(f"g{g}c{i}" for g, group in enumerate(steps) for i in range(len(group)))
     ran = [key for a in ray.actors for group in a.ran for key in group]
     assert sorted(ran) == sorted(r["cell_key"] for r in rows)  # no group ran twice
+
+
+def test_a_queued_group_is_split_back_so_that_workers_do_not_idle(monkeypatch):
+    """One plain generation group of 40 cells (four batches queued, continuous batching) on four
+    workers: split back at batch boundaries (``auto``: 16), so three workers share it, not one."""
+    ray, rows = run_sweep(monkeypatch, [[1] * 40], workers=4, in_flight=1)
+    assert sorted(len(call) for a in ray.actors for call in a.ran) == [8, 16, 16]
+    assert len(ray.actors) == 3 and all(len(a.ran) == 1 for a in ray.actors)
+    assert len(rows) == 40 and not ray.violations

@@ -227,6 +227,22 @@ AUTO_BATCH_LIMIT = 16
 QUEUED_BATCHES = 4
 
 
+def spread(groups: list[list[Cell]], batch_size: int | str, workers: int) -> list[list[Cell]]:
+    """``groups`` with queued generation groups (longer than one batch, :data:`QUEUED_BATCHES`) split
+    back, largest first, at multiples of ``batch_size``, while there are fewer groups than
+    ``workers``: a small sweep keeps every worker busy rather than queueing on a few."""
+    limit = AUTO_BATCH_LIMIT if batch_size == "auto" else int(batch_size)
+    groups = list(groups)
+    while len(groups) < workers:
+        at = max(range(len(groups)), key=lambda i: len(groups[i]) if groups[i][0].measure == "generation" else 0, default=None)
+        if at is None or groups[at][0].measure != "generation" or len(groups[at]) <= limit:
+            break
+        group = groups[at]
+        cut = limit * -(-len(group) // limit // 2) if len(group) > 2 * limit else limit
+        groups[at : at + 1] = [group[:cut], group[cut:]]
+    return groups
+
+
 def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     """``cells`` as the groups a worker decodes together (``CellWorker.run_group``).
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.sweeping.cell import CellWorker, error_text
-from kvleague.runner.sweeping.grid import Cell
+from kvleague.runner.sweeping.grid import Cell, spread
 
 #: environment variables a worker gets from the driver (offline mode, caches, data)
 FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "KVLEAGUE_DATA_DIR",
@@ -165,6 +165,7 @@ class Scheduler:
 
         died_errors, task_error = ray_exceptions()
         res = self.res
+        groups = spread(groups, batch_size, self.plan_workers(sum(len(g) for g in groups))[0])
         n_workers, self.cpus_per, gpus_per = self.plan_workers(len(groups))
         self.options = self.actor_options(self.cpus_per, gpus_per)
         self.actors = [self.new_actor() for _ in range(n_workers)]
