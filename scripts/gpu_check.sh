@@ -23,7 +23,10 @@
 #   speed      `bench speed` at B = 256 for six methods, both backends;
 #   kvpress    the engine against kvpress's DecodingPress, B = 256;
 #   cudnn      the first-pass figure with SDPA's cuDNN kernel allowed (what the engine turns off, and why);
-#   context    the longest context that fits 8 GiB for full, knorm and snapkv.
+#   context    the longest context that fits 8 GiB for full, knorm and snapkv;
+#   refill     continuous batching against fixed chunks: 96 random prompts of 200-400 tokens, 32 rows,
+#              B = 200, up to 128 new, an EOS token that spreads the lengths (`--eos-token auto`),
+#              full and epikv on the slab backend (not among the default steps: GPU_CHECK_STEPS=refill).
 # Wall clock with the device synchronized; each step under its own time limit. Everything lands in
 # OUT_DIR: one log and one JSON report per step, and summary.txt (step, exit code, seconds). First,
 # the GPU's device-to-device copy bandwidth goes to bandwidth.json; last, step `targets` (`kvleague
@@ -91,6 +94,8 @@ wants speed && bench speed 150 speed --budgets 256 --gen-factor 1 --methods epik
 wants kvpress && bench kvpress 120 kvpress --budgets 256 --new-tokens 128 --rounds 1 --clock wall "${both[@]}"
 wants cudnn && bench generate-cudnn 90 generate --prompt-tokens 256 --new-tokens 64 --rounds 1 --clock wall --cudnn-attention
 wants context && bench context 150 context --methods full knorm snapkv --memory-gib 8 --max-tokens 16384 --probe-timeout 60
+wants refill && bench refill 180 refill --task random --prompt-tokens 400 --samples 96 --batch-size 32 --budget 200 \
+  --new-tokens 128 --eos-token auto --methods full,epikv --clock wall --backend slab
 [[ $steps == " tests " ]] || step targets 60 "$PY" -m kvleague.runner.cli bench targets "$out"
 
 echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo some steps FAILED); reports in $out/"

@@ -89,9 +89,8 @@ def test_bench_refill_decodes_fixed_chunks_and_continuously_with_the_same_sequen
     """``kvleague bench refill``: a task's prompts in fixed chunks of three rows and continuously (a
     finished row taken by the next prompt), per method; an EOS the model emits makes the lengths differ,
     and every sequence comes out the same both ways."""
-    import torch
-
     from kvleague.methods import build_method
+    from kvleague.runner.bench.refill import spreading_token
     from kvleague.runner.engine.protocol import GenerationSettings
     from kvleague.runner.models import load_engine
     from kvleague.tasks.registry import build_task
@@ -99,11 +98,14 @@ def test_bench_refill_decodes_fixed_chunks_and_continuously_with_the_same_sequen
     engine = load_engine(str(tiny_models["llama"]))
     engine.eos_ids = set()
     prompts = [build_task("gsm8k").build_prompt(s, engine.tokenizer) for s in build_task("gsm8k").load()[:6]]
-    free = engine.generate_batch(prompts, [build_method("full") for _ in prompts], 64, None, GenerationSettings(max_new_tokens=12))
-    eos = int(torch.bincount(torch.tensor([t for r in free for t in r.token_ids[1:]])).argmax())
+    eos = spreading_token(engine, prompts, 12, 3)  # auto: a token the full-cache decodes emit, first at spread steps
+    free = engine.generate_batch(prompts, [build_method("full") for _ in prompts], 200, None, GenerationSettings(max_new_tokens=12))
+    firsts = [r.token_ids.index(eos) + 1 if eos in r.token_ids else 12 for r in free]
+    assert len(set(firsts)) > 1 and min(firsts) < 12
     _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--samples", "6", "--batch-size", "3", "--budget", "48",
-          "--new-tokens", "12", "--eos-token", str(eos), "--methods", "full,h2o", "--threads", "1", "--json", str(tmp_path / "r.json")])
+          "--new-tokens", "12", "--eos-token", "auto", "--methods", "full,h2o", "--threads", "1", "--json", str(tmp_path / "r.json")])
     report = h.read_report(tmp_path / "r.json")
+    assert report["config"]["eos_tokens"] == [eos]
     assert report["benchmark"] == "refill" and [r["method"] for r in report["rows"]] == ["full", "h2o"]
     for row in report["rows"]:
         assert row["same_sequences"] and row["tokens_per_second_chunked"] > 0 and row["tokens_per_second_continuous"] > 0
@@ -112,3 +114,11 @@ def test_bench_refill_decodes_fixed_chunks_and_continuously_with_the_same_sequen
     assert "continuous tok/s" in capsys.readouterr().out
     with pytest.raises(KvleagueError, match=r"^task: 'kv_agent' is episodic; allowed: a plain task"):
         _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--task", "kv_agent"])
+    with pytest.raises(KvleagueError, match=r"^eos_token: got 'x'; allowed: a token id \(a non-negative integer\) or auto$"):
+        _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--eos-token", "x"])
+    # random prompts (the GPU check's step, which has no task data): a spreading EOS, both ways the same
+    _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--task", "random", "--prompt-tokens", "24", "--samples", "5",
+          "--batch-size", "2", "--budget", "16", "--new-tokens", "10", "--eos-token", "auto", "--methods", "epikv", "--threads", "1",
+          "--json", str(tmp_path / "random.json")])
+    report = h.read_report(tmp_path / "random.json")
+    assert all(12 <= n <= 24 for n in report["config"]["prompt_tokens"]) and report["rows"][0]["same_sequences"]

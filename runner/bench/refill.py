@@ -2,13 +2,16 @@
 (each chunk held to its longest sequence, as batching ran before) and continuously (a finished row
 taken by the next prompt waiting, ``Engine.generate_batch``), per method.
 
-Both ways decode the same prompts (the task's first ``--samples``, built as a sweep builds them) under
+Both ways decode the same prompts (the task's first ``--samples``, built as a sweep builds them; or,
+``--task random``, random token ids of ``--prompt-tokens`` / 2 to ``--prompt-tokens`` each) under
 the same method, budget and settings, alternating round by round on one clock (``--clock``), in one
 process. Reported per method: generated tokens per second each way (wall time of the whole group:
 prefill and decode), their ratio, the lengths' mean / longest (how much a fixed chunk waits), and
 whether every sequence came out the same (tokens, kept positions; each equals it alone up to float
 rounding of the batched kernels). The gain needs lengths that differ: a real model ends at its own
-EOS; a random-weight one rarely does, and ``--eos-token`` names a token that also ends a sequence.
+EOS; a random-weight one rarely does, and ``--eos-token`` names a token that also ends a sequence
+(``auto``: the token whose first appearance, in a full-cache decode of the same prompts, spreads the
+lengths most evenly: mean / longest nearest 0.5).
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from kvleague.runner.bench.cli import add_backend
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_backend(p)
-    p.add_argument("--task", default="gsm8k", help="a plain (not episodic) task (default gsm8k)")
+    p.add_argument("--task", default="gsm8k", help="a plain (not episodic) task (default gsm8k), or random (random prompts)")
+    p.add_argument("--prompt-tokens", type=int, default=400, help="--task random: the longest prompt (default 400)")
     p.add_argument("--samples", type=int, default=None, help="prompts (default 32; quick 8)")
     p.add_argument("--batch-size", type=int, default=None, help="rows decoded together (default 8; quick 4)")
     p.add_argument("--methods", default="full,epikv", help="comma-separated method names")
     p.add_argument("--budget", type=int, default=None, help="KV budget (default 256; quick 96)")
     p.add_argument("--new-tokens", type=int, default=None, help="most new tokens per sequence (default 256; quick 32)")
-    p.add_argument("--eos-token", type=int, action="append", default=[], help="a token id that also ends a sequence (repeatable)")
+    p.add_argument("--eos-token", action="append", default=[],
+                   help="a token id that also ends a sequence, or auto (one that spreads the lengths); repeatable")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds (the median is reported)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="wall")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, or 1 with the cpu clock)")
@@ -45,6 +50,39 @@ def _decode(engine, prompts, method: str, budget: int, settings, rows: int, cloc
             "lengths": [r.generated_tokens for r in results], "outcome": [(r.token_ids, r.kept_positions) for r in results]}
 
 
+def _eos_tokens(values: list[str]) -> tuple[set[int], bool]:
+    """``--eos-token`` values: the token ids, and whether ``auto`` was asked for."""
+    from kvleague.runner.engine.errors import KvleagueError
+
+    for value in values:
+        if value != "auto" and not value.isdigit():
+            raise KvleagueError(f"eos_token: got {value!r}; allowed: a token id (a non-negative integer) or auto")
+    return {int(v) for v in values if v != "auto"}, "auto" in values
+
+
+def spreading_token(engine, prompts, new_tokens: int, rows: int) -> int:
+    """The token whose first appearance in each prompt's full-cache greedy decode (EOS off, ``new_tokens``
+    long) gives lengths with mean / longest nearest 0.5, among the 32 commonest tokens of those decodes."""
+    from collections import Counter
+
+    from kvleague.methods import build_method
+    from kvleague.runner.engine.protocol import GenerationSettings
+
+    eos, engine.eos_ids = engine.eos_ids, set()
+    try:
+        room = max(len(p) for p in prompts) + new_tokens
+        decodes = [r.token_ids for r in engine.generate_batch(prompts, [build_method("full") for _ in prompts], room, None,
+                                                              GenerationSettings(max_new_tokens=new_tokens), batch_size=rows)]
+    finally:
+        engine.eos_ids = eos
+
+    def spread(token: int) -> float:
+        lengths = [d.index(token) + 1 if token in d else len(d) for d in decodes]
+        return abs(sum(lengths) / len(lengths) / max(lengths) - 0.5)
+
+    return min((t for t, _ in Counter(t for d in decodes for t in d).most_common(32)), key=spread)
+
+
 def run(args) -> dict:
     """The benchmark on each ``--backend`` in turn (``harness.across_backends``)."""
     from kvleague.runner.bench import harness as h
@@ -53,6 +91,8 @@ def run(args) -> dict:
 
 
 def run_one(args) -> dict:
+    import torch
+
     from kvleague.runner.bench import harness as h
     from kvleague.runner.engine.errors import KvleagueError
     from kvleague.runner.engine.protocol import GenerationSettings
@@ -69,18 +109,27 @@ def run_one(args) -> dict:
     if rows < 1 or n < 1:
         raise KvleagueError(f"batch_size / samples: got {rows} / {n}; allowed: positive integers")
     methods = [m for m in args.methods.split(",") if m]
-    task = build_task(args.task)
+    task = None if args.task == "random" else build_task(args.task)
     if isinstance(task, EpisodicTask):
-        raise KvleagueError(f"task: {args.task!r} is episodic; allowed: a plain task such as gsm8k (episodes: kvleague bench episodes)")
+        raise KvleagueError(f"task: {args.task!r} is episodic; allowed: a plain task such as gsm8k, or random (episodes: kvleague bench episodes)")
+    if task is None and args.prompt_tokens < 2:
+        raise KvleagueError(f"prompt_tokens: got {args.prompt_tokens}; allowed: an integer >= 2")
+    eos_tokens, auto = _eos_tokens(args.eos_token)
     source, engine, label = h.bench_engine(args)
     engine.clock = clock.now
-    engine.eos_ids = set(engine.backend.eos_ids) | set(args.eos_token)  # (bench_engine turned EOS off)
-    prompts = [task.build_prompt(sample, engine.tokenizer) for sample in task.load()[:n]]
+    if task is None:
+        lengths = torch.randint(args.prompt_tokens // 2, args.prompt_tokens + 1, (n,), generator=torch.Generator().manual_seed(0))
+        prompts = [h.random_prompt(int(length), seed=i) for i, length in enumerate(lengths)]
+    else:
+        prompts = [task.build_prompt(sample, engine.tokenizer) for sample in task.load()[:n]]
+    if auto:
+        eos_tokens.add(spreading_token(engine, prompts, new_tokens, rows))
+    engine.eos_ids = set(engine.backend.eos_ids) | eos_tokens  # (bench_engine turned EOS off)
     settings = GenerationSettings(max_new_tokens=new_tokens)
     env = h.environment()
     print(f"continuous batching: {label}; task {args.task}, {len(prompts)} prompts, {rows} rows, budget {budget}, at most "
-          f"{new_tokens} new tokens, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}",
-          flush=True)
+          f"{new_tokens} new tokens, methods {methods}, also ending at {sorted(eos_tokens) or 'nothing else'}; "
+          f"clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
     runs = {(m, way): (lambda m=m, way=way: _decode(engine, prompts, m, budget, settings, rows, clock, way == "continuous"))
             for m in methods for way in ("chunked", "continuous")}
     results = h.alternate(runs, args.rounds, warmup=0)
@@ -102,7 +151,8 @@ def run_one(args) -> dict:
         figures.append(h.figure("continuous_batching_speedup", speedup, "x", method=m, budget=budget, reference="chunked",
                                 same_sequences=same, **common))
     config = {"model": source, "model_label": label, "task": args.task, "prompts": len(prompts), "rows": rows, "budget": budget,
-              "new_tokens": new_tokens, "methods": methods, "eos_tokens": args.eos_token, "rounds": args.rounds,
+              "prompt_tokens": [len(p) for p in prompts] if task is None else None,
+              "new_tokens": new_tokens, "methods": methods, "eos_tokens": sorted(eos_tokens), "rounds": args.rounds,
               "clock": args.clock, "threads": threads, "quick": args.quick}
     summary = {"speedup": {r["method"]: r["speedup"] for r in table},
                "same_sequences": {r["method"]: r["same_sequences"] for r in table}, "engine": engine.describe()}
