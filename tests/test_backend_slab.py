@@ -330,6 +330,17 @@ def test_a_sequence_bound_to_a_batch_row_lets_its_own_slabs_go(pairs, prompts):
     assert all(r() is None for r in own)
     loop.run()
     assert all(len(s.generated) == 3 for s in sessions)
+    # continuous batching: a finished sequence whose row the next prompt took is let go whole
+    waiting = [Session(slab, build_method("h2o"), BUDGET, Protocol(), 0) for _ in range(2)]
+    for session, prompt in zip(waiting, prompts[1:]):
+        with session:
+            session.feed(prompt)
+    finished = [weakref.ref(s) for s in sessions]
+    loop = DecodeLoop(slab, sessions, GenerationSettings(max_new_tokens=3), refill=lambda: waiting.pop() if waiting else None)
+    del sessions, session
+    loop.run()
+    gc.collect()
+    assert all(r() is None for r in finished) and not waiting
 
 
 def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pairs, prompts):

@@ -233,8 +233,10 @@ class BudgetedCache:
     def adopt(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hold each layer's K and V in ``layers``' tensors (``[1, H, capacity, d]``: rows of a batch's
         slabs, ``decode.py``), holding what the cache holds now (the caller copied it there); they are
-        never reallocated from then on (``pinned``)."""
+        never reallocated from then on (``pinned``). The scratch of its own evictions is let go too (a
+        batch's evictions gather for all rows at once)."""
         self.pinned = True
+        self._scratch = self._scratch_last = None
         for layer, (keys, values) in zip(self.cache.layers, layers):
             layer.bind(keys, values, self.length)
 

@@ -129,7 +129,10 @@ class DecodeLoop:
     def __init__(self, engine, sessions: list["Session"], settings: GenerationSettings,
                  scripts: list[Script] | None = None, refill: Callable[[], "Session | None"] | None = None,
                  on_done: Callable[["Session"], None] | None = None):
-        self.engine, self.backend, self.sessions, self.settings = engine, engine.backend, list(sessions), settings
+        self.engine, self.backend, self.settings = engine, engine.backend, settings
+        #: every session the loop has decoded, by index (``active`` maps rows to them); one whose row a
+        #: refill took is None
+        self.sessions: list["Session | None"] = list(sessions)
         self.scripts = scripts
         #: continuous batching (``generate_batch``): called between steps, outside the batch's hooks,
         #: for the next fed session to take a finished sequence's row (None: none is left). A sequence
@@ -161,6 +164,8 @@ class DecodeLoop:
         self.stop_window = 4 * max((len(x) for x in settings.stop), default=0) + 8
 
     def _check_joins(self, session: "Session") -> None:
+        if session.logits is None:
+            raise KvleagueError("decode: every session of a batch must be fed a prompt first")
         if session.attn_implementation != self.attn:
             raise KvleagueError("decode: the sessions of one batch run under one attention kernel")
         if self.shared and not all(isinstance(layer, SlabLayer) for layer in session.cache.cache.layers):
@@ -348,6 +353,10 @@ class DecodeLoop:
                 self._reslab(capacity=capacity)
             self.logits = self.logits.clone()  # the finished sessions keep views of their rows' logits
             for r, i in placed:
+                # the finished sequence is let go (its result was taken when it ended): a group's finished
+                # sessions would otherwise hold their methods' state until the loop ends
+                self.sessions[self.active[r]] = None
+                self.tokens.pop(self.active[r], None)
                 self.active[r] = i
                 self.dead.discard(r)
                 self._copy_in(r)
