@@ -59,12 +59,12 @@ def _episode_run(episode, generation) -> SampleRun:
 
 
 def run_samples(engine, task, samples, methods, budget: int, protocol, settings, seeds,
-                rows: int | None = None, max_rows: int = 64) -> list[SampleRun]:
+                rows: int | None = None, max_rows: int | None = None) -> list[SampleRun]:
     """:func:`run_sample` for several samples, decoded together (``methods[i]`` and ``seeds[i]`` are
     sample i's): a plain task's by :meth:`Engine.generate_batch`, ``rows`` at a time (None: what fits
-    in memory, at most ``max_rows``), a finished row taken by the next sample; an episodic task's
-    episodes each played by its own driver, all their decodes batched round by round
-    (``runner.engine.batch.drive_sessions``). Each sequence decodes as it would alone."""
+    in memory, at most ``max_rows``, by default the engine's most), a finished row taken by the next
+    sample; an episodic task's episodes each played by its own driver, all their decodes batched round
+    by round (``runner.engine.batch.drive_sessions``). Each sequence decodes as it would alone."""
     if isinstance(task, EpisodicTask):
         return _run_episodes(engine, task, samples, methods, budget, protocol, settings, seeds)
     prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]

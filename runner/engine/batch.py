@@ -50,7 +50,7 @@ def generate_batch(
     seeds: Sequence[int] | None = None,
     batch_size: int | None = None,
     on_result: Callable[[int, GenerationResult], None] | None = None,
-    max_batch_size: int = MAX_AUTO_BATCH,
+    max_batch_size: int | None = None,
 ) -> list[GenerationResult]:
     """Generate a completion for every prompt; result i is what ``engine.generate(prompts[i],
     methods[i], budgets[i], protocol, settings, seeds[i])`` returns (same tokens and kept positions,
@@ -61,7 +61,7 @@ def generate_batch(
     ``budget``: one for all, or one per prompt (budgets relative to each prompt, resolved by
     ``Protocol.for_prompt``). ``seeds``: one per prompt (default 0 each, as ``generate``).
     ``batch_size``: sequences decoded together; ``None`` = :func:`auto_batch_size` (what fits in memory,
-    at most ``max_batch_size``).
+    at most ``max_batch_size``, default :data:`MAX_AUTO_BATCH`).
     ``on_result(i, result)``: called as sequence i finishes (progress, partial output)."""
     n = len(prompts)
     if len(methods) != n:
@@ -91,7 +91,7 @@ def generate_batch(
         return session
 
     def done(session: Session) -> None:
-        i = index[id(session)]
+        i = index.pop(id(session))
         results[i] = session.result()
         if on_result is not None:
             on_result(i, results[i])
@@ -103,7 +103,7 @@ def generate_batch(
     for members in groups.values():
         size = batch_size or auto_batch_size(
             engine, [len(ids[i]) for i in members], settings.max_new_tokens, max(budgets[i] for i in members), protocol,
-            never_evicts=all(methods[i].never_evicts for i in members), limit=max_batch_size,
+            never_evicts=all(methods[i].never_evicts for i in members), limit=max_batch_size or MAX_AUTO_BATCH,
         )
         if min(size, len(members)) == 1:
             for i in members:

@@ -315,9 +315,9 @@ class DecodeLoop:
             if len(keep_rows) < len(live) and self.refill is not None:
                 # the finished rows wait as padding for the next sequences, which are fed between steps
                 # (outside this loop's hooks); the others take their step first
-                self.dead.update(set(live) - set(keep_rows))
+                chosen = self._pad(keep_rows, chosen)
                 if keep_rows:
-                    self._timed_step([chosen[r] if r in keep_rows else 0 for r in range(len(self.active))], step_start)
+                    self._timed_step(chosen, step_start)
                 return True
             if not keep_rows:
                 break
@@ -366,9 +366,8 @@ class DecodeLoop:
         live = [r for r in range(len(self.active)) if r not in self.dead]
         if not live:
             return False
-        if self.dead and self.refill is None and not (self.pad_finished and 2 * len(live) >= len(self.active)):
-            self.dead = set()
-            self._reslab(live)
+        if self.dead and self.refill is None:  # nothing waits: the finished rows go as at any step
+            self._retire(live, [0] * len(self.active))
         return True
 
     def _retire(self, keep_rows: list[int], chosen: list[int]) -> list[int]:
@@ -378,13 +377,17 @@ class DecodeLoop:
         done: nothing reads what the padded steps compute, and their writes land past their cache's
         length) until fewer than half the rows are live, so a batch of N captures about log2(N)
         times, not N."""
-        live = set(keep_rows)
         if self.pad_finished and 2 * len(keep_rows) >= len(self.active):
-            self.dead = {r for r in range(len(self.active)) if r not in live}
-            return [chosen[r] if r in live else 0 for r in range(len(self.active))]
+            return self._pad(keep_rows, chosen)
         self.dead = set()
         self._reslab(keep_rows)
         return [chosen[r] for r in keep_rows]
+
+    def _pad(self, keep_rows: list[int], chosen: list[int]) -> list[int]:
+        """The rows not in ``keep_rows`` stay in the slabs as padding; the next step's tokens, one per row."""
+        live = set(keep_rows)
+        self.dead = {r for r in range(len(self.active)) if r not in live}
+        return [chosen[r] if r in live else 0 for r in range(len(self.active))]
 
     def _finish(self, i: int, own: list[int], step_start: float) -> None:
         """Sequence i is done: its last token stays pending (fed by the session's next call)."""

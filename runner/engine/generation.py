@@ -97,14 +97,14 @@ class Engine:
         seeds: list[int] | None = None,
         batch_size: int | None = None,
         on_result: Callable[[int, GenerationResult], None] | None = None,
-        max_batch_size: int = 64,
+        max_batch_size: int | None = None,
     ) -> list[GenerationResult]:
         """:meth:`generate` for many prompts, decoded ``batch_size`` at a time (``None``: what fits in
-        memory, at most ``max_batch_size``), a finished sequence's row taken by the next prompt. ``methods[i]`` is prompt i's own
-        instance, ``seeds[i]`` its seed (default 0), ``budget`` one for all or ``budget[i]`` prompt i's;
-        ``on_result(i, result)`` is called as prompt i finishes. Result i equals ``generate(prompts[i],
-        methods[i], budget[i], protocol, settings, seeds[i])`` in tokens and kept positions; see
-        ``runner/engine/batch.py``."""
+        memory, at most ``max_batch_size``, default ``batch.MAX_AUTO_BATCH``), a finished sequence's row
+        taken by the next prompt. ``methods[i]`` is prompt i's own instance, ``seeds[i]`` its seed
+        (default 0), ``budget`` one for all or ``budget[i]`` prompt i's; ``on_result(i, result)`` is
+        called as prompt i finishes. Result i equals ``generate(prompts[i], methods[i], budget[i],
+        protocol, settings, seeds[i])`` in tokens and kept positions; see ``runner/engine/batch.py``."""
         from kvleague.runner.engine.batch import generate_batch  # batch.py builds on this module's sessions
 
         return generate_batch(self, prompts, methods, budget, protocol, settings, seeds, batch_size, on_result,

@@ -227,11 +227,16 @@ AUTO_BATCH_LIMIT = 16
 QUEUED_BATCHES = 4
 
 
+def batch_rows(batch_size: int | str) -> int:
+    """The cells of one batch under the sweep's ``batch_size`` (``auto``: :data:`AUTO_BATCH_LIMIT`)."""
+    return AUTO_BATCH_LIMIT if batch_size == "auto" else int(batch_size)
+
+
 def spread(groups: list[list[Cell]], batch_size: int | str, workers: int) -> list[list[Cell]]:
     """``groups`` with queued generation groups (longer than one batch, :data:`QUEUED_BATCHES`) split
     back, largest first, at multiples of ``batch_size``, while there are fewer groups than
     ``workers``: a small sweep keeps every worker busy rather than queueing on a few."""
-    limit = AUTO_BATCH_LIMIT if batch_size == "auto" else int(batch_size)
+    limit = batch_rows(batch_size)
     groups = list(groups)
     while len(groups) < workers:
         at = max(range(len(groups)), key=lambda i: len(groups[i]) if groups[i][0].measure == "generation" else 0, default=None)
@@ -261,7 +266,7 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
     from kvleague.tasks.episode import EpisodicTask
     from kvleague.tasks.registry import task_class
 
-    limit = AUTO_BATCH_LIMIT if batch_size == "auto" else int(batch_size)
+    limit = batch_rows(batch_size)
     groups: list[list[Cell]] = []
     open_groups: dict[str, list[Cell]] = {}
     episodic: dict[str, bool] = {}
