@@ -68,10 +68,19 @@ def test_the_test_files_it_names_exist():
 # -- the targets table (`kvleague bench targets`) ---------------------------------------------------
 
 
+#: the lengths the check's lines run at here (theirs take a minute on the CPU); argparse keeps the last
+CPU_LENGTHS = {"--prompt-tokens": 96, "--new-tokens": 8, "--budget": 48}
+
+
+def _lengths(args: list[str]) -> dict[str, int]:
+    """A line's lengths by figure field (``prompt_tokens``, ``new_tokens``, ``budget``)."""
+    return {flag[2:].replace("-", "_"): int(args[args.index(flag) + 1]) for flag in CPU_LENGTHS if flag in args}
+
+
 @pytest.fixture(scope="module")
 def check_folder(tiny_models, tmp_path_factory) -> Path:
     """The reports of the check's steps that feed the targets table, from its own command lines run
-    on the CPU; only the model differs (a tiny llama)."""
+    on the CPU; only the model (a tiny llama) and the lengths (``CPU_LENGTHS``) differ."""
     from kvleague.runner.bench.gpu_targets import REPORTS
     from kvleague.runner.cli import main
 
@@ -79,7 +88,9 @@ def check_folder(tiny_models, tmp_path_factory) -> Path:
     lines = [(report, args) for _, report, args in _bench_lines(with_report=True) if report in REPORTS]
     assert sorted(r for r, _ in lines) == sorted(REPORTS)
     for report, args in lines:
-        assert main(["bench", *args, "--model", str(tiny_models["llama"]), "--json", str(out / f"{report}.json")]) == 0
+        shorter = [w for flag, n in CPU_LENGTHS.items() if flag in args for w in (flag, str(n))]
+        assert main(["bench", *args, *shorter, "--model", str(tiny_models["llama"]),
+                     "--json", str(out / f"{report}.json")]) == 0
     return out
 
 
@@ -127,10 +138,16 @@ def test_targets_copy_each_figure_and_judge_none_from_a_cpu_run(check_folder):
 
 
 def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_folder, engines, tmp_path):
+    # the reports as a GPU would write them: a GPU named, each figure at its line's own lengths
+    lengths = {report: _lengths(args) for _, report, args in _bench_lines(with_report=True)}
     for path in check_folder.glob("*.json"):
         report = json.loads(path.read_text())
         if "environment" in report:
             report["environment"].update(gpu_count=1, gpu_name="Test GPU")
+            for fig in report["figures"]:
+                for field, n in lengths[path.stem].items():
+                    if field in fig["details"] or fig.get(field) is not None:
+                        (fig if field in fig else fig["details"])[field] = n
             (tmp_path / path.name).write_text(json.dumps(report))
     model = engines["llama"].backend.model
     weights = 4 * sum(p.numel() for p in model.parameters())  # the reports ran float32 (tied weights once)

@@ -178,17 +178,25 @@ def _locked(path: Path):
 
 
 def _convert_into(gguf_file: Path, out: Path) -> None:
+    import functools
+    from unittest import mock
+
+    import gguf
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from unittest import mock
-
-    meta = gguf_metadata(gguf_file)
+    reader = read_gguf(gguf_file)
+    meta = gguf_metadata(reader)
     transformers.utils.logging.disable_progress_bar()
     try:
-        # the GGUF dequantizer draws its own tqdm bar, which ignores transformers' switch above
-        with mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items):
+        # transformers parses the file anew for the config, the tokenizer (twice) and the weights, ~4 s
+        # each for a 49k vocabulary, and rebuilds gguf's tensor-name map for every tensor: this file's
+        # one parse and one map per architecture serve them all (both are only read).
+        # The GGUF dequantizer draws its own tqdm bar, which ignores transformers' switch above.
+        with mock.patch("gguf.GGUFReader", lambda path, *_, **__: reader if Path(path) == gguf_file else read_gguf(Path(path))), \
+             mock.patch("gguf.get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)), \
+             mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
             model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a bad file, said in one line
@@ -203,8 +211,8 @@ def _convert_into(gguf_file: Path, out: Path) -> None:
     }, indent=2))
 
 
-def gguf_metadata(gguf_file: Path) -> dict:
-    """The GGUF header's scalar fields; one line naming the file when it is not a readable GGUF."""
+def read_gguf(gguf_file: Path):
+    """The file parsed (``gguf.GGUFReader``); one line naming the file when it is not a readable GGUF."""
     try:
         with gguf_file.open("rb") as fh:
             magic = fh.read(4)
@@ -212,14 +220,14 @@ def gguf_metadata(gguf_file: Path) -> dict:
             raise ValueError(f"no GGUF magic (starts with {magic!r})")
         from gguf import GGUFReader
 
-        reader = GGUFReader(str(gguf_file))
-        meta = {}
-        for key, field in reader.fields.items():
-            if len(field.data) <= 1:  # scalars and strings; skip the vocabulary arrays
-                meta[key] = field.contents()
-        return meta
+        return GGUFReader(str(gguf_file))
     except Exception as exc:  # noqa: BLE001
         raise KvleagueError(f"model: {gguf_file}: not a readable GGUF file (corrupt or truncated?): {first_line(exc)}") from None
+
+
+def gguf_metadata(reader) -> dict:
+    """The GGUF header's scalar fields (the vocabulary arrays left out)."""
+    return {key: field.contents() for key, field in reader.fields.items() if len(field.data) <= 1}
 
 
 def chat_tokenizer_from_gguf(tokenizer, meta: dict):
