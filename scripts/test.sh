@@ -19,12 +19,12 @@ elif [ -n "${CI:-}" ]; then
   exit 1
 fi
 # One torch thread per test process, two processes (whole files each, so module fixtures such as a
-# Ray head are made once): faster on 2 cores than one process with two threads, and never more
-# threads than cores. KVLEAGUE_TEST_WORKERS=0 runs in one process.
+# Ray head are made once, the longest first: tests/conftest.py): faster on 2 cores than one process
+# with two threads, and never more threads than cores. KVLEAGUE_TEST_WORKERS=0 runs in one process.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 workers=${KVLEAGUE_TEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
   python -m pytest -q "$@"
 else
-  python -m pytest -q -n "$workers" --dist loadfile --durations=25 "$@"
+  python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --durations=25 "$@"
 fi

@@ -60,11 +60,16 @@ def db_url(request, tmp_path):
     drop_database(url)
 
 
-#: the longest files (Ray jobs, killed workers, PostgreSQL restarts, a browser), first: with
-#: ``--dist loadfile`` each file runs whole on one worker, and a long file collected last leaves the
-#: other worker idle while it runs
-LONGEST_FIRST = ("test_faults.py", "test_sweep.py", "test_faults_input.py", "test_dashboard_browser.py",
-                 "test_sweep_fidelity.py", "test_db.py", "test_signals.py")
+#: the longest files first (seconds of one CI run, 2026-12-05: Ray jobs, killed workers and PostgreSQL
+#: restarts 260 and 200, a browser 80, then ~65 to ~25): with ``--dist loadfile`` each file runs whole
+#: on one worker, and a long file started last leaves the other worker idle while it runs.
+#: ``scripts/test.sh`` passes ``--no-loadscope-reorder``, or xdist would order files by their number of
+#: tests instead (it ran the four tests of test_sweep.py, ~3.5 minutes, last)
+LONGEST_FIRST = ("test_faults.py", "test_sweep.py", "test_dashboard_browser.py", "test_batch.py", "test_backend_slab.py",
+                 "test_sweep_fidelity.py", "test_method_matrix.py", "test_baselines_authors.py", "test_dashboard_views.py",
+                 "test_cli.py", "test_report.py", "test_model_source.py", "test_bench.py", "test_lmeval.py",
+                 "test_agentic.py", "test_tasks_code.py", "test_sweep_config.py", "test_faults_input.py", "test_db.py",
+                 "test_signals.py")
 
 
 def pytest_collection_modifyitems(items):

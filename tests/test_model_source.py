@@ -68,15 +68,20 @@ def test_tokenizer_special_tokens_match_the_gguf_and_chat_template(smollm2_dir):
 
 
 def test_a_gguf_path_loads_through_the_same_code(smollm2_dir, tmp_path, monkeypatch):
-    """A .gguf file, or a directory holding one, converts to the same weights as the known name."""
+    """A .gguf file, or a directory holding one, converts to the same weights as the known name, the
+    file parsed once (transformers alone parses it for the config, the tokenizer twice and the weights)."""
+    import gguf
     from safetensors.torch import load_file
 
+    parses = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *a, _read=gguf.GGUFReader, **k: parses.append(path) or _read(path, *a, **k))
     monkeypatch.setenv("KVLEAGUE_MODEL_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "models"
     folder.mkdir()
     os.symlink(_gguf_path(), folder / "smol.gguf")
     by_dir = Path(resolve_model(str(folder)))
     assert by_dir.parent == tmp_path / "cache" and (by_dir / MARKER).is_file()
+    assert len(parses) == 1
     assert resolve_model(str(folder / "smol.gguf")) == str(by_dir)  # same content, same cache entry
     ours, reference = load_file(by_dir / "model.safetensors"), load_file(smollm2_dir / "model.safetensors")
     assert ours.keys() == reference.keys()
