@@ -34,6 +34,10 @@
 # the fast backend's targets against the figures of the steps that ran, and each figure's share of
 # the memory-bandwidth bound. Exit code: 0 when every step run passed.
 #
+# GPU_CHECK_CPU=1: a dry run of these same steps on the CPU, on a tiny random llama (4 layers, hidden
+# 64) instead of the 0.57B one, so a GPU lease never meets a broken step; no figure it writes is a GPU
+# figure (the targets table says so). Pick short steps (tests/test_gpu_check.py runs `tests cudnn`).
+#
 # Python: .venv's when scripts/setup.sh made one, else $PYTHON or python3 (e.g. an image with its
 # own CUDA torch, the project's other pins on PYTHONPATH); the repository goes first on PYTHONPATH,
 # so an uninstalled checkout runs too.
@@ -45,7 +49,12 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 models=${KVLEAGUE_BENCH_MODELS:-/tmp/kvleague-bench-models}
-model=$models/llama-0.57b
+cpu_dry_run=${GPU_CHECK_CPU:-}
+if [ -n "$cpu_dry_run" ]; then
+  model=$models/llama-tiny model_size=()
+else
+  model=$models/llama-0.57b model_size=(--layers 16 --hidden 2048 --heads 32 --kv-heads 8)
+fi
 failed=0
 : >"$out/summary.txt"
 
@@ -67,8 +76,12 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 EOF
 cat "$out/environment.txt"
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-  || { echo "gpu_check: torch sees no CUDA device" >&2; exit 2; }
+if [ -n "$cpu_dry_run" ]; then
+  echo "gpu_check: a dry run on the CPU (GPU_CHECK_CPU): no figure here is a GPU figure"
+else
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || { echo "gpu_check: torch sees no CUDA device (GPU_CHECK_CPU=1 runs the steps on the CPU)" >&2; exit 2; }
+fi
 # the memory-bandwidth bound's numerator, first: a check cut short still leaves it in the folder
 "$PY" -c "import sys; from kvleague.runner.bench.gpu_targets import record_bandwidth; record_bandwidth(sys.argv[1])" "$out" \
   || echo "gpu_check: the copy bandwidth was not measured" >&2
@@ -81,7 +94,7 @@ both=(--backend hf --backend slab)
 wants tests && step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py \
   tests/test_backend_slab.py --junitxml "$out/cuda-tests.xml"
 [[ -f $model/model.safetensors || $steps == " tests " ]] || step model 240 "$PY" -m kvleague.runner.cli make-tiny-model \
-  --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --out "$model"
+  --arch llama "${model_size[@]}" --out "$model"
 wants generate && bench generate 300 generate --prompt-tokens 1024 --new-tokens 256 --rounds 2 --clock wall "${both[@]}" --static-anchor
 wants batch && bench batch 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,32 --methods full,epikv \
   --clock wall "${both[@]}"

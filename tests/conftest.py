@@ -66,7 +66,7 @@ def db_url(request, tmp_path):
 #: ``scripts/test.sh`` passes ``--no-loadscope-reorder``, or xdist would order files by their number of
 #: tests instead (it ran the four tests of test_sweep.py, ~3.5 minutes, last)
 LONGEST_FIRST = ("test_faults.py", "test_sweep.py", "test_dashboard_browser.py", "test_batch.py", "test_backend_slab.py",
-                 "test_sweep_fidelity.py", "test_method_matrix.py", "test_baselines_authors.py", "test_dashboard_views.py",
+                 "test_sweep_fidelity.py", "test_gpu_check.py", "test_method_matrix.py", "test_baselines_authors.py", "test_dashboard_views.py",
                  "test_cli.py", "test_report.py", "test_model_source.py", "test_bench.py", "test_lmeval.py",
                  "test_agentic.py", "test_tasks_code.py", "test_sweep_config.py", "test_faults_input.py", "test_db.py",
                  "test_signals.py")

@@ -8,6 +8,7 @@ only when it is a GPU figure at the target's settings, and size the bound from t
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
@@ -208,3 +209,31 @@ def test_targets_refuse_what_is_not_a_check_folder(tmp_path, capsys):
     assert main(["bench", "targets", str(tmp_path / "absent")]) == 2
     assert main(["bench", "targets", str(tmp_path), "--bandwidth-gbs", "0"]) == 2
     assert "--bandwidth-gbs" in capsys.readouterr().err
+
+
+# -- the script itself, run -------------------------------------------------------------------------
+
+
+def test_the_script_runs_its_steps_on_the_cpu_when_asked_and_refuses_otherwise(tmp_path):
+    """Its own plumbing (steps, limits, the model it builds, the summary, the targets step) run for real:
+    ``GPU_CHECK_CPU=1`` on a tiny llama; without it, a machine with no CUDA device is exit 2."""
+    import subprocess
+
+    import torch
+
+    env = {**os.environ, "KVLEAGUE_BENCH_MODELS": str(tmp_path / "models"), "OMP_NUM_THREADS": "1"}
+    if not torch.cuda.is_available():
+        refused = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "refused")], env=env, capture_output=True,
+                                 text=True, timeout=120)
+        assert refused.returncode == 2 and "torch sees no CUDA device (GPU_CHECK_CPU=1" in refused.stderr
+    out = tmp_path / "check"
+    run = subprocess.run(["bash", str(SCRIPT), str(out)], env={**env, "GPU_CHECK_CPU": "1", "GPU_CHECK_STEPS": "tests cudnn"},
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = [line.split() for line in (out / "summary.txt").read_text().splitlines()]
+    assert [(s[0], s[1]) for s in summary] == [("cuda-tests", "rc=0"), ("model", "rc=0"), ("generate-cudnn", "rc=0"),
+                                              ("targets", "rc=0")]
+    assert (tmp_path / "models" / "llama-tiny" / "model.safetensors").is_file()
+    report = json.loads((out / "generate-cudnn.json").read_text())
+    assert report["config"]["cudnn_attention"] is True and "llama-tiny" in report["config"]["model"]
+    assert "no figure here is a GPU figure" in (out / "targets.md").read_text()
