@@ -17,7 +17,7 @@ from kvleague.runner.engine.contract import (
     BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, chunks, groups_by, newest_rows,
     stacked_layers,
 )
-from kvleague.runner.engine.probe import attention_rows
+from kvleague.runner.engine.attention import attention_rows
 
 
 class PositionTable:

@@ -30,6 +30,18 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _imported_version(module: str) -> str:
+    """The version of ``module`` as this process has it: the loaded module's own, else the installed
+    distribution's (a sweep's driver records its environment without importing transformers, ~1.5 s)."""
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return loaded.__version__
+    found = _version(module)
+    if found == "not installed":  # importable without distribution metadata (a bare source tree)
+        found = importlib.import_module(module).__version__
+    return found
+
+
 def git_state(path: str | os.PathLike[str] | None = None) -> tuple[str, bool | None]:
     """``(commit, dirty)`` of the git checkout containing ``path``; ``("unknown", None)`` outside git.
 
@@ -79,7 +91,6 @@ def collect_environment(git_path: str | os.PathLike[str] | None = None, git: tup
 
     ``git``: an already-resolved ``(commit, dirty)``; else the state of ``git_path`` (default: the code)."""
     import torch
-    import transformers
 
     cuda_available = torch.cuda.is_available()
     gpu_count = torch.cuda.device_count() if cuda_available else 0
@@ -94,7 +105,7 @@ def collect_environment(git_path: str | os.PathLike[str] | None = None, git: tup
         "platform": platform.platform(),
         "python_version": sys.version.split()[0],
         "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        "transformers_version": _imported_version("transformers"),
         "cuda_version": torch.version.cuda or "none",
         "gpu_name": gpu_name,
         "gpu_count": gpu_count,

@@ -189,6 +189,34 @@ def test_the_ground_floor_and_the_registries_import_without_torch():
     assert json.loads(proc.stdout) == [], f"importing {', '.join(LIGHT_GROUND_FLOOR)} loads {proc.stdout.strip()}"
 
 
+DRIVER_WORK = """
+import json, sys
+from kvleague.runner.provenance import collect_environment
+from kvleague.runner.sweep import expand
+from kvleague.runner.sweep_config import parse_config
+from kvleague.runner.sweeping.checks import check_config
+config = parse_config({"name": "t", "database": "sqlite:///" + sys.argv[2], "models": [{"source": sys.argv[1]}],
+                       "methods": ["full", "epikv", "h2o", "snapkv"], "budgets": [64], "tasks": [{"name": "kv_agent", "limit": 1}]})
+check_config(config)
+cells = expand(config).cells
+env = collect_environment()
+loaded = "transformers" in sys.modules
+import transformers
+print(json.dumps([len(cells), loaded, env["transformers_version"], transformers.__version__]))
+"""
+
+
+def test_a_sweep_driver_checks_plans_and_records_itself_without_transformers(tiny_models, tmp_path):
+    """The driver builds every method to check a config, plans its cells and records its environment;
+    transformers (~1.5 s to import, ~4 s under load, paid by every driver start) is for the workers."""
+    proc = subprocess.run([sys.executable, "-c", DRIVER_WORK, str(tiny_models["llama"]), str(tmp_path / "t.db")],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n_cells, loaded, recorded, imported = json.loads(proc.stdout.splitlines()[-1])
+    assert n_cells == 4 and not loaded
+    assert recorded == imported  # the version recorded without the import is the one imported
+
+
 def test_the_import_checker_catches_planted_violations(tmp_path):
     files = {
         "runner/engine/__init__.py": "",

@@ -13,7 +13,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 import kvleague.runner.engine.cache as bc
 from kvleague.methods import build_method
 from kvleague.runner.engine.contract import Needs
-from kvleague.runner.engine.probe import attention_rows
+from kvleague.runner.engine.attention import attention_rows
 from kvleague.runner.engine.cache import BudgetedCache, SlabLayer
 from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 

@@ -244,6 +244,7 @@ def test_retry_failed_from_the_command_line(ray_head, project, tmp_path):
     goes on; `--retry-failed` runs it again and replaces its row."""
     db_url = f"sqlite:///{tmp_path / 'retry.db'}"
     cfg = small_config(project, db_url, methods=["full", "knorm"], budgets=[64])
+    cfg["resources"]["workers"] = 1  # each run starts its workers (torch, transformers): one is enough here
     cells = expand(parse_config(cfg)).cells
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(cfg))
