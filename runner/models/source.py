@@ -194,7 +194,8 @@ def _convert_into(gguf_file: Path, out: Path) -> None:
         # each for a 49k vocabulary, and rebuilds gguf's tensor-name map for every tensor: this file's
         # one parse and one map per architecture serve them all (both are only read).
         # The GGUF dequantizer draws its own tqdm bar, which ignores transformers' switch above.
-        with mock.patch("gguf.GGUFReader", lambda path, *_, **__: reader if Path(path) == gguf_file else read_gguf(Path(path))), \
+        parse = gguf.GGUFReader
+        with mock.patch("gguf.GGUFReader", lambda path, *a, **k: reader if Path(path) == gguf_file else parse(path, *a, **k)), \
              mock.patch("gguf.get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)), \
              mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
