@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo on the default model: sweeps/demo.yaml (SmolLM2-135M-Instruct from its PyPI wheel, seven
 # methods, two budgets, needle-in-a-haystack) on a local Ray bound to 127.0.0.1, results in SQLite,
-# then the leaderboard. The first run converts the model once (~40 s) into ~/.cache/kvleague/models.
+# then the leaderboard. The first run converts the model once (~18 s) into ~/.cache/kvleague/models.
 # A re-run resumes: finished cells are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
