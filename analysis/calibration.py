@@ -51,7 +51,9 @@ def true_difference(shift: float, shape: tuple[float, float] = SHAPE) -> float:
     return float(integrate.quad(integrand, 0, 1, points=[1 - shift, -shift], limit=200)[0])
 
 
-def draw(rng: np.random.Generator, n: int, m: int, reps: int, shift: float, shape=SHAPE) -> tuple[np.ndarray, np.ndarray]:
+def draw(
+    rng: np.random.Generator, n: int, m: int, reps: int, shift: float, shape=SHAPE
+) -> tuple[np.ndarray, np.ndarray]:
     """``(k_method, k_reference)``, each ``(reps, n)`` correct counts out of ``m``."""
     p = rng.beta(*shape, size=(reps, n))
     return rng.binomial(m, np.clip(p + shift, 0, 1)), rng.binomial(m, p)

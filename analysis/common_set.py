@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, Hashable, Iterable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,7 +74,9 @@ class CommonSet:
         self._cell_scale = (cells_lcm // np.maximum(cells_per_question, 1))[self._question_of_cell]
         distinct = sorted(set(self.weights.values())) or [Fraction(1)]
         index = {w: i for i, w in enumerate(distinct)}
-        self._group = np.array([index[self.weights[qn]] if self.weights else 0 for qn in self.questions], dtype=np.int64)
+        self._group = np.array(
+            [index[self.weights[qn]] if self.weights else 0 for qn in self.questions], dtype=np.int64
+        )
         self._group_weights = tuple(distinct)
         self._arrays: dict[int, np.ndarray] = {}
         self._cache: dict[int, tuple[np.ndarray, int]] = {}
@@ -123,8 +126,13 @@ class CommonSet:
         return ranking.rank_intervals({m: self.scores(m) for m in self.methods})
 
 
-def common_set(results: Results, methods: Iterable[int], tasks: set[int] | None = None,
-               weighting: str = "problem", stratum: Callable[[tuple], Hashable] | None = None) -> CommonSet:
+def common_set(
+    results: Results,
+    methods: Iterable[int],
+    tasks: set[int] | None = None,
+    weighting: str = "problem",
+    stratum: Callable[[tuple], Hashable] | None = None,
+) -> CommonSet:
     """The cells (of ``tasks``, default all) that every method in ``methods`` has. ``stratum(question)``
     groups questions that weigh the same in total (each domain, for a mean over domains); within a
     stratum ``weighting`` decides between questions and tasks."""
@@ -144,6 +152,9 @@ def common_set(results: Results, methods: Iterable[int], tasks: set[int] | None 
             per_stratum[stratum(qn) if stratum else None][qn[0]] += 1
         for qn in questions:
             tasks_here = per_stratum[stratum(qn) if stratum else None]
-            weights[qn] = (Fraction(1, len(tasks_here) * tasks_here[qn[0]]) if weighting == "task"
-                           else Fraction(1, sum(tasks_here.values())))
+            weights[qn] = (
+                Fraction(1, len(tasks_here) * tasks_here[qn[0]])
+                if weighting == "task"
+                else Fraction(1, sum(tasks_here.values()))
+            )
     return CommonSet(methods, cells_sorted, results, weights)

@@ -26,10 +26,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
-
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -40,7 +40,7 @@ from kvleague.analysis import identity, multiplicity, stats
 from kvleague.analysis import queries as q
 from kvleague.analysis.paper import PAPER_BASELINES, REFERENCE_FAMILY
 from kvleague.analysis.tables import full_cache_ids, full_reference_budget, method_label
-from kvleague.runner.engine.protocol import Protocol
+from kvleague.engine.protocol import Protocol
 
 LEVEL = stats.LEVEL
 N_RESAMPLES = 2000
@@ -83,8 +83,14 @@ def bootstrap_mean_interval(values: Iterable[float], level: float = LEVEL) -> tu
         return math.nan, math.nan
     if len(v) < 2 or np.all(v == v[0]):
         return float(v[0]), float(v[0])
-    res = bootstrap((v,), np.mean, n_resamples=N_RESAMPLES, confidence_level=level, method="percentile",
-                    random_state=np.random.default_rng(0))
+    res = bootstrap(
+        (v,),
+        np.mean,
+        n_resamples=N_RESAMPLES,
+        confidence_level=level,
+        method="percentile",
+        random_state=np.random.default_rng(0),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -153,8 +159,9 @@ def ranks_text(r: SignedRank, first: str, second: str) -> str:
     return {1: f"{first} > {second}", -1: f"{first} < {second}", 0: f"{first} = {second}"}[r.sign] if r.n else "-"
 
 
-def ranked(evicted_tokens: int | None, ranked_evictions: int | None, prompt_tokens: int | None, budget: int,
-           protocol: Protocol) -> bool:
+def ranked(
+    evicted_tokens: int | None, ranked_evictions: int | None, prompt_tokens: int | None, budget: int, protocol: Protocol
+) -> bool:
     """Whether a cell's method ranked anything: some eviction kept some of its candidates and dropped
     others (``ranked_evictions``, stored since migration 0008). For rows stored before it: not when
     nothing was evicted (a row without eviction counts is taken to have ranked), nor when the protocol keeps the prompt and the prompt with the sink and recent
@@ -181,10 +188,27 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
     """The fidelity rows under the filters, one entry per sample (its cells averaged)."""
     cells: dict[tuple[int, int, Question], list[tuple]] = defaultdict(list)
     protocols = _protocols(engine)
-    for (m, b, t, s, _model, proto, _seed, kl, top1, dnll, tokens, evicted, n_ranked, prompt,
-         resolved) in q.fidelity_rows(engine, filters, budgets):
+    for (
+        m,
+        b,
+        t,
+        s,
+        _model,
+        proto,
+        _seed,
+        kl,
+        top1,
+        dnll,
+        tokens,
+        evicted,
+        n_ranked,
+        prompt,
+        resolved,
+    ) in q.fidelity_rows(engine, filters, budgets):
         chose = ranked(evicted, n_ranked, prompt, int(resolved or b), protocols[int(proto)])
-        cells[(int(m), int(b), (int(t), str(s)))].append((float(kl), float(top1), float(dnll or 0.0), int(tokens or 0), chose))
+        cells[(int(m), int(b), (int(t), str(s)))].append(
+            (float(kl), float(top1), float(dnll or 0.0), int(tokens or 0), chose)
+        )
     out: Fidelity = defaultdict(lambda: defaultdict(dict))
     for (m, b, question), vals in cells.items():
         arr = np.array([v[:3] for v in vals])
@@ -192,12 +216,15 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
         # a cell's top-1 agreement is agreeing / scored tokens: recover the count, keep the share exact
         shares = [Fraction(round(v[1] * v[3]), v[3]) for v in vals if v[3] > 0]
         share = sum(shares, Fraction(0)) / len(shares) if len(shares) == len(vals) else None
-        out[m][b][question] = SampleFidelity(float(kl), float(top1), float(dnll), sum(v[3] for v in vals), share,
-                                             any(v[4] for v in vals))
+        out[m][b][question] = SampleFidelity(
+            float(kl), float(top1), float(dnll), sum(v[3] for v in vals), share, any(v[4] for v in vals)
+        )
     return out
 
 
-def at_budget(data: Fidelity, budget: int, full_ids: list[int]) -> tuple[dict[int, dict[Question, SampleFidelity]], int | None]:
+def at_budget(
+    data: Fidelity, budget: int, full_ids: list[int]
+) -> tuple[dict[int, dict[Question, SampleFidelity]], int | None]:
     """Every method's samples at ``budget``; full cache from the budget where it has the most samples
     (this one on a tie): it is the same at every budget, and a sweep may measure it at its first budget
     only (the rule of :func:`analysis.tables.full_reference_budget`). Returns ``(method -> samples, full
@@ -213,8 +240,9 @@ def at_budget(data: Fidelity, budget: int, full_ids: list[int]) -> tuple[dict[in
     return out, full_budget
 
 
-def common_questions(samples: dict[int, dict[Question, SampleFidelity]], methods: Iterable[int],
-                     tasks: set[int] | None = None) -> list[Question]:
+def common_questions(
+    samples: dict[int, dict[Question, SampleFidelity]], methods: Iterable[int], tasks: set[int] | None = None
+) -> list[Question]:
     """The samples every one of ``methods`` has (within ``tasks``), in a fixed order."""
     sets = [set(samples[m]) for m in methods]
     common = set.intersection(*sets) if sets else set()
@@ -233,20 +261,46 @@ def _summary_rows(samples, methods, questions, dims, **where) -> list[dict[str, 
         top1 = [100 * v.top1 for v in vals]
         kl_lo, kl_hi = bootstrap_mean_interval(kl)
         t_lo, t_hi = top1_interval(vals)
-        rows.append({
-            "method": method_label(dims["methods"], m), "method_id": m, **where,
-            "KL": float(np.mean(kl)) if kl else math.nan, "KL lo": kl_lo, "KL hi": kl_hi, "KL 95% CI": _fmt(kl_lo, kl_hi, 4),
-            "top-1 %": float(np.mean(top1)) if top1 else math.nan, "top-1 lo": t_lo, "top-1 hi": t_hi,
-            "top-1 95% CI": _fmt(t_lo, t_hi, 1),
-            "ΔNLL": float(np.mean([v.delta_nll for v in vals])) if vals else math.nan,
-            "samples": len(vals), "tokens": sum(v.tokens for v in vals),
-            "ranked": sum(v.ranked for v in vals),
-        })
+        rows.append(
+            {
+                "method": method_label(dims["methods"], m),
+                "method_id": m,
+                **where,
+                "KL": float(np.mean(kl)) if kl else math.nan,
+                "KL lo": kl_lo,
+                "KL hi": kl_hi,
+                "KL 95% CI": _fmt(kl_lo, kl_hi, 4),
+                "top-1 %": float(np.mean(top1)) if top1 else math.nan,
+                "top-1 lo": t_lo,
+                "top-1 hi": t_hi,
+                "top-1 95% CI": _fmt(t_lo, t_hi, 1),
+                "ΔNLL": float(np.mean([v.delta_nll for v in vals])) if vals else math.nan,
+                "samples": len(vals),
+                "tokens": sum(v.tokens for v in vals),
+                "ranked": sum(v.ranked for v in vals),
+            }
+        )
     return rows
 
 
-BOARD_COLUMNS = ["method", "domain", "task", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens",
-                 "ranked", "KL lo", "KL hi", "top-1 lo", "top-1 hi", "method_id"]
+BOARD_COLUMNS = [
+    "method",
+    "domain",
+    "task",
+    "KL",
+    "KL 95% CI",
+    "top-1 %",
+    "top-1 95% CI",
+    "ΔNLL",
+    "samples",
+    "tokens",
+    "ranked",
+    "KL lo",
+    "KL hi",
+    "top-1 lo",
+    "top-1 hi",
+    "method_id",
+]
 #: what a pair's ``signed ranks`` says when it is not tested (:func:`chose_nothing`)
 NOT_A_FINDING = "not a finding"
 
@@ -297,11 +351,19 @@ def fidelity_board(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     domain_rows, task_rows = [], []
     for domain, tasks in _domains(samples, dims).items():
         methods = _present(pooled, tasks)
-        domain_rows += _summary_rows(pooled, methods, common_questions(pooled, methods, tasks), dims, domain=domain, task="(all)")
+        domain_rows += _summary_rows(
+            pooled, methods, common_questions(pooled, methods, tasks), dims, domain=domain, task="(all)"
+        )
         for t in sorted(tasks, key=lambda t: dims["tasks"].get(t, {}).get("name", str(t))):
             here = _present(samples, {t})
-            task_rows += _summary_rows(samples, here, common_questions(samples, here, {t}), dims, domain=domain,
-                                       task=dims["tasks"].get(t, {}).get("name", f"#{t}"))
+            task_rows += _summary_rows(
+                samples,
+                here,
+                common_questions(samples, here, {t}),
+                dims,
+                domain=domain,
+                task=dims["tasks"].get(t, {}).get("name", f"#{t}"),
+            )
 
     def frame(rows, keys):
         df = pd.DataFrame(rows, columns=BOARD_COLUMNS)
@@ -310,8 +372,22 @@ def fidelity_board(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     return FidelityBoard(budget, full_budget, frame(domain_rows, ["domain"]), frame(task_rows, ["domain", "task"]))
 
 
-PAIR_COLUMNS = ["domain", "A", "B", "samples", "tied", "KL A", "KL B", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)",
-                "Δ top-1 95% CI", "signed ranks", "p (Wilcoxon)", "p (Holm)"]
+PAIR_COLUMNS = [
+    "domain",
+    "A",
+    "B",
+    "samples",
+    "tied",
+    "KL A",
+    "KL B",
+    "Δ KL (A−B)",
+    "Δ KL 95% CI",
+    "Δ top-1 (pts)",
+    "Δ top-1 95% CI",
+    "signed ranks",
+    "p (Wilcoxon)",
+    "p (Holm)",
+]
 
 
 def _paired(samples, a: int, b: int, questions: list[Question]) -> dict[str, Any]:
@@ -324,12 +400,19 @@ def _paired(samples, a: int, b: int, questions: list[Question]) -> dict[str, Any
     t_lo, t_hi = bootstrap_mean_interval(d_top1)
     test = signed_rank(kl_a, kl_b)
     return {
-        "samples": len(questions), "tied": test.ties,
-        "KL A": float(np.mean(kl_a)) if questions else math.nan, "KL B": float(np.mean(kl_b)) if questions else math.nan,
-        "Δ KL (A−B)": float(np.mean(d_kl)) if d_kl else math.nan, "Δ KL lo": kl_lo, "Δ KL hi": kl_hi,
+        "samples": len(questions),
+        "tied": test.ties,
+        "KL A": float(np.mean(kl_a)) if questions else math.nan,
+        "KL B": float(np.mean(kl_b)) if questions else math.nan,
+        "Δ KL (A−B)": float(np.mean(d_kl)) if d_kl else math.nan,
+        "Δ KL lo": kl_lo,
+        "Δ KL hi": kl_hi,
         "Δ KL 95% CI": _fmt(kl_lo, kl_hi, 4),
-        "Δ top-1 (pts)": float(np.mean(d_top1)) if d_top1 else math.nan, "Δ top-1 95% CI": _fmt(t_lo, t_hi, 1),
-        "signed ranks": ranks_text(test, "A", "B"), "p (Wilcoxon)": test.p, "_test": test,
+        "Δ top-1 (pts)": float(np.mean(d_top1)) if d_top1 else math.nan,
+        "Δ top-1 95% CI": _fmt(t_lo, t_hi, 1),
+        "signed ranks": ranks_text(test, "A", "B"),
+        "p (Wilcoxon)": test.p,
+        "_test": test,
     }
 
 
@@ -346,8 +429,12 @@ def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
         methods = sorted(_present(samples, tasks), key=lambda m: (method_label(dims["methods"], m), m))
         questions = common_questions(samples, methods, tasks)
         for a, b in itertools.combinations(methods, 2):
-            row = {"domain": domain, "A": method_label(dims["methods"], a), "B": method_label(dims["methods"], b),
-                   **_paired(samples, a, b, questions)}
+            row = {
+                "domain": domain,
+                "A": method_label(dims["methods"], a),
+                "B": method_label(dims["methods"], b),
+                **_paired(samples, a, b, questions),
+            }
             if chose_nothing(samples, a, questions, full_ids) or chose_nothing(samples, b, questions, full_ids):
                 row.update({"signed ranks": NOT_A_FINDING, "p (Wilcoxon)": math.nan})  # shown, never tested
             rows.append(row)
@@ -364,13 +451,30 @@ def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     return df.sort_values(["domain", "p (Wilcoxon)", "A", "B"], kind="stable").reset_index(drop=True)
 
 
-ABLATION_COLUMNS = ["field", "A", "B", "domain", "budget", "method", "samples", "tied", "KL A", "KL B", "Δ KL (B−A)",
-                    "Δ KL 95% CI", "signed ranks", "p (Wilcoxon)", "p (Holm)"]
+ABLATION_COLUMNS = [
+    "field",
+    "A",
+    "B",
+    "domain",
+    "budget",
+    "method",
+    "samples",
+    "tied",
+    "KL A",
+    "KL B",
+    "Δ KL (B−A)",
+    "Δ KL 95% CI",
+    "signed ranks",
+    "p (Wilcoxon)",
+    "p (Holm)",
+]
 #: protocol columns that are not settings
 _NOT_SETTINGS = {"id", "spec_hash", "label"}
 
 
-def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any]], dims: dict[str, Any] | None = None) -> pd.DataFrame:
+def protocol_ablations(
+    engine, filters: q.Filters, protocols: list[dict[str, Any]], dims: dict[str, Any] | None = None
+) -> pd.DataFrame:
     """What one protocol setting changes: for each pair of ``protocols`` (rows of the protocols table)
     that differ in exactly one setting, at each budget and in each domain, every method spec (full cache
     left out) measured under both, on the samples every one of them has under both (one set per
@@ -411,15 +515,27 @@ def protocol_ablations(engine, filters: q.Filters, protocols: list[dict[str, Any
                     d = [y - x for x, y in zip(kl_a, kl_b)]
                     lo, hi = bootstrap_mean_interval(d)
                     test = signed_rank(kl_b, kl_a)
-                    rows.append({"field": changed[0], "A": f"#{a['id']}: {a[changed[0]]}", "B": f"#{b['id']}: {b[changed[0]]}",
-                                 "domain": domain, "budget": q.budget_label(int(budget), a.get("budget_base")),
-                                 "method": method_label(dims["methods"], m),
-                                 "samples": len(questions), "tied": test.ties,
-                                 "KL A": float(np.mean(kl_a)) if questions else math.nan,
-                                 "KL B": float(np.mean(kl_b)) if questions else math.nan,
-                                 "Δ KL (B−A)": float(np.mean(d)) if d else math.nan, "Δ KL lo": lo, "Δ KL hi": hi,
-                                 "Δ KL 95% CI": _fmt(lo, hi, 4), "signed ranks": ranks_text(test, "B", "A"),
-                                 "p (Wilcoxon)": test.p, "sign": test.sign})
+                    rows.append(
+                        {
+                            "field": changed[0],
+                            "A": f"#{a['id']}: {a[changed[0]]}",
+                            "B": f"#{b['id']}: {b[changed[0]]}",
+                            "domain": domain,
+                            "budget": q.budget_label(int(budget), a.get("budget_base")),
+                            "method": method_label(dims["methods"], m),
+                            "samples": len(questions),
+                            "tied": test.ties,
+                            "KL A": float(np.mean(kl_a)) if questions else math.nan,
+                            "KL B": float(np.mean(kl_b)) if questions else math.nan,
+                            "Δ KL (B−A)": float(np.mean(d)) if d else math.nan,
+                            "Δ KL lo": lo,
+                            "Δ KL hi": hi,
+                            "Δ KL 95% CI": _fmt(lo, hi, 4),
+                            "signed ranks": ranks_text(test, "B", "A"),
+                            "p (Wilcoxon)": test.p,
+                            "sign": test.sign,
+                        }
+                    )
     extra = ["Δ KL lo", "Δ KL hi", "sign"]
     if not rows:
         return pd.DataFrame(columns=ABLATION_COLUMNS + extra)
@@ -439,7 +555,9 @@ def fidelity_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = No
     data = load(engine, filters)
     rows = []
     for budget in sorted({b for by_budget in data.values() for b in by_budget}):
-        samples = _pooled({m: by_budget[budget] for m, by_budget in data.items() if m not in full_ids and by_budget.get(budget)}, dims)
+        samples = _pooled(
+            {m: by_budget[budget] for m, by_budget in data.items() if m not in full_ids and by_budget.get(budget)}, dims
+        )
         for domain, tasks in _domains(samples, dims).items():
             methods = _present(samples, tasks)
             for r in _summary_rows(samples, methods, common_questions(samples, methods, tasks), dims, domain=domain):
@@ -448,8 +566,25 @@ def fidelity_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = No
     return df.sort_values(["domain", "method", "budget"]).reset_index(drop=True)
 
 
-SCORECARD_COLUMNS = ["domain", "budget", "method", "claim", "reference", "why fidelity", "KL", "reference KL", "Δ KL",
-                     "Δ KL 95% CI", "samples", "tied", "signed ranks", "test", "p", "p (Holm)", "verdict"]
+SCORECARD_COLUMNS = [
+    "domain",
+    "budget",
+    "method",
+    "claim",
+    "reference",
+    "why fidelity",
+    "KL",
+    "reference KL",
+    "Δ KL",
+    "Δ KL 95% CI",
+    "samples",
+    "tied",
+    "signed ranks",
+    "test",
+    "p",
+    "p (Holm)",
+    "verdict",
+]
 
 
 def _full_accuracy(engine, filters: q.Filters, budget: int, dims: dict[str, Any], tasks: set[int]) -> float | None:
@@ -467,7 +602,9 @@ def _full_accuracy(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     return 100 * float(cs.common_set(results, [full], tasks=tasks).accuracy(full).mean)
 
 
-def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR, dims: dict[str, Any] | None = None) -> pd.DataFrame:
+def fidelity_scorecard(
+    engine, filters: q.Filters, floor: float = ACCURACY_FLOOR, dims: dict[str, Any] | None = None
+) -> pd.DataFrame:
     """Where accuracy cannot separate methods - full-cache accuracy below ``floor`` % in the (domain,
     budget), or no accuracy results there - each EpiKV-family method against each paper baseline (H2O,
     ThinKV) by fidelity: the claim "closer to the full cache" (lower KL) with the paired mean difference,
@@ -498,16 +635,32 @@ def fidelity_scorecard(engine, filters: q.Filters, floor: float = ACCURACY_FLOOR
                 p = _paired(samples, f, b, questions)
                 if chose_nothing(samples, f, questions, full_ids) or chose_nothing(samples, b, questions, full_ids):
                     p["p (Wilcoxon)"] = math.nan  # the protocol chose what was kept: not a finding, not tested
-                rows.append({"domain": domain, "budget": int(budget), "method": method_label(dims["methods"], f),
-                             "claim": f"closer to full cache than {name(b)}", "reference": method_label(dims["methods"], b), "why fidelity": why,
-                             "KL": p["KL A"], "reference KL": p["KL B"], "Δ KL": p["Δ KL (A−B)"],
-                             "Δ KL 95% CI": p["Δ KL 95% CI"], "samples": p["samples"], "tied": p["tied"],
-                             "signed ranks": ranks_text(p["_test"], "method", "reference"),
-                             "test": "Wilcoxon signed-rank", "p": p["p (Wilcoxon)"], "_sign": p["_test"].sign})
+                rows.append(
+                    {
+                        "domain": domain,
+                        "budget": int(budget),
+                        "method": method_label(dims["methods"], f),
+                        "claim": f"closer to full cache than {name(b)}",
+                        "reference": method_label(dims["methods"], b),
+                        "why fidelity": why,
+                        "KL": p["KL A"],
+                        "reference KL": p["KL B"],
+                        "Δ KL": p["Δ KL (A−B)"],
+                        "Δ KL 95% CI": p["Δ KL 95% CI"],
+                        "samples": p["samples"],
+                        "tied": p["tied"],
+                        "signed ranks": ranks_text(p["_test"], "method", "reference"),
+                        "test": "Wilcoxon signed-rank",
+                        "p": p["p (Wilcoxon)"],
+                        "_sign": p["_test"].sign,
+                    }
+                )
     if not rows:
         return pd.DataFrame(columns=SCORECARD_COLUMNS)
     enough = [r["samples"] >= stats.MIN_PROBLEMS for r in rows]
-    for r, ok, p_adj in zip(rows, enough, multiplicity.holm([r["p"] if ok else math.nan for r, ok in zip(rows, enough)])):
+    for r, ok, p_adj in zip(
+        rows, enough, multiplicity.holm([r["p"] if ok else math.nan for r, ok in zip(rows, enough)])
+    ):
         r["p (Holm)"] = p_adj
         if math.isnan(r["p"]) and r["samples"]:
             r["verdict"], r["signed ranks"] = NOT_A_FINDING, NOT_A_FINDING
@@ -524,19 +677,28 @@ def markdown(engine, filters: q.Filters = q.Filters()) -> str:
     """The fidelity table of a database as Markdown: per domain, method and budget, the samples, mean KL
     and top-1 agreement with their 95% intervals, and delta NLL (docs/fidelity.md)."""
     dims = q.dimensions(engine)
-    lines = ["| domain | method | budget | n | mean KL [95% CI] | top-1 % [95% CI] | ΔNLL |", "|---|---|---:|---:|---|---|---:|"]
+    lines = [
+        "| domain | method | budget | n | mean KL [95% CI] | top-1 % [95% CI] | ΔNLL |",
+        "|---|---|---:|---:|---|---|---:|",
+    ]
     budgets = sorted({b for by_budget in load(engine, filters).values() for b in by_budget})
-    rows = pd.concat([fidelity_board(engine, filters, b, dims).by_domain.assign(budget=b) for b in budgets], ignore_index=True)
+    rows = pd.concat(
+        [fidelity_board(engine, filters, b, dims).by_domain.assign(budget=b) for b in budgets], ignore_index=True
+    )
     for _, r in rows.sort_values(["domain", "budget", "KL", "method"], kind="stable").iterrows():
-        lines.append(f"| {r['domain']} | {r['method']} | {r['budget']} | {r['samples']} | {r['KL']:.4f} {r['KL 95% CI']} | "
-                     f"{r['top-1 %']:.1f} {r['top-1 95% CI']} | {r['ΔNLL']:+.4f} |")
+        lines.append(
+            f"| {r['domain']} | {r['method']} | {r['budget']} | {r['samples']} | {r['KL']:.4f} {r['KL 95% CI']} | "
+            f"{r['top-1 %']:.1f} {r['top-1 95% CI']} | {r['ΔNLL']:+.4f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m analysis.fidelity_tables", description="Print a database's fidelity table (Markdown).")
+    p = argparse.ArgumentParser(
+        prog="python -m analysis.fidelity_tables", description="Print a database's fidelity table (Markdown)."
+    )
     p.add_argument("--db", required=True, help="database URL (opened read-only)")
     print(markdown(q.open_readonly(p.parse_args(argv).db)))
     return 0

@@ -26,27 +26,60 @@ from kvleague.analysis import identity, multiplicity
 from kvleague.analysis import queries as q
 from kvleague.analysis.tables import budget_results, pct
 
-COLUMNS = ["A", "B", "problems", "both right", "A only", "B only", "both wrong", "A %", "B %", "Δ A−B (pts)",
-           "Δ lo", "Δ hi", "test", "p", "p (Holm)"]
+COLUMNS = [
+    "A",
+    "B",
+    "problems",
+    "both right",
+    "A only",
+    "B only",
+    "both wrong",
+    "A %",
+    "B %",
+    "Δ A−B (pts)",
+    "Δ lo",
+    "Δ hi",
+    "test",
+    "p",
+    "p (Holm)",
+]
 
 
 def pair_row(group: cs.CommonSet, a: int, b: int, labels: dict[int, str]) -> dict[str, Any]:
     """A against B on ``group``'s cells."""
     ra, rb = group.results[a], group.results[b]
-    single = group.cells and len(group.questions) == len(group.cells) and all(
-        ra[c][cs.M] == 1 and rb[c][cs.M] == 1 for c in group.cells)
+    single = (
+        group.cells
+        and len(group.questions) == len(group.cells)
+        and all(ra[c][cs.M] == 1 and rb[c][cs.M] == 1 for c in group.cells)
+    )
     row: dict[str, Any] = {"A": labels.get(a, f"#{a}"), "B": labels.get(b, f"#{b}"), "problems": len(group.questions)}
     acc_a, acc_b = group.accuracy(a), group.accuracy(b)
     c = group.compare(a, b)
-    row.update({"A %": pct(acc_a.mean), "B %": pct(acc_b.mean), "Δ A−B (pts)": pct(acc_a.mean - acc_b.mean),
-                "Δ lo": pct(c.lo), "Δ hi": pct(c.hi), "test": c.test, "p": c.pvalue})
+    row.update(
+        {
+            "A %": pct(acc_a.mean),
+            "B %": pct(acc_b.mean),
+            "Δ A−B (pts)": pct(acc_a.mean - acc_b.mean),
+            "Δ lo": pct(c.lo),
+            "Δ hi": pct(c.hi),
+            "test": c.test,
+            "p": c.pvalue,
+        }
+    )
     if single:
         right_a = {c for c in group.cells if ra[c][cs.K]}
         right_b = {c for c in group.cells if rb[c][cs.K]}
         a_only, b_only = len(right_a - right_b), len(right_b - right_a)
         both = len(right_a & right_b)
-        row.update({"both right": both, "A only": a_only, "B only": b_only,
-                    "both wrong": len(group.cells) - both - a_only - b_only})
+        row.update(
+            {
+                "both right": both,
+                "A only": a_only,
+                "B only": b_only,
+                "both wrong": len(group.cells) - both - a_only - b_only,
+            }
+        )
     else:
         row.update({"both right": math.nan, "A only": math.nan, "B only": math.nan, "both wrong": math.nan})
     return row

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
 
 _NIAH_ID = re.compile(r"^L(\d+)(tok|chr)-d(\d+\.\d{3})-(\d+)$")
 
@@ -41,12 +42,22 @@ def content_key(task: Mapping[str, Any], sample_id: str) -> Hashable:
         depths = [round(d, 3) for d in _niah_depths(options)]
         if depth in depths:
             draw = depths.index(depth) * int(options.get("samples_per_depth", 5)) + i
-            return ("niah", length, unit, options.get("length_unit"), options.get("tokenizer"), int(options.get("seed", 0)),
-                    depth, draw)
+            return (
+                "niah",
+                length,
+                unit,
+                options.get("length_unit"),
+                options.get("tokenizer"),
+                int(options.get("seed", 0)),
+                depth,
+                draw,
+            )
     return ("row", task.get("id"), json.dumps(options, sort_keys=True), sample_id)
 
 
-def representatives(questions: Iterable[tuple[int, str]], tasks: Mapping[int, Mapping[str, Any]]) -> dict[tuple[int, str], tuple[int, str]]:
+def representatives(
+    questions: Iterable[tuple[int, str]], tasks: Mapping[int, Mapping[str, Any]]
+) -> dict[tuple[int, str], tuple[int, str]]:
     """Each ``(task id, sample id)`` -> the lowest one among ``questions`` with the same content."""
     first: dict[Hashable, tuple[int, str]] = {}
     out = {}
@@ -56,7 +67,9 @@ def representatives(questions: Iterable[tuple[int, str]], tasks: Mapping[int, Ma
     return out
 
 
-def pool(per_method: Mapping[int, Mapping[tuple, Any]], tasks: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[tuple, Any]]:
+def pool(
+    per_method: Mapping[int, Mapping[tuple, Any]], tasks: Mapping[int, Mapping[str, Any]]
+) -> dict[int, dict[tuple, Any]]:
     """``method -> {key: value}`` with keys ``(task id, sample id, ...)``: the keys re-keyed to their content's
     representative, each method keeping the value of its lowest copy (a duplicate is dropped, not averaged:
     it is the same prompt, not a second draw)."""

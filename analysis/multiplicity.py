@@ -5,7 +5,7 @@ data). NaN entries (comparisons without a test) are left out of the family and s
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _tested(pvalues: Sequence[float]) -> list[int]:

@@ -9,9 +9,10 @@ cells into questions, the common problem set and the statistics are decided in :
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from sqlalchemy import Integer, and_, case, cast, create_engine, distinct, event, func, literal, select
 from sqlalchemy.engine import Engine
@@ -35,7 +36,7 @@ from kvleague.db.models import (
     TaskSpec,
 )
 from kvleague.db.session import default_url
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 R = SampleResult.__table__
 T = TaskSpec.__table__
@@ -80,17 +81,22 @@ def open_readonly(url: str) -> Engine:
         if db == ":memory:":
             raise KvleagueError("database: an in-memory SQLite database has no results to show; give a file")
         if db.startswith("file:"):
-            raise KvleagueError("database: give the SQLite file as sqlite:///PATH (the dashboard opens it read-only itself)")
+            raise KvleagueError(
+                "database: give the SQLite file as sqlite:///PATH (the dashboard opens it read-only itself)"
+            )
         path = Path(db)
         if not path.is_file():
-            raise KvleagueError(f"database: no SQLite file at {str(path)!r}; run a sweep first (kvleague sweep --config ...)")
+            raise KvleagueError(
+                f"database: no SQLite file at {str(path)!r}; run a sweep first (kvleague sweep --config ...)"
+            )
         from urllib.parse import quote
 
         engine = create_engine(f"sqlite:///file:{quote(str(path))}?mode=ro&uri=true", connect_args={"timeout": 30})
         event.listen(engine, "connect", _sqlite_readonly)
     else:
         engine = create_engine(
-            parsed, pool_pre_ping=True,
+            parsed,
+            pool_pre_ping=True,
             connect_args={"connect_timeout": 10, "options": "-c default_transaction_read_only=on"},
         )
     try:
@@ -98,7 +104,9 @@ def open_readonly(url: str) -> Engine:
             conn.exec_driver_sql("SELECT 1")
     except SQLAlchemyError as exc:
         first = str(getattr(exc, "orig", exc) or exc).strip().splitlines()
-        raise KvleagueError(f"database: cannot open {display_url(parsed)}: {first[0] if first else type(exc).__name__}") from None
+        raise KvleagueError(
+            f"database: cannot open {display_url(parsed)}: {first[0] if first else type(exc).__name__}"
+        ) from None
     return engine
 
 
@@ -218,7 +226,9 @@ def protocol_label(row: dict[str, Any]) -> str:
 
 
 def generation_label(row: dict[str, Any]) -> str:
-    decoding = "greedy" if float(row["temperature"]) == 0 else f"temperature {row['temperature']:g}, top-p {row['top_p']:g}"
+    decoding = (
+        "greedy" if float(row["temperature"]) == 0 else f"temperature {row['temperature']:g}, top-p {row['top_p']:g}"
+    )
     return f"{decoding}, {row['max_new_tokens']} new tokens at most"
 
 
@@ -232,24 +242,42 @@ def slices(engine: Engine, filters: Filters) -> list[dict[str, Any]]:
     (results of the filters' measure, failed ones included), ``methods`` and ``budgets`` and a
     ``label``; the one with the most rows first (ties: lowest ids)."""
     key = (R.c.model_id, R.c.protocol_id, R.c.generation_id)
-    query = (select(*key, func.count(), func.count(distinct(R.c.method_spec_id)), func.count(distinct(R.c.budget)))
-             .where(*filters.conditions()).group_by(*key))
+    query = (
+        select(*key, func.count(), func.count(distinct(R.c.method_spec_id)), func.count(distinct(R.c.budget)))
+        .where(*filters.conditions())
+        .group_by(*key)
+    )
     with engine.connect() as conn:
         found = [tuple(int(v) for v in r) for r in conn.execute(query)]
         models = {r.id: r.name for r in conn.execute(select(MO.c.id, MO.c.name))}
         protocols = {r["id"]: protocol_label(r) for r in (dict(x._mapping) for x in conn.execute(select(P)))}
         generations = {r["id"]: generation_label(r) for r in (dict(x._mapping) for x in conn.execute(select(G)))}
     found.sort(key=lambda r: (-r[3], r[:3]))
-    return [{"model_id": m, "protocol_id": p, "generation_id": g, "rows": n, "methods": k, "budgets": nb,
-             "model": models[m], "protocol": protocols[p], "generation": f"#{g}: {generations[g]}",
-             "label": f"{models[m]} · protocol {protocols[p]} · generation #{g}: {generations[g]}"}
-            for m, p, g, n, k, nb in found]
+    return [
+        {
+            "model_id": m,
+            "protocol_id": p,
+            "generation_id": g,
+            "rows": n,
+            "methods": k,
+            "budgets": nb,
+            "model": models[m],
+            "protocol": protocols[p],
+            "generation": f"#{g}: {generations[g]}",
+            "label": f"{models[m]} · protocol {protocols[p]} · generation #{g}: {generations[g]}",
+        }
+        for m, p, g, n, k, nb in found
+    ]
 
 
 def in_slice(filters: Filters, chosen: dict[str, Any]) -> Filters:
     """The filters narrowed to one slice of :func:`slices`."""
-    return replace(filters, models=(chosen["model_id"],), protocols=(chosen["protocol_id"],),
-                   generations=(chosen["generation_id"],))
+    return replace(
+        filters,
+        models=(chosen["model_id"],),
+        protocols=(chosen["protocol_id"],),
+        generations=(chosen["generation_id"],),
+    )
 
 
 def identical_methods(engine: Engine, filters: Filters) -> list[tuple[int, ...]]:
@@ -259,7 +287,16 @@ def identical_methods(engine: Engine, filters: Filters) -> list[tuple[int, ...]]
     coincide, so one would hide the other without a word."""
     fidelity = filters.measure == MEASURE_FIDELITY
     values = (R.c.kl_mean, R.c.top1_agreement, R.c.delta_nll_mean) if fidelity else (R.c.completion,)
-    key = (R.c.budget, R.c.task_id, R.c.sample_id, R.c.model_id, R.c.protocol_id, R.c.generation_id, R.c.sample_index, R.c.seed)
+    key = (
+        R.c.budget,
+        R.c.task_id,
+        R.c.sample_id,
+        R.c.model_id,
+        R.c.protocol_id,
+        R.c.generation_id,
+        R.c.sample_index,
+        R.c.seed,
+    )
     query = select(R.c.method_spec_id, *key, R.c.status, *values).where(*filters.conditions())
     per_method: dict[int, set] = {}
     with engine.connect() as conn:
@@ -345,22 +382,50 @@ def options(engine: Engine) -> Options:
     out = Options()
     with engine.connect() as conn:
         used = lambda col: select(col).distinct().scalar_subquery()  # noqa: E731
-        out.models = [dict(r._mapping) for r in conn.execute(select(MO.c.id, MO.c.name).where(MO.c.id.in_(used(R.c.model_id))).order_by(MO.c.name, MO.c.id))]
-        out.tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain, T.c.options).where(T.c.id.in_(used(R.c.task_id))).order_by(T.c.domain, T.c.name, T.c.id))]
+        out.models = [
+            dict(r._mapping)
+            for r in conn.execute(
+                select(MO.c.id, MO.c.name).where(MO.c.id.in_(used(R.c.model_id))).order_by(MO.c.name, MO.c.id)
+            )
+        ]
+        out.tasks = [
+            dict(r._mapping)
+            for r in conn.execute(
+                select(T.c.id, T.c.name, T.c.domain, T.c.options)
+                .where(T.c.id.in_(used(R.c.task_id)))
+                .order_by(T.c.domain, T.c.name, T.c.id)
+            )
+        ]
         labels = task_labels(out.tasks)
         out.tasks = [{**t, "label": labels[t["id"]]} for t in out.tasks]
         out.domains = sorted({t["domain"] for t in out.tasks})
         meanings: dict[int, list[str]] = {}  # every budget with results, in order, and what each means
-        for b, base in conn.execute(select(R.c.budget, P.c.budget_base).distinct().join(P, P.c.id == R.c.protocol_id)
-                                    .order_by(R.c.budget, P.c.budget_base.is_not(None), P.c.budget_base)):
+        for b, base in conn.execute(
+            select(R.c.budget, P.c.budget_base)
+            .distinct()
+            .join(P, P.c.id == R.c.protocol_id)
+            .order_by(R.c.budget, P.c.budget_base.is_not(None), P.c.budget_base)
+        ):
             meanings.setdefault(int(b), []).append(budget_label(int(b), base, grouped=True))
         out.budgets = list(meanings)
         out.budget_labels = {b: " / ".join(dict.fromkeys(labels)) for b, labels in meanings.items()}
-        protos = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))]
+        protos = [
+            dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(used(R.c.protocol_id))).order_by(P.c.id))
+        ]
         out.protocols = [{**p, "label": protocol_label(p)} for p in protos]
-        temps = [float(t) for (t,) in conn.execute(select(G.c.temperature).distinct().where(G.c.id.in_(used(R.c.generation_id))))]
+        temps = [
+            float(t)
+            for (t,) in conn.execute(select(G.c.temperature).distinct().where(G.c.id.in_(used(R.c.generation_id))))
+        ]
         out.decodings = [d for d in DECODINGS if any((t == 0) == (d == "greedy") for t in temps)]
-        specs = [dict(r._mapping) for r in conn.execute(select(M.c.id, M.c.name, M.c.params_json).where(M.c.id.in_(used(R.c.method_spec_id))).order_by(M.c.name, M.c.id))]
+        specs = [
+            dict(r._mapping)
+            for r in conn.execute(
+                select(M.c.id, M.c.name, M.c.params_json)
+                .where(M.c.id.in_(used(R.c.method_spec_id)))
+                .order_by(M.c.name, M.c.id)
+            )
+        ]
     labels = method_labels(specs)
     out.methods = {s["id"]: {**s, "label": labels[s["id"]]} for s in specs}
     return out
@@ -370,8 +435,12 @@ def dimensions(engine: Engine) -> dict[str, Any]:
     """Every method spec (with its display label) and task (with its domain and options: what a sample id of it
     holds, :mod:`analysis.identity`): small tables, read whole."""
     with engine.connect() as conn:
-        specs = [dict(r._mapping) for r in conn.execute(select(M.c.id, M.c.name, M.c.params_json).order_by(M.c.name, M.c.id))]
-        tasks = [dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain, T.c.options).order_by(T.c.id))]
+        specs = [
+            dict(r._mapping) for r in conn.execute(select(M.c.id, M.c.name, M.c.params_json).order_by(M.c.name, M.c.id))
+        ]
+        tasks = [
+            dict(r._mapping) for r in conn.execute(select(T.c.id, T.c.name, T.c.domain, T.c.options).order_by(T.c.id))
+        ]
         models = [dict(r._mapping) for r in conn.execute(select(MO.c.id, MO.c.name).order_by(MO.c.id))]
     labels = method_labels(specs)
     return {
@@ -397,12 +466,24 @@ def _int(expr):
     return cast(expr, Integer)
 
 
-QUESTION_CELL_COLUMNS = ("method_spec_id", "budget", "task_id", "sample_id", "model_id", "protocol_id", "generation_id",
-                         "k", "m", "failed", "fired")
+QUESTION_CELL_COLUMNS = (
+    "method_spec_id",
+    "budget",
+    "task_id",
+    "sample_id",
+    "model_id",
+    "protocol_id",
+    "generation_id",
+    "k",
+    "m",
+    "failed",
+    "fired",
+)
 
 
-def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None,
-                   methods: Iterable[int] | None = None) -> list[tuple]:
+def question_cells(
+    engine: Engine, filters: Filters, budgets: Iterable[int] | None = None, methods: Iterable[int] | None = None
+) -> list[tuple]:
     """Tuples of :data:`QUESTION_CELL_COLUMNS`: one per (method spec, budget, problem cell) - tens of
     thousands of rows, so plain tuples - with ``k`` correct of ``m`` samples *including
     failed ones* (a failed sample counts as wrong), ``failed`` samples and ``fired`` (samples with
@@ -431,9 +512,23 @@ def question_cells(engine: Engine, filters: Filters, budgets: Iterable[int] | No
         return [tuple(r) for r in conn.execute(q).fetchall()]
 
 
-FIDELITY_COLUMNS = ("method_spec_id", "budget", "task_id", "sample_id", "model_id", "protocol_id", "seed",
-                    "kl_mean", "top1_agreement", "delta_nll_mean", "scored_tokens",
-                    "evicted_tokens", "ranked_evictions", "prompt_tokens", "resolved_budget")
+FIDELITY_COLUMNS = (
+    "method_spec_id",
+    "budget",
+    "task_id",
+    "sample_id",
+    "model_id",
+    "protocol_id",
+    "seed",
+    "kl_mean",
+    "top1_agreement",
+    "delta_nll_mean",
+    "scored_tokens",
+    "evicted_tokens",
+    "ranked_evictions",
+    "prompt_tokens",
+    "resolved_budget",
+)
 
 
 def fidelity_rows(engine: Engine, filters: Filters, budgets: Iterable[int] | None = None) -> list[tuple]:
@@ -474,7 +569,9 @@ def cost_rows(engine: Engine, filters: Filters, by_domain: bool = False) -> list
     decode_total = R.c.decode_seconds_mean * R.c.generated_tokens
     q = (
         select(
-            R.c.method_spec_id, R.c.budget, *([T.c.domain] if by_domain else []),
+            R.c.method_spec_id,
+            R.c.budget,
+            *([T.c.domain] if by_domain else []),
             func.count().label("samples"),
             func.avg(R.c.tokens_per_second).label("tokens_per_second"),
             func.avg(R.c.decode_seconds_mean).label("seconds_per_token"),
@@ -508,9 +605,25 @@ def benchmark_rows(engine: Engine) -> list[dict[str, Any]]:
     if not has_schema(engine, B.name):
         return []
     q = (
-        select(B.c.id, B.c.run_id, B.c.benchmark, B.c.model, B.c.method, B.c.budget, B.c.metric, B.c.value, B.c.unit,
-               B.c.reference, B.c.details, B.c.created_at, E.c.hostname, E.c.platform, E.c.gpu_name, E.c.gpu_count,
-               E.c.cuda_version)
+        select(
+            B.c.id,
+            B.c.run_id,
+            B.c.benchmark,
+            B.c.model,
+            B.c.method,
+            B.c.budget,
+            B.c.metric,
+            B.c.value,
+            B.c.unit,
+            B.c.reference,
+            B.c.details,
+            B.c.created_at,
+            E.c.hostname,
+            E.c.platform,
+            E.c.gpu_name,
+            E.c.gpu_count,
+            E.c.cuda_version,
+        )
         .select_from(B.outerjoin(E, E.c.id == B.c.environment_id))
         .order_by(B.c.created_at.desc(), B.c.run_id, B.c.id)
     )
@@ -523,7 +636,9 @@ def benchmark_rows(engine: Engine) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 
 
-def problem_ids(engine: Engine, filters: Filters, task_id: int, budget: int | None, disagree_only: bool = False, limit: int = 2000) -> list[str]:
+def problem_ids(
+    engine: Engine, filters: Filters, task_id: int, budget: int | None, disagree_only: bool = False, limit: int = 2000
+) -> list[str]:
     """Sample ids of a task (at a budget); ``disagree_only``: where some method was right and another wrong."""
     cond = [R.c.task_id == task_id, R.c.status == STATUS_OK, *filters.conditions(budgets=False)]
     if budget is not None:
@@ -537,17 +652,39 @@ def problem_ids(engine: Engine, filters: Filters, task_id: int, budget: int | No
 
 
 SAMPLE_COLUMNS = (
-    "id", "method_spec_id", "model_id", "protocol_id", "generation_id", "sweep_id", "budget", "sample_index", "seed",
-    "status", "error", "correct", "score", "extracted", "completion", "stop_reason", *METRIC_COLUMNS,
+    "id",
+    "method_spec_id",
+    "model_id",
+    "protocol_id",
+    "generation_id",
+    "sweep_id",
+    "budget",
+    "sample_index",
+    "seed",
+    "status",
+    "error",
+    "correct",
+    "score",
+    "extracted",
+    "completion",
+    "stop_reason",
+    *METRIC_COLUMNS,
 )
 
 
-def sample_rows(engine: Engine, filters: Filters, task_id: int, sample_id: str, budget: int | None, limit: int = 500) -> list[dict[str, Any]]:
+def sample_rows(
+    engine: Engine, filters: Filters, task_id: int, sample_id: str, budget: int | None, limit: int = 500
+) -> list[dict[str, Any]]:
     """Every stored generation of one problem (all methods) at a budget."""
     cond = [R.c.task_id == task_id, R.c.sample_id == sample_id, *filters.conditions(budgets=False)]
     if budget is not None:
         cond.append(R.c.budget == budget)
-    q = select(*[getattr(R.c, c) for c in SAMPLE_COLUMNS]).where(*cond).order_by(R.c.method_spec_id, R.c.sample_index, R.c.seed, R.c.id).limit(limit)
+    q = (
+        select(*[getattr(R.c, c) for c in SAMPLE_COLUMNS])
+        .where(*cond)
+        .order_by(R.c.method_spec_id, R.c.sample_index, R.c.seed, R.c.id)
+        .limit(limit)
+    )
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q)]
 
@@ -557,7 +694,9 @@ def sample_rows(engine: Engine, filters: Filters, task_id: int, sample_id: str, 
 # ------------------------------------------------------------------------------------------------
 
 
-def provenance(engine: Engine, filters: Filters, method_ids: Iterable[int] | None = None) -> dict[str, list[dict[str, Any]]]:
+def provenance(
+    engine: Engine, filters: Filters, method_ids: Iterable[int] | None = None
+) -> dict[str, list[dict[str, Any]]]:
     """The sweeps, environments, seeds, protocols and generation settings behind the filtered rows."""
     cond = [*filters.conditions()]
     if method_ids is not None:
@@ -566,14 +705,27 @@ def provenance(engine: Engine, filters: Filters, method_ids: Iterable[int] | Non
         per_sweep = {
             int(sid): (int(n), int(ok))
             for sid, n, ok in conn.execute(
-                select(R.c.sweep_id, func.count(), _int(func.sum(case((R.c.status == STATUS_OK, 1), else_=0)))).where(*cond).group_by(R.c.sweep_id)
+                select(R.c.sweep_id, func.count(), _int(func.sum(case((R.c.status == STATUS_OK, 1), else_=0))))
+                .where(*cond)
+                .group_by(R.c.sweep_id)
             )
         }
         sweeps = []
         if per_sweep:
             q = (
-                select(S, E.c.hostname, E.c.platform, E.c.python_version, E.c.torch_version, E.c.transformers_version,
-                       E.c.cuda_version, E.c.gpu_name, E.c.gpu_count, E.c.kvleague_version, E.c.ray_version)
+                select(
+                    S,
+                    E.c.hostname,
+                    E.c.platform,
+                    E.c.python_version,
+                    E.c.torch_version,
+                    E.c.transformers_version,
+                    E.c.cuda_version,
+                    E.c.gpu_name,
+                    E.c.gpu_count,
+                    E.c.kvleague_version,
+                    E.c.ray_version,
+                )
                 .select_from(S.outerjoin(E, E.c.id == S.c.environment_id))
                 .where(S.c.id.in_(list(per_sweep)))
                 .order_by(S.c.id)
@@ -595,17 +747,45 @@ def provenance(engine: Engine, filters: Filters, method_ids: Iterable[int] | Non
                 envs.append(row)
         seeds = [
             {"seed": int(s), "sample_indices": int(k), "rows": int(n)}
-            for s, k, n in conn.execute(select(R.c.seed, func.count(distinct(R.c.sample_index)), func.count()).where(*cond).group_by(R.c.seed).order_by(R.c.seed))
+            for s, k, n in conn.execute(
+                select(R.c.seed, func.count(distinct(R.c.sample_index)), func.count())
+                .where(*cond)
+                .group_by(R.c.seed)
+                .order_by(R.c.seed)
+            )
         ]
         proto_ids = [int(p) for (p,) in conn.execute(select(R.c.protocol_id).distinct().where(*cond))]
-        protocols = [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(proto_ids)).order_by(P.c.id))] if proto_ids else []
+        protocols = (
+            [dict(r._mapping) for r in conn.execute(select(P).where(P.c.id.in_(proto_ids)).order_by(P.c.id))]
+            if proto_ids
+            else []
+        )
         gen_ids = [int(g) for (g,) in conn.execute(select(R.c.generation_id).distinct().where(*cond))]
-        generations = [dict(r._mapping) for r in conn.execute(select(G).where(G.c.id.in_(gen_ids)).order_by(G.c.id))] if gen_ids else []
+        generations = (
+            [dict(r._mapping) for r in conn.execute(select(G).where(G.c.id.in_(gen_ids)).order_by(G.c.id))]
+            if gen_ids
+            else []
+        )
         model_ids = [int(m) for (m,) in conn.execute(select(R.c.model_id).distinct().where(*cond))]
-        models = [dict(r._mapping) for r in conn.execute(select(MO).where(MO.c.id.in_(model_ids)).order_by(MO.c.id))] if model_ids else []
+        models = (
+            [dict(r._mapping) for r in conn.execute(select(MO).where(MO.c.id.in_(model_ids)).order_by(MO.c.id))]
+            if model_ids
+            else []
+        )
         task_ids = [int(t) for (t,) in conn.execute(select(R.c.task_id).distinct().where(*cond))]
-        tasks = [dict(r._mapping) for r in conn.execute(select(T).where(T.c.id.in_(task_ids)).order_by(T.c.id))] if task_ids else []
+        tasks = (
+            [dict(r._mapping) for r in conn.execute(select(T).where(T.c.id.in_(task_ids)).order_by(T.c.id))]
+            if task_ids
+            else []
+        )
     for p in protocols:
         p["label"] = protocol_label(p)
-    return {"sweeps": sweeps, "environments": envs, "seeds": seeds, "protocols": protocols,
-            "generations": generations, "models": models, "tasks": tasks}
+    return {
+        "sweeps": sweeps,
+        "environments": envs,
+        "seeds": seeds,
+        "protocols": protocols,
+        "generations": generations,
+        "models": models,
+        "tasks": tasks,
+    }

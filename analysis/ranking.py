@@ -8,9 +8,9 @@ significantly worse than i]``. "Tied with the best" means no method is significa
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Hashable, Mapping
 
 from kvleague.analysis import multiplicity, score_tests
 from kvleague.analysis.stats import ALPHA, Scores
@@ -37,8 +37,11 @@ def rank_intervals(scores: Mapping[Hashable, Scores], alpha: float = ALPHA) -> d
     effs = []
     for i, j in pairs:
         a, b = scores[i], scores[j]
-        effs.append(score_tests.effective_ints(a.numerators - b.numerators, a.denominator, a.group, a.group_weights,
-                                               max(a.max_samples, b.max_samples)))
+        effs.append(
+            score_tests.effective_ints(
+                a.numerators - b.numerators, a.denominator, a.group, a.group_weights, max(a.max_samples, b.max_samples)
+            )
+        )
     raw = [1.0 if e.mean == 0 else score_tests.tango_pvalue(float(e.mean), float(e.abs_mean), e.n) for e in effs]
     adjusted = multiplicity.holm(raw)
     better = {m: 0 for m in methods}  # how many methods are significantly better than m

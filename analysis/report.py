@@ -14,17 +14,17 @@ the same export always gives the same bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import pandas as pd
 from sqlalchemy import case, func, select
 
 from kvleague.analysis import fidelity_tables as fid
-from kvleague.analysis import identity, paper
+from kvleague.analysis import identity, paper, tables
 from kvleague.analysis import queries as q
-from kvleague.analysis import tables
 from kvleague.analysis.head_to_head import head_to_head
 from kvleague.analysis.report_figures import budget_figure
 from kvleague.db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
@@ -97,11 +97,21 @@ class Slice:
 
 def slices(engine, opts: q.Options) -> list[Slice]:
     with engine.connect() as conn:
-        pairs = conn.execute(select(R.c.model_id, R.c.protocol_id).distinct().order_by(R.c.model_id, R.c.protocol_id)).all()
+        pairs = conn.execute(
+            select(R.c.model_id, R.c.protocol_id).distinct().order_by(R.c.model_id, R.c.protocol_id)
+        ).all()
     models = {m["id"]: m["name"] for m in opts.models}
     protocols = {p["id"]: p for p in opts.protocols}
-    return [Slice(int(m), models.get(m, f"#{m}"), int(p), protocols.get(p, {}).get("label", f"#{p}"),
-                  protocols.get(p, {}).get("budget_base")) for m, p in pairs]
+    return [
+        Slice(
+            int(m),
+            models.get(m, f"#{m}"),
+            int(p),
+            protocols.get(p, {}).get("label", f"#{p}"),
+            protocols.get(p, {}).get("budget_base"),
+        )
+        for m, p in pairs
+    ]
 
 
 def totals(engine, filters: q.Filters | None = None, tasks: Mapping[int, Any] | None = None) -> dict[str, Any]:
@@ -109,23 +119,42 @@ def totals(engine, filters: q.Filters | None = None, tasks: Mapping[int, Any] | 
     dimensions' tasks; else distinct (task, sample id)), tokens through the model (prompt + generated or
     scored) and the cells' summed wall time (one CPU-bound worker per cell: its CPU time)."""
     cond = filters.conditions() if filters else []
-    tokens = func.coalesce(R.c.prompt_tokens, 0) + func.coalesce(R.c.generated_tokens, 0) + func.coalesce(R.c.scored_tokens, 0)
+    tokens = (
+        func.coalesce(R.c.prompt_tokens, 0)
+        + func.coalesce(R.c.generated_tokens, 0)
+        + func.coalesce(R.c.scored_tokens, 0)
+    )
     with engine.connect() as conn:
-        row = conn.execute(select(
-            func.count(), func.sum(case((R.c.status != STATUS_OK, 1), else_=0)),
-            func.sum(tokens), func.sum(R.c.wall_seconds),
-            func.sum(case((R.c.measure == MEASURE_FIDELITY, 1), else_=0)),
-        ).where(*cond)).one()
-        questions = [(int(t), str(s)) for t, s in conn.execute(select(R.c.task_id, R.c.sample_id).distinct().where(*cond))]
+        row = conn.execute(
+            select(
+                func.count(),
+                func.sum(case((R.c.status != STATUS_OK, 1), else_=0)),
+                func.sum(tokens),
+                func.sum(R.c.wall_seconds),
+                func.sum(case((R.c.measure == MEASURE_FIDELITY, 1), else_=0)),
+            ).where(*cond)
+        ).one()
+        questions = [
+            (int(t), str(s)) for t, s in conn.execute(select(R.c.task_id, R.c.sample_id).distinct().where(*cond))
+        ]
     n, failed, tok, seconds, fidelity_cells = row
     samples = len(set(identity.representatives(questions, tasks).values())) if tasks is not None else len(questions)
-    return {"cells": int(n or 0), "failed": int(failed or 0), "samples": samples, "tokens": int(tok or 0),
-            "seconds": float(seconds or 0.0), "fidelity_cells": int(fidelity_cells or 0)}
+    return {
+        "cells": int(n or 0),
+        "failed": int(failed or 0),
+        "samples": samples,
+        "tokens": int(tok or 0),
+        "seconds": float(seconds or 0.0),
+        "fidelity_cells": int(fidelity_cells or 0),
+    }
 
 
 def _budgets(engine, filters: q.Filters) -> list[int]:
     with engine.connect() as conn:
-        return [int(b) for (b,) in conn.execute(select(R.c.budget).distinct().where(*filters.conditions()).order_by(R.c.budget))]
+        return [
+            int(b)
+            for (b,) in conn.execute(select(R.c.budget).distinct().where(*filters.conditions()).order_by(R.c.budget))
+        ]
 
 
 def method_names(dims: dict[str, Any]) -> dict[str, str]:
@@ -167,8 +196,9 @@ def _tied(row: pd.Series) -> str:
     return f", {int(row['tied'])} of {int(row['samples'])} tied" if row.get("tied") else ""
 
 
-def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt,
-                       name_of: Mapping[str, str], fidelity: bool) -> dict[str, list[tuple[str, str]]]:
+def _against_baselines(
+    pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt, name_of: Mapping[str, str], fidelity: bool
+) -> dict[str, list[tuple[str, str]]]:
     """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
     says at Holm-adjusted p < 0.05: "better", "worse" or "no different", each as (baseline, its figures).
     ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d, epikv_first)``: the
@@ -195,10 +225,17 @@ def _against_baselines(pairs: pd.DataFrame, label: str, delta: str, lower_is_bet
 
 
 def _said(groups: dict[str, list[tuple[str, str]]], better: str, worse: str) -> str:
-    words = {"better": better, "worse": worse, "no different": "not significantly different from",
-             "same": "the same within float32 rounding (every per-sample difference) as"}
-    return "; ".join(f"{words[kind]} {', '.join(f'{name} ({figures})' for name, figures in items)}"
-                     for kind, items in groups.items() if items)
+    words = {
+        "better": better,
+        "worse": worse,
+        "no different": "not significantly different from",
+        "same": "the same within float32 rounding (every per-sample difference) as",
+    }
+    return "; ".join(
+        f"{words[kind]} {', '.join(f'{name} ({figures})' for name, figures in items)}"
+        for kind, items in groups.items()
+        if items
+    )
 
 
 @dataclass(frozen=True)
@@ -209,19 +246,35 @@ class Finding:
     glance: dict[str, Any]
 
 
-GLANCE = ["domain", "budget", "EpiKV spec", "measure", "EpiKV vs full cache", "baselines EpiKV beats",
-          "no significant difference", "baselines that beat EpiKV"]
+GLANCE = [
+    "domain",
+    "budget",
+    "EpiKV spec",
+    "measure",
+    "EpiKV vs full cache",
+    "baselines EpiKV beats",
+    "no significant difference",
+    "baselines that beat EpiKV",
+]
 
 
-def _glance(domain: str, budget: int | str, label: str, measure: str, vs_full: str,
-            groups: dict[str, list[tuple[str, str]]]) -> dict[str, Any]:
+def _glance(
+    domain: str, budget: int | str, label: str, measure: str, vs_full: str, groups: dict[str, list[tuple[str, str]]]
+) -> dict[str, Any]:
     def names(kind: str) -> list[str]:
         return [name for name, _ in groups.get(kind, [])]
 
     level = names("no different") + [f"{n} (same within rounding)" for n in names("same")]
-    return {"domain": domain, "budget": budget, "EpiKV spec": label, "measure": measure, "EpiKV vs full cache": vs_full,
-            "baselines EpiKV beats": ", ".join(names("better")) or "-", "no significant difference": ", ".join(level) or "-",
-            "baselines that beat EpiKV": ", ".join(names("worse")) or "-"}
+    return {
+        "domain": domain,
+        "budget": budget,
+        "EpiKV spec": label,
+        "measure": measure,
+        "EpiKV vs full cache": vs_full,
+        "baselines EpiKV beats": ", ".join(names("better")) or "-",
+        "no significant difference": ", ".join(level) or "-",
+        "baselines that beat EpiKV": ", ".join(names("worse")) or "-",
+    }
 
 
 def _signed(v: float) -> str:
@@ -241,36 +294,74 @@ def _heading(domain: str, budget: int | str, protocol: int | None) -> str:
     return f"**{f'protocol #{protocol}, ' if protocol is not None else ''}{domain}, budget {budget}**"
 
 
-def fidelity_findings(pairs: pd.DataFrame, board: pd.DataFrame, domain: str, budget: int | str,
-                      name_of: Mapping[str, str], protocol: int | None = None) -> list[Finding]:
+def fidelity_findings(
+    pairs: pd.DataFrame,
+    board: pd.DataFrame,
+    domain: str,
+    budget: int | str,
+    name_of: Mapping[str, str],
+    protocol: int | None = None,
+) -> list[Finding]:
     """How close each EpiKV spec stays to the full cache, and whether it matches the attention
     baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         if e.get("ranked", 1) == 0:  # (a board without the column: every method ranked)
-            text = (f"{_heading(domain, budget, protocol)} (fidelity, {int(e['samples'])} samples): not a finding. In none of its "
-                    f"samples did {_who(e['method'])}'s ranking decide what was evicted (each eviction dropped nothing or every "
-                    "candidate, as the protocol dictated), so its KL and every comparison of it are the protocol's, untested.")
-            out.append(Finding(text, {**_glance(domain, budget, e["method"], "fidelity (KL)", f"not a finding: the protocol chose ({int(e['samples'])} samples)", {}),
-                                      "no significant difference": "-"}))
+            text = (
+                f"{_heading(domain, budget, protocol)} (fidelity, {int(e['samples'])} samples): not a finding. In none of its "
+                f"samples did {_who(e['method'])}'s ranking decide what was evicted (each eviction dropped nothing or every "
+                "candidate, as the protocol dictated), so its KL and every comparison of it are the protocol's, untested."
+            )
+            out.append(
+                Finding(
+                    text,
+                    {
+                        **_glance(
+                            domain,
+                            budget,
+                            e["method"],
+                            "fidelity (KL)",
+                            f"not a finding: the protocol chose ({int(e['samples'])} samples)",
+                            {},
+                        ),
+                        "no significant difference": "-",
+                    },
+                )
+            )
             continue
-        line = (f"{_heading(domain, budget, protocol)} (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
-                f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}.")
+        line = (
+            f"{_heading(domain, budget, protocol)} (fidelity, {int(e['samples'])} samples): {_who(e['method'])}'s mean KL to the "
+            f"full cache is {e['KL']:.3f} nats/token {e['KL 95% CI']}, top-1 agreement {e['top-1 %']:.1f}% {e['top-1 95% CI']}."
+        )
         groups = _against_baselines(pairs, e["method"], "Δ KL (A−B)", True, _kl_delta, name_of, fidelity=True)
         said = _said(groups, "lower than", "higher than")
         vs_full = f"KL {e['KL']:.3f} {e['KL 95% CI']}, top-1 {e['top-1 %']:.1f}% ({int(e['samples'])} samples)"
-        out.append(Finding(line + (f" Its KL is {said}." if said else ""),
-                           _glance(domain, budget, e["method"], "fidelity (KL)", vs_full, groups)))
+        out.append(
+            Finding(
+                line + (f" Its KL is {said}." if said else ""),
+                _glance(domain, budget, e["method"], "fidelity (KL)", vs_full, groups),
+            )
+        )
     return out
 
 
 def _pair_of(pairs: pd.DataFrame, a: str, b: str) -> pd.Series | None:
-    hit = pairs[((pairs["A"] == a) & (pairs["B"] == b)) | ((pairs["A"] == b) & (pairs["B"] == a))] if not pairs.empty else pairs
+    hit = (
+        pairs[((pairs["A"] == a) & (pairs["B"] == b)) | ((pairs["A"] == b) & (pairs["B"] == a))]
+        if not pairs.empty
+        else pairs
+    )
     return None if hit.empty else hit.iloc[0]
 
 
-def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, budget: int | str,
-                      name_of: Mapping[str, str], protocol: int | None = None) -> list[Finding]:
+def accuracy_findings(
+    board: pd.DataFrame,
+    pairs: pd.DataFrame,
+    domain: str,
+    budget: int | str,
+    name_of: Mapping[str, str],
+    protocol: int | None = None,
+) -> list[Finding]:
     """Each EpiKV spec's accuracy against full cache and against the attention baselines, at one budget in
     one domain: the paired tests of the head-to-head table (on the domain table's problems, Holm over its
     pairs), the verdict from the adjusted p; the difference from full cache with the board's interval,
@@ -283,20 +374,36 @@ def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, bud
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         pair = _pair_of(pairs, e["method"], f["method"])
         p_holm = pair["p (Holm)"] if pair is not None else math.nan
-        close = ("not significantly different from" if not (p_holm < ALPHA) else
-                 "below" if e["delta_full"] < 0 else "above")
-        line = (f"{_heading(domain, budget, protocol)} (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
-                f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
-                f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
-                f"p Holm {_p(p_holm)}).")
-        groups = _against_baselines(pairs, e["method"], "Δ A−B (pts)", False, lambda row, d, _: f"Δ {d:+.1f} pts, {row['test']}",
-                                    name_of, fidelity=False)
+        close = (
+            "not significantly different from" if not (p_holm < ALPHA) else "below" if e["delta_full"] < 0 else "above"
+        )
+        line = (
+            f"{_heading(domain, budget, protocol)} (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
+            f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
+            f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
+            f"p Holm {_p(p_holm)})."
+        )
+        groups = _against_baselines(
+            pairs,
+            e["method"],
+            "Δ A−B (pts)",
+            False,
+            lambda row, d, _: f"Δ {d:+.1f} pts, {row['test']}",
+            name_of,
+            fidelity=False,
+        )
         said = _said(groups, "above", "below")
-        vs_full = (f"{e['accuracy']:.1f}% vs {f['accuracy']:.1f}%, Δ {e['delta_full']:+.1f} pts "
-                   f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], p {_p(e['p_value'])}, p Holm {_p(p_holm)} "
-                   f"({int(e['problems'])} problems)")
-        out.append(Finding(line + (f" Against the attention baselines it is {said}." if said else ""),
-                           _glance(domain, budget, e["method"], "accuracy", vs_full, groups)))
+        vs_full = (
+            f"{e['accuracy']:.1f}% vs {f['accuracy']:.1f}%, Δ {e['delta_full']:+.1f} pts "
+            f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], p {_p(e['p_value'])}, p Holm {_p(p_holm)} "
+            f"({int(e['problems'])} problems)"
+        )
+        out.append(
+            Finding(
+                line + (f" Against the attention baselines it is {said}." if said else ""),
+                _glance(domain, budget, e["method"], "accuracy", vs_full, groups),
+            )
+        )
     return out
 
 
@@ -304,10 +411,32 @@ def accuracy_findings(board: pd.DataFrame, pairs: pd.DataFrame, domain: str, bud
 # The report
 # ------------------------------------------------------------------------------------------------
 
-_BOARD = ["method", "accuracy", "interval", "delta_full", "delta_lo", "delta_hi", "p_value", "rank_interval", "problems", "failed"]
+_BOARD = [
+    "method",
+    "accuracy",
+    "interval",
+    "delta_full",
+    "delta_lo",
+    "delta_hi",
+    "p_value",
+    "rank_interval",
+    "problems",
+    "failed",
+]
 _FID = ["method", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "ranked", "tokens"]
-_FID_PAIRS = ["A", "B", "samples", "tied", "Δ KL (A−B)", "Δ KL 95% CI", "Δ top-1 (pts)", "Δ top-1 95% CI", "signed ranks",
-              "p (Wilcoxon)", "p (Holm)"]
+_FID_PAIRS = [
+    "A",
+    "B",
+    "samples",
+    "tied",
+    "Δ KL (A−B)",
+    "Δ KL 95% CI",
+    "Δ top-1 (pts)",
+    "Δ top-1 95% CI",
+    "signed ranks",
+    "p (Wilcoxon)",
+    "p (Holm)",
+]
 _ACC_PAIRS = ["A", "B", "problems", "A only", "B only", "A %", "B %", "Δ A−B (pts)", "test", "p", "p (Holm)"]
 
 
@@ -344,21 +473,66 @@ class _Writer:
         self.add(f"![{name}]({FIGURES}/{path.name})", "")
 
 
-def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, budgets: list[int],
-                    acc_curves: pd.DataFrame, acc_full: pd.DataFrame, fid_curves: pd.DataFrame, tag: str) -> None:
+def _domain_section(
+    w: _Writer,
+    s: Slice,
+    dims: dict[str, Any],
+    domain: str,
+    budgets: list[int],
+    acc_curves: pd.DataFrame,
+    acc_full: pd.DataFrame,
+    fid_curves: pd.DataFrame,
+    tag: str,
+) -> None:
     w.add(f"### {domain}", "")
     acc = acc_curves[acc_curves["domain"] == domain]
     full = acc_full[acc_full["domain"] == domain]
     if not acc.empty:
         ref = float(full["accuracy"].iloc[0]) if not full.empty else None
-        w.figure(f"{tag}-{_slug(domain)}-accuracy.png", lambda p: budget_figure(
-            acc, "accuracy", "acc_lo", "acc_hi", "accuracy (%)", f"{domain}: accuracy vs budget ({s.model})", p, w.family, ref))
+        w.figure(
+            f"{tag}-{_slug(domain)}-accuracy.png",
+            lambda p: budget_figure(
+                acc,
+                "accuracy",
+                "acc_lo",
+                "acc_hi",
+                "accuracy (%)",
+                f"{domain}: accuracy vs budget ({s.model})",
+                p,
+                w.family,
+                ref,
+            ),
+        )
     fc = fid_curves[fid_curves["domain"] == domain]
     if not fc.empty:
-        w.figure(f"{tag}-{_slug(domain)}-kl.png", lambda p: budget_figure(
-            fc, "KL", "KL lo", "KL hi", "mean KL(full || method), nats/token", f"{domain}: KL to the full cache vs budget", p, w.family, 0.0))
-        w.figure(f"{tag}-{_slug(domain)}-top1.png", lambda p: budget_figure(
-            fc, "top-1 %", "top-1 lo", "top-1 hi", "top-1 agreement with full cache (%)", f"{domain}: top-1 agreement vs budget", p, w.family, 100.0))
+        w.figure(
+            f"{tag}-{_slug(domain)}-kl.png",
+            lambda p: budget_figure(
+                fc,
+                "KL",
+                "KL lo",
+                "KL hi",
+                "mean KL(full || method), nats/token",
+                f"{domain}: KL to the full cache vs budget",
+                p,
+                w.family,
+                0.0,
+            ),
+        )
+        w.figure(
+            f"{tag}-{_slug(domain)}-top1.png",
+            lambda p: budget_figure(
+                fc,
+                "top-1 %",
+                "top-1 lo",
+                "top-1 hi",
+                "top-1 agreement with full cache (%)",
+                f"{domain}: top-1 agreement vs budget",
+                p,
+                w.family,
+                100.0,
+            ),
+        )
     for b in budgets:
         f_dom = replace(s.filters, domains=(domain,))
         board = tables.leaderboard(w.engine, f_dom, b, dims).by_domain
@@ -370,38 +544,60 @@ def _domain_section(w: _Writer, s: Slice, dims: dict[str, Any], domain: str, bud
             continue
         w.add(f"#### {domain}, budget {s.budget(b)}", "")
         if non_full:
-            w.add("Accuracy (95% interval; Δ vs full cache with the interval of its test: exact McNemar below 25 discordant "
-                  "problems, else McNemar's score test; rank interval):", "",
-                  markdown_table(board, _BOARD, {"accuracy": 1, "delta_full": 1, "delta_lo": 1, "delta_hi": 1}), "")
+            w.add(
+                "Accuracy (95% interval; Δ vs full cache with the interval of its test: exact McNemar below 25 discordant "
+                "problems, else McNemar's score test; rank interval):",
+                "",
+                markdown_table(board, _BOARD, {"accuracy": 1, "delta_full": 1, "delta_lo": 1, "delta_hi": 1}),
+                "",
+            )
             pairs = _involves(head_to_head(w.engine, f_dom, b, dims), ("full", EPIKV), w.name_of)
             if not pairs.empty:
-                w.add("Paired accuracy tests against full cache and against EpiKV, on the problems of the table above (A only / "
-                      "B only: the discordant problems; Holm over all pairs in the domain):", "",
-                      markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}), "")
+                w.add(
+                    "Paired accuracy tests against full cache and against EpiKV, on the problems of the table above (A only / "
+                    "B only: the discordant problems; Holm over all pairs in the domain):",
+                    "",
+                    markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}),
+                    "",
+                )
             w.found(s, accuracy_findings(board, pairs, domain, s.budget(b), w.name_of, s.protocol_id))
         if not fboard.empty:
             fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
             fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
-            full_at = f"; full cache's rows from budget {s.budget(fb.full_budget)}" if fb.full_budget not in (None, b) else ""
-            w.add("Fidelity (mean over samples of per-token KL(full || method) in nats, 95% bootstrap interval; top-1 "
-                  "agreement, 95% Wilson interval over tokens with the design effect of their samples; ranked: samples in which "
-                  "the method's own ranking decided what was evicted, the others evicted nothing or every candidate, as the "
-                  f"protocol dictated, and a method ranked in none is not a finding{full_at}):", "",
-                  markdown_table(fboard, _FID, {"KL": 4, "top-1 %": 1, "ΔNLL": 4}), "")
+            full_at = (
+                f"; full cache's rows from budget {s.budget(fb.full_budget)}" if fb.full_budget not in (None, b) else ""
+            )
+            w.add(
+                "Fidelity (mean over samples of per-token KL(full || method) in nats, 95% bootstrap interval; top-1 "
+                "agreement, 95% Wilson interval over tokens with the design effect of their samples; ranked: samples in which "
+                "the method's own ranking decided what was evicted, the others evicted nothing or every candidate, as the "
+                f"protocol dictated, and a method ranked in none is not a finding{full_at}):",
+                "",
+                markdown_table(fboard, _FID, {"KL": 4, "top-1 %": 1, "ΔNLL": 4}),
+                "",
+            )
             shown = _involves(fpairs, ("full", EPIKV), w.name_of)
             if not shown.empty:
-                w.add("Paired fidelity tests against full cache and against EpiKV, on the samples of the table above (Δ of "
-                      "per-sample means, bootstrap interval; Wilcoxon signed-rank: differences within float32 rounding are "
-                      "tied and left out, the signed ranks give the direction; Holm over all pairs in the domain):", "",
-                      markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}), "")
+                w.add(
+                    "Paired fidelity tests against full cache and against EpiKV, on the samples of the table above (Δ of "
+                    "per-sample means, bootstrap interval; Wilcoxon signed-rank: differences within float32 rounding are "
+                    "tied and left out, the signed ranks give the direction; Holm over all pairs in the domain):",
+                    "",
+                    markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}),
+                    "",
+                )
             w.found(s, fidelity_findings(fpairs, fboard, domain, s.budget(b), w.name_of, s.protocol_id))
 
 
 def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> None:
     t = totals(w.engine, replace(s.filters, measure=None), dims["tasks"])
-    w.add(f"## {s.model} — protocol {s.protocol}", "",
-          f"{t['cells']} cells ({t['fidelity_cells']} fidelity, {t['failed']} failed), {t['samples']} samples, "
-          f"{t['tokens']:,} tokens through the model, {_hours(t['seconds'])} of cell time.", "")
+    w.add(
+        f"## {s.model} — protocol {s.protocol}",
+        "",
+        f"{t['cells']} cells ({t['fidelity_cells']} fidelity, {t['failed']} failed), {t['samples']} samples, "
+        f"{t['tokens']:,} tokens through the model, {_hours(t['seconds'])} of cell time.",
+        "",
+    )
     budgets = _budgets(w.engine, replace(s.filters, measure=None))
     acc_curves, acc_full = tables.budget_curves(w.engine, s.filters, dims)
     fid_curves = fid.fidelity_curves(w.engine, s.filters, dims)
@@ -412,20 +608,67 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
     fclaims = fid.fidelity_scorecard(w.engine, s.filters, dims=dims)
     w.add("### Scorecard of the paper's claims", "")
     if not claims.empty:
-        w.add("By accuracy (score tests; Holm over the table):", "",
-              markdown_table(claims, ["domain", "budget", "method", "claim", "accuracy", "reference %", "Δ", "Δ 95% CI",
-                                      "problems", "test", "p", "p (Holm)", "verdict"], {"accuracy": 1, "reference %": 1, "Δ": 1}), "")
+        w.add(
+            "By accuracy (score tests; Holm over the table):",
+            "",
+            markdown_table(
+                claims,
+                [
+                    "domain",
+                    "budget",
+                    "method",
+                    "claim",
+                    "accuracy",
+                    "reference %",
+                    "Δ",
+                    "Δ 95% CI",
+                    "problems",
+                    "test",
+                    "p",
+                    "p (Holm)",
+                    "verdict",
+                ],
+                {"accuracy": 1, "reference %": 1, "Δ": 1},
+            ),
+            "",
+        )
     if not fclaims.empty:
-        w.add(f"By fidelity, where accuracy cannot separate methods (full-cache accuracy below {fid.ACCURACY_FLOOR:g}% "
-              "or not measured; Wilcoxon signed-rank with float-rounding ties left out, Holm over the table):", "",
-              markdown_table(fclaims, ["domain", "budget", "method", "claim", "why fidelity", "KL", "reference KL", "Δ KL",
-                                       "Δ KL 95% CI", "samples", "tied", "signed ranks", "p", "p (Holm)", "verdict"],
-                             {"KL": 4, "reference KL": 4, "Δ KL": 4}), "")
+        w.add(
+            f"By fidelity, where accuracy cannot separate methods (full-cache accuracy below {fid.ACCURACY_FLOOR:g}% "
+            "or not measured; Wilcoxon signed-rank with float-rounding ties left out, Holm over the table):",
+            "",
+            markdown_table(
+                fclaims,
+                [
+                    "domain",
+                    "budget",
+                    "method",
+                    "claim",
+                    "why fidelity",
+                    "KL",
+                    "reference KL",
+                    "Δ KL",
+                    "Δ KL 95% CI",
+                    "samples",
+                    "tied",
+                    "signed ranks",
+                    "p",
+                    "p (Holm)",
+                    "verdict",
+                ],
+                {"KL": 4, "reference KL": 4, "Δ KL": 4},
+            ),
+            "",
+        )
     if claims.empty and fclaims.empty:
         w.add("No EpiKV-family method with a paper baseline here: nothing to judge.", "")
     paper = tables.paper_claims(w.engine, s.filters, dims)
-    w.add("The paper's numbers beside kvleague's (score test of kvleague's accuracy against the paper's value):", "",
-          markdown_table(paper, ["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"]), "")
+    w.add(
+        "The paper's numbers beside kvleague's (score test of kvleague's accuracy against the paper's value):",
+        "",
+        markdown_table(paper, ["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"]),
+        "",
+    )
 
 
 def _ablations(w: _Writer, opts: q.Options) -> None:
@@ -435,24 +678,37 @@ def _ablations(w: _Writer, opts: q.Options) -> None:
         df = fid.protocol_ablations(w.engine, q.Filters(models=(model["id"],)), opts.protocols, w.dims)
         if df.empty:
             continue
-        w.add(f"## Protocol ablations ({model['name']})", "",
-              "The same method, budget and samples under two protocols that differ in exactly one setting (per pair of "
-              "protocols, budget and domain, the samples every method there has under both): mean KL to the full cache "
-              "under each, the paired difference B−A with its bootstrap interval, Wilcoxon signed-rank (differences within "
-              "float32 rounding tied and left out; the signed ranks give the direction), Holm over the table.", "",
-              markdown_table(df, fid.ABLATION_COLUMNS, {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4}), "")
+        w.add(
+            f"## Protocol ablations ({model['name']})",
+            "",
+            "The same method, budget and samples under two protocols that differ in exactly one setting (per pair of "
+            "protocols, budget and domain, the samples every method there has under both): mean KL to the full cache "
+            "under each, the paired difference B−A with its bootstrap interval, Wilcoxon signed-rank (differences within "
+            "float32 rounding tied and left out; the signed ranks give the direction), Holm over the table.",
+            "",
+            markdown_table(df, fid.ABLATION_COLUMNS, {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4}),
+            "",
+        )
         for (field, a, b, domain, budget), g in df.groupby(["field", "A", "B", "domain", "budget"], sort=False):
             groups: dict[str, list[str]] = {"better": [], "worse": [], "no different": [], "same": []}
             for _, r in g.iterrows():
                 kind = "same" if r["tied"] == r["samples"] else _direction(r["p (Holm)"], int(r["sign"]), True)
-                groups[kind].append(f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
-                                    f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}]{_tied(r)}, p Holm {_p(r['p (Holm)'])})")
-            words = {"better": "lower", "worse": "higher", "no different": "not significantly different",
-                     "same": "the same within float32 rounding (every per-sample difference)"}
+                groups[kind].append(
+                    f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
+                    f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}]{_tied(r)}, p Holm {_p(r['p (Holm)'])})"
+                )
+            words = {
+                "better": "lower",
+                "worse": "higher",
+                "no different": "not significantly different",
+                "same": "the same within float32 rounding (every per-sample difference)",
+            }
             said = "; ".join(f"{words[kind]} for {', '.join(items)}" for kind, items in groups.items() if items)
             (n,) = set(g["samples"])  # one sample set per protocol pair, budget and domain
-            w.findings.append(f"**{domain}, budget {budget}, protocol ablation** ({field} {a} → {b}, {int(n)} "
-                              f"samples, {model['name']}): KL to the full cache is {said}.")
+            w.findings.append(
+                f"**{domain}, budget {budget}, protocol ablation** ({field} {a} → {b}, {int(n)} "
+                f"samples, {model['name']}): KL to the full cache is {said}."
+            )
 
 
 def _signals(w: _Writer) -> None:
@@ -463,11 +719,15 @@ def _signals(w: _Writer) -> None:
     df = signals.read_correlations(w.engine)
     if df.empty:
         return
-    w.add("## Signal studies", "",
-          "Spearman's rho between per-token signals and importance by occlusion (the increase in the reference "
-          "continuation's NLL when a window is occluded), pooled over samples as the EpiKV authors pool, with 95% "
-          "bootstrap intervals over samples. The paper's bands: positive at "
-          f"{paper.band_text(paper.POSITIVE_LAYERS)} of depth, negative at {paper.band_text(paper.NEGATIVE_LAYERS)}.", "")
+    w.add(
+        "## Signal studies",
+        "",
+        "Spearman's rho between per-token signals and importance by occlusion (the increase in the reference "
+        "continuation's NLL when a window is occluded), pooled over samples as the EpiKV authors pool, with 95% "
+        "bootstrap intervals over samples. The paper's bands: positive at "
+        f"{paper.band_text(paper.POSITIVE_LAYERS)} of depth, negative at {paper.band_text(paper.NEGATIVE_LAYERS)}.",
+        "",
+    )
     settings = [x for x in signals.SETTINGS if (df["occluded"] == x).any()]
     for setting in settings:  # each setting of the occlusion windows on its own, never pooled
         rows = df[df["occluded"] == setting]
@@ -480,7 +740,8 @@ def _signals(w: _Writer) -> None:
                 f"**{v['domain']} ({v['task']}), signal study** ({v['samples']} samples, {v['model']}{where}): the paper's "
                 f"sign pattern {v['verdict']} (early band: {v['early band: layers > 0']} of {v['early band: layers']} layers "
                 f"above 0, {v['early band: layers < 0']} below; late band: {v['late band: layers < 0']} of "
-                f"{v['late band: layers']} below 0, {v['late band: layers > 0']} above).")
+                f"{v['late band: layers']} below 0, {v['late band: layers > 0']} above)."
+            )
     if len(settings) > 1:
         comparison = signals.comparison_markdown(df)
         if comparison:
@@ -493,19 +754,39 @@ def _provenance(w: _Writer) -> None:
     sweeps = pd.DataFrame(prov["sweeps"])
     if not sweeps.empty:
         sweeps["commit"] = sweeps["git_commit"].str[:12] + sweeps["git_dirty"].map(lambda d: " (dirty)" if d else "")
-        sweeps["versions"] = ("torch " + sweeps["torch_version"].astype(str) + ", transformers " + sweeps["transformers_version"].astype(str)
-                              + ", kvleague " + sweeps["kvleague_version"].astype(str))
+        sweeps["versions"] = (
+            "torch "
+            + sweeps["torch_version"].astype(str)
+            + ", transformers "
+            + sweeps["transformers_version"].astype(str)
+            + ", kvleague "
+            + sweeps["kvleague_version"].astype(str)
+        )
         sweeps["hardware"] = sweeps["platform"].astype(str) + "; GPU " + sweeps["gpu_name"].astype(str)
-        w.add("Sweeps:", "", markdown_table(sweeps, ["name", "config_hash", "commit", "status", "rows", "ok_rows", "versions", "hardware"]), "")
+        w.add(
+            "Sweeps:",
+            "",
+            markdown_table(
+                sweeps, ["name", "config_hash", "commit", "status", "rows", "ok_rows", "versions", "hardware"]
+            ),
+            "",
+        )
     seeds = pd.DataFrame(prov["seeds"])
     if not seeds.empty:
         w.add("Seeds:", "", markdown_table(seeds, ["seed", "sample_indices", "rows"]), "")
     gens = pd.DataFrame(prov["generations"])
     if not gens.empty:
-        w.add("Decoding settings:", "", markdown_table(gens, ["id", "max_new_tokens", "temperature", "top_p", "stop"]), "")
+        w.add(
+            "Decoding settings:", "", markdown_table(gens, ["id", "max_new_tokens", "temperature", "top_p", "stop"]), ""
+        )
     tasks = pd.DataFrame(prov["tasks"])
     if not tasks.empty:
-        w.add("Tasks:", "", markdown_table(tasks, ["name", "domain", "dataset", "metric", "scorer_version", "options"]), "")
+        w.add(
+            "Tasks:",
+            "",
+            markdown_table(tasks, ["name", "domain", "dataset", "metric", "scorer_version", "options"]),
+            "",
+        )
     models = pd.DataFrame(prov["models"])
     if not models.empty:
         w.add("Models:", "", markdown_table(models, ["name", "source", "dtype", "attn_implementation"]), "")
@@ -528,26 +809,35 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
     _signals(w)
     _provenance(w)
     head = [
-        "# kvleague replication report", "",
+        "# kvleague replication report",
+        "",
         f"Generated by `kvleague report` from {source or 'a kvleague database'}. Every number below comes from the "
-        "dashboard's own tables; intervals are 95%; p-values are two-sided, with Holm's adjustment over each table.", "",
+        "dashboard's own tables; intervals are 95%; p-values are two-sided, with Holm's adjustment over each table.",
+        "",
         f"**Totals:** {every['cells']} cells ({every['fidelity_cells']} fidelity, {every['failed']} failed), "
         f"{every['samples']} samples (distinct prompts), {every['tokens']:,} tokens through the model, {_hours(every['seconds'])} of cell time "
         "(the sum of the cells' wall times, each cell on one CPU-bound worker; cells run as one batch share its wall time "
-        "equally).", "",
+        "equally).",
+        "",
         *([preamble.strip(), ""] if preamble.strip() else []),
-        "## Findings", "",
+        "## Findings",
+        "",
         "Each sentence restates rows of the tables below, on the same samples (the n it states is the table's): a "
         "difference is called lower, higher, above or below only when its Holm-adjusted p is under 0.05, and in the "
         "direction its test found (for KL the signed ranks, which a mean carried by a few samples can contradict). "
         "KL differences within float32 rounding are ties (`tied`), left out of the signed-rank test; a prompt that two "
-        "task variants share counts once.", "",
+        "task variants share counts once.",
+        "",
     ]
     if w.glance:
-        head += ["At a glance: per protocol, domain and budget, how close each EpiKV spec stays to the full cache and which "
-                 "attention-scoring baselines it beats, matches or loses to (paired tests, Holm-adjusted p < 0.05; by KL "
-                 "for fidelity, by accuracy for accuracy):", "",
-                 markdown_table(pd.DataFrame(w.glance), ["protocol", *GLANCE]), ""]
+        head += [
+            "At a glance: per protocol, domain and budget, how close each EpiKV spec stays to the full cache and which "
+            "attention-scoring baselines it beats, matches or loses to (paired tests, Holm-adjusted p < 0.05; by KL "
+            "for fidelity, by accuracy for accuracy):",
+            "",
+            markdown_table(pd.DataFrame(w.glance), ["protocol", *GLANCE]),
+            "",
+        ]
     findings = [f"- {line}" for line in w.findings] or ["- No EpiKV results in this database: nothing to report."]
     text = "\n".join([*head, *findings, "", *w.lines]).rstrip() + "\n"
     path = out / REPORT

@@ -4,15 +4,15 @@ always give the same bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
-from typing import Collection
 
 import matplotlib
 
 matplotlib.use("Agg")  # no display; set before pyplot is imported
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+from matplotlib import ticker
 
 _STYLE = {"dpi": 110, "figsize": (7.6, 3.6)}
 
@@ -27,7 +27,7 @@ def _panel(ax, curves: pd.DataFrame, y: str, lo: str, hi: str, solid: Collection
     for method, rows in curves.groupby("method", sort=True):
         rows = rows.sort_values("budget")
         style = "-" if method in solid else "--"
-        line, = ax.plot(rows["budget"], rows[y], style, marker="o", markersize=3, label=method, linewidth=1.4)
+        (line,) = ax.plot(rows["budget"], rows[y], style, marker="o", markersize=3, label=method, linewidth=1.4)
         ax.fill_between(rows["budget"], rows[lo], rows[hi], color=line.get_color(), alpha=0.12, linewidth=0)
     # a tick at every budget measured, written out (log2 ticks would label powers of two only)
     budgets = sorted({int(b) for b in curves["budget"]})
@@ -38,8 +38,18 @@ def _panel(ax, curves: pd.DataFrame, y: str, lo: str, hi: str, solid: Collection
     ax.grid(alpha=0.3)
 
 
-def budget_figure(curves: pd.DataFrame, y: str, lo: str, hi: str, ylabel: str, title: str, path: Path,
-                  solid: Collection[str] = (), reference: float | None = None, reference_label: str = "full cache") -> Path:
+def budget_figure(
+    curves: pd.DataFrame,
+    y: str,
+    lo: str,
+    hi: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+    solid: Collection[str] = (),
+    reference: float | None = None,
+    reference_label: str = "full cache",
+) -> Path:
     """One domain's curves (``curves``: method, budget, y, lo, hi), intervals shaded; the methods in
     ``solid`` (the EpiKV family, so the paper's question reads at a glance) drawn solid, the rest dashed;
     ``reference``: a horizontal line (full cache)."""

@@ -20,10 +20,10 @@ design effect is 1 and both reduce exactly to the textbook Wilson and Tango proc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 from scipy.optimize import brentq
@@ -75,7 +75,9 @@ def effective_ints(
     deff = Fraction(1)
     if n > 1 and bernoulli > 0:
         # sum of w^2 (v - mean)^2, over scale^2 like total^2
-        spread = Fraction(s_w2v2, denominator * denominator) - 2 * mean * Fraction(s_w2v, denominator) + mean * mean * s_w2
+        spread = (
+            Fraction(s_w2v2, denominator * denominator) - 2 * mean * Fraction(s_w2v, denominator) + mean * mean * s_w2
+        )
         observed = Fraction(n, n - 1) * spread / (total * total)
         deff = min(Fraction(1), max(Fraction(1, max(1, max_samples)), observed / bernoulli))
     return Effective(mean, abs_mean, float(n_kish / deff), n, float(deff))
@@ -146,8 +148,14 @@ def tango_bounds(mean: float, abs_mean: float, n: float, level: float) -> tuple[
     """Tango's interval ``{delta: |z(delta)| <= z_crit}``: z decreases in delta, so each end is the root of
     ``z = +-z_crit`` between -1 (or 1) and the estimate, or -1 (1) itself when z never gets there."""
     zc = critical_z(level)
-    lo = -1.0 if tango_z(mean, abs_mean, n, -1.0) <= zc else brentq(
-        lambda d: tango_z(mean, abs_mean, n, d) - zc, -1.0, mean, xtol=ROOT_TOLERANCE)
-    hi = 1.0 if tango_z(mean, abs_mean, n, 1.0) >= -zc else brentq(
-        lambda d: tango_z(mean, abs_mean, n, d) + zc, mean, 1.0, xtol=ROOT_TOLERANCE)
+    lo = (
+        -1.0
+        if tango_z(mean, abs_mean, n, -1.0) <= zc
+        else brentq(lambda d: tango_z(mean, abs_mean, n, d) - zc, -1.0, mean, xtol=ROOT_TOLERANCE)
+    )
+    hi = (
+        1.0
+        if tango_z(mean, abs_mean, n, 1.0) >= -zc
+        else brentq(lambda d: tango_z(mean, abs_mean, n, d) + zc, mean, 1.0, xtol=ROOT_TOLERANCE)
+    )
     return lo, hi

@@ -21,15 +21,37 @@ from kvleague.analysis.paper import N_LAYERS, NEGATIVE_BAND, POSITIVE_BAND, PUBL
 
 #: the paper's per-layer signal
 DEPTH_FAMILY = "hs_l2_diff_rolling64"
-COLUMNS = ["run_id", "model", "task", "domain", "label", "signal", "family", "layer", "n_layers", "rho", "rho_lo",
-           "rho_hi", "p_value", "n_samples", "n_pairs", "created_at", "control", "partial_rho", "partial_lo", "partial_hi",
-           "occluded"]
+COLUMNS = [
+    "run_id",
+    "model",
+    "task",
+    "domain",
+    "label",
+    "signal",
+    "family",
+    "layer",
+    "n_layers",
+    "rho",
+    "rho_lo",
+    "rho_hi",
+    "p_value",
+    "n_samples",
+    "n_pairs",
+    "created_at",
+    "control",
+    "partial_rho",
+    "partial_lo",
+    "partial_hi",
+    "occluded",
+]
 #: the two kinds of rho: as measured, and with the control (the token's position) held fixed
 RAW, PARTIAL = "raw", "position held fixed"
 #: where the occlusion windows slid (``signal_correlations.occluded``), in display order
 SETTINGS = ("context", "trace")
-SETTING_TITLES = {"context": "windows over the context before the answer (prompt included)",
-                  "trace": "windows over the model's own trace (the prompt never occluded; the EpiKV authors' setting)"}
+SETTING_TITLES = {
+    "context": "windows over the context before the answer (prompt included)",
+    "trace": "windows over the model's own trace (the prompt never occluded; the EpiKV authors' setting)",
+}
 
 
 def read_correlations(engine) -> pd.DataFrame:
@@ -89,14 +111,23 @@ def band_verdicts(depth: pd.DataFrame) -> pd.DataFrame:
             b = g[g["band"] == band]
             counts[band] = (int((b["rho_lo"] > 0).sum()), int((b["rho_hi"] < 0).sum()), len(b))
         (p_up, p_down, p_n), (n_up, n_down, n_n) = counts["positive"], counts["negative"]
-        rows.append({
-            "model": model, "domain": domain, "task": task, "samples": int(g["n_samples"].max()),
-            "early band: layers > 0": p_up, "early band: layers < 0": p_down, "early band: layers": p_n,
-            "late band: layers > 0": n_up, "late band: layers < 0": n_down, "late band: layers": n_n,
-            "mean rho early": float(g[g["band"] == "positive"]["rho"].mean()),
-            "mean rho late": float(g[g["band"] == "negative"]["rho"].mean()),
-            "verdict": _verdict(p_up, p_down, p_n, n_up, n_down, n_n),
-        })
+        rows.append(
+            {
+                "model": model,
+                "domain": domain,
+                "task": task,
+                "samples": int(g["n_samples"].max()),
+                "early band: layers > 0": p_up,
+                "early band: layers < 0": p_down,
+                "early band: layers": p_n,
+                "late band: layers > 0": n_up,
+                "late band: layers < 0": n_down,
+                "late band: layers": n_n,
+                "mean rho early": float(g[g["band"] == "positive"]["rho"].mean()),
+                "mean rho late": float(g[g["band"] == "negative"]["rho"].mean()),
+                "verdict": _verdict(p_up, p_down, p_n, n_up, n_down, n_n),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -128,8 +159,20 @@ def method_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
     """Per method and (model, domain, task): rho of the method's own score with its interval."""
     sel = df[(df["family"] == "method") & (df["label"] == label)].copy()
     sel["method"] = sel["signal"].str.removeprefix("method:")
-    cols = ["method", "model", "domain", "task", "rho", "rho_lo", "rho_hi", "partial_rho", "partial_lo", "partial_hi",
-            "n_samples", "n_pairs"]
+    cols = [
+        "method",
+        "model",
+        "domain",
+        "task",
+        "rho",
+        "rho_lo",
+        "rho_hi",
+        "partial_rho",
+        "partial_lo",
+        "partial_hi",
+        "n_samples",
+        "n_pairs",
+    ]
     return sel[cols].sort_values(["domain", "rho"], ascending=[True, False], na_position="last").reset_index(drop=True)
 
 
@@ -137,8 +180,20 @@ def signal_table(df: pd.DataFrame, label: str = "occlusion_nll") -> pd.DataFrame
     """The all-layer signals (the authors' kv and attention signals) and the position control per
     (model, domain, task)."""
     sel = df[(df["label"] == label) & (df["signal"].str.endswith("_mean") | (df["signal"] == "position"))]
-    cols = ["signal", "model", "domain", "task", "rho", "rho_lo", "rho_hi", "partial_rho", "partial_lo", "partial_hi",
-            "n_samples", "n_pairs"]
+    cols = [
+        "signal",
+        "model",
+        "domain",
+        "task",
+        "rho",
+        "rho_lo",
+        "rho_hi",
+        "partial_rho",
+        "partial_lo",
+        "partial_hi",
+        "n_samples",
+        "n_pairs",
+    ]
     return sel[cols].sort_values(["domain", "signal"]).reset_index(drop=True)
 
 
@@ -177,13 +232,20 @@ def setting_comparison(df: pd.DataFrame, label: str = "occlusion_nll", kind: str
     both = context.merge(trace, on=keys, suffixes=("_context", "_trace"))
     if both.empty:
         return pd.DataFrame(columns=[*keys, "group", "sign", "overlap"])
-    signs = [(_sign(r.rho_lo_context, r.rho_hi_context), _sign(r.rho_lo_trace, r.rho_hi_trace)) for r in both.itertuples()]
-    both["sign"] = ["same" if a and a == b else "opposite" if a and b else "both cover 0" if not a and not b
-                    else "one covers 0" for a, b in signs]
-    both["overlap"] = (both["rho_lo_context"] <= both["rho_hi_trace"]) & (both["rho_lo_trace"] <= both["rho_hi_context"])
+    signs = [
+        (_sign(r.rho_lo_context, r.rho_hi_context), _sign(r.rho_lo_trace, r.rho_hi_trace)) for r in both.itertuples()
+    ]
+    both["sign"] = [
+        "same" if a and a == b else "opposite" if a and b else "both cover 0" if not a and not b else "one covers 0"
+        for a, b in signs
+    ]
+    both["overlap"] = (both["rho_lo_context"] <= both["rho_hi_trace"]) & (
+        both["rho_lo_trace"] <= both["rho_hi_context"]
+    )
     both["group"] = both["signal"].map(_group)
-    return both.sort_values(["domain", "task", "group", "signal"], key=lambda c: _domain_order(c) if c.name == "domain" else c
-                            ).reset_index(drop=True)
+    return both.sort_values(
+        ["domain", "task", "group", "signal"], key=lambda c: _domain_order(c) if c.name == "domain" else c
+    ).reset_index(drop=True)
 
 
 def setting_agreement(df: pd.DataFrame, label: str = "occlusion_nll", kind: str = RAW) -> pd.DataFrame:
@@ -197,13 +259,23 @@ def setting_agreement(df: pd.DataFrame, label: str = "occlusion_nll", kind: str 
     rows = []
     for (model, domain, task, group), g in comp.groupby(["model", "domain", "task", "group"], sort=False):
         rank = spearmanr(g["rho_context"], g["rho_trace"]).statistic if len(g) > 2 else float("nan")
-        rows.append({"model": model, "domain": domain, "task": task, "signals": group,
-                     "n context": int(g["n_samples_context"].max()), "n trace": int(g["n_samples_trace"].max()),
-                     "compared": len(g), "same sign": int((g["sign"] == "same").sum()),
-                     "opposite sign": int((g["sign"] == "opposite").sum()),
-                     "one covers 0": int((g["sign"] == "one covers 0").sum()),
-                     "both cover 0": int((g["sign"] == "both cover 0").sum()),
-                     "intervals overlap": int(g["overlap"].sum()), "rank rho of the rhos": rank})
+        rows.append(
+            {
+                "model": model,
+                "domain": domain,
+                "task": task,
+                "signals": group,
+                "n context": int(g["n_samples_context"].max()),
+                "n trace": int(g["n_samples_trace"].max()),
+                "compared": len(g),
+                "same sign": int((g["sign"] == "same").sum()),
+                "opposite sign": int((g["sign"] == "opposite").sum()),
+                "one covers 0": int((g["sign"] == "one covers 0").sum()),
+                "both cover 0": int((g["sign"] == "both cover 0").sum()),
+                "intervals overlap": int(g["overlap"].sum()),
+                "rank rho of the rhos": rank,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -215,7 +287,9 @@ def _side_by_side(comp: pd.DataFrame, group: str) -> pd.DataFrame:
     for task in tasks:
         t = g[g["task"] == task].set_index("signal")
         for setting in SETTINGS:
-            cells = t[[f"rho_{setting}", f"rho_lo_{setting}", f"rho_hi_{setting}"]].set_axis(["rho", "rho_lo", "rho_hi"], axis=1)
+            cells = t[[f"rho_{setting}", f"rho_lo_{setting}", f"rho_hi_{setting}"]].set_axis(
+                ["rho", "rho_lo", "rho_hi"], axis=1
+            )
             n = int(t[f"n_samples_{setting}"].max())
             out[f"{task} {setting} (n={n})"] = cells.apply(_interval, axis=1)
         out[f"{task}: sign, overlap"] = t["sign"] + ", " + t["overlap"].map({True: "overlap", False: "apart"})
@@ -237,19 +311,30 @@ def comparison_markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
         what = "rho" if kind == RAW else "partial rho, position held fixed"
         agree = setting_agreement(df, label, kind)
         agree["signals"] = agree["signals"].astype(str)
-        out += [f"### Windows over the context vs over the trace: agreement ({label}, {what})", "",
-                agree.drop(columns=["model"]).to_markdown(index=False, floatfmt="+.3f"), ""]
+        out += [
+            f"### Windows over the context vs over the trace: agreement ({label}, {what})",
+            "",
+            agree.drop(columns=["model"]).to_markdown(index=False, floatfmt="+.3f"),
+            "",
+        ]
         for group in ("all-layer signals and position", "methods", f"{DEPTH_FAMILY} per layer"):
             if (comp["group"] == group).any():
-                out += [f"#### {group}: context vs trace ({label}, {what}, 95% interval)", "",
-                        _side_by_side(comp, group).to_markdown(), ""]
+                out += [
+                    f"#### {group}: context vs trace ({label}, {what}, 95% interval)",
+                    "",
+                    _side_by_side(comp, group).to_markdown(),
+                    "",
+                ]
     return "\n".join(out)
 
 
 def reference_series() -> pd.DataFrame:
     """The authors' published per-layer rho (analysis/paper.yaml) at depth = layer / 32."""
-    rows = [{"dataset": name, "layer": i, "depth": i / N_LAYERS, "rho": rho, "source": source}
-            for name, (source, _, values) in PUBLISHED_LAYER_RHO.items() for i, rho in enumerate(values)]
+    rows = [
+        {"dataset": name, "layer": i, "depth": i / N_LAYERS, "rho": rho, "source": source}
+        for name, (source, _, values) in PUBLISHED_LAYER_RHO.items()
+        for i, rho in enumerate(values)
+    ]
     return pd.DataFrame(rows)
 
 
@@ -278,9 +363,18 @@ def _wide(table: pd.DataFrame, index: str) -> pd.DataFrame:
 def _depth_markdown(depth: pd.DataFrame, model: str, label: str, kind: str) -> list[str]:
     tasks = list(dict.fromkeys(depth.sort_values("domain", key=_domain_order)["task"]))
     n = {t: int(depth[depth["task"] == t]["n_samples"].max()) for t in tasks}
-    header = "| layer | depth | band | " + " | ".join(f"{t} ({depth[depth['task'] == t]['domain'].iloc[0]}, n={n[t]})" for t in tasks) + " |"
+    header = (
+        "| layer | depth | band | "
+        + " | ".join(f"{t} ({depth[depth['task'] == t]['domain'].iloc[0]}, n={n[t]})" for t in tasks)
+        + " |"
+    )
     what = "rho" if kind == RAW else "partial rho with the token's position held fixed"
-    out = [f"### {model}: {what} of {DEPTH_FAMILY} against {label}, 95% interval", "", header, "|" + "---|" * (3 + len(tasks))]
+    out = [
+        f"### {model}: {what} of {DEPTH_FAMILY} against {label}, 95% interval",
+        "",
+        header,
+        "|" + "---|" * (3 + len(tasks)),
+    ]
     for layer, lg in depth.groupby("layer"):
         cells = [_interval(lg[lg["task"] == t].iloc[0]) if (lg["task"] == t).any() else "—" for t in tasks]
         out.append(f"| {layer} | {lg['depth'].iloc[0]:.2f} | {lg['band'].iloc[0]} | " + " | ".join(cells) + " |")
@@ -292,20 +386,30 @@ def markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
     verdicts on both, the method table and the all-layer signals (raw and with position held fixed)."""
     out = []
     for kind, rows in ((RAW, df), (PARTIAL, position_held_fixed(df))):
-        depth = depth_table(rows, label=label).dropna(subset=["rho"]) if kind == PARTIAL else depth_table(rows, label=label)
+        depth = (
+            depth_table(rows, label=label).dropna(subset=["rho"]) if kind == PARTIAL else depth_table(rows, label=label)
+        )
         for model, g in depth.groupby("model"):
             out += _depth_markdown(g, model, label, kind)
     verdicts = verdict_table(df, label)
     if not verdicts.empty:
         verdicts = verdicts.sort_values("domain", key=_domain_order, kind="stable")
-        out += [f"### The paper's sign pattern per domain ({label}; raw rho and with position held fixed)", "",
-                verdicts.to_markdown(index=False, floatfmt="+.3f"), ""]
+        out += [
+            f"### The paper's sign pattern per domain ({label}; raw rho and with position held fixed)",
+            "",
+            verdicts.to_markdown(index=False, floatfmt="+.3f"),
+            "",
+        ]
     for kind, rows in ((RAW, df), (PARTIAL, position_held_fixed(df))):
         methods = method_table(rows, label)
         if not methods.empty and (kind == RAW or methods["rho"].notna().any()):
             what = "rho" if kind == RAW else "partial rho, position held fixed"
-            out += [f"### Each method's own score against {label} ({what}, 95% interval; — : constant on the context)", "",
-                    _wide(methods, "method").to_markdown(), ""]
+            out += [
+                f"### Each method's own score against {label} ({what}, 95% interval; — : constant on the context)",
+                "",
+                _wide(methods, "method").to_markdown(),
+                "",
+            ]
         signals = signal_table(rows, label)
         if kind == PARTIAL:
             signals = signals[signals["signal"] != "position"]

@@ -22,9 +22,9 @@ fractions, so sums, ties and signs are exact and do not depend on the order of t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Iterable, Sequence
 
 import numpy as np
 from scipy.stats import binomtest
@@ -65,8 +65,10 @@ class Scores:
 def unweighted(values: Sequence[Fraction], max_samples: int) -> Scores:
     """Equally weighted questions from exact values."""
     denominator = math.lcm(*{v.denominator for v in values}) if values else 1
-    numerators = np.array([v.numerator * (denominator // v.denominator) for v in values],
-                          dtype=np.int64 if denominator <= 2**20 else object)
+    numerators = np.array(
+        [v.numerator * (denominator // v.denominator) for v in values],
+        dtype=np.int64 if denominator <= 2**20 else object,
+    )
     return Scores(numerators, denominator, np.zeros(len(values), dtype=np.int64), (Fraction(1),), max(1, max_samples))
 
 

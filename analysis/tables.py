@@ -13,16 +13,24 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
 from kvleague.analysis import common_set as cs
-from kvleague.analysis import queries as q
 from kvleague.analysis import identity, multiplicity, score_tests, stats
+from kvleague.analysis import queries as q
+
 # the paper's claims and method families are data (analysis/paper.yaml)
-from kvleague.analysis.paper import ACCURACY_CLAIMS, CONTEXT_VS_ATTENTION, PAPER_BASELINES, REFERENCE_FAMILY, SPEEDUP_VS_FULL
+from kvleague.analysis.paper import (
+    ACCURACY_CLAIMS,
+    CONTEXT_VS_ATTENTION,
+    PAPER_BASELINES,
+    REFERENCE_FAMILY,
+    SPEEDUP_VS_FULL,
+)
 
 NOT_MEASURED = stats.NOT_MEASURED
 
@@ -57,9 +65,27 @@ def full_reference_budget(engine, filters: q.Filters, budget: int, full_ids: lis
 # ------------------------------------------------------------------------------------------------
 
 LEADERBOARD_COLUMNS = [
-    "rank", "rank_interval", "tied_best", "method", "domain", "task", "accuracy", "acc_lo", "acc_hi", "interval",
-    "interval_method", "delta_full", "delta_lo", "delta_hi", "p_value", "test", "evicted_share", "problems", "samples",
-    "failed", "note",
+    "rank",
+    "rank_interval",
+    "tied_best",
+    "method",
+    "domain",
+    "task",
+    "accuracy",
+    "acc_lo",
+    "acc_hi",
+    "interval",
+    "interval_method",
+    "delta_full",
+    "delta_lo",
+    "delta_hi",
+    "p_value",
+    "test",
+    "evicted_share",
+    "problems",
+    "samples",
+    "failed",
+    "note",
 ]
 
 
@@ -74,14 +100,20 @@ class Leaderboard:
     weighting: str = "problem"
 
 
-def budget_results(engine, filters: q.Filters, budget: int, dims: dict[str, Any]) -> tuple[cs.Results, int | None, int | None]:
+def budget_results(
+    engine, filters: q.Filters, budget: int, dims: dict[str, Any]
+) -> tuple[cs.Results, int | None, int | None]:
     """Every method's cells at ``budget`` (failed samples included), with full cache taken from its
     reference budget (:func:`full_reference_budget`) under one id. Returns ``(results, full id, full budget)``."""
     full_ids = full_cache_ids(dims)
     full_budget = full_reference_budget(engine, filters, budget, full_ids) if full_ids else None
     others = [i for i in dims["methods"] if i not in full_ids]
     results = cs.results_from_rows(q.question_cells(engine, filters, [budget], others)) if others else {}
-    full = cs.results_from_rows(q.question_cells(engine, filters, [full_budget], full_ids)) if full_budget is not None else {}
+    full = (
+        cs.results_from_rows(q.question_cells(engine, filters, [full_budget], full_ids))
+        if full_budget is not None
+        else {}
+    )
     full_id = None
     if full:  # several full-cache specs (full has no hyperparameters, so should not happen): keep the biggest
         full_id = min(full, key=lambda i: (-len(full[i]), i))
@@ -93,31 +125,48 @@ def method_label(methods: dict[int, Any], method_id: int) -> str:
     return methods[method_id]["label"] if method_id in methods else f"#{method_id}"
 
 
-def _group_rows(group: cs.CommonSet, methods: dict[int, Any], full_id: int | None, domain: str, task: str) -> list[dict]:
+def _group_rows(
+    group: cs.CommonSet, methods: dict[int, Any], full_id: int | None, domain: str, task: str
+) -> list[dict]:
     ranks = group.rank_intervals()
     out = []
     for m_id in group.methods:
         a = group.accuracy(m_id)
         c = group.compare(m_id, full_id) if full_id is not None and m_id != full_id else None
         samples = group.total(m_id, "m")
-        out.append({
-            "method": method_label(methods, m_id), "method_id": m_id, "domain": domain, "task": task,
-            "accuracy": pct(a.mean), "acc_lo": pct(a.lo), "acc_hi": pct(a.hi),
-            "interval": fmt_interval(pct(a.lo), pct(a.hi)), "interval_method": a.method,
-            "delta_full": pct(c.diff) if c else math.nan, "delta_lo": pct(c.lo) if c else math.nan,
-            "delta_hi": pct(c.hi) if c else math.nan, "p_value": c.pvalue if c else math.nan,
-            "test": c.test if c else ("reference" if m_id == full_id else "no full cache"),
-            "evicted_share": 100.0 * group.total(m_id, "fired") / ok if (ok := samples - group.total(m_id, "failed")) else math.nan,
-            "problems": a.problems, "samples": samples, "failed": group.total(m_id, "failed"),
-            "rank_interval": str(ranks[m_id]) if m_id in ranks else "-",
-            "tied_best": ranks[m_id].tied_with_best if m_id in ranks else False,
-            "note": stats.TOO_FEW if a.problems < stats.MIN_PROBLEMS else "",
-        })
+        out.append(
+            {
+                "method": method_label(methods, m_id),
+                "method_id": m_id,
+                "domain": domain,
+                "task": task,
+                "accuracy": pct(a.mean),
+                "acc_lo": pct(a.lo),
+                "acc_hi": pct(a.hi),
+                "interval": fmt_interval(pct(a.lo), pct(a.hi)),
+                "interval_method": a.method,
+                "delta_full": pct(c.diff) if c else math.nan,
+                "delta_lo": pct(c.lo) if c else math.nan,
+                "delta_hi": pct(c.hi) if c else math.nan,
+                "p_value": c.pvalue if c else math.nan,
+                "test": c.test if c else ("reference" if m_id == full_id else "no full cache"),
+                "evicted_share": 100.0 * group.total(m_id, "fired") / ok
+                if (ok := samples - group.total(m_id, "failed"))
+                else math.nan,
+                "problems": a.problems,
+                "samples": samples,
+                "failed": group.total(m_id, "failed"),
+                "rank_interval": str(ranks[m_id]) if m_id in ranks else "-",
+                "tied_best": ranks[m_id].tied_with_best if m_id in ranks else False,
+                "note": stats.TOO_FEW if a.problems < stats.MIN_PROBLEMS else "",
+            }
+        )
     return out
 
 
-def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None,
-                weighting: str = "problem") -> Leaderboard:
+def leaderboard(
+    engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None, weighting: str = "problem"
+) -> Leaderboard:
     """Methods x domains (and x tasks) at ``budget``, each table on the cells every method in it has
     (failed samples counted as wrong): accuracy with a 95% interval, difference from full cache with
     Tango's interval and score test, share of samples where eviction fired, rank and rank interval."""
@@ -137,7 +186,9 @@ def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | 
     pooled = identity.pool(results, tasks)  # a prompt two task rows hold counts once where tasks are pooled
     for d in domains:
         in_domain = {m for t in present if task_of(t)["domain"] == d for m in present[t]}
-        group = cs.common_set(pooled, in_domain, tasks={t for t in present if task_of(t)["domain"] == d}, weighting=weighting)
+        group = cs.common_set(
+            pooled, in_domain, tasks={t for t in present if task_of(t)["domain"] == d}, weighting=weighting
+        )
         domain_rows += _group_rows(group, methods, full_id, d, "(all)")
     by_task, by_domain = pd.DataFrame(task_rows), pd.DataFrame(domain_rows)
     for df, group_col in ((by_task, "task"), (by_domain, "domain")):
@@ -149,7 +200,9 @@ def leaderboard(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | 
             domains_of[m].add(task_of(t)["domain"])
     in_every_domain = [m for m in results if domains_of[m] == set(domains)]
     overall = cs.common_set(pooled, in_every_domain, weighting=weighting, stratum=lambda qn: task_of(qn[0])["domain"])
-    return Leaderboard(budget, full_budget, by_domain, by_task, _wide(by_domain, domains, overall, methods), domains, weighting)
+    return Leaderboard(
+        budget, full_budget, by_domain, by_task, _wide(by_domain, domains, overall, methods), domains, weighting
+    )
 
 
 def _rank(df: pd.DataFrame, group: str) -> pd.Series:
@@ -185,8 +238,11 @@ def _wide(by_domain: pd.DataFrame, domains: list[str], overall: cs.CommonSet, me
     wide = pd.DataFrame(rows)
     wide.insert(0, "rank", wide["mean accuracy"].rank(ascending=False, method="min").astype("Int64"))
     wide = wide.sort_values(["rank", "method"], na_position="last").reset_index(drop=True)
-    cols = ["rank", "rank interval", "tied with best", "method", "mean accuracy"] + [
-        c for d in domains for c in (f"{d} %", f"{d} 95% CI", f"{d} Δ full")] + ["evicted %"]
+    cols = (
+        ["rank", "rank interval", "tied with best", "method", "mean accuracy"]
+        + [c for d in domains for c in (f"{d} %", f"{d} 95% CI", f"{d} Δ full")]
+        + ["evicted %"]
+    )
     return wide[cols]
 
 
@@ -211,8 +267,9 @@ def _tasks_in(tasks: dict[int, Any], domain: str) -> set[int]:
     return {t for t, v in tasks.items() if v.get("domain", "?") == domain}
 
 
-def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None,
-                  weighting: str = "problem") -> tuple[pd.DataFrame, pd.DataFrame]:
+def budget_curves(
+    engine, filters: q.Filters, dims: dict[str, Any] | None = None, weighting: str = "problem"
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(curves, full)``: accuracy with interval per (method, domain, budget) for the non-full methods,
     each (domain, budget) on the cells all of them have there; and full cache per domain on its own
     cells at the budget where it has the most samples (full cache does not depend on the budget)."""
@@ -226,22 +283,54 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
         results = identity.pool(results, tasks)
         for d in sorted({domain_of(c) for cells in results.values() for c in cells}):
             here = [m for m in results if any(domain_of(c) == d for c in results[m])]
-            group = cs.common_set(results, [m for m in here if m not in full_ids], tasks=_tasks_in(tasks, d),
-                                  weighting=weighting)
+            group = cs.common_set(
+                results, [m for m in here if m not in full_ids], tasks=_tasks_in(tasks, d), weighting=weighting
+            )
             for m_id in group.methods:
                 a = group.accuracy(m_id)
-                curves.append({"method": method_label(methods, m_id), "domain": d, "budget": int(b), "accuracy": pct(a.mean),
-                               "acc_lo": pct(a.lo), "acc_hi": pct(a.hi), "problems": a.problems, "samples": a.samples,
-                               "interval_method": a.method})
+                curves.append(
+                    {
+                        "method": method_label(methods, m_id),
+                        "domain": d,
+                        "budget": int(b),
+                        "accuracy": pct(a.mean),
+                        "acc_lo": pct(a.lo),
+                        "acc_hi": pct(a.hi),
+                        "problems": a.problems,
+                        "samples": a.samples,
+                        "interval_method": a.method,
+                    }
+                )
             for f in sorted(m for m in here if m in full_ids):
                 own = cs.common_set(results, [f], tasks=_tasks_in(tasks, d), weighting=weighting)
                 size = (own.total(f, "m"), -b, -f)
                 if d not in full_best or size > full_best[d][0]:
                     full_best[d] = (size, b, own.accuracy(f))
     for d, (_, b, a) in sorted(full_best.items()):
-        full_rows.append({"domain": d, "accuracy": pct(a.mean), "acc_lo": pct(a.lo), "acc_hi": pct(a.hi), "budget": int(b),
-                          "problems": a.problems})
-    curves_df = pd.DataFrame(curves, columns=["method", "domain", "budget", "accuracy", "acc_lo", "acc_hi", "problems", "samples", "interval_method"])
+        full_rows.append(
+            {
+                "domain": d,
+                "accuracy": pct(a.mean),
+                "acc_lo": pct(a.lo),
+                "acc_hi": pct(a.hi),
+                "budget": int(b),
+                "problems": a.problems,
+            }
+        )
+    curves_df = pd.DataFrame(
+        curves,
+        columns=[
+            "method",
+            "domain",
+            "budget",
+            "accuracy",
+            "acc_lo",
+            "acc_hi",
+            "problems",
+            "samples",
+            "interval_method",
+        ],
+    )
     curves_df = curves_df.sort_values(["domain", "method", "budget"]).reset_index(drop=True)
     full_df = pd.DataFrame(full_rows, columns=["domain", "accuracy", "acc_lo", "acc_hi", "budget", "problems"])
     return curves_df, full_df
@@ -251,12 +340,27 @@ def budget_curves(engine, filters: q.Filters, dims: dict[str, Any] | None = None
 # Replication scorecard
 # ------------------------------------------------------------------------------------------------
 
-SCORECARD_COLUMNS = ["domain", "budget", "method", "claim", "reference", "accuracy", "reference %", "Δ", "Δ 95% CI",
-                     "problems", "test", "p", "p (Holm)", "verdict"]
+SCORECARD_COLUMNS = [
+    "domain",
+    "budget",
+    "method",
+    "claim",
+    "reference",
+    "accuracy",
+    "reference %",
+    "Δ",
+    "Δ 95% CI",
+    "problems",
+    "test",
+    "p",
+    "p (Holm)",
+    "verdict",
+]
 
 
-def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, Any] | None = None,
-              weighting: str = "problem") -> pd.DataFrame:
+def scorecard(
+    engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, Any] | None = None, weighting: str = "problem"
+) -> pd.DataFrame:
     """Per domain, budget and EpiKV-family method, one row per claim: better than each paper baseline
     (H2O, ThinKV; score test of difference = 0) and within ``margin`` points of full cache (score test of
     difference = -margin). All on the cells every method in the (domain, budget) has; the p-values of
@@ -265,8 +369,13 @@ def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, A
     methods, tasks = dims["methods"], dims["tasks"]
     name = lambda i: methods.get(i, {}).get("name")  # noqa: E731
     domain_of = _domain_of_cell(tasks)
-    family_budgets = sorted({int(b) for b, n in q.method_budgets(
-        engine, filters, [i for i in methods if name(i) in REFERENCE_FAMILY]).items() if n})
+    family_budgets = sorted(
+        {
+            int(b)
+            for b, n in q.method_budgets(engine, filters, [i for i in methods if name(i) in REFERENCE_FAMILY]).items()
+            if n
+        }
+    )
     if filters.budgets is not None:
         family_budgets = [b for b in family_budgets if b in filters.budgets]
     rows: list[dict[str, Any]] = []
@@ -289,17 +398,28 @@ def scorecard(engine, filters: q.Filters, margin: float = 5.0, dims: dict[str, A
                     c = group.compare(f, ref) if ref is not None else stats.NONE
                     p = stats.shifted_pvalue(c, threshold) if c.n else math.nan
                     comparisons.append((c, threshold))
-                    rows.append({
-                        "domain": d, "budget": int(b), "method": method_label(methods, f), "claim": claim,
-                        "reference": method_label(methods, ref) if ref is not None else "-", "accuracy": pct(a.mean),
-                        "reference %": pct(group.accuracy(ref).mean) if ref is not None and c.n else math.nan,
-                        "Δ": pct(c.diff), "Δ 95% CI": fmt_interval(pct(c.lo), pct(c.hi)), "problems": c.n,
-                        "test": c.test if c.n else "-", "p": p,
-                    })
+                    rows.append(
+                        {
+                            "domain": d,
+                            "budget": int(b),
+                            "method": method_label(methods, f),
+                            "claim": claim,
+                            "reference": method_label(methods, ref) if ref is not None else "-",
+                            "accuracy": pct(a.mean),
+                            "reference %": pct(group.accuracy(ref).mean) if ref is not None and c.n else math.nan,
+                            "Δ": pct(c.diff),
+                            "Δ 95% CI": fmt_interval(pct(c.lo), pct(c.hi)),
+                            "problems": c.n,
+                            "test": c.test if c.n else "-",
+                            "p": p,
+                        }
+                    )
     if not rows:
         return pd.DataFrame(columns=SCORECARD_COLUMNS)
     # the family: every verdict the table gives (a comparison on too few problems gives none)
-    adjusted = multiplicity.holm([r["p"] if c.n >= stats.MIN_PROBLEMS else math.nan for r, (c, _) in zip(rows, comparisons)])
+    adjusted = multiplicity.holm(
+        [r["p"] if c.n >= stats.MIN_PROBLEMS else math.nan for r, (c, _) in zip(rows, comparisons)]
+    )
     for r, (c, threshold), p_adj in zip(rows, comparisons, adjusted):
         r["p (Holm)"] = p_adj
         r["verdict"] = stats.verdict(c, p_adj if c.n >= stats.MIN_PROBLEMS else r["p"], threshold)
@@ -310,7 +430,9 @@ def _fmt_measured(a: stats.Accuracy, who: str) -> str:
     return f"{pct(a.mean):.1f}% {fmt_interval(pct(a.lo), pct(a.hi))} ({who}, n={a.problems})"
 
 
-def _own_accuracy(engine, filters: q.Filters, spec_ids: list[int], budget: int, weighting: str = "problem") -> tuple[int, stats.Accuracy] | None:
+def _own_accuracy(
+    engine, filters: q.Filters, spec_ids: list[int], budget: int, weighting: str = "problem"
+) -> tuple[int, stats.Accuracy] | None:
     """The accuracy of the spec (of ``spec_ids``) with the most samples at ``budget``, on its own cells."""
     results = cs.results_from_rows(q.question_cells(engine, filters, [budget], spec_ids))
     if not results:
@@ -332,19 +454,38 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
         task_ids = tuple(t for t, v in tasks.items() if v["name"] == task_name)
         specs = [i for i, m in methods.items() if m["name"] in who]
         found = _own_accuracy(engine, replace(base, tasks=task_ids), specs, budget) if task_ids and specs else None
-        row = {"claim": f"{label} on {task_name} at budget {budget}", "paper": f"{value:g}%", "kvleague": NOT_MEASURED,
-               "p vs paper": math.nan, "problems": 0, "_n": 0}
+        row = {
+            "claim": f"{label} on {task_name} at budget {budget}",
+            "paper": f"{value:g}%",
+            "kvleague": NOT_MEASURED,
+            "p vs paper": math.nan,
+            "problems": 0,
+            "_n": 0,
+        }
         if found is not None:
             spec, a = found
-            row.update({"kvleague": _fmt_measured(a, methods[spec]["label"]), "problems": a.problems, "_n": a.problems,
-                        "p vs paper": score_tests.two_sided_p(score_tests.wilson_z(a.mean, a.n_effective, value / 100))})
+            row.update(
+                {
+                    "kvleague": _fmt_measured(a, methods[spec]["label"]),
+                    "problems": a.problems,
+                    "_n": a.problems,
+                    "p vs paper": score_tests.two_sided_p(score_tests.wilson_z(a.mean, a.n_effective, value / 100)),
+                }
+            )
         rows.append(row)
     adjusted = multiplicity.holm([r["p vs paper"] for r in rows])
     for r, p_adj in zip(rows, adjusted):
         n = r.pop("_n")
         r["p vs paper (Holm)"] = p_adj
-        r["verdict"] = (NOT_MEASURED if not n else stats.TOO_FEW if n < stats.MIN_PROBLEMS
-                        else "differs from the paper" if p_adj < stats.ALPHA else "consistent with the paper")
+        r["verdict"] = (
+            NOT_MEASURED
+            if not n
+            else stats.TOO_FEW
+            if n < stats.MIN_PROBLEMS
+            else "differs from the paper"
+            if p_adj < stats.ALPHA
+            else "consistent with the paper"
+        )
 
     cost = q.cost_rows(engine, replace(base), by_domain=True)
     full_ids = set(full_cache_ids(dims))
@@ -359,7 +500,9 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
     for c in cost:
         if c["method_spec_id"] not in family:
             continue
-        ref = full_cost.get((c["budget"], c["domain"])) or (max(full_any[c["domain"]], key=lambda x: x["samples"]) if full_any[c["domain"]] else None)
+        ref = full_cost.get((c["budget"], c["domain"])) or (
+            max(full_any[c["domain"]], key=lambda x: x["samples"]) if full_any[c["domain"]] else None
+        )
         if ref is None:
             continue
         where = f"{methods[c['method_spec_id']]['label']}, {c['domain']}, budget {c['budget']}"
@@ -372,13 +515,26 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
             if best_ctx is None or x > best_ctx[0]:
                 best_ctx = (x, where)
     no_test = {"p vs paper": math.nan, "p vs paper (Holm)": math.nan, "verdict": "-", "problems": 0}
-    rows.append({"claim": "decoding speed vs full cache (tokens/s), best setting", "paper": f"up to {SPEEDUP_VS_FULL:g}x",
-                 "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]})" if best_speed else NOT_MEASURED, **no_test})
-    rows.append({"claim": "feasible context in the same KV memory (full / method peak cache entries)",
-                 "paper": f"{CONTEXT_VS_ATTENTION:g}x", "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
-                 **no_test})
+    rows.append(
+        {
+            "claim": "decoding speed vs full cache (tokens/s), best setting",
+            "paper": f"up to {SPEEDUP_VS_FULL:g}x",
+            "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]})" if best_speed else NOT_MEASURED,
+            **no_test,
+        }
+    )
+    rows.append(
+        {
+            "claim": "feasible context in the same KV memory (full / method peak cache entries)",
+            "paper": f"{CONTEXT_VS_ATTENTION:g}x",
+            "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
+            **no_test,
+        }
+    )
     rows += [{**r, **no_test} for r in _systems_claims(latest_benchmark_runs(q.benchmark_rows(engine)))]
-    return pd.DataFrame(rows, columns=["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"])
+    return pd.DataFrame(
+        rows, columns=["claim", "paper", "kvleague", "p vs paper", "p vs paper (Holm)", "verdict", "problems"]
+    )
 
 
 def _ratio_text(fig: dict[str, Any]) -> str:
@@ -391,16 +547,26 @@ def _ratio_text(fig: dict[str, Any]) -> str:
 def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The claims row for each systems-benchmark ratio (epikv over a reference), from the latest run:
     the largest ratio over the budgets measured."""
-    claims = (("decoding speed epikv / full", "speed_ratio", "full", f"up to {SPEEDUP_VS_FULL:g}x"),
-              ("decoding speed epikv / h2o", "speed_ratio", "h2o", "-"),
-              ("feasible context epikv / h2o", "feasible_context_ratio", "h2o", f"{CONTEXT_VS_ATTENTION:g}x"))
+    claims = (
+        ("decoding speed epikv / full", "speed_ratio", "full", f"up to {SPEEDUP_VS_FULL:g}x"),
+        ("decoding speed epikv / h2o", "speed_ratio", "h2o", "-"),
+        ("feasible context epikv / h2o", "feasible_context_ratio", "h2o", f"{CONTEXT_VS_ATTENTION:g}x"),
+    )
     rows = []
     for label, metric, reference, paper in claims:
-        found = [f for f in figures if (f["metric"], f["method"], f["reference"]) == (metric, "epikv", reference)
-                 and f["value"] is not None]
+        found = [
+            f
+            for f in figures
+            if (f["metric"], f["method"], f["reference"]) == (metric, "epikv", reference) and f["value"] is not None
+        ]
         best = max(found, key=lambda f: f["value"], default=None)
-        rows.append({"claim": f"{label} (systems benchmark)", "paper": paper,
-                     "kvleague": _ratio_text(best) if best else NOT_MEASURED})
+        rows.append(
+            {
+                "claim": f"{label} (systems benchmark)",
+                "paper": paper,
+                "kvleague": _ratio_text(best) if best else NOT_MEASURED,
+            }
+        )
     return rows
 
 
@@ -408,8 +574,19 @@ def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # Systems benchmarks
 # ------------------------------------------------------------------------------------------------
 
-SYSTEMS_COLUMNS = ["benchmark", "method", "budget", "metric", "value", "unit", "reference", "note", "model", "hardware",
-                   "measured at"]
+SYSTEMS_COLUMNS = [
+    "benchmark",
+    "method",
+    "budget",
+    "metric",
+    "value",
+    "unit",
+    "reference",
+    "note",
+    "model",
+    "hardware",
+    "measured at",
+]
 
 
 def latest_benchmark_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -439,10 +616,22 @@ def _note(details: dict[str, Any] | None) -> str:
 
 def systems_benchmarks(engine) -> pd.DataFrame:
     """One row per figure of the latest run of each systems benchmark, with the machine it ran on."""
-    rows = [{"benchmark": r["benchmark"], "method": r["method"], "budget": r["budget"], "metric": r["metric"],
-             "value": r["value"], "unit": r["unit"], "reference": r["reference"], "note": _note(r["details"]),
-             "model": r["model"], "hardware": _hardware(r), "measured at": r["created_at"]}
-            for r in latest_benchmark_runs(q.benchmark_rows(engine))]
+    rows = [
+        {
+            "benchmark": r["benchmark"],
+            "method": r["method"],
+            "budget": r["budget"],
+            "metric": r["metric"],
+            "value": r["value"],
+            "unit": r["unit"],
+            "reference": r["reference"],
+            "note": _note(r["details"]),
+            "model": r["model"],
+            "hardware": _hardware(r),
+            "measured at": r["created_at"],
+        }
+        for r in latest_benchmark_runs(q.benchmark_rows(engine))
+    ]
     df = pd.DataFrame(rows, columns=SYSTEMS_COLUMNS)
     return df.astype({"budget": "Int64", "value": "float64"})
 
@@ -463,27 +652,35 @@ def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.D
     for r in rows:
         results = per_budget.get(int(r["budget"]), {})
         m_id = r["method_spec_id"]
-        a = cs.common_set(results, [m_id]).accuracy(m_id) if m_id in results else stats.accuracy(stats.unweighted([], 1))
+        a = (
+            cs.common_set(results, [m_id]).accuracy(m_id)
+            if m_id in results
+            else stats.accuracy(stats.unweighted([], 1))
+        )
         model_s = float(r["model_seconds_sum"] or 0)
-        out.append({
-            "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),
-            "budget": int(r["budget"]),
-            "samples": int(r["samples"]),
-            "accuracy": pct(a.mean),
-            "acc_lo": pct(a.lo),
-            "acc_hi": pct(a.hi),
-            "tokens/s": _f(r["tokens_per_second"]),
-            "ms/token": _f(r["seconds_per_token"], 1000),
-            "ms/token p95": _f(r["seconds_per_token_p95"], 1000),
-            "prefill s": _f(r["prefill_seconds"]),
-            "peak KV MiB": _f(r["peak_kv_bytes"], 1 / 2**20),
-            "peak KV MiB (max)": _f(r["peak_kv_bytes_max"], 1 / 2**20),
-            "peak memory MiB (max)": _f(r["peak_memory_bytes_max"], 1 / 2**20),
-            "peak cache entries": _f(r["peak_cache_entries"]),
-            "method ms/sample": _f(r["method_seconds"], 1000),
-            "selection ms/sample": _f(r["selection_seconds"], 1000),
-            "method overhead %": 100 * float(r["method_seconds_sum"]) / model_s if r["method_seconds_sum"] is not None and model_s > 0 else math.nan,
-        })
+        out.append(
+            {
+                "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),
+                "budget": int(r["budget"]),
+                "samples": int(r["samples"]),
+                "accuracy": pct(a.mean),
+                "acc_lo": pct(a.lo),
+                "acc_hi": pct(a.hi),
+                "tokens/s": _f(r["tokens_per_second"]),
+                "ms/token": _f(r["seconds_per_token"], 1000),
+                "ms/token p95": _f(r["seconds_per_token_p95"], 1000),
+                "prefill s": _f(r["prefill_seconds"]),
+                "peak KV MiB": _f(r["peak_kv_bytes"], 1 / 2**20),
+                "peak KV MiB (max)": _f(r["peak_kv_bytes_max"], 1 / 2**20),
+                "peak memory MiB (max)": _f(r["peak_memory_bytes_max"], 1 / 2**20),
+                "peak cache entries": _f(r["peak_cache_entries"]),
+                "method ms/sample": _f(r["method_seconds"], 1000),
+                "selection ms/sample": _f(r["selection_seconds"], 1000),
+                "method overhead %": 100 * float(r["method_seconds_sum"]) / model_s
+                if r["method_seconds_sum"] is not None and model_s > 0
+                else math.nan,
+            }
+        )
     df = pd.DataFrame(out)
     if df.empty:
         return df
@@ -526,17 +723,30 @@ def failure_flag(row: dict[str, Any]) -> str:
     return ""
 
 
-def samples(engine, filters: q.Filters, task_id: int, sample_id: str, budget: int | None, dims: dict[str, Any] | None = None) -> pd.DataFrame:
+def samples(
+    engine, filters: q.Filters, task_id: int, sample_id: str, budget: int | None, dims: dict[str, Any] | None = None
+) -> pd.DataFrame:
     dims = dims or q.dimensions(engine)
     methods = dims["methods"]
     rows = q.sample_rows(engine, filters, task_id, sample_id, budget)
     out = []
     for r in rows:
-        out.append({
-            "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),
-            "budget": r["budget"], "sample_index": r["sample_index"], "seed": r["seed"], "status": r["status"],
-            "correct": r["correct"], "extracted": r["extracted"], "stop_reason": r["stop_reason"], "flag": failure_flag(r),
-            **{c: r[c] for c in q.METRIC_COLUMNS},  # the engine's per-sample metrics, as stored
-            "completion": r["completion"], "error": r["error"], "sweep_id": r["sweep_id"], "id": r["id"],
-        })
+        out.append(
+            {
+                "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),
+                "budget": r["budget"],
+                "sample_index": r["sample_index"],
+                "seed": r["seed"],
+                "status": r["status"],
+                "correct": r["correct"],
+                "extracted": r["extracted"],
+                "stop_reason": r["stop_reason"],
+                "flag": failure_flag(r),
+                **{c: r[c] for c in q.METRIC_COLUMNS},  # the engine's per-sample metrics, as stored
+                "completion": r["completion"],
+                "error": r["error"],
+                "sweep_id": r["sweep_id"],
+                "id": r["id"],
+            }
+        )
     return pd.DataFrame(out)

@@ -20,11 +20,11 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from kvleague.dashboard.commands import streamlit_command
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 #: the ``?page=`` slugs, in the app's page order (dashboard.views.PAGES; not imported: that loads Streamlit)
 PAGE_SLUGS = ("leaderboard", "budget-curves", "replication-scorecard", "cost", "samples", "provenance", "signals")
@@ -32,8 +32,15 @@ PAGE_SLUGS = ("leaderboard", "budget-curves", "replication-scorecard", "cost", "
 CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 #: headless, no sandbox (root in containers), and nothing that phones home
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
 )
 VIEWPORT = {"width": 1920, "height": 1250}
 
@@ -59,8 +66,14 @@ def serve(db_url: str, log_path: str | Path, start_timeout_s: float = 90) -> Ite
     env = {**os.environ, "KVLEAGUE_DB": db_url, "HF_HUB_OFFLINE": "1", "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
     log = Path(log_path)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(streamlit_command(db_url, port), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            streamlit_command(db_url, port),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(base, proc, start_timeout_s, log)
@@ -99,11 +112,15 @@ def check_browser() -> str:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        raise KvleagueError("browser: the playwright package is not installed (pip install -e '.[test]'); "
-                            "Chromium comes from bash scripts/chromium.sh") from None
+        raise KvleagueError(
+            "browser: the playwright package is not installed (pip install -e '.[test]'); "
+            "Chromium comes from bash scripts/chromium.sh"
+        ) from None
     executable = find_chromium()
     if executable is None:
-        raise KvleagueError("browser: no chromium at /usr/bin/chromium (or $KVLEAGUE_CHROMIUM): run bash scripts/chromium.sh")
+        raise KvleagueError(
+            "browser: no chromium at /usr/bin/chromium (or $KVLEAGUE_CHROMIUM): run bash scripts/chromium.sh"
+        )
     return executable
 
 
@@ -116,8 +133,12 @@ def chromium_page(profile_dir: str | Path, timeout_s: float = 90):
     with sync_playwright() as p:
         # playwright passes the profile as --user-data-dir itself (it refuses that flag in args)
         context = p.chromium.launch_persistent_context(
-            str(profile_dir), executable_path=executable, headless=True, args=list(CHROMIUM_FLAGS),
-            viewport=VIEWPORT, timeout=timeout_s * 1000,
+            str(profile_dir),
+            executable_path=executable,
+            headless=True,
+            args=list(CHROMIUM_FLAGS),
+            viewport=VIEWPORT,
+            timeout=timeout_s * 1000,
         )
         try:
             page = context.new_page()
@@ -159,7 +180,7 @@ class ChartSpy:
         msg = ForwardMsg()
         try:
             msg.ParseFromString(payload)
-        except Exception:  # noqa: BLE001 - a frame that is not a ForwardMsg is not a chart
+        except Exception:
             return
         kind = msg.WhichOneof("type")
         if kind == "new_session":  # a script run starts
@@ -219,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from kvleague.dashboard.commands import resolve_db
-    from kvleague.runner.engine.errors import OneLineParser
+    from kvleague.engine.errors import OneLineParser
 
-    p = OneLineParser(prog="python -m dashboard.browser", description="Screenshot a dashboard page in headless Chromium.")
+    p = OneLineParser(
+        prog="python -m dashboard.browser", description="Screenshot a dashboard page in headless Chromium."
+    )
     p.add_argument("--db", default=None, help="database URL (default: as kvleague dashboard)")
     p.add_argument("--out", required=True)
     p.add_argument("--page", default="leaderboard", choices=PAGE_SLUGS, help=", ".join(PAGE_SLUGS))

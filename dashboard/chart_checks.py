@@ -12,7 +12,8 @@ dashboard's page tests and the browser test run it on every chart of every page)
 from __future__ import annotations
 
 import io
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pandas as pd
 
@@ -72,20 +73,32 @@ def problems(spec: dict[str, Any], datasets: dict[str, pd.DataFrame]) -> list[st
             if missing:
                 out.append(f"a line across budgets whose points do not say their {', '.join(missing)}")
             else:
-                mixed = frame.groupby(groups, dropna=False)[list(SLICE_COLUMNS)].nunique().max() if groups else frame[list(SLICE_COLUMNS)].nunique()
+                mixed = (
+                    frame.groupby(groups, dropna=False)[list(SLICE_COLUMNS)].nunique().max()
+                    if groups
+                    else frame[list(SLICE_COLUMNS)].nunique()
+                )
                 for column, n in mixed.items():
                     if n > 1:
                         out.append(f"a line across budgets joins {n} different values of {column}")
         for ch in SERIES_CHANNELS:
             channel = enc.get(ch)
-            if not isinstance(channel, dict) or "field" not in channel or channel.get("type") not in ("nominal", "ordinal"):
+            if (
+                not isinstance(channel, dict)
+                or "field" not in channel
+                or channel.get("type") not in ("nominal", "ordinal")
+            ):
                 continue
             field = channel["field"]
             values, legend, scale = legends.get(field, (set(), {}, None))
             values |= set(frame[field].dropna().unique()) if field in frame.columns else set()
             # layers share one legend per field; Vega-Lite drops it when any of them disables it
             here = channel.get("legend", {})
-            legends[field] = (values, None if here is None or legend is None else here or legend, channel.get("scale", scale))
+            legends[field] = (
+                values,
+                None if here is None or legend is None else here or legend,
+                channel.get("scale", scale),
+            )
     for field, (values, legend, scale) in legends.items():
         n = len(values)
         if n < 2:
@@ -104,9 +117,13 @@ def problems(spec: dict[str, Any], datasets: dict[str, pd.DataFrame]) -> list[st
         rows = -(-n // columns)
         if legend.get("orient", "right") in ("top", "bottom"):
             if height - rows * LEGEND_ROW_PX < MIN_PLOT_PX:
-                out.append(f"the legend of {field} ({rows} rows) leaves the plot under {MIN_PLOT_PX}px of its height {height}")
+                out.append(
+                    f"the legend of {field} ({rows} rows) leaves the plot under {MIN_PLOT_PX}px of its height {height}"
+                )
         elif rows * LEGEND_ROW_PX > height:
-            out.append(f"the legend of {field} ({rows} rows at the side) is taller than the chart ({height}px): it is cut off")
+            out.append(
+                f"the legend of {field} ({rows} rows at the side) is taller than the chart ({height}px): it is cut off"
+            )
     return out
 
 

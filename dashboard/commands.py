@@ -1,7 +1,7 @@
 """``kvleague dashboard [--db URL] [--port P]``: serve the Streamlit leaderboard on 127.0.0.1; ``kvleague report``:
 the replication report (markdown + figures) of a database or an export.
 
-One of ``runner.cli.COMMAND_GROUPS`` (``register(subparsers)``).
+One of ``kvleague.cli.COMMAND_GROUPS`` (``register(subparsers)``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 APP = Path(__file__).resolve().parent / "app.py"
 HOST = "127.0.0.1"
@@ -21,10 +21,26 @@ DEFAULT_PORT = 8501
 
 def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | None = None) -> list[str]:
     return [
-        python or sys.executable, "-m", "streamlit", "run", str(APP),
-        "--server.address", host, "--server.port", str(port), "--server.headless", "true",
-        "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--client.toolbarMode", "viewer",
-        "--", "--db", db_url,
+        python or sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--client.toolbarMode",
+        "viewer",
+        "--",
+        "--db",
+        db_url,
     ]
 
 
@@ -37,7 +53,9 @@ def resolve_db(url: str | None) -> str:
     if parsed.get_backend_name() == "sqlite":
         path = Path(parsed.database or "")
         if not path.is_file():
-            raise KvleagueError(f"dashboard: no SQLite database at {str(path)!r}; run a sweep first (kvleague sweep --config ...)")
+            raise KvleagueError(
+                f"dashboard: no SQLite database at {str(path)!r}; run a sweep first (kvleague sweep --config ...)"
+            )
     return parsed.render_as_string(hide_password=False)
 
 
@@ -116,7 +134,9 @@ def cmd_report(args) -> int:
             source = args.source or display_url(url)
         engine = open_readonly(url)
         if not has_schema(engine):
-            raise KvleagueError(f"report: {display_url(url)} holds no kvleague results; run a sweep or kvleague db import first")
+            raise KvleagueError(
+                f"report: {display_url(url)} holds no kvleague results; run a sweep or kvleague db import first"
+            )
         path = build(engine, args.out, source=source, preamble=preamble)
         engine.dispose()
     print(path)
@@ -125,15 +145,22 @@ def cmd_report(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("dashboard", help="serve the leaderboard (Streamlit) on 127.0.0.1")
-    p.add_argument("--db", default=None,
-                   help="database URL (default: $KVLEAGUE_DB, else sqlite:///kvleague.db); opened read-only")
+    p.add_argument(
+        "--db", default=None, help="database URL (default: $KVLEAGUE_DB, else sqlite:///kvleague.db); opened read-only"
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port on 127.0.0.1 (default {DEFAULT_PORT})")
     p.set_defaults(func=cmd_dashboard)
 
-    p = subparsers.add_parser("report", help="write the replication report (markdown + PNG figures) from a database or an export")
+    p = subparsers.add_parser(
+        "report", help="write the replication report (markdown + PNG figures) from a database or an export"
+    )
     p.add_argument("--db", default=None, help="database URL; opened read-only")
-    p.add_argument("--export", default=None, help="a file written by kvleague db export (imported into a scratch SQLite)")
+    p.add_argument(
+        "--export", default=None, help="a file written by kvleague db export (imported into a scratch SQLite)"
+    )
     p.add_argument("--out", required=True, help="directory for replication.md and replication_figures/")
     p.add_argument("--preamble", default=None, help="a markdown file placed before the findings (what the data is)")
-    p.add_argument("--source", default=None, help="how the report names its data (default: the database URL or export file name)")
+    p.add_argument(
+        "--source", default=None, help="how the report names its data (default: the database URL or export file name)"
+    )
     p.set_defaults(func=cmd_report)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import streamlit as st
 
 from kvleague.analysis import queries as q
 from kvleague.dashboard.data import Context, cached, engine_for, fingerprint
 from kvleague.dashboard.views import PAGES
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 SLUGS = {title: page.slug for title, page in PAGES.items()}
 
@@ -28,7 +29,9 @@ def cli_db_url(argv: list[str] | None = None) -> str | None:
     return args.db
 
 
-def _multiselect(label: str, options: list, fmt: Callable[[Any], str] = str, key: str | None = None, help: str | None = None) -> tuple | None:
+def _multiselect(
+    label: str, options: list, fmt: Callable[[Any], str] = str, key: str | None = None, help: str | None = None
+) -> tuple | None:
     """A filter defaulting to everything; None when everything is selected (a stable cache key)."""
     chosen = st.sidebar.multiselect(label, options, default=options, format_func=fmt, key=key, help=help)
     if len(chosen) == len(options):
@@ -46,18 +49,32 @@ def sidebar_filters(opts: q.Options) -> q.Filters:
     # keyed on the domain choice: a new domain choice starts the task choice afresh (all of them)
     task_key = "f_task" if f_domains is None else "f_task_" + "_".join(sorted(f_domains))
     f_tasks = _multiselect("Task", list(names), lambda i: names.get(i, str(i)), key=task_key)
-    f_budgets = _multiselect("Budget (KV entries)", opts.budgets, opts.budget_labels.__getitem__, key="f_budget",
-                             help="prompt+B: B entries of room on top of each sample's prompt")
+    f_budgets = _multiselect(
+        "Budget (KV entries)",
+        opts.budgets,
+        opts.budget_labels.__getitem__,
+        key="f_budget",
+        help="prompt+B: B entries of room on top of each sample's prompt",
+    )
     protos = {p["id"]: p["label"] for p in opts.protocols}
-    f_protocols = _multiselect("Protocol", list(protos), lambda i: protos.get(i, str(i)), key="f_protocol",
-                               help="cadence, position handling, sink and recent windows, prompt protection")
-    f_decoding = _multiselect("Decoding", opts.decodings, key="f_decoding", help="greedy: temperature 0; sampled: temperature > 0")
+    f_protocols = _multiselect(
+        "Protocol",
+        list(protos),
+        lambda i: protos.get(i, str(i)),
+        key="f_protocol",
+        help="cadence, position handling, sink and recent windows, prompt protection",
+    )
+    f_decoding = _multiselect(
+        "Decoding", opts.decodings, key="f_decoding", help="greedy: temperature 0; sampled: temperature > 0"
+    )
     if f_tasks is not None and f_domains is not None:
         f_domains = None  # the task list already reflects the domains
     elif f_domains is not None:
         f_tasks = tuple(names)
         f_domains = None
-    return q.Filters(models=f_models, domains=f_domains, tasks=f_tasks, budgets=f_budgets, protocols=f_protocols, decoding=f_decoding)
+    return q.Filters(
+        models=f_models, domains=f_domains, tasks=f_tasks, budgets=f_budgets, protocols=f_protocols, decoding=f_decoding
+    )
 
 
 def choose_page() -> str:
@@ -83,8 +100,10 @@ def main() -> None:
             return
         if not q.has_schema(engine):
             st.title(page)
-            st.info(f"The database at `{_display(url)}` has no results tables yet. Run a sweep first: "
-                    "`kvleague sweep --config sweeps/demo.yaml`.")
+            st.info(
+                f"The database at `{_display(url)}` has no results tables yet. Run a sweep first: "
+                "`kvleague sweep --config sweeps/demo.yaml`."
+            )
             return
         fp = fingerprint(url)
     except KvleagueError as exc:
@@ -107,8 +126,10 @@ def main() -> None:
         PAGES[page].render(ctx)
     except (SQLAlchemyError, KvleagueError) as exc:  # a schema behind the code, a dropped connection
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-        st.error(f"Could not read the results: {first[0] if first else type(exc).__name__}. "
-                 "If the schema is old, run `kvleague db upgrade --db URL`.")
+        st.error(
+            f"Could not read the results: {first[0] if first else type(exc).__name__}. "
+            "If the schema is old, run `kvleague db upgrade --db URL`."
+        )
 
 
 def _display(url: str) -> str:
@@ -116,5 +137,5 @@ def _display(url: str) -> str:
         from kvleague.db.session import display_url
 
         return display_url(url)
-    except Exception:  # noqa: BLE001 - only for display
+    except Exception:
         return url

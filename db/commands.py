@@ -1,4 +1,4 @@
-"""``kvleague db upgrade|status|export|import`` (one of ``runner.cli.COMMAND_GROUPS``)."""
+"""``kvleague db upgrade|status|export|import`` (one of ``kvleague.cli.COMMAND_GROUPS``)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def cmd_db_export(args) -> int:
 
     from kvleague.db.session import check_connection, display_url, get_engine
     from kvleague.db.transfer import export
-    from kvleague.runner.engine.errors import KvleagueError
+    from kvleague.engine.errors import KvleagueError
 
     if not args.out.endswith(".jsonl.gz"):
         raise KvleagueError(f"--out: an export file ends in .jsonl.gz, got {args.out!r}")
@@ -58,8 +58,10 @@ def cmd_db_import(args) -> int:
 
     engine = get_engine(args.db)
     counts = import_(engine, args.file)
-    print(f"{args.file} -> {display_url(engine.url)}: inserted {_summary(counts.inserted)}; "
-          f"already there {_summary(counts.present)}")
+    print(
+        f"{args.file} -> {display_url(engine.url)}: inserted {_summary(counts.inserted)}; "
+        f"already there {_summary(counts.present)}"
+    )
     return 0
 
 

@@ -33,7 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from kvleague.runner.engine.protocol import Protocol
+from kvleague.engine.protocol import Protocol
 
 # Deterministic constraint names, so migrations are identical on SQLite and PostgreSQL.
 NAMING = {
@@ -148,7 +148,7 @@ PROTOCOL_TEXT_WIDTHS = {"cadence": 64, "positions": 32, "prompt_over_budget": 16
 
 
 def protocol_columns() -> list[Column]:
-    """One column per field of :class:`runner.engine.protocol.Protocol`, in field order, typed from
+    """One column per field of :class:`engine.protocol.Protocol`, in field order, typed from
     the field's type; NULL allowed where the field may be None, or is left out of the protocol's
     spec at its default (``Protocol.ADDED_LATER``: the row holds NULL then)."""
     columns = []
@@ -165,7 +165,8 @@ class ProtocolSpec(Base):
     """A protocol's row: its ``spec_hash`` (of ``Protocol.spec()``) and one column per field."""
 
     __table__ = Table(
-        "protocols", Base.metadata,
+        "protocols",
+        Base.metadata,
         Column("id", Integer, primary_key=True),
         Column("spec_hash", String(64), unique=True, nullable=False),
         *protocol_columns(),
@@ -237,7 +238,9 @@ class SampleResult(Base):
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     peak_memory_source: Mapped[str | None] = mapped_column(String(64), nullable=True)
     attn_implementation: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    details: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # scorer details, episode summary, fidelity extras
+    details: Mapped[dict | None] = mapped_column(
+        JSON, nullable=True
+    )  # scorer details, episode summary, fidelity extras
     #: fidelity: means over the scored tokens of KL(full || method) (nats), of -log q + log p of the
     #: reference token, and of [argmax p == argmax q]; and how many tokens were scored
     kl_mean: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -250,7 +253,9 @@ class SampleResult(Base):
 
     __table_args__ = (
         # the leaderboard: one group per (model, task, protocol, method, budget), ok rows only
-        Index("ix_sample_results_leaderboard", "model_id", "task_id", "protocol_id", "method_spec_id", "budget", "status"),
+        Index(
+            "ix_sample_results_leaderboard", "model_id", "task_id", "protocol_id", "method_spec_id", "budget", "status"
+        ),
         Index("ix_sample_results_method_budget", "method_spec_id", "budget"),
         Index("ix_sample_results_task_budget", "task_id", "budget"),
         Index("ix_sample_results_status", "status"),
@@ -335,9 +340,23 @@ TABLES = [t.name for t in Base.metadata.sorted_tables]
 #: ``GenerationResult`` that ``runner.metrics.METRIC_FIELDS`` keeps (a test holds the two equal; the
 #: database cannot import the engine, which needs torch)
 METRIC_COLUMNS = (
-    "prompt_tokens", "generated_tokens", "attn_implementation", "prefill_seconds", "decode_seconds_mean",
-    "decode_seconds_p50", "decode_seconds_p95", "tokens_per_second", "method_seconds", "selection_seconds", "evictions",
-    "evicted_tokens", "ranked_evictions", "peak_cache_entries", "peak_kv_bytes", "peak_memory_bytes", "peak_memory_source",
+    "prompt_tokens",
+    "generated_tokens",
+    "attn_implementation",
+    "prefill_seconds",
+    "decode_seconds_mean",
+    "decode_seconds_p50",
+    "decode_seconds_p95",
+    "tokens_per_second",
+    "method_seconds",
+    "selection_seconds",
+    "evictions",
+    "evicted_tokens",
+    "ranked_evictions",
+    "peak_cache_entries",
+    "peak_kv_bytes",
+    "peak_memory_bytes",
+    "peak_memory_source",
 )
 #: the protocols columns that hold a protocol's fields (``protocol_columns``)
 PROTOCOL_COLUMNS = tuple(c.name for c in ProtocolSpec.__table__.columns if c.name not in ("id", "spec_hash"))

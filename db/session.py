@@ -14,15 +14,16 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 T = TypeVar("T")
 
@@ -221,8 +222,9 @@ def retrying(engine: Engine, fn: Callable[[], T], what: str, seconds: float) -> 
             if not transient(exc):
                 raise
             if time.monotonic() + delay > deadline:
-                raise KvleagueError(f"database: {what} failed for {seconds:g}s at {display_url(engine.url)}: "
-                                    f"{error_reason(exc)}") from None
+                raise KvleagueError(
+                    f"database: {what} failed for {seconds:g}s at {display_url(engine.url)}: {error_reason(exc)}"
+                ) from None
             print(f"database: {what}: {error_reason(exc)}; retrying in {delay:g}s", file=sys.stderr, flush=True)
             time.sleep(delay)
             delay = min(2 * delay, 30.0)

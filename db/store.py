@@ -9,8 +9,9 @@ did finish) can never become two rows.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import Engine
@@ -75,12 +76,18 @@ def set_model_revision(engine: Engine, model_id: int, revision: str) -> None:
     """Record the Hub commit a model was loaded from (first report wins)."""
     table = Model.__table__
     with engine.begin() as conn:
-        conn.execute(update(table).where(table.c.id == model_id, table.c.revision.is_(None)).values(revision=revision[:255]))
+        conn.execute(
+            update(table).where(table.c.id == model_id, table.c.revision.is_(None)).values(revision=revision[:255])
+        )
 
 
 def start_sweep(engine: Engine, values: dict[str, Any]) -> int:
     with engine.begin() as conn:
-        return int(conn.execute(insert(Sweep.__table__).values(status="running", **values).returning(Sweep.__table__.c.id)).scalar_one())
+        return int(
+            conn.execute(
+                insert(Sweep.__table__).values(status="running", **values).returning(Sweep.__table__.c.id)
+            ).scalar_one()
+        )
 
 
 def finish_sweep(engine: Engine, sweep_id: int, status: str, **counts: int) -> None:
@@ -100,7 +107,9 @@ def existing_status(engine: Engine, keys: Iterable[str]) -> dict[str, str]:
     with engine.connect() as conn:
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i : i + _CHUNK]
-            for key, status in conn.execute(select(table.c.cell_key, table.c.status).where(table.c.cell_key.in_(chunk))):
+            for key, status in conn.execute(
+                select(table.c.cell_key, table.c.status).where(table.c.cell_key.in_(chunk))
+            ):
                 out[key] = status
     return out
 
@@ -112,7 +121,9 @@ def write_results(engine: Engine, rows: Sequence[dict[str, Any]], replace_failed
         return 0
     table = SampleResult.__table__
     now = datetime.now(timezone.utc)
-    clean = [{**{k: r.get(k) for k in RESULT_COLUMNS if k in r}, "created_at": r.get("created_at") or now} for r in rows]
+    clean = [
+        {**{k: r.get(k) for k in RESULT_COLUMNS if k in r}, "created_at": r.get("created_at") or now} for r in rows
+    ]
     stmt = _dialect_insert(engine, table)
     if replace_failed:
         stmt = stmt.on_conflict_do_update(
@@ -160,21 +171,46 @@ def summary(engine: Engine, keys: Iterable[str]) -> list[dict[str, Any]]:
         tasks = {i: (name, options or {}) for i, name, options in conn.execute(select(t.c.id, t.c.name, t.c.options))}
         for i in range(0, len(keys), _CHUNK):
             q = (
-                select(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.measure, r.c.status, func.count(),
-                       func.sum(r.c.score), func.sum(r.c.kl_mean), func.sum(r.c.top1_agreement))
+                select(
+                    m.c.name,
+                    t.c.id,
+                    ms.c.name,
+                    ms.c.params_json,
+                    r.c.budget,
+                    r.c.measure,
+                    r.c.status,
+                    func.count(),
+                    func.sum(r.c.score),
+                    func.sum(r.c.kl_mean),
+                    func.sum(r.c.top1_agreement),
+                )
                 .join(m, m.c.id == r.c.model_id)
                 .join(t, t.c.id == r.c.task_id)
                 .join(ms, ms.c.id == r.c.method_spec_id)
                 .where(r.c.cell_key.in_(keys[i : i + _CHUNK]))
                 .group_by(m.c.name, t.c.id, ms.c.name, ms.c.params_json, r.c.budget, r.c.measure, r.c.status)
             )
-            for model, task_id, method, params, budget, measure, status, n, score_sum, kl_sum, top1_sum in conn.execute(q):
+            for model, task_id, method, params, budget, measure, status, n, score_sum, kl_sum, top1_sum in conn.execute(
+                q
+            ):
                 task, options = tasks[task_id]
                 row = acc.setdefault(
                     (model, task, json.dumps(options, sort_keys=True, default=str), method, params, budget, measure),
-                    {"model": model, "task": task, "task_options": options, "method": method, "params": params,
-                     "budget": budget, "measure": measure, "cells": 0, "ok": 0, "failed": 0, "score_sum": 0.0,
-                     "kl_sum": 0.0, "top1_sum": 0.0},
+                    {
+                        "model": model,
+                        "task": task,
+                        "task_options": options,
+                        "method": method,
+                        "params": params,
+                        "budget": budget,
+                        "measure": measure,
+                        "cells": 0,
+                        "ok": 0,
+                        "failed": 0,
+                        "score_sum": 0.0,
+                        "kl_sum": 0.0,
+                        "top1_sum": 0.0,
+                    },
                 )
                 row["cells"] += n
                 if status == STATUS_OK:

@@ -69,7 +69,9 @@ def create_database(server_url: str) -> str:
     name = f"kvl_test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(_admin_url(server_url), autocommit=True, connect_timeout=10) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    return make_url(server_url).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
+    return (
+        make_url(server_url).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
+    )
 
 
 def drop_database(url: str) -> None:

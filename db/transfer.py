@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from sqlalchemy import DateTime, Table, insert, inspect, select
 from sqlalchemy.engine import Engine
 
 from kvleague.db.models import Base
 from kvleague.db.session import current_revision, head_revision, known_revisions, upgrade
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 FORMAT = "kvleague-export/1"
 _CHUNK = 500
@@ -56,15 +57,23 @@ def export(engine: Engine, path: str | Path) -> TransferCounts:
     database is at (any revision this code knows; ``import_`` migrates the target to head)."""
     revision = current_revision(engine)
     if revision not in known_revisions():
-        raise KvleagueError(f"db export: the database has schema revision {revision or 'none'}, which this kvleague "
-                            f"does not know (head {head_revision()}); is it a kvleague database?")
+        raise KvleagueError(
+            f"db export: the database has schema revision {revision or 'none'}, which this kvleague "
+            f"does not know (head {head_revision()}); is it a kvleague database?"
+        )
     inspector = inspect(engine)
     present = set(inspector.get_table_names())
     tables = [t for t in Base.metadata.sorted_tables if t.name in present]
     # an older schema lacks later columns: export those it has
-    columns = {t.name: [c for c in t.columns if c.name in {d["name"] for d in inspector.get_columns(t.name)}] for t in tables}
+    columns = {
+        t.name: [c for c in t.columns if c.name in {d["name"] for d in inspector.get_columns(t.name)}] for t in tables
+    }
     counts = TransferCounts()
-    header = {"format": FORMAT, "schema_revision": revision, "columns": {t: [c.name for c in cs] for t, cs in columns.items()}}
+    header = {
+        "format": FORMAT,
+        "schema_revision": revision,
+        "columns": {t: [c.name for c in cs] for t, cs in columns.items()},
+    }
     with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz:
         gz.write((json.dumps(header, sort_keys=True) + "\n").encode())
         with engine.connect() as conn:
@@ -90,7 +99,9 @@ def _read(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, list[An
     except FileNotFoundError:
         raise KvleagueError(f"db import: no such file {str(path)!r}") from None
     except EOFError:
-        raise KvleagueError(f"db import: {str(path)!r} is truncated (the gzip stream ends early); nothing was imported") from None
+        raise KvleagueError(
+            f"db import: {str(path)!r} is truncated (the gzip stream ends early); nothing was imported"
+        ) from None
     except (OSError, ValueError) as exc:  # zlib.error is an OSError subclass in gzip; UnicodeDecodeError a ValueError
         raise KvleagueError(f"db import: {str(path)!r} is not a kvleague export (gzip JSON lines): {exc}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -124,7 +135,9 @@ def _natural_key(table: Table) -> list[str]:
     if unique:
         return unique
     if table.name not in _IDENTITY:
-        raise KvleagueError(f"db import: table {table.name} has no identity for merging; add it to db.transfer._IDENTITY")
+        raise KvleagueError(
+            f"db import: table {table.name} has no identity for merging; add it to db.transfer._IDENTITY"
+        )
     return _IDENTITY[table.name]
 
 
@@ -145,8 +158,10 @@ class _Merger:
     def __init__(self, conn, table: Table, columns: list[str], id_maps: dict[str, dict[int, int]]):
         unknown = [c for c in columns if c not in table.columns]
         if unknown:
-            raise KvleagueError(f"db import: table {table.name} has columns this kvleague does not know: {unknown}; "
-                                "import with the kvleague version that exported it")
+            raise KvleagueError(
+                f"db import: table {table.name} has columns this kvleague does not know: {unknown}; "
+                "import with the kvleague version that exported it"
+            )
         self.conn, self.table, self.columns, self.id_maps = conn, table, columns, id_maps
         self.ids = id_maps.setdefault(table.name, {})
         self.key = _natural_key(table)
@@ -163,8 +178,9 @@ class _Merger:
                 try:
                     row[column] = self.id_maps[target][row[column]]
                 except KeyError:
-                    raise KvleagueError(f"db import: {self.table.name} row {old_id} refers to a missing "
-                                        f"{target} row {row[column]}") from None
+                    raise KvleagueError(
+                        f"db import: {self.table.name} row {old_id} refers to a missing {target} row {row[column]}"
+                    ) from None
         self.pending.append((old_id, row))
         if len(self.pending) >= _CHUNK:
             self.flush()
@@ -209,8 +225,10 @@ def import_(engine: Engine, path: str | Path) -> TransferCounts:
     header, rows = _read(path)
     revision = header.get("schema_revision")
     if revision not in known_revisions():
-        raise KvleagueError(f"db import: {str(path)!r} has schema revision {revision!r}, unknown to this kvleague "
-                            f"(head {head_revision()}); import it with the version that exported it")
+        raise KvleagueError(
+            f"db import: {str(path)!r} has schema revision {revision!r}, unknown to this kvleague "
+            f"(head {head_revision()}); import it with the version that exported it"
+        )
     upgrade(engine)
     tables = {t.name: t for t in Base.metadata.sorted_tables}
     columns = header.get("columns") or {}

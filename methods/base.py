@@ -1,6 +1,6 @@
-"""The method contract, defined by the engine (``runner.engine.contract``); re-exported here so that
+"""The method contract, defined by the engine (``engine.contract``); re-exported here so that
 plugins written as ``from methods.base import EvictionMethod`` keep working."""
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, Phase, SequenceInfo
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, Observation, Phase, SequenceInfo
 
 __all__ = ["CacheView", "EvictionMethod", "Needs", "Observation", "Phase", "SequenceInfo"]

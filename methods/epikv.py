@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, batch_hidden
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, batch_hidden
+from kvleague.engine.errors import KvleagueError
 from kvleague.methods.kernels import PositionTable, read_tables
 from kvleague.methods.registry import register_method
-from kvleague.runner.engine.errors import KvleagueError
 
 #: added to the score of a ``value_reserve`` token: far above any z-score difference (|z| < sqrt(W))
 RESERVE_OFFSET = 1e9
@@ -140,8 +141,11 @@ class EpiKVFamily(EvictionMethod):
             raise ValueError(f"window must be >= 1, got {self.window}")
         if self.value_reserve < 0:
             raise ValueError(f"value_reserve must be >= 0, got {self.value_reserve}")
-        for name, allowed in (("series", ("generated", "all")), ("last_layer", ("normed", "residual")),
-                              ("arithmetic", ("reference", "float64"))):
+        for name, allowed in (
+            ("series", ("generated", "all")),
+            ("last_layer", ("normed", "residual")),
+            ("arithmetic", ("reference", "float64")),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
@@ -239,8 +243,11 @@ class EpiKVFamily(EvictionMethod):
 
     def _decodes_one(self, obs: Observation) -> bool:
         """A decode step of one token whose predecessor's hidden states are held."""
-        return (obs.phase == "decode" and obs.new_positions.shape[0] == 1
-                and len(self.previous) == len(set(self.group_a) | set(self.group_b)))
+        return (
+            obs.phase == "decode"
+            and obs.new_positions.shape[0] == 1
+            and len(self.previous) == len(set(self.group_a) | set(self.group_b))
+        )
 
     @staticmethod
     def _observe_signals(methods, observations) -> None:
@@ -267,7 +274,9 @@ class EpiKVFamily(EvictionMethod):
         for layer in layers:
             h = newest[layer] = batch_hidden(observations, first._hook(layer, n))[:, -1]
             prev = torch.stack([m.previous[layer] for m in methods])
-            distance[layer] = (h - prev).norm(dim=-1) if reference else torch.linalg.vector_norm(h.float() - prev.float(), dim=-1)
+            distance[layer] = (
+                (h - prev).norm(dim=-1) if reference else torch.linalg.vector_norm(h.float() - prev.float(), dim=-1)
+            )
 
         def mean(group: list[int]) -> torch.Tensor:
             total = None
@@ -307,8 +316,12 @@ class EpiKVFamily(EvictionMethod):
     def score_batch(cls, methods, caches) -> list[torch.Tensor]:
         """Equal-length caches, no value reserve: every row's cached positions come to the host in one
         copy (not one per row), then each reads its own frozen scores, as ``score`` does."""
-        if (cls.score is not EpiKVFamily.score or cls.token_scores is not EpiKVFamily.token_scores
-                or not caches.equal_lengths or any(m.value_reserve for m in methods)):
+        if (
+            cls.score is not EpiKVFamily.score
+            or cls.token_scores is not EpiKVFamily.token_scores
+            or not caches.equal_lengths
+            or any(m.value_reserve for m in methods)
+        ):
             return super().score_batch(methods, caches)
         return read_tables([method.table for method in methods], caches.views)
 

@@ -5,7 +5,7 @@ from typing import Literal
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, Needs, Observation, SequenceInfo
+from kvleague.engine.contract import BatchCacheView, CacheView, Needs, Observation, SequenceInfo
 from kvleague.methods.epikv import EpiKV
 from kvleague.methods.kernels import (
     PositionTable,
@@ -62,7 +62,7 @@ class EpiKVSeg(EpiKV):
       segment with the highest ``epikv`` score (z_A - z_B, frozen, same hyperparameters and defaults as
       ``epikv``) fill min(quota, generated slots in the segment, remaining); every other slot scores
       -inf, so the cache keeps **fewer than B** (the "keeping fewer than B" contract in
-      ``runner/engine/contract.py``) and refills before the next eviction.
+      ``engine/contract.py``) and refills before the next eviction.
 
     Under ``protocol: epikv_paper`` kept positions and greedy tokens equal the authors' class
     (tests/test_baselines_authors.py, docs/methods.md). Deviations: equal scores inside a segment keep
@@ -153,16 +153,22 @@ class EpiKVSeg(EpiKV):
         (host,), _ = positions_on_host([cache], with_prompt=True)
         classify = max(cache.length - self._recent(cache.budget), 0)
         # as the authors: k.float().var(dim=-1).mean(dim=(0, 1)) per layer on [1, H, C, d], mean over layers
-        per_slot = torch.stack([k[None, :, :classify].float().var(dim=-1).mean(dim=(0, 1)) for k in cache.keys]).mean(dim=0)
+        per_slot = torch.stack([k[None, :, :classify].float().var(dim=-1).mean(dim=(0, 1)) for k in cache.keys]).mean(
+            dim=0
+        )
         return self._authors_from(host[0], host[1].bool(), self.token_scores(cache), per_slot.cpu(), cache.budget)
 
     @classmethod
     def score_batch(cls, methods, caches: BatchCacheView) -> list[torch.Tensor]:
         """``selection: authors``, caches of equal lengths: every row's key variances per slot in one
         operation per layer, and with its positions and prompt flags one copy to the host."""
-        if (cls.score is not EpiKVSeg.score or cls._authors_scores is not EpiKVSeg._authors_scores
-                or cls.token_scores is not EpiKVSeg.token_scores or not caches.equal_lengths
-                or any(m.selection != "authors" for m in methods)):
+        if (
+            cls.score is not EpiKVSeg.score
+            or cls._authors_scores is not EpiKVSeg._authors_scores
+            or cls.token_scores is not EpiKVSeg.token_scores
+            or not caches.equal_lengths
+            or any(m.selection != "authors" for m in methods)
+        ):
             return super().score_batch(methods, caches)
         members = list(range(len(methods)))
         # [n, T]: every slot's, the same per slot as the prefix of ``classify`` slots that a row alone reads
@@ -178,8 +184,9 @@ class EpiKVSeg(EpiKV):
             out.append(method._authors_from(positions, prompt.bool(), epikv, variances[:classify], view.budget))
         return out
 
-    def _authors_from(self, positions: torch.Tensor, prompt: torch.Tensor, epikv: torch.Tensor, per_slot: torch.Tensor,
-                      budget: int) -> torch.Tensor:
+    def _authors_from(
+        self, positions: torch.Tensor, prompt: torch.Tensor, epikv: torch.Tensor, per_slot: torch.Tensor, budget: int
+    ) -> torch.Tensor:
         """The authors' selection from a cache's positions, prompt flags and ``epikv`` scores
         (:meth:`token_scores`) and the key variance of its first ``classify`` slots (``per_slot``), on
         the host."""

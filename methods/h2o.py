@@ -4,7 +4,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, groups_by, stacked_layers
+from kvleague.engine.contract import (
+    CacheView,
+    EvictionMethod,
+    Needs,
+    Observation,
+    SequenceInfo,
+    groups_by,
+    stacked_layers,
+)
 from kvleague.methods.registry import register_method
 
 
@@ -64,7 +72,11 @@ class H2O(EvictionMethod):
     def observe(self, obs: Observation) -> None:
         # every layer's rows summed over the pass's queries (a prefill's layer by layer: C x T each)
         attention = obs.attention
-        rows = attention.sum(dim=2) if isinstance(attention, torch.Tensor) else torch.stack([r.sum(dim=1) for r in attention])
+        rows = (
+            attention.sum(dim=2)
+            if isinstance(attention, torch.Tensor)
+            else torch.stack([r.sum(dim=1) for r in attention])
+        )
         received = rows.view(rows.shape[0], self.info.n_kv_heads, -1, rows.shape[-1]).mean(dim=2)  # [L, H_kv, T]
         positions = obs.cache_positions.stacked
         if self.acc is not None:
@@ -77,8 +89,10 @@ class H2O(EvictionMethod):
         for all of them in one operation (``carry`` and the GQA mean work on leading batch dimensions)."""
         if cls.observe is not H2O.observe:
             return super().observe_batch(methods, observations)
-        keys = [(o.cache_positions.shape[-1], None if m.acc is None else m.acc.shape[-1])
-                for m, o in zip(methods, observations)]
+        keys = [
+            (o.cache_positions.shape[-1], None if m.acc is None else m.acc.shape[-1])
+            for m, o in zip(methods, observations)
+        ]
         for members in groups_by(keys):
             if len(members) == 1:
                 methods[members[0]].observe(observations[members[0]])
@@ -89,11 +103,14 @@ class H2O(EvictionMethod):
     def _observe_together(cls, methods, observations) -> None:
         n, n_kv = len(methods), methods[0].info.n_kv_heads
         rows = torch.stack([stacked_layers(o.attention) for o in observations]).sum(dim=3)  # [N, L, H_q, T]
-        received = rows.view(n, rows.shape[1], n_kv, rows.shape[2] // n_kv, rows.shape[-1]).mean(dim=3)  # [N, L, H_kv, T]
+        received = rows.view(n, rows.shape[1], n_kv, rows.shape[2] // n_kv, rows.shape[-1]).mean(
+            dim=3
+        )  # [N, L, H_kv, T]
         positions = torch.stack([o.cache_positions.stacked for o in observations])  # [N, L, H, T]
         if methods[0].acc is not None:
-            received = received + carry(torch.stack([m.acc for m in methods]),
-                                        torch.stack([m.acc_positions for m in methods]), positions)
+            received = received + carry(
+                torch.stack([m.acc for m in methods]), torch.stack([m.acc_positions for m in methods]), positions
+            )
         for method, acc, pos in zip(methods, received, positions):
             method.acc, method.acc_positions = acc, pos
 
@@ -127,7 +144,9 @@ class H2O(EvictionMethod):
                 continue
             group, views = [methods[i] for i in members], [caches.views[i] for i in members]
             positions = torch.stack([v.positions.stacked for v in views])  # [n, L, H, T]
-            scores = carry(torch.stack([m.acc for m in group]), torch.stack([m.acc_positions for m in group]), positions)
+            scores = carry(
+                torch.stack([m.acc for m in group]), torch.stack([m.acc_positions for m in group]), positions
+            )
             # the recent window per row (with none, the threshold is the newest position: nothing is above it)
             threshold = torch.tensor([v.current_position - m.n_recent(v) for m, v in zip(group, views)])
             scores = scores.masked_fill(positions > threshold.to(positions.device).view(-1, 1, 1, 1), float("inf"))

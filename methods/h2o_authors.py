@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
 from kvleague.methods.kernels import ObservesTogether, ScoresOnHost, layer_mean_row, newest_on_host
 from kvleague.methods.registry import register_method
 
@@ -57,7 +57,9 @@ class H2OAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
         def row(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
             return [layer_mean_row(rows, torch.float32)]
 
-        for members, _, cached, (step,) in newest_on_host([observations[i] for i in decoding], [None] * len(group), row):
+        for members, _, cached, (step,) in newest_on_host(
+            [observations[i] for i in decoding], [None] * len(group), row
+        ):
             for j, i in enumerate(members):
                 group[i]._accumulate(cached[j], step[j].astype(np.float32))
 
@@ -65,11 +67,12 @@ class H2OAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
         """One decode step's float32 row added at its positions, on the host (a numpy view of ``acc``)."""
         top = int(positions.max()) + 1
         if top > self.acc.shape[0]:
-            self.acc = torch.cat([self.acc, torch.zeros(max(top, self.acc.shape[0]) , dtype=torch.float32)])
+            self.acc = torch.cat([self.acc, torch.zeros(max(top, self.acc.shape[0]), dtype=torch.float32)])
         self.acc.numpy()[positions] += step
 
-    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
-                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+    def score_on_host(
+        self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         budget = cache.budget
         scores = self.acc[positions].clone()
         sinks = min(self.n_sink, budget // 4)

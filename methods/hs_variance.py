@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import SequenceInfo
+from kvleague.engine.contract import SequenceInfo
 from kvleague.methods.epikv import EpiKV
 from kvleague.methods.registry import register_method
 

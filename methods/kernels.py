@@ -13,11 +13,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import (
-    BatchCacheView, CacheView, EvictionMethod, Needs, Observation, SequenceInfo, chunks, groups_by, newest_rows,
+from kvleague.engine.attention import attention_rows
+from kvleague.engine.contract import (
+    BatchCacheView,
+    CacheView,
+    EvictionMethod,
+    Needs,
+    Observation,
+    SequenceInfo,
+    chunks,
+    groups_by,
+    newest_rows,
     stacked_layers,
 )
-from kvleague.runner.engine.attention import attention_rows
 
 
 class PositionTable:
@@ -89,8 +97,9 @@ def read_tables(tables: list[PositionTable], views) -> list[torch.Tensor]:
     return [table.read_host(row, top) for table, row in zip(tables, positions)]
 
 
-def newest_on_host(observations: Sequence[Observation], keys: Sequence,
-                   reduce: Callable[[torch.Tensor, int], list[torch.Tensor]]) -> Iterator[tuple[list[int], np.ndarray, np.ndarray, list[np.ndarray]]]:
+def newest_on_host(
+    observations: Sequence[Observation], keys: Sequence, reduce: Callable[[torch.Tensor, int], list[torch.Tensor]]
+) -> Iterator[tuple[list[int], np.ndarray, np.ndarray, list[np.ndarray]]]:
     """The newest query's attention rows of a batch's observations, reduced on the device and brought
     to the host in one copy per group: observations with equal numbers of slots and new tokens and
     equal ``keys[i]`` (a method's hyperparameters) form a group. ``reduce(rows, i)`` maps the group's
@@ -138,13 +147,17 @@ class QueryWindow:
             self.positions = torch.cat([self.positions, pos])[-w:]
 
     @staticmethod
-    def push_all(windows: list["QueryWindow"], observations: Sequence[Observation]) -> None:
+    def push_all(windows: list[QueryWindow], observations: Sequence[Observation]) -> None:
         """``windows[i].push(observations[i])`` for every i: full windows of equal size taking one query
         each (a decode step) shift together, in one operation for the batch (the same values as
         ``push``'s, which cuts the oldest query off each)."""
         shifting: dict[int, list[int]] = {}
         for i, (window, obs) in enumerate(zip(windows, observations)):
-            if window.queries is not None and window.queries.shape[2] == window.window and obs.new_positions.shape[0] == 1:
+            if (
+                window.queries is not None
+                and window.queries.shape[2] == window.window
+                and obs.new_positions.shape[0] == 1
+            ):
                 shifting.setdefault(window.window, []).append(i)
             else:
                 window.push(obs)
@@ -227,8 +240,9 @@ class ScoresOnHost:
             return self.score_on_host(row[0], cache, top, row[1].bool())
         return self.score_on_host(row, cache, top)
 
-    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
-                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+    def score_on_host(
+        self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The scores of ``cache``'s slots from their ``positions`` (``[T]``, on the host; ``top`` their
         largest) and, with ``prompt_on_host``, their ``prompt`` flags (on the host)."""
         raise NotImplementedError
@@ -265,6 +279,7 @@ class NotableAttention(ObservesTogether, EvictionMethod):
     @classmethod
     def observe_together(cls, methods, observations) -> None:
         """Every sequence's notable slots from one reduction per group and one copy to the host."""
+
         def notable(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
             row = rows.mean(dim=(1, 2))  # [n, T]
             # compared in the rows' dtype, as a tensor with a Python threshold is
@@ -300,16 +315,18 @@ def window_importance(
     return scores[0], own[0]
 
 
-def window_importance_batch(windows: list[QueryWindow], caches: BatchCacheView, members: list[int], kernel: int,
-                            how: str = "avg") -> tuple[torch.Tensor, torch.Tensor]:
+def window_importance_batch(
+    windows: list[QueryWindow], caches: BatchCacheView, members: list[int], kernel: int, how: str = "avg"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`window_importance` of the sequences ``members`` of a batch, which hold equal numbers of
     slots and equal window fills (:func:`window_attention_batch`). ``[n, L, H_kv, T]`` importance and
     the ``[n, L, H_kv, T]`` mask of the window's own slots."""
     return importance_of(window_attention_batch(windows, caches, members), kernel, how)
 
 
-def importance_of(attention: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kernel: int,
-                  how: str) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_of(
+    attention: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kernel: int, how: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SnapKV's importance from a window's attention, chunk by chunk of layers (as the window
     attention yields them): ``[n, L, H_kv, T]`` and the mask of the window's own slots."""
     scores, owns = [], []
@@ -326,17 +343,21 @@ def importance_of(attention: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Te
     return torch.cat(scores, dim=1), torch.cat(owns, dim=1)
 
 
-def window_attention(window: QueryWindow, cache: CacheView) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def window_attention(
+    window: QueryWindow, cache: CacheView
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """:func:`window_attention_batch` of one sequence (``n`` = 1): its layers' keys stacked a chunk
     at a time."""
     keys = cache.keys
     h_kv, t, d = keys[0].shape
-    return _window_attention([window], lambda part: torch.stack(keys[part])[None], cache.positions.stacked[None],
-                             len(keys), h_kv * t * d)
+    return _window_attention(
+        [window], lambda part: torch.stack(keys[part])[None], cache.positions.stacked[None], len(keys), h_kv * t * d
+    )
 
 
-def window_attention_batch(windows: list[QueryWindow], caches: BatchCacheView,
-                           members: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def window_attention_batch(
+    windows: list[QueryWindow], caches: BatchCacheView, members: list[int]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The window attention of the sequences ``members`` of a batch, which hold equal numbers of slots
     and equal window fills (:func:`_window_attention`), for as many layers at once as keep the float32 work under
     ``contract.STACK_BYTES`` (one batched matmul each). Per chunk of c layers: the attention ``[n, c,
@@ -346,12 +367,18 @@ def window_attention_batch(windows: list[QueryWindow], caches: BatchCacheView,
     key_pos = torch.stack([caches.views[i].positions.stacked for i in members])  # [n, L, H_kv, T]
     # contiguous: a matmul over a strided view of several layers takes another GEMM path, whose
     # float32 bits differ from one layer's alone
-    return _window_attention(windows, lambda part: keys[part].transpose(0, 1).contiguous(), key_pos, n_layers,
-                             n * h_kv * t * d)
+    return _window_attention(
+        windows, lambda part: keys[part].transpose(0, 1).contiguous(), key_pos, n_layers, n * h_kv * t * d
+    )
 
 
-def _window_attention(windows: list[QueryWindow], keys_of: Callable[[slice], torch.Tensor], key_pos: torch.Tensor,
-                      n_layers: int, key_elements: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _window_attention(
+    windows: list[QueryWindow],
+    keys_of: Callable[[slice], torch.Tensor],
+    key_pos: torch.Tensor,
+    n_layers: int,
+    key_elements: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The windows' attention over ``keys_of(layers)`` (``[n, c, H_kv, T, d]``, contiguous) and the
     slots' positions ``key_pos`` ``[n, L, H_kv, T]``, per chunk of layers; ``key_elements``: one
     layer's keys, for the chunks' size (the keys in float32, the scores and their softmax). Causal by

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by, over_chunks
+from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by, over_chunks
 from kvleague.methods.registry import register_method
 
 
@@ -38,7 +38,7 @@ class KeyDiff(EvictionMethod):
         out: list = [None] * len(caches)
         for members in groups_by(caches.lengths):
             keys = caches.stacked_of(members, 0)  # [L, n, H, T, d]
-            scores = over_chunks(lambda part: _dissimilarity(keys[part]), keys.shape[0], 12 * keys.shape[1:].numel())
+            scores = over_chunks(lambda part: _dissimilarity(keys[part]), keys.shape[0], 12 * keys.shape[1:].numel())  # noqa: B023 - called before the loop moves on
             for i, row in zip(members, scores.unbind(1)):  # [L, n, H, T]
                 out[i] = row
         return out

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs
+from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs
 from kvleague.methods.registry import register_method
 
 

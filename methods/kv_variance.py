@@ -7,7 +7,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, stacked_layers
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, stacked_layers
 from kvleague.methods.kernels import PositionTable, read_tables
 from kvleague.methods.registry import register_method
 
@@ -62,8 +62,9 @@ class RollingVariance(EvictionMethod):
 
     @classmethod
     def observe_batch(cls, methods, observations) -> None:
-        if cls.observe is not RollingVariance.observe or any(o.phase != "decode" or o.new_positions.shape[0] != 1
-                                                              for o in observations):
+        if cls.observe is not RollingVariance.observe or any(
+            o.phase != "decode" or o.new_positions.shape[0] != 1 for o in observations
+        ):
             return super().observe_batch(methods, observations)
         cls._observe_decode(methods, observations)
 

@@ -5,7 +5,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, chunks
+from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, chunks
 from kvleague.methods.registry import register_method
 
 
@@ -98,8 +98,12 @@ class LagKV(EvictionMethod):
         """Caches of equal lengths, equal hyperparameters: the rows scored together, as many at once as
         keep the reference arithmetic's stack of every layer under ``contract.STACK_BYTES`` (``chunks``)."""
         first = methods[0]
-        if (cls.score is not LagKV.score or cls.scores is not LagKV.scores or not caches.equal_lengths
-                or any(m.params() != first.params() for m in methods)):
+        if (
+            cls.score is not LagKV.score
+            or cls.scores is not LagKV.scores
+            or not caches.equal_lengths
+            or any(m.params() != first.params() for m in methods)
+        ):
             return super().score_batch(methods, caches)
         keys = caches.stacked(0)  # [L, N, H, T, d]
         n_layers, _, heads, _, dim = keys.shape

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, SequenceInfo
+from kvleague.engine.contract import CacheView, SequenceInfo
 from kvleague.methods.kernels import NotableAttention, PositionTable, ScoresOnHost
 from kvleague.methods.registry import register_method
 
@@ -41,6 +41,7 @@ class LazyEviction(ScoresOnHost, NotableAttention):
         mri[attended] = np.maximum(mri[attended], now - last[attended])
         last[attended] = now
 
-    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
-                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+    def score_on_host(
+        self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.mri.read_host(positions, top) - (cache.current_position - self.last.read_host(positions, top))

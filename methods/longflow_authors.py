@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
-from kvleague.methods.registry import register_method
+from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, SequenceInfo
 from kvleague.methods.kernels import ObservesTogether, layer_mean_row, newest_on_host
+from kvleague.methods.registry import register_method
 
 
 @register_method("longflow_authors")
@@ -39,6 +39,7 @@ class LongFlowAuthors(ObservesTogether, EvictionMethod):
     def observe_together(cls, methods, observations) -> None:
         """Each sequence's row (:func:`layer_mean_row`, the model's dtype, then float32), sequences of
         equal lengths in one reduction and one copy to the host."""
+
         def row(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
             return [layer_mean_row(rows, methods[i].info.dtype).float()]
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, SequenceInfo
+from kvleague.engine.contract import CacheView, SequenceInfo
 from kvleague.methods.kernels import NotableAttention, PositionTable, ScoresOnHost
 from kvleague.methods.registry import register_method
 
@@ -37,6 +37,7 @@ class RaaS(ScoresOnHost, NotableAttention):
         stamp[new] = new
         stamp[attended] = now
 
-    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
-                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+    def score_on_host(
+        self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.stamp.read_host(positions, top)

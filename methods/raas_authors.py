@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
 from kvleague.methods.kernels import ObservesTogether, PositionTable, ScoresOnHost, layer_mean_row, newest_on_host
 from kvleague.methods.registry import register_method
 
@@ -80,8 +80,9 @@ class RaaSAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
             median = np.sort(decode_attention)[(decode_attention.size - 1) // 2]  # the lower one, as torch's
             stamp[positions[generated][decode_attention >= median]] = step
 
-    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
-                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+    def score_on_host(
+        self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         scores = self.stamp.read_host(positions, top).clone()
         scores[self.fed.read_host(positions, top) != 0] = float("inf")
         return scores

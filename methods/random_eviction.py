@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
 from kvleague.methods.registry import register_method
 
 

@@ -1,22 +1,27 @@
 """The method registry: ``@register_method`` on a dataclass in any module of this package (every
 module is imported when the registry is first read; there is no list to edit), the
 ``kvleague.methods`` entry-point group for third-party packages, and validated construction from plain
-dicts (CLI, sweep configs). One implementation for methods and tasks: :class:`runner.engine.registry.Registry`."""
+dicts (CLI, sweep configs). One implementation for methods and tasks: :class:`engine.registry.Registry`."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from kvleague.runner.engine.contract import EvictionMethod
-from kvleague.runner.engine.registry import Registry
+from kvleague.engine.contract import EvictionMethod
+from kvleague.engine.registry import Registry
 
 ENTRY_POINT_GROUP = "kvleague.methods"
 
 METHODS: Registry[type[EvictionMethod]] = Registry(
-    "method", EvictionMethod, package="kvleague.methods", group=ENTRY_POINT_GROUP,
-    option_word="hyperparameter", fields=lambda cls: cls.hyperparameters(),
+    "method",
+    EvictionMethod,
+    package="kvleague.methods",
+    group=ENTRY_POINT_GROUP,
+    option_word="hyperparameter",
+    fields=lambda cls: cls.hyperparameters(),
 )
 
 M = TypeVar("M", bound=type[EvictionMethod])

@@ -6,9 +6,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by, over_chunks
+from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by, over_chunks
+from kvleague.methods.kernels import (
+    ObservesQueryWindow,
+    check_window_kernel,
+    window_importance,
+    window_importance_batch,
+)
 from kvleague.methods.registry import register_method
-from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance, window_importance_batch
 
 
 def redundancy(keys: torch.Tensor) -> torch.Tensor:
@@ -81,17 +86,24 @@ class RKV(ObservesQueryWindow, EvictionMethod):
         if cls.score is not RKV.score:
             return super().score_batch(methods, caches)
         out: list = [None] * len(caches)
-        keys = [(n, m.queries.positions.shape[0], tuple(sorted(m.params().items()))) for n, m in zip(caches.lengths, methods)]
+        keys = [
+            (n, m.queries.positions.shape[0], tuple(sorted(m.params().items())))
+            for n, m in zip(caches.lengths, methods)
+        ]
         for members in groups_by(keys):
             first = methods[members[0]]
             if len(members) == 1:
                 out[members[0]] = first.score(caches.views[members[0]])
                 continue
-            importance, own = window_importance_batch([methods[i].queries for i in members], caches, members,
-                                                      first.kernel, first.pooling)
+            importance, own = window_importance_batch(
+                [methods[i].queries for i in members], caches, members, first.kernel, first.pooling
+            )
             keys = caches.stacked_of(members, 0)  # [L, n, H_kv, T, d]
-            redundant = over_chunks(lambda part: redundancy(keys[part]), keys.shape[0],
-                                    8 * keys.shape[1:].numel()).transpose(0, 1)  # [n, L, H_kv, T]
+            redundant = over_chunks(
+                lambda part, keys=keys: redundancy(keys[part]),
+                keys.shape[0],
+                8 * keys.shape[1:].numel(),
+            ).transpose(0, 1)  # [n, L, H_kv, T]
             scores = (first.lam * importance - (1.0 - first.lam) * redundant).masked_fill(own, float("inf"))
             for i, row in zip(members, scores.unbind(0)):
                 out[i] = row

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
-from kvleague.methods.registry import register_method
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
 from kvleague.methods.kernels import ObservesTogether, check_window_kernel, layer_mean_row, newest_on_host
+from kvleague.methods.registry import register_method
 
 
 def standardise(x: torch.Tensor) -> torch.Tensor:
@@ -80,12 +80,15 @@ class RKVAuthors(ObservesTogether, EvictionMethod):
     def observe_together(cls, methods, observations) -> None:
         """Each sequence's row (:func:`layer_mean_row`, the model's dtype, then float32) with its cached
         positions, sequences of equal lengths in one reduction and one copy to the host."""
+
         def row(rows: torch.Tensor, i: int) -> list[torch.Tensor]:
             return [layer_mean_row(rows, methods[i].info.dtype).float()]
 
         for members, _, cached, (attention,) in newest_on_host(observations, [m.info.dtype for m in methods], row):
             for j, i in enumerate(members):
-                methods[i]._record(observations[i].phase, torch.from_numpy(cached[j]), torch.from_numpy(attention[j]).float())
+                methods[i]._record(
+                    observations[i].phase, torch.from_numpy(cached[j]), torch.from_numpy(attention[j]).float()
+                )
 
     def _record(self, phase: str, positions: torch.Tensor, row: torch.Tensor) -> None:
         dense = torch.zeros(int(positions.max()) + 1, dtype=torch.float32)
@@ -104,7 +107,9 @@ class RKVAuthors(ObservesTogether, EvictionMethod):
         for j, dense in enumerate(rows):
             seen = positions < dense.shape[0]
             observed[j, seen] = dense[positions[seen]]
-        pooled = F.max_pool1d(observed.unsqueeze(1), kernel_size=self.kernel, stride=1, padding=self.kernel // 2).squeeze(1)
+        pooled = F.max_pool1d(
+            observed.unsqueeze(1), kernel_size=self.kernel, stride=1, padding=self.kernel // 2
+        ).squeeze(1)
         importance = pooled.mean(dim=0)
         redundancy = global_redundancy([k.cpu() for k in cache.keys])
         scores = self.lam * standardise(importance) - (1.0 - self.lam) * standardise(redundancy)

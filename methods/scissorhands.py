@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
 from kvleague.methods.kernels import ObservesQueryWindow, window_attention, window_attention_batch
 from kvleague.methods.registry import register_method
 

@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
-from kvleague.methods.kernels import ObservesQueryWindow, check_window_kernel, window_importance, window_importance_batch
+from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from kvleague.methods.kernels import (
+    ObservesQueryWindow,
+    check_window_kernel,
+    window_importance,
+    window_importance_batch,
+)
 from kvleague.methods.registry import register_method
 
 
@@ -61,8 +66,9 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
             if len(members) == 1:
                 out[members[0]] = methods[members[0]].score(caches.views[members[0]])
                 continue
-            scores, own = window_importance_batch([methods[i].queries for i in members], caches, members,
-                                                  methods[members[0]].kernel, "avg")
+            scores, own = window_importance_batch(
+                [methods[i].queries for i in members], caches, members, methods[members[0]].kernel, "avg"
+            )
             batch = scores.masked_fill(own, float("inf"))  # [n, L, H_kv, T]
             for i, row in zip(members, batch.unbind(0)):
                 out[i] = row

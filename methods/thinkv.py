@@ -5,8 +5,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
-from kvleague.methods.kernels import ObservesTogether, PositionTable, ScoresOnHost, newest_on_host, rank_in_unit, rank_within
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo
+from kvleague.methods.kernels import (
+    ObservesTogether,
+    PositionTable,
+    ScoresOnHost,
+    newest_on_host,
+    rank_in_unit,
+    rank_within,
+)
 from kvleague.methods.registry import register_method
 
 REASONING, EXECUTION, TRANSITION = "R", "E", "T"
@@ -107,6 +114,7 @@ class ThinKV(ScoresOnHost, ObservesTogether, EvictionMethod):
     def observe_together(cls, methods, observations) -> None:
         """Every sequence's accumulated attention and sparsity from one reduction per group and one copy
         to the host (:func:`newest_on_host`)."""
+
         def reduce(rows: torch.Tensor, i: int) -> list[torch.Tensor]:  # [n, L, H_q, T]
             below = rows < methods[i].sparsity_tau / rows.shape[-1]
             return [rows.mean(dim=(1, 2)), below.float().mean(dim=(1, 2, 3))[:, None]]
@@ -137,8 +145,9 @@ class ThinKV(ScoresOnHost, ObservesTogether, EvictionMethod):
             types.append(classify(mean, self.thresholds))
         return types
 
-    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
-                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+    def score_on_host(
+        self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         acc = self.acc.read_host(positions, top)
         tier = torch.zeros(positions.shape[0], dtype=torch.float64)
         if self.gen_start is not None:

@@ -4,10 +4,22 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import (
-    CacheView, EvictionMethod, Needs, SequenceInfo, groups_by, newest_rows,
+from kvleague.engine.contract import (
+    CacheView,
+    EvictionMethod,
+    Needs,
+    SequenceInfo,
+    groups_by,
+    newest_rows,
 )
-from kvleague.methods.kernels import ObservesTogether, ScoresOnHost, layer_mean_row, segment_bounds, tertile_types, top_by_score_then_position
+from kvleague.methods.kernels import (
+    ObservesTogether,
+    ScoresOnHost,
+    layer_mean_row,
+    segment_bounds,
+    tertile_types,
+    top_by_score_then_position,
+)
 from kvleague.methods.registry import register_method
 
 
@@ -35,7 +47,7 @@ class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     * segments in order, while budget remains (B - r to start): keep the min(quota, segment length,
       remaining) slots of highest last-layer attention (newest query, mean over heads), ``quotas`` =
       (R 64, E 32, T 8); every other slot scores -inf, so the cache keeps **fewer than B** (see the
-      "keeping fewer than B" contract in ``runner/engine/contract.py``) and refills before the next eviction.
+      "keeping fewer than B" contract in ``engine/contract.py``) and refills before the next eviction.
 
     Stateless: every eviction re-types the segments from the current step's attention. One ``[T]`` score.
     Run it with ``protocol: {positions: compact}`` (the authors' harness: no ``position_ids``, prompt
@@ -70,7 +82,9 @@ class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
         if len(self.quotas) != 3 or any(q < 0 for q in self.quotas):
             raise ValueError(f"quotas must be three counts >= 0 (R, E, T), got {self.quotas}")
         if self.classifier_layers < 1 or self.recent < 0:
-            raise ValueError(f"classifier_layers must be >= 1 and recent >= 0, got {self.classifier_layers}, {self.recent}")
+            raise ValueError(
+                f"classifier_layers must be >= 1 and recent >= 0, got {self.classifier_layers}, {self.recent}"
+            )
 
     def reset(self, info: SequenceInfo) -> None:
         super().reset(info)
@@ -91,8 +105,9 @@ class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
             for i, (entropy_row, rank_row) in zip(members, host):
                 methods[i].entropy_row, methods[i].rank_row = entropy_row, rank_row
 
-    def score_on_host(self, positions: torch.Tensor, cache: CacheView, top: int | None,
-                      prompt: torch.Tensor | None = None) -> torch.Tensor:
+    def score_on_host(
+        self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         budget, length = cache.budget, positions.shape[0]
         recent = min(self.recent, budget // 4)
         classify = length - recent

@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.runner.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo, groups_by, stacked_layers
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs, SequenceInfo, groups_by, stacked_layers
+from kvleague.engine.errors import KvleagueError
 from kvleague.methods.kernels import ObservesTogether
 from kvleague.methods.registry import register_method
-from kvleague.runner.engine.errors import KvleagueError
 
 
 @register_method("tova")

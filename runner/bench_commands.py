@@ -12,8 +12,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvleague.runner.bench import (batch, decode_speed, device_busy, engine_vs_generate, episodes, feasible_context, gpu_targets,
-                                   refill, vs_kvpress)
+from kvleague.runner.bench import (
+    batch,
+    decode_speed,
+    device_busy,
+    engine_vs_generate,
+    episodes,
+    feasible_context,
+    gpu_targets,
+    refill,
+    vs_kvpress,
+)
 from kvleague.runner.bench.cli import add_common, finish
 
 BENCHES = {
@@ -22,14 +31,19 @@ BENCHES = {
     "kvpress": (vs_kvpress, "engine vs kvpress DecodingPress at equal method and budget"),
     "generate": (engine_vs_generate, "engine vs model.generate with no eviction"),
     "batch": (batch, "batched decoding: tokens/s at batch 1/4/8/16 per method beside model.generate"),
-    "refill": (refill, "continuous batching: a task's prompts in fixed chunks and with finished rows refilled, per method"),
+    "refill": (
+        refill,
+        "continuous batching: a task's prompts in fixed chunks and with finished rows refilled, per method",
+    ),
     "episodes": (episodes, "multi-turn agentic episodes one by one and decoded together, per method"),
     "busy": (device_busy, "how busy the device is during decode steps (torch profiler), per method and batch size"),
 }
 
 
 def register(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="systems benchmarks: feasible context, decode speed, vs kvpress, vs generate")
+    bench = subparsers.add_parser(
+        "bench", help="systems benchmarks: feasible context, decode speed, vs kvpress, vs generate"
+    )
     sub = bench.add_subparsers(dest="bench", required=True, parser_class=type(bench))
     for name, (module, help_text) in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or "").strip().splitlines()[0])
@@ -43,8 +57,11 @@ def register(subparsers) -> None:
     p.add_argument("reports", nargs="+", metavar="REPORT.json")
     p.add_argument("--db", metavar="URL", help="database URL (default: $KVLEAGUE_DB or sqlite:///kvleague.db)")
     p.set_defaults(func=cmd_store)
-    p = sub.add_parser("targets", help="the fast GPU backend's targets table from a scripts/gpu_check.sh folder",
-                       description=gpu_targets.__doc__.strip().splitlines()[0])
+    p = sub.add_parser(
+        "targets",
+        help="the fast GPU backend's targets table from a scripts/gpu_check.sh folder",
+        description=gpu_targets.__doc__.strip().splitlines()[0],
+    )
     gpu_targets.add_arguments(p)
     p.set_defaults(func=cmd_targets)
 
@@ -76,9 +93,9 @@ def cmd_all(args) -> int:
 
 def cmd_store(args) -> int:
     from kvleague.db.session import default_url, display_url
+    from kvleague.engine.errors import KvleagueError
     from kvleague.runner.bench.harness import read_report
     from kvleague.runner.bench.storage import check_storable, store_report
-    from kvleague.runner.engine.errors import KvleagueError
     from kvleague.runner.sweep_config import clip
 
     for path in args.reports:
@@ -88,8 +105,10 @@ def cmd_store(args) -> int:
         except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise KvleagueError(clip(f"{path}: not a benchmark report: {exc}")) from None
         n = store_report(report, args.db)
-        print(f"{path}: stored {n} new figures of {report['benchmark']} run {report['run_id'][:12]} "
-              f"in {display_url(args.db or default_url())}")
+        print(
+            f"{path}: stored {n} new figures of {report['benchmark']} run {report['run_id'][:12]} "
+            f"in {display_url(args.db or default_url())}"
+        )
     return 0
 
 

@@ -1,6 +1,6 @@
-"""What every command group of the CLI shares: the one-line parser (from ``runner.engine.errors``), ``NAME=VALUE``
+"""What every command group of the CLI shares: the one-line parser (from ``engine.errors``), ``NAME=VALUE``
 options, and the protocol: ``--protocol PRESET`` or one flag per field of
-:class:`runner.engine.protocol.Protocol` (``--sink``, ``--prefill-chunk``, ...), made from the field
+:class:`engine.protocol.Protocol` (``--sink``, ``--prefill-chunk``, ...), made from the field
 list, the same in every command that runs a method."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from kvleague.runner.engine.errors import KvleagueError, OneLineParser  # noqa: F401 - the commands import it from here
-from kvleague.runner.engine.protocol import PRESETS, Protocol, protocol_fields
+from kvleague.engine.errors import KvleagueError, OneLineParser  # noqa: F401 - the commands import it from here
+from kvleague.engine.protocol import PRESETS, Protocol, protocol_fields
 
 
 def parse_assignment(text: str, flag: str) -> tuple[str, Any]:
@@ -34,14 +34,23 @@ def _flag(name: str) -> str:
 def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     """``--protocol PRESET`` and a flag per protocol field; default None (not given): the field's own
     default applies, and a preset can tell a flag was given."""
-    parser.add_argument("--protocol", default=None, metavar="PRESET",
-                        help=f"a named protocol ({', '.join(PRESETS)}): every protocol field at once, so no other protocol flag")
+    parser.add_argument(
+        "--protocol",
+        default=None,
+        metavar="PRESET",
+        help=f"a named protocol ({', '.join(PRESETS)}): every protocol field at once, so no other protocol flag",
+    )
     for f in protocol_fields():
         if f.switch:
             parser.add_argument(_flag(f.name), action="store_true", help=f.help)
         else:
-            parser.add_argument(_flag(f.name), default=None, type=f.parse, help=f.help,
-                                **({"choices": list(f.choices)} if f.choices else {}))
+            parser.add_argument(
+                _flag(f.name),
+                default=None,
+                type=f.parse,
+                help=f.help,
+                **({"choices": list(f.choices)} if f.choices else {}),
+            )
 
 
 def protocol_from_args(args: argparse.Namespace) -> Protocol:
@@ -50,7 +59,9 @@ def protocol_from_args(args: argparse.Namespace) -> Protocol:
     given = {f.name: _flag(f.name) for f in protocol_fields() if getattr(args, f.name) not in (None, False)}
     if args.protocol:
         if given:
-            raise KvleagueError(f"--protocol: the preset {args.protocol} sets every protocol field; drop {', '.join(given.values())}")
+            raise KvleagueError(
+                f"--protocol: the preset {args.protocol} sets every protocol field; drop {', '.join(given.values())}"
+            )
         try:
             return Protocol.preset(args.protocol)
         except KvleagueError as exc:

@@ -5,7 +5,7 @@ A sample is a list of segments ``(token_ids, scored)`` in sequence order: unscor
 prompt, tool observations, later user turns) are *fed* as a session feeds prompts (chunked prefill,
 prefill-time eviction); scored segments (the reference answer, the reference agent's turns) are
 *teacher-forced*: fed one token at a time exactly as decoding would feed the tokens it generated, so
-the method observes them and evicts at every decode step (:meth:`runner.engine.Session.teacher_force`).
+the method observes them and evicts at every decode step (:meth:`engine.Session.teacher_force`).
 
 The reference is the same model with a full cache: one forward pass over the whole sequence, keeping
 only the logits that predict scored tokens. At each scored token t with reference distribution p
@@ -22,15 +22,15 @@ compute the same function, so KL is float rounding (< 1e-6 per token) and top-1 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import torch
 
-from kvleague.runner.engine.contract import EvictionMethod
-from kvleague.runner.engine import Engine, GenerationResult
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import Protocol
+from kvleague.engine import Engine, GenerationResult
+from kvleague.engine.contract import EvictionMethod
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import Protocol
 
 Segment = tuple[list[int], bool]  # (token ids, scored)
 
@@ -99,14 +99,15 @@ def self_traces(engine: Engine, prompts: Sequence[list[int]], n_tokens: int) -> 
     as ``min_new_tokens`` does for EOS), so a model that would stop early keeps reasoning in plain text
     and every trace has the same length; the teacher-forced comparison is over the unbanned
     distribution. Decoded together (``Engine.generate_batch``); each equals its sequence alone."""
+    from kvleague.engine.protocol import GenerationSettings
     from kvleague.methods.registry import build_method
-    from kvleague.runner.engine.protocol import GenerationSettings
 
     banned = sorted(set(engine.tokenizer.all_special_ids) | set(engine.eos_ids))
     settings = GenerationSettings(max_new_tokens=n_tokens, suppress=tuple(banned))
     longest = max(len(p) for p in prompts) + n_tokens
-    results = engine.generate_batch([list(p) for p in prompts], [build_method("full", {}) for _ in prompts], longest,
-                                    Protocol(), settings)
+    results = engine.generate_batch(
+        [list(p) for p in prompts], [build_method("full", {}) for _ in prompts], longest, Protocol(), settings
+    )
     traces = [r.token_ids for r in results]
     for trace in traces:
         if len(trace) != n_tokens:  # a stop reason other than length: the ban did not hold
@@ -170,14 +171,24 @@ class _Comparison:
         self.dnll.append(self.nll_method[-1] - self.nll_full[-1])
         self.top1.append(float(int(p_log.argmax()) == int(q_log.argmax())))
 
-    def result(self, seconds: float, reference_seconds: float, generation: GenerationResult, per_token: bool) -> FidelityResult:
+    def result(
+        self, seconds: float, reference_seconds: float, generation: GenerationResult, per_token: bool
+    ) -> FidelityResult:
         if len(self.kl) != len(self.targets):  # the two passes must have walked the same tokens
-            raise AssertionError(f"fidelity: {len(self.kl)} scored tokens teacher-forced, {len(self.targets)} in the reference")
+            raise AssertionError(
+                f"fidelity: {len(self.kl)} scored tokens teacher-forced, {len(self.targets)} in the reference"
+            )
         n = len(self.kl)
         return FidelityResult(
-            tokens=n, kl_mean=sum(self.kl) / n, kl_max=max(self.kl), delta_nll_mean=sum(self.dnll) / n,
-            top1_agreement=sum(self.top1) / n, nll_full_mean=sum(self.nll_full) / n,
-            nll_method_mean=sum(self.nll_method) / n, seconds=seconds, reference_seconds=reference_seconds,
+            tokens=n,
+            kl_mean=sum(self.kl) / n,
+            kl_max=max(self.kl),
+            delta_nll_mean=sum(self.dnll) / n,
+            top1_agreement=sum(self.top1) / n,
+            nll_full_mean=sum(self.nll_full) / n,
+            nll_method_mean=sum(self.nll_method) / n,
+            seconds=seconds,
+            reference_seconds=reference_seconds,
             generation=generation,
             per_token={"kl": self.kl, "delta_nll": self.dnll, "top1": self.top1} if per_token else {},
         )
@@ -231,19 +242,21 @@ def measure_batch(
 ) -> list[FidelityResult]:
     """``measure(engine, samples[i], methods[i], budgets[i], protocol, seeds[i], references[i])`` for
     every i, the answers teacher-forced ``batch_size`` sequences at a time
-    (:func:`runner.engine.batch.teacher_force_batch`; ``None``: what fits in memory). Each sequence is
+    (:func:`engine.batch.teacher_force_batch`; ``None``: what fits in memory). Each sequence is
     fed its prompt alone, as at batch 1, and sees the logits it would see alone, up to float rounding
     of the batched kernels. Multi-turn samples (scored turns between unscored observations) run at
     batch 1: their later segments are fed after earlier teacher-forced ones, per sequence.
 
     ``seconds`` of a batched result: its own prompt feed plus the batch's teacher-forced wall time
     split evenly over its sequences (their throughput, not the latency one sequence saw)."""
-    from kvleague.runner.engine.batch import auto_batch_size, check_batch_arguments, teacher_force_batch
-    from kvleague.runner.engine.session import Session
+    from kvleague.engine.batch import auto_batch_size, check_batch_arguments, teacher_force_batch
+    from kvleague.engine.session import Session
 
     n = len(samples)
     if not (len(methods) == len(budgets) == n):
-        raise KvleagueError(f"fidelity: {n} samples, {len(methods)} methods and {len(budgets)} budgets; give one of each per sequence")
+        raise KvleagueError(
+            f"fidelity: {n} samples, {len(methods)} methods and {len(budgets)} budgets; give one of each per sequence"
+        )
     check_batch_arguments(methods, batch_size)
     protocol = protocol or Protocol()
     # each sequence's own protocol and budget (a relative budget counts from its own prompt)
@@ -265,8 +278,12 @@ def measure_batch(
             results[i] = measure(engine, segments, methods[i], budgets[i], protocol, seeds[i], reference, per_token)
             results[i].reference_seconds = reference_seconds[i]
     size = batch_size or auto_batch_size(
-        engine, [sum(len(ids) for ids, _ in samples[i]) for i in batched], max((len(samples[i][-1][0]) for i in batched), default=1),
-        max((resolved[i][1] for i in batched), default=1), protocol, never_evicts=all(methods[i].never_evicts for i in batched),
+        engine,
+        [sum(len(ids) for ids, _ in samples[i]) for i in batched],
+        max((len(samples[i][-1][0]) for i in batched), default=1),
+        max((resolved[i][1] for i in batched), default=1),
+        protocol,
+        never_evicts=all(methods[i].never_evicts for i in batched),
     )
     for at in range(0, len(batched), size):
         chunk = batched[at : at + size]
@@ -279,7 +296,9 @@ def measure_batch(
                     session.feed(ids)
             fed.append(time.perf_counter() - start)
         start = time.perf_counter()
-        teacher_force_batch(engine, sessions, [samples[i][-1][0] for i in chunk], [comparisons[i].on_logits for i in chunk])
+        teacher_force_batch(
+            engine, sessions, [samples[i][-1][0] for i in chunk], [comparisons[i].on_logits for i in chunk]
+        )
         share = (time.perf_counter() - start) / len(chunk)
         for session, i, feed_seconds in zip(sessions, chunk, fed):
             results[i] = comparisons[i].result(feed_seconds + share, reference_seconds[i], session.result(), per_token)

@@ -10,13 +10,15 @@ import time
 
 import numpy as np
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 
 def register(subparsers) -> None:
     from kvleague.runner.cli_args import add_protocol_arguments
 
-    p = subparsers.add_parser("fidelity", help="KL to the full cache, delta NLL and top-1 agreement on reference continuations")
+    p = subparsers.add_parser(
+        "fidelity", help="KL to the full cache, delta NLL and top-1 agreement on reference continuations"
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", required=True)
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", help="task option")
@@ -30,9 +32,15 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="a sample's methods x budgets teacher-forced together (default: what fits in memory; 1: one at a time)")
-    p.add_argument("--json", default=None, metavar="OUT", help="write per-sample and summary figures to OUT ('-': stdout)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="a sample's methods x budgets teacher-forced together (default: what fits in memory; 1: one at a time)",
+    )
+    p.add_argument(
+        "--json", default=None, metavar="OUT", help="write per-sample and summary figures to OUT ('-': stdout)"
+    )
     p.set_defaults(func=run)
 
 
@@ -53,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
     for b in args.budget:
         protocol.check_budget(b)
     if args.batch_size is not None and args.batch_size < 1:
-        raise KvleagueError(f"--batch-size: must be a positive integer (or omitted: what fits in memory), got {args.batch_size}")
+        raise KvleagueError(
+            f"--batch-size: must be a positive integer (or omitted: what fits in memory), got {args.batch_size}"
+        )
+
     # a sample's line comes when all its runs are done, minutes on long prompts: say what is under way first
     def progress(message: str) -> None:
         print(f"[{args.task}] {message}", file=sys.stderr, flush=True)
@@ -64,36 +75,63 @@ def run(args: argparse.Namespace) -> int:
     samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
     # full is the same at every budget
     runs = [(name, b) for name, m in methods.items() for b in (args.budget[:1] if m.never_evicts else args.budget)]
-    progress(f"{len(samples)} samples x {len(runs)} runs (methods x budgets), loaded in {time.perf_counter() - loading:.0f}s")
+    progress(
+        f"{len(samples)} samples x {len(runs)} runs (methods x budgets), loaded in {time.perf_counter() - loading:.0f}s"
+    )
     rows: list[dict] = []
     start = time.perf_counter()
 
     def report() -> dict:
-        return {"task": args.task, "model": args.model, "protocol": protocol.model_dump(mode="json"), "max_tokens": args.max_tokens,
-                "samples_done": len({r["sample_id"] for r in rows}), "wall_seconds": time.perf_counter() - start,
-                "summary": summarize(rows), "samples": rows}
+        return {
+            "task": args.task,
+            "model": args.model,
+            "protocol": protocol.model_dump(mode="json"),
+            "max_tokens": args.max_tokens,
+            "samples_done": len({r["sample_id"] for r in rows}),
+            "wall_seconds": time.perf_counter() - start,
+            "summary": summarize(rows),
+            "samples": rows,
+        }
 
     for si, sample in enumerate(samples):
         segments = fidelity.truncate(task.fidelity_segments(sample, engine.tokenizer), args.max_tokens)
-        progress(f"sample {si + 1}/{len(samples)}: a full-cache pass and {len(runs)} runs over {sum(len(s) for s, _ in segments):,} "
-                 f"tokens ({sum(len(s) for s, scored in segments if scored)} scored)")
+        progress(
+            f"sample {si + 1}/{len(samples)}: a full-cache pass and {len(runs)} runs over {sum(len(s) for s, _ in segments):,} "
+            f"tokens ({sum(len(s) for s, scored in segments if scored)} scored)"
+        )
         t0 = time.perf_counter()
         reference = fidelity.full_cache_logprobs(engine, segments)
         ref_seconds = time.perf_counter() - t0
-        results = fidelity.measure_batch(engine, [segments] * len(runs), [build_method(name, {}) for name, _ in runs],
-                                         [b for _, b in runs], protocol, references=[reference] * len(runs),
-                                         batch_size=args.batch_size)
+        results = fidelity.measure_batch(
+            engine,
+            [segments] * len(runs),
+            [build_method(name, {}) for name, _ in runs],
+            [b for _, b in runs],
+            protocol,
+            references=[reference] * len(runs),
+            batch_size=args.batch_size,
+        )
         for (name, budget), r in zip(runs, results):
-            rows.append({"sample_id": sample.sample_id, "method": name, "budget": budget,
-                         "prompt_tokens": r.generation.prompt_tokens, "evictions": r.generation.evictions,
-                         "reference_seconds": ref_seconds, **r.to_dict()})
+            rows.append(
+                {
+                    "sample_id": sample.sample_id,
+                    "method": name,
+                    "budget": budget,
+                    "prompt_tokens": r.generation.prompt_tokens,
+                    "evictions": r.generation.evictions,
+                    "reference_seconds": ref_seconds,
+                    **r.to_dict(),
+                }
+            )
         progress(f"{si + 1}/{len(samples)} samples, {time.perf_counter() - start:.0f}s")
         if args.json and args.json != "-":  # after every sample, so a long run interrupted keeps what it measured
             write_report(args.json, report())
     for s in summarize(rows):
-        print(f"{s['method']:<14} B={s['budget']:<5} n={s['samples']:<3} KL {s['kl_mean']:.4f} [{s['kl_lo']:.4f}, {s['kl_hi']:.4f}]  "
-              f"top-1 {100 * s['top1']:.1f}% [{100 * s['top1_lo']:.1f}, {100 * s['top1_hi']:.1f}]  "
-              f"dNLL {s['dnll_mean']:+.4f}  ms/token {s['ms_per_token']:.1f}")
+        print(
+            f"{s['method']:<14} B={s['budget']:<5} n={s['samples']:<3} KL {s['kl_mean']:.4f} [{s['kl_lo']:.4f}, {s['kl_hi']:.4f}]  "
+            f"top-1 {100 * s['top1']:.1f}% [{100 * s['top1_lo']:.1f}, {100 * s['top1_hi']:.1f}]  "
+            f"dNLL {s['dnll_mean']:+.4f}  ms/token {s['ms_per_token']:.1f}"
+        )
     if args.json == "-":
         print(json.dumps(report(), indent=1, default=str))
     return 0
@@ -103,17 +141,35 @@ def summarize(rows: list[dict]) -> list[dict]:
     """Per (method, budget): sample means of the per-sample means, with bootstrap intervals over samples
     (the dashboard's, :func:`analysis.fidelity_tables.bootstrap_mean_interval`)."""
     from kvleague.analysis.fidelity_tables import bootstrap_mean_interval
+
     out = []
     for key in dict.fromkeys((r["method"], r["budget"]) for r in rows):
         mine = [r for r in rows if (r["method"], r["budget"]) == key]
-        kl, top1, dnll = [r["kl_mean"] for r in mine], [r["top1_agreement"] for r in mine], [r["delta_nll_mean"] for r in mine]
+        kl, top1, dnll = (
+            [r["kl_mean"] for r in mine],
+            [r["top1_agreement"] for r in mine],
+            [r["delta_nll_mean"] for r in mine],
+        )
         tokens = sum(r["tokens"] for r in mine)
         kl_lo, kl_hi = bootstrap_mean_interval(kl)
         t_lo, t_hi = bootstrap_mean_interval(top1)
         d_lo, d_hi = bootstrap_mean_interval(dnll)
-        out.append({"method": key[0], "budget": key[1], "samples": len(mine), "tokens": tokens,
-                    "kl_mean": float(np.mean(kl)), "kl_lo": kl_lo, "kl_hi": kl_hi,
-                    "top1": float(np.mean(top1)), "top1_lo": t_lo, "top1_hi": t_hi,
-                    "dnll_mean": float(np.mean(dnll)), "dnll_lo": d_lo, "dnll_hi": d_hi,
-                    "ms_per_token": 1000 * sum(r["seconds"] for r in mine) / max(1, tokens)})
+        out.append(
+            {
+                "method": key[0],
+                "budget": key[1],
+                "samples": len(mine),
+                "tokens": tokens,
+                "kl_mean": float(np.mean(kl)),
+                "kl_lo": kl_lo,
+                "kl_hi": kl_hi,
+                "top1": float(np.mean(top1)),
+                "top1_lo": t_lo,
+                "top1_hi": t_hi,
+                "dnll_mean": float(np.mean(dnll)),
+                "dnll_lo": d_lo,
+                "dnll_hi": d_hi,
+                "ms_per_token": 1000 * sum(r["seconds"] for r in mine) / max(1, tokens),
+            }
+        )
     return out

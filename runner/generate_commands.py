@@ -8,15 +8,21 @@ import sys
 import time
 from pathlib import Path
 
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.cli_args import add_protocol_arguments, parse_assignment, protocol_from_args
-from kvleague.runner.engine.errors import KvleagueError
 
 
 def cmd_make_tiny_model(args) -> int:
     from kvleague.runner.models.tiny import make_tiny_model
 
     out = make_tiny_model(
-        args.arch, args.out, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seed=args.seed
+        args.arch,
+        args.out,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        seed=args.seed,
     )
     print(out)
     return 0
@@ -44,7 +50,9 @@ def prompt_text(args) -> str:
         try:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise KvleagueError(f"--prompt-file: cannot read {args.prompt_file!r} as UTF-8 text: {exc.__class__.__name__}") from None
+            raise KvleagueError(
+                f"--prompt-file: cannot read {args.prompt_file!r} as UTF-8 text: {exc.__class__.__name__}"
+            ) from None
         flag = "--prompt-file"
     else:
         text, flag = args.prompt, "--prompt"
@@ -59,8 +67,10 @@ def check_context(n_prompt: int, max_new_tokens: int, context: int | None, posit
     length, never above the budget) the run is possible, and the returned line warns about it."""
     if not context or n_prompt + max_new_tokens <= context:
         return None
-    what = (f"the prompt is {n_prompt:,} tokens and --max-new-tokens {max_new_tokens:,}, past the model's context of "
-            f"{context:,} tokens (max_position_embeddings)")
+    what = (
+        f"the prompt is {n_prompt:,} tokens and --max-new-tokens {max_new_tokens:,}, past the model's context of "
+        f"{context:,} tokens (max_position_embeddings)"
+    )
     if positions == "compact":
         return f"warning: {what}; positions are compact, so no position exceeds the budget, but the model never saw such a text"
     raise KvleagueError(f"--prompt: {what}; shorten the prompt or --max-new-tokens")
@@ -102,9 +112,9 @@ def _progress(message: str) -> None:
 
 
 def cmd_generate(args) -> int:
+    from kvleague.engine.protocol import GenerationSettings
     from kvleague.methods.registry import build_method
     from kvleague.runner.models import load_engine
-    from kvleague.runner.engine.protocol import GenerationSettings
 
     text = prompt_text(args)
     method = build_method(args.method, dict(parse_assignment(p, "--param") for p in args.param))
@@ -123,8 +133,7 @@ def cmd_generate(args) -> int:
         prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
     else:
         prompt = list(tok(text, add_special_tokens=False)["input_ids"])
-    warning = check_context(len(prompt), args.max_new_tokens, engine.backend.max_positions,
-                            protocol.positions)
+    warning = check_context(len(prompt), args.max_new_tokens, engine.backend.max_positions, protocol.positions)
     if warning:
         _progress(warning)
     protocol, budget = protocol.for_prompt(args.budget, len(prompt))  # --budget-base prompt: room on top of it
@@ -134,7 +143,9 @@ def cmd_generate(args) -> int:
             _progress(f"prefill of {len(prompt):,} prompt tokens under budget {budget:,}")
         session.feed(prompt)
         if not args.json:
-            _progress(f"prefill done in {time.perf_counter() - start:.1f}s; decoding up to {args.max_new_tokens:,} tokens")
+            _progress(
+                f"prefill done in {time.perf_counter() - start:.1f}s; decoding up to {args.max_new_tokens:,} tokens"
+            )
         # the completion streams to stdout as it is decoded; --json prints only the result, at the end
         stream = None if args.json else TextStream(tok, settings.stop, sys.stdout)
         session.decode(settings, on_token=stream)
@@ -166,15 +177,22 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser("generate", help="generate one completion under a KV budget")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="known name (default smollm2-135m), .gguf file, checkpoint directory or HF id")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="known name (default smollm2-135m), .gguf file, checkpoint directory or HF id",
+    )
     p.add_argument("--method", required=True)
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="method hyperparameter")
     p.add_argument("--budget", type=int, required=True)
     p.add_argument("--prompt", default=None, help="the text to complete (or --prompt-file)")
     p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from a UTF-8 text file")
-    p.add_argument("--chat", default="auto", choices=["auto", "on", "off"],
-                   help="wrap the prompt as one user turn in the tokenizer's chat template (auto: when it has one)")
+    p.add_argument(
+        "--chat",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="wrap the prompt as one user turn in the tokenizer's chat template (auto: when it has one)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -186,4 +204,3 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
-

@@ -14,7 +14,7 @@ imported. Three ways to use it:
 ``--model_args`` keys: ``pretrained`` (a known name such as ``smollm2-135m``, a ``.gguf`` file, a
 checkpoint dir or a Hub id; see ``runner/models/source.py``), ``method`` (a kvleague method,
 default ``full``), ``budget`` (default 1024), method hyperparameters as ``method.NAME=VALUE``, the
-protocol (every field of ``runner.engine.protocol.Protocol``: ``cadence``, ``positions``, ``sink``,
+protocol (every field of ``engine.protocol.Protocol``: ``cadence``, ``positions``, ``sink``,
 ``recent``, ``protect_prompt``, ``prefill_chunk``, ``recent_max_fraction``, ``prompt_over_budget``),
 ``dtype``, ``device``, ``attn_implementation``, ``seed``, ``max_gen_toks`` (default when a task sets
 none) and ``add_special_tokens`` (how plain contexts are tokenized; default: the tokenizer's
@@ -40,8 +40,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import Protocol, parse_bool, parse_optional, protocol_fields
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import Protocol, parse_bool, parse_optional, protocol_fields
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class KvleagueLM(LM):
     ) -> None:
         super().__init__()
         from kvleague.methods.registry import build_method
+
         protocol_keys = [f.name for f in protocol_fields()]
         params: dict[str, Any] = {}
         protocol: dict[str, Any] = {}
@@ -115,11 +116,15 @@ class KvleagueLM(LM):
         self.add_special_tokens = parse_optional(parse_bool)(add_special_tokens)
         if engine is None:
             if pretrained is None:
-                raise KvleagueError("model_args: pretrained is required (a known name such as smollm2-135m, a .gguf file, "
-                                    "a checkpoint directory or a Hub id)")
+                raise KvleagueError(
+                    "model_args: pretrained is required (a known name such as smollm2-135m, a .gguf file, "
+                    "a checkpoint directory or a Hub id)"
+                )
             from kvleague.runner.models import load_engine
 
-            engine = load_engine(str(pretrained), attn_implementation=attn_implementation, dtype=dtype, device=_device(device))
+            engine = load_engine(
+                str(pretrained), attn_implementation=attn_implementation, dtype=dtype, device=_device(device)
+            )
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._device = engine.device
@@ -146,6 +151,7 @@ class KvleagueLM(LM):
         records: list[dict | None] = [None] * len(args)
         with tqdm(total=len(args), disable=disable_tqdm or self.rank != 0, desc="kvleague generate_until") as bar:
             for settings, members in groups.items():
+
                 def finished(j: int, result, members=members) -> None:  # as each request's decode ends
                     i = members[j]
                     outputs[i], records[i] = result.completion, result.to_dict()
@@ -159,7 +165,11 @@ class KvleagueLM(LM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         self._templated = True
-        kwargs = {"tokenize": False, "add_generation_prompt": add_generation_prompt, "continue_final_message": not add_generation_prompt}
+        kwargs = {
+            "tokenize": False,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": not add_generation_prompt,
+        }
         try:
             return self.tokenizer.apply_chat_template(chat_history, **kwargs)
         except Exception:
@@ -192,7 +202,7 @@ class KvleagueLM(LM):
     # -- one request ---------------------------------------------------------------------------------
     def settings(self, gen_kwargs: dict[str, Any] | None):
         """lm-eval generation kwargs -> kvleague ``GenerationSettings``."""
-        from kvleague.runner.engine.protocol import GenerationSettings
+        from kvleague.engine.protocol import GenerationSettings
 
         kwargs = dict(gen_kwargs or {})
         until = kwargs.get("until") or []
@@ -231,8 +241,17 @@ class KvleagueLM(LM):
         ids = [self.encode(context) for context in contexts]
         protocol, budgets = self.protocol.for_prompts(self.budget, [len(each) for each in ids])
         methods = [build_method(self.method_name, self.method_params) for _ in ids]
-        return self.engine.generate_batch(ids, methods, budgets, protocol, settings, [self.seed] * len(ids), self.batch_size,
-                                          on_result, self.max_batch_size)
+        return self.engine.generate_batch(
+            ids,
+            methods,
+            budgets,
+            protocol,
+            settings,
+            [self.seed] * len(ids),
+            self.batch_size,
+            on_result,
+            self.max_batch_size,
+        )
 
 
 def _positive(name: str, value: Any) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from kvleague.runner.engine.generation import GenerationResult
+from kvleague.engine.generation import GenerationResult
 
 #: ``GenerationResult`` fields that are not metrics: the cell's own spec (method, params, budget), the
 #: completion and stop reason (stored as the row's own columns, from the sample's run), and what is

@@ -57,13 +57,17 @@ def git_state(path: str | os.PathLike[str] | None = None) -> tuple[str, bool | N
     try:
         commit = subprocess.run(
             ["git", "-C", str(where), "rev-parse", "--verify", "-q", "HEAD"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         if commit.returncode != 0 or not commit.stdout.strip():
             return UNKNOWN, None
         status = subprocess.run(
             ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=20,
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
         dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
         return commit.stdout.strip(), dirty
@@ -86,7 +90,9 @@ def resolved_git_state(*fallbacks: str | os.PathLike[str] | None) -> tuple[str, 
     return state
 
 
-def collect_environment(git_path: str | os.PathLike[str] | None = None, git: tuple[str, bool | None] | None = None) -> dict:
+def collect_environment(
+    git_path: str | os.PathLike[str] | None = None, git: tuple[str, bool | None] | None = None
+) -> dict:
     """Provenance of this process. Every value is a real reading; ``"none"`` means absent (no GPU).
 
     ``git``: an already-resolved ``(commit, dirty)``; else the state of ``git_path`` (default: the code)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 #: what a study scores as the answer: the task's reference continuation, the model's own greedy one (stops at
 #: EOS), or its own greedy full-cache trace of exactly ``--max-tokens`` tokens after the prompt, special

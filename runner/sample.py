@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.episode import EpisodicTask
 
 
@@ -23,7 +23,7 @@ class SampleRun:
     """What one sample's run produced: the engine's record, the completion (an episode's transcript
     for an episodic task), its score, and details for the stored row (scorer details, episode summary)."""
 
-    generation: Any  # runner.engine.GenerationResult
+    generation: Any  # engine.GenerationResult
     completion: Any
     score: Any  # tasks.base.ScoreResult
     details: dict[str, Any] = field(default_factory=dict)
@@ -45,39 +45,54 @@ def run_sample(engine, task, sample, method, budget: int, protocol, settings, se
 
 def _check_episodic(task, protocol) -> None:
     if protocol.budget_base != "none":
-        raise KvleagueError(f"budget_base: {protocol.budget_base!r} needs the prompt before the episode starts; "
-                            f"episodic task {task.name!r} allows: none (or measure: fidelity)")
+        raise KvleagueError(
+            f"budget_base: {protocol.budget_base!r} needs the prompt before the episode starts; "
+            f"episodic task {task.name!r} allows: none (or measure: fidelity)"
+        )
 
 
 def _episode_run(episode, generation) -> SampleRun:
     summary = episode.to_dict()
-    details: dict[str, Any] = {"episode": {k: summary[k] for k in ("fed_tokens", "generated_tokens", "steps") if k in summary}}
+    details: dict[str, Any] = {
+        "episode": {k: summary[k] for k in ("fed_tokens", "generated_tokens", "steps") if k in summary}
+    }
     details["episode"]["turns"] = len(episode.turns)
     details["episode"]["terminated"] = episode.transcript.terminated
     details["score"] = _jsonable(episode.score.details)
     return SampleRun(generation=generation, completion=episode.completion, score=episode.score, details=details)
 
 
-def run_samples(engine, task, samples, methods, budget: int, protocol, settings, seeds,
-                rows: int | None = None, max_rows: int | None = None) -> list[SampleRun]:
+def run_samples(
+    engine,
+    task,
+    samples,
+    methods,
+    budget: int,
+    protocol,
+    settings,
+    seeds,
+    rows: int | None = None,
+    max_rows: int | None = None,
+) -> list[SampleRun]:
     """:func:`run_sample` for several samples, decoded together (``methods[i]`` and ``seeds[i]`` are
     sample i's): a plain task's by :meth:`Engine.generate_batch`, ``rows`` at a time (None: what fits
     in memory, at most ``max_rows``, by default the engine's most), a finished row taken by the next
     sample; an episodic task's episodes each played by its own driver, all their decodes batched round
-    by round (``runner.engine.batch.drive_sessions``). Each sequence decodes as it would alone."""
+    by round (``engine.batch.drive_sessions``). Each sequence decodes as it would alone."""
     if isinstance(task, EpisodicTask):
         return _run_episodes(engine, task, samples, methods, budget, protocol, settings, seeds)
     prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
     # each prompt its own budget where budgets count from the prompt (one absolute protocol for all)
     absolute, budgets = protocol.for_prompts(budget, [len(prompt) for prompt in prompts])
-    generations = engine.generate_batch(prompts, list(methods), budgets, absolute, settings, list(seeds), rows,
-                                        max_batch_size=max_rows)
+    generations = engine.generate_batch(
+        prompts, list(methods), budgets, absolute, settings, list(seeds), rows, max_batch_size=max_rows
+    )
     return [_scored(task, sample, generation) for sample, generation in zip(samples, generations)]
 
 
 def _run_episodes(engine, task, samples, methods, budget: int, protocol, settings, seeds) -> list[SampleRun]:
-    from kvleague.runner.engine.batch import drive_sessions
-    from kvleague.runner.engine.session import Session
+    from kvleague.engine.batch import drive_sessions
+    from kvleague.engine.session import Session
 
     _check_episodic(task, protocol)
     sessions = [Session(engine, method, budget, protocol, seed) for method, seed in zip(methods, seeds)]
@@ -86,6 +101,7 @@ def _run_episodes(engine, task, samples, methods, budget: int, protocol, setting
         def play(handle):
             episode = task.run_episode(sample, handle, engine.tokenizer, settings)
             return _episode_run(episode, episode.generation)
+
         return play
 
     return drive_sessions(engine, sessions, [driver(sample) for sample in samples])
@@ -93,8 +109,12 @@ def _run_episodes(engine, task, samples, methods, budget: int, protocol, setting
 
 def _scored(task, sample, generation) -> SampleRun:
     score = task.score(sample, generation.completion)
-    return SampleRun(generation=generation, completion=generation.completion, score=score,
-                     details={"score": _jsonable(score.details)})
+    return SampleRun(
+        generation=generation,
+        completion=generation.completion,
+        score=score,
+        details={"score": _jsonable(score.details)},
+    )
 
 
 def _jsonable(value: Any) -> Any:

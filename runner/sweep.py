@@ -33,12 +33,13 @@ import json
 import os
 import sys
 
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.cli_args import OneLineParser
-from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.sweep_config import clip, load_config
-from kvleague.runner.sweeping.checks import check_config, project_dir
+
 # the sweep's public names, importable from here as before the split
 from kvleague.runner.sweeping import CellWorker, SweepRunner, SweepSummary, expand, load_tokenizer, print_summary  # noqa: F401
+from kvleague.runner.sweeping.checks import check_config, project_dir
 
 # ------------------------------------------------------------------------------------------------
 # Command line (shared by ``python runner/sweep.py`` and ``kvleague sweep``)
@@ -65,7 +66,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise KvleagueError(f"--workers: must be >= 1, got {args.workers}")
     if args.limit is not None and args.limit < 1:
         raise KvleagueError(f"--limit: must be >= 1, got {args.limit}")
-    config = load_config(args.config, check=False, base_dir=base)
+    config = load_config(args.config)
     if args.limit is not None:
         for t in config.tasks:
             t.limit = min(t.limit, args.limit) if t.limit else args.limit
@@ -91,8 +92,15 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"sweep {config.name}: {len(grid.cells)} cells (dry run; nothing written)")
         return 0
     runner = SweepRunner(
-        config, db_url=args.db, config_path=str(args.config), ray_address=args.address, retry_failed=args.retry_failed,
-        inject_failures=injections, progress=not args.no_progress, base_dir=base, workers=args.workers,
+        config,
+        db_url=args.db,
+        config_path=str(args.config),
+        ray_address=args.address,
+        retry_failed=args.retry_failed,
+        inject_failures=injections,
+        progress=not args.no_progress,
+        base_dir=base,
+        workers=args.workers,
     )
     summary = runner.run()
     print_summary(summary)

@@ -37,13 +37,22 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from kvleague.runner.engine import BACKENDS
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import PRESETS, Protocol
 from kvleague.db.spec_hash import spec_hash
+from kvleague.engine import BACKENDS
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import PRESETS, Protocol
 from kvleague.tasks.base import Domain
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -76,7 +85,7 @@ class ModelConfig(_Strict):
     name: str | None = None
     dtype: Literal[DTYPES] = "auto"
     attn_implementation: Literal[ATTN] = "sdpa"
-    #: the engine backend (``runner/engine/backend.py``)
+    #: the engine backend (``engine/backend.py``)
     backend: Literal[BACKENDS] = "hf"
     ADDED_LATER = {"backend": ("hf",)}
 
@@ -84,7 +93,6 @@ class ModelConfig(_Strict):
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         return {"source": value} if isinstance(value, str) else value
-
 
     @property
     def label(self) -> str:
@@ -104,7 +112,7 @@ class MethodConfig(_Strict):
         return {"name": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _grid(self) -> "MethodConfig":
+    def _grid(self) -> MethodConfig:
         for key, values in self.grid.items():
             if not values:
                 raise ValueError(f"grid.{key}: needs at least one value")
@@ -146,7 +154,7 @@ class TaskConfig(_Strict):
 
 
 def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
-    """What a sweep YAML may say of a :class:`runner.engine.protocol.Protocol`: its fields, types,
+    """What a sweep YAML may say of a :class:`engine.protocol.Protocol`: its fields, types,
     bounds and parsers (integers also capped at ``INT32``), where a field may be left to others:
     ``protect_prompt`` null is the task's own default (``Task.protect_prompt``); with ``overrides``
     every field may be null (not overridden). :meth:`SweepConfig.protocol_for` makes the Protocol."""
@@ -157,8 +165,10 @@ def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
             metadata.append(Field(le=INT32))
         nullable = overrides or field_name == "protect_prompt"
         annotation = f.annotation | None if nullable else f.annotation
-        fields[field_name] = (Annotated[(annotation, *metadata)] if metadata else annotation,
-                              Field(default=None if nullable else f.default))
+        fields[field_name] = (
+            Annotated[(annotation, *metadata)] if metadata else annotation,
+            Field(default=None if nullable else f.default),
+        )
     return create_model(name, __base__=_ProtocolFields, **fields)
 
 
@@ -170,7 +180,7 @@ class ProtocolConfig(_protocol_model("ProtocolConfig", overrides=False)):
     @model_validator(mode="before")
     @classmethod
     def _preset(cls, value: Any) -> Any:
-        """``protocol: epikv_paper`` is that preset's fields (``runner.engine.protocol.PRESETS``)."""
+        """``protocol: epikv_paper`` is that preset's fields (``engine.protocol.PRESETS``)."""
         if isinstance(value, str):
             if value not in PRESETS:
                 raise ValueError(f"unknown preset {value!r}; allowed: {', '.join(PRESETS)}")
@@ -191,9 +201,11 @@ class GenerationConfig(_Strict):
     stop: list[str] | None = None
 
     @model_validator(mode="after")
-    def _sampling(self) -> "GenerationConfig":
+    def _sampling(self) -> GenerationConfig:
         if self.n_samples > 1 and self.temperature == 0:
-            raise ValueError("n_samples: greedy decoding (temperature 0) gives identical samples; set temperature > 0 or n_samples: 1")
+            raise ValueError(
+                "n_samples: greedy decoding (temperature 0) gives identical samples; set temperature > 0 or n_samples: 1"
+            )
         return self
 
 
@@ -268,6 +280,7 @@ class SweepConfig(_Strict):
         if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_BATCH_SIZE):
             return value
         raise ValueError(f"got {value!r}; allowed: auto or an integer 1..{MAX_BATCH_SIZE}")
+
     #: what :func:`check_config` found, and for which config and project directory: a config is
     #: checked once, at the edge (the CLI, or ``expand`` for one built in code), however many
     #: callers ask
@@ -298,7 +311,9 @@ class SweepConfig(_Strict):
         for b in budgets:
             text = str(b).replace(" ", "")
             if not (isinstance(b, str) and text.startswith("prompt+") and text[7:].isdigit()):
-                raise KvleagueError(f"budgets: got {b!r}; allowed: all integers, or all prompt+N (N a positive integer)")
+                raise KvleagueError(
+                    f"budgets: got {b!r}; allowed: all integers, or all prompt+N (N a positive integer)"
+                )
             parsed.append(int(text[7:]))
         protocol = value.get("protocol") or {}
         if isinstance(protocol, str):
@@ -330,7 +345,7 @@ class SweepConfig(_Strict):
             from sqlalchemy.engine import make_url
 
             data["database"] = make_url(self.database).render_as_string(hide_password=True)
-        except Exception:  # noqa: BLE001 - an unparsable URL was rejected before anything is stored
+        except Exception:
             pass
         return data
 
@@ -359,6 +374,7 @@ class SweepConfig(_Strict):
 def expand_env(value: Any) -> Any:
     """``${VAR}`` / ``${VAR:-default}`` in every string of a YAML tree."""
     if isinstance(value, str):
+
         def sub(m: re.Match) -> str:
             name, default = m.group(1), m.group(2)
             got = os.environ.get(name)
@@ -366,7 +382,9 @@ def expand_env(value: Any) -> Any:
                 return got
             if default is not None:
                 return default
-            raise KvleagueError(f"environment variable {name} is not set (used as ${{{name}}}; write ${{{name}:-default}} for a default)")
+            raise KvleagueError(
+                f"environment variable {name} is not set (used as ${{{name}}}; write ${{{name}:-default}} for a default)"
+            )
 
         out = _ENV_RE.sub(sub, value)
         return out if out != "" or value == "" else None
@@ -440,9 +458,9 @@ def format_validation_error(exc: ValidationError) -> str:
         return f"{where}: required field is missing"
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     if msg.startswith("Assertion failed, "):
-        msg = msg[len("Assertion failed, "):]
+        msg = msg[len("Assertion failed, ") :]
     got = err.get("input")
     shown = "" if kind.startswith("value_error") or isinstance(got, (dict, list)) else f" (got {_short(got)})"
     if kind == "value_error" and re.match(r"^[A-Za-z_][\w.\[\]]*: ", msg):
@@ -460,8 +478,9 @@ def parse_config(data: Any) -> SweepConfig:
         raise KvleagueError(format_validation_error(exc)) from None
 
 
-def load_config(path: str | os.PathLike[str], *, check: bool = True, base_dir: Path | None = None) -> SweepConfig:
-    """Read, validate and (with ``check``) semantically check a sweep YAML file."""
+def load_config(path: str | os.PathLike[str]) -> SweepConfig:
+    """Read and validate a sweep YAML file (its names and files are checked against this machine by
+    ``runner.sweeping.checks.load_checked_config``)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -482,10 +501,6 @@ def load_config(path: str | os.PathLike[str], *, check: bool = True, base_dir: P
         raise KvleagueError(f"config {p}: nested too deeply to be a sweep config") from None
     try:
         config = parse_config(data)
-        if check:
-            from kvleague.runner.sweeping.checks import check_config
-
-            check_config(config, base_dir=base_dir)
     except KvleagueError as exc:
         raise KvleagueError(clip(f"config {p}: {exc}")) from None
     except RecursionError:

@@ -1,7 +1,7 @@
 """``kvleague tasks`` and ``kvleague score``: subcommands contributed to the lead's CLI.
 
 ``register(subparsers)`` adds both; each parser sets ``func`` to a handler ``handler(args) -> int``
-(the exit code). Handlers raise :class:`runner.engine.errors.KvleagueError` for bad input (one line).
+(the exit code). Handlers raise :class:`engine.errors.KvleagueError` for bad input (one line).
 
 ``kvleague score --task NAME --completions FILE.jsonl [--data-dir DIR] [--option K=V ...] [--json]``
 reads lines ``{"sample_id": str, "completion": str}`` (several lines per sample are allowed: pass@k),
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.cli_args import parse_assignment
-from kvleague.runner.engine.errors import KvleagueError
 
 
 def register(subparsers: Any) -> None:
@@ -88,7 +88,9 @@ def read_completions(path: str | Path) -> list[tuple[str, str]]:
                 raise KvleagueError(f"{where} must be an object with keys sample_id and completion")
             extra = sorted(set(row) - set(COMPLETION_FIELDS))
             if extra:
-                raise KvleagueError(f"{where}: unknown field {_short(extra[0])}; allowed: {', '.join(COMPLETION_FIELDS)}")
+                raise KvleagueError(
+                    f"{where}: unknown field {_short(extra[0])}; allowed: {', '.join(COMPLETION_FIELDS)}"
+                )
             sample_id, completion = row["sample_id"], row["completion"]
             if not isinstance(sample_id, str) or not sample_id:
                 raise KvleagueError(f"{where}: sample_id must be a non-empty string, got {_short(sample_id)}")
@@ -98,15 +100,18 @@ def read_completions(path: str | Path) -> list[tuple[str, str]]:
                 except RecursionError:
                     raise KvleagueError(f"{where} is nested too deeply") from None
             elif not isinstance(completion, str):
-                raise KvleagueError(f"{where}: completion must be a string (or a JSON object or list), got {_short(completion)}")
+                raise KvleagueError(
+                    f"{where}: completion must be a string (or a JSON object or list), got {_short(completion)}"
+                )
             pairs.append((sample_id, completion))
     if not pairs:
         raise KvleagueError(f"--completions: {str(p)!r} has no completions")
     return pairs
 
 
-def score_file(task_name: str, completions: str | Path, data_dir: str | None = None,
-               options: dict[str, Any] | None = None) -> dict[str, Any]:
+def score_file(
+    task_name: str, completions: str | Path, data_dir: str | None = None, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Score a completions file: ``{"task", "scorer_version", "metrics", "results"}``."""
     from kvleague.tasks.registry import build_task
 
@@ -117,7 +122,9 @@ def score_file(task_name: str, completions: str | Path, data_dir: str | None = N
     for sample_id, completion in pairs:
         if sample_id not in samples:
             some = ", ".join(list(samples)[:3])
-            raise KvleagueError(f"--completions: unknown sample_id {_short(sample_id)} for task {task_name} (ids look like: {some})")
+            raise KvleagueError(
+                f"--completions: unknown sample_id {_short(sample_id)} for task {task_name} (ids look like: {some})"
+            )
         todo.append((samples[sample_id], completion))
     results = task.score_many(todo)
     per_sample = []

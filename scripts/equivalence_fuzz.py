@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
+from kvleague.engine.batch import drive_sessions, teacher_force_batch
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.engine.session import Session
 from kvleague.methods import available_methods, build_method
-from kvleague.runner.engine.batch import drive_sessions, teacher_force_batch
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
-from kvleague.runner.engine.session import Session
 from kvleague.runner.models import load_engine
 from kvleague.runner.models.tiny import make_tiny_model
 
@@ -73,8 +73,14 @@ def draw_protocol(rng: random.Random) -> Protocol:
 
 
 def summary(result) -> tuple:
-    return (result.token_ids, result.kept_positions, result.evictions, result.evicted_tokens, result.ranked_evictions,
-            result.peak_cache_entries)
+    return (
+        result.token_ids,
+        result.kept_positions,
+        result.evictions,
+        result.evicted_tokens,
+        result.ranked_evictions,
+        result.peak_cache_entries,
+    )
 
 
 def play(engine, specs, budgets, protocol, settings, turns, seeds, batched) -> list[tuple]:
@@ -132,25 +138,51 @@ def trial(rng: random.Random, engines: dict, ids: list[int], config: dict) -> di
         budget = rng.randint(8, 40)
         prompts = [ids[(j := rng.randint(0, len(ids) - 80)) : j + rng.randint(2, 60)] for _ in range(n)]
         scripts = [ids[(j := rng.randint(0, len(ids) - 40)) : j + rng.randint(1, 20)] for _ in range(n)]
-        config.update(arch=arch, kind="forced", methods=specs, protocol=protocol.spec(), budget=budget,
-                      prompts=prompts, scripts=scripts)
+        config.update(
+            arch=arch,
+            kind="forced",
+            methods=specs,
+            protocol=protocol.spec(),
+            budget=budget,
+            prompts=prompts,
+            scripts=scripts,
+        )
         oracle = force(hf, specs, budget, protocol, prompts, scripts, False)
-        runs = {"hf_batch": force(hf, specs, budget, protocol, prompts, scripts, True),
-                "slab_alone": force(slab, specs, budget, protocol, prompts, scripts, False),
-                "graph_batch": with_graphs(slab, lambda: force(slab, specs, budget, protocol, prompts, scripts, True))}
-        return {k: [i for i, (o, r) in enumerate(zip(oracle, v)) if o[:2] != r[:2] or o[2].shape != r[2].shape
-                    or not torch.allclose(o[2], r[2], rtol=0, atol=1e-5)] for k, v in runs.items()}
+        runs = {
+            "hf_batch": force(hf, specs, budget, protocol, prompts, scripts, True),
+            "slab_alone": force(slab, specs, budget, protocol, prompts, scripts, False),
+            "graph_batch": with_graphs(slab, lambda: force(slab, specs, budget, protocol, prompts, scripts, True)),
+        }
+        return {
+            k: [
+                i
+                for i, (o, r) in enumerate(zip(oracle, v))
+                if o[:2] != r[:2] or o[2].shape != r[2].shape or not torch.allclose(o[2], r[2], rtol=0, atol=1e-5)
+            ]
+            for k, v in runs.items()
+        }
     mixed = rng.random() < 0.3
     specs = [rng.choice(METHODS) for _ in range(n)] if mixed else [rng.choice(METHODS)] * n
     budgets = [rng.randint(6, 40) for _ in range(n)] if rng.random() < 0.4 else [rng.randint(6, 40)] * n
-    settings = GenerationSettings(max_new_tokens=rng.randint(2, 20),
-                                  **({"temperature": 1.0, "top_p": rng.choice([1.0, 0.9])} if rng.random() < 0.3 else {}))
+    settings = GenerationSettings(
+        max_new_tokens=rng.randint(2, 20),
+        **({"temperature": 1.0, "top_p": rng.choice([1.0, 0.9])} if rng.random() < 0.3 else {}),
+    )
     count = rng.choice([1, 1, 2])
-    turns = [[ids[(j := rng.randint(0, len(ids) - 80)) : j + rng.randint(1, 60)] for _ in range(count)] for _ in range(n)]
+    turns = [
+        [ids[(j := rng.randint(0, len(ids) - 80)) : j + rng.randint(1, 60)] for _ in range(count)] for _ in range(n)
+    ]
     seeds = [rng.randint(0, 99) for _ in range(n)]
-    config.update(arch=arch, kind="generated", methods=specs, protocol=protocol.spec(), budgets=budgets,
-                  settings=[settings.max_new_tokens, settings.temperature, settings.top_p],
-                  turns=turns, seeds=seeds)
+    config.update(
+        arch=arch,
+        kind="generated",
+        methods=specs,
+        protocol=protocol.spec(),
+        budgets=budgets,
+        settings=[settings.max_new_tokens, settings.temperature, settings.top_p],
+        turns=turns,
+        seeds=seeds,
+    )
     if rng.random() < 0.4:  # a token the oracle emits mid-way ends some rows early
         tokens = play(hf, specs[:1], budgets[:1], protocol, settings, turns[:1], seeds[:1], False)[0][0]
         if len(tokens) > 2:
@@ -158,17 +190,20 @@ def trial(rng: random.Random, engines: dict, ids: list[int], config: dict) -> di
             for engine in (hf, slab):
                 engine.eos_ids = {config["eos"]}
     oracle = play(hf, specs, budgets, protocol, settings, turns, seeds, False)
-    runs = {"hf_batch": play(hf, specs, budgets, protocol, settings, turns, seeds, True),
-            "slab_alone": play(slab, specs, budgets, protocol, settings, turns, seeds, False),
-            "slab_batch": play(slab, specs, budgets, protocol, settings, turns, seeds, True),
-            "graph_alone": with_graphs(slab, lambda: play(slab, specs, budgets, protocol, settings, turns, seeds, False)),
-            "graph_batch": with_graphs(slab, lambda: play(slab, specs, budgets, protocol, settings, turns, seeds, True))}
+    runs = {
+        "hf_batch": play(hf, specs, budgets, protocol, settings, turns, seeds, True),
+        "slab_alone": play(slab, specs, budgets, protocol, settings, turns, seeds, False),
+        "slab_batch": play(slab, specs, budgets, protocol, settings, turns, seeds, True),
+        "graph_alone": with_graphs(slab, lambda: play(slab, specs, budgets, protocol, settings, turns, seeds, False)),
+        "graph_batch": with_graphs(slab, lambda: play(slab, specs, budgets, protocol, settings, turns, seeds, True)),
+    }
     if count == 1 and n >= 3:  # continuous batching: fewer rows than prompts, finished rows taken by the next
         rows = config["rows"] = rng.randint(2, n - 1)
 
         def refilled(engine):
-            results = engine.generate_batch([t[0] for t in turns], [method(s) for s in specs], budgets, protocol, settings,
-                                            seeds, batch_size=rows)
+            results = engine.generate_batch(
+                [t[0] for t in turns], [method(s) for s in specs], budgets, protocol, settings, seeds, batch_size=rows
+            )
             return [summary(r) for r in results]
 
         runs.update(hf_refill=refilled(hf), graph_refill=with_graphs(slab, lambda: refilled(slab)))
@@ -180,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="equivalence_fuzz.jsonl", help="mismatches and errors, one JSON line each")
-    parser.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "kvleague-fuzz-models"),
-                        help="where the tiny checkpoints are built once")
+    parser.add_argument(
+        "--models",
+        default=str(Path(tempfile.gettempdir()) / "kvleague-fuzz-models"),
+        help="where the tiny checkpoints are built once",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     root = Path(args.models)
@@ -205,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     log.write(json.dumps({**config, "mismatch": differences}) + "\n")
             except KvleagueError:
                 pass  # a configuration the engine refuses (a budget under sink + recent, a prompt over it)
-            except Exception:  # noqa: BLE001 - every failure is a finding
+            except Exception:
                 bad += 1
                 log.write(json.dumps({**config, "error": traceback.format_exc()[-3000:]}) + "\n")
             log.flush()

@@ -88,12 +88,12 @@ fi
 
 steps=" ${GPU_CHECK_STEPS:-tests generate batch attention busy static32 speed kvpress cudnn context} "
 wants() { [[ $steps == *" $1 "* ]]; }
-bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" "$PY" -m kvleague.runner.cli bench "$@" --model "$model" --json "$out/$name.json"; }
+bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" "$PY" -m kvleague.cli bench "$@" --model "$model" --json "$out/$name.json"; }
 both=(--backend hf --backend slab)
 
 wants tests && step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py \
   tests/test_backend_slab.py --junitxml "$out/cuda-tests.xml"
-[[ -f $model/model.safetensors || $steps == " tests " ]] || step model 240 "$PY" -m kvleague.runner.cli make-tiny-model \
+[[ -f $model/model.safetensors || $steps == " tests " ]] || step model 240 "$PY" -m kvleague.cli make-tiny-model \
   --arch llama "${model_size[@]}" --out "$model"
 wants generate && bench generate 300 generate --prompt-tokens 1024 --new-tokens 256 --rounds 2 --clock wall "${both[@]}" --static-anchor
 wants batch && bench batch 150 batch --prompt-tokens 400 --new-tokens 64 --budget 200 --batch-sizes 1,32 --methods full,epikv \
@@ -109,7 +109,7 @@ wants cudnn && bench generate-cudnn 90 generate --prompt-tokens 256 --new-tokens
 wants context && bench context 150 context --methods full knorm snapkv --memory-gib 8 --max-tokens 16384 --probe-timeout 60
 wants refill && bench refill 180 refill --task random --prompt-tokens 400 --samples 96 --batch-size 32 --budget 200 \
   --new-tokens 128 --eos-token auto --methods full,epikv --clock wall --backend slab
-[[ $steps == " tests " ]] || step targets 60 "$PY" -m kvleague.runner.cli bench targets "$out"
+[[ $steps == " tests " ]] || step targets 60 "$PY" -m kvleague.cli bench targets "$out"
 
 echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo some steps FAILED); reports in $out/"
 exit $failed

@@ -30,8 +30,8 @@ from typing import Any
 
 from kvleague.tasks.base import DataSource, Sample, ScoreResult
 from kvleague.tasks.episode import EpisodicTask, Transcript
-from kvleague.tasks.tool_calls import TOOL_CALL_OPEN, ToolCall, format_tool_call, tools_system_prompt
 from kvleague.tasks.registry import register_task
+from kvleague.tasks.tool_calls import TOOL_CALL_OPEN, ToolCall, format_tool_call, tools_system_prompt
 
 SOURCE = DataSource(
     dataset="kv_agent",
@@ -177,7 +177,10 @@ def generate_episode(index: int, n_lockers: int, n_queries: int, n_logs: int) ->
     rng = random.Random(f"kv_agent/v1/{n_lockers}/{n_queries}/{n_logs}/{index}")
     ids = [f"L-{n}" for n in rng.sample(range(100, 1000), n_lockers)]
     items = [f"{a} {n}" for a, n in rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], n_lockers)]
-    lockers = {i: {"item": it, "quantity": rng.randint(2, 60), "pin": str(rng.randint(1000, 9999))} for i, it in zip(ids, items)}
+    lockers = {
+        i: {"item": it, "quantity": rng.randint(2, 60), "pin": str(rng.randint(1000, 9999))}
+        for i, it in zip(ids, items)
+    }
 
     reveal: list[list[str]] = []
     pending = list(ids)
@@ -208,7 +211,14 @@ def generate_episode(index: int, n_lockers: int, n_queries: int, n_logs: int) ->
         else:
             locker = lockers[arg]
             texts.append(f"Move the whole stock of '{locker['item']}' to the loading dock.")
-            gold.append([{"name": "transfer", "arguments": {"locker_id": arg, "pin": locker["pin"], "quantity": locker["quantity"]}}])
+            gold.append(
+                [
+                    {
+                        "name": "transfer",
+                        "arguments": {"locker_id": arg, "pin": locker["pin"], "quantity": locker["quantity"]},
+                    }
+                ]
+            )
     env = LockerEnvironment(lockers)
     for turn in gold:
         for call in turn:
@@ -360,6 +370,8 @@ def random_agent(seed: int) -> Callable[[str], str]:
             return format_tool_call(tool, {"locker_id": rng.choice(ids)})
         if tool == "write_log":
             return format_tool_call(tool, {"message": " ".join(rng.sample(NOTE_WORDS, 4))})
-        return format_tool_call(tool, {"locker_id": rng.choice(ids), "pin": str(rng.randint(1000, 9999)), "quantity": rng.randint(1, 60)})
+        return format_tool_call(
+            tool, {"locker_id": rng.choice(ids), "pin": str(rng.randint(1000, 9999)), "quantity": rng.randint(1, 60)}
+        )
 
     return respond

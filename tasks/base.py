@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Sequence
+from typing import Any, ClassVar, Literal
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.data import DataSource, resolve_data_dir
 
 __all__ = ["DOMAINS", "DataSource", "Domain", "Sample", "ScoreResult", "Task"]
@@ -184,7 +185,10 @@ class Task:
     @classmethod
     def has_reference(cls) -> bool:
         """Whether the task can be measured by teacher-forced fidelity (checked when a sweep is validated)."""
-        return cls.reference_continuation is not Task.reference_continuation or cls.fidelity_segments is not Task.fidelity_segments
+        return (
+            cls.reference_continuation is not Task.reference_continuation
+            or cls.fidelity_segments is not Task.fidelity_segments
+        )
 
     def fidelity_segments(self, sample: Sample, tokenizer: Any) -> list[tuple[list[int], bool]]:
         """``[(prompt ids, False), (reference reply ids + EOS, True)]``: the prompt exactly as for

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import DataSource, Sample, ScoreResult
 from kvleague.tasks.data import iter_file
 from kvleague.tasks.episode import EpisodicTask, Transcript
-from kvleague.tasks.tool_calls import ToolCall, format_tool_call, tools_system_prompt
 from kvleague.tasks.registry import register_task
+from kvleague.tasks.tool_calls import ToolCall, format_tool_call, tools_system_prompt
 
 BFCL_EVAL_VERSION = "2026.3.23"
 INSTALL_HINT = f"pip install --no-deps bfcl-eval=={BFCL_EVAL_VERSION} mpmath"
@@ -151,7 +151,10 @@ class BfclEnvironment:
         return str(result)
 
     def state(self) -> dict[str, Any]:
-        return {name: {k: _jsonable(v) for k, v in vars(inst).items() if not k.startswith("_")} for name, inst in self.instances.items()}
+        return {
+            name: {k: _jsonable(v) for k, v in vars(inst).items() if not k.startswith("_")}
+            for name, inst in self.instances.items()
+        }
 
 
 def _jsonable(value: Any, depth: int = 0) -> Any:
@@ -252,7 +255,9 @@ class BfclMultiTurn(EpisodicTask):
                     docs[class_name] = list(iter_file(root / "multi_turn_func_doc" / FUNC_DOC_FILES[class_name]))
                 tools.extend(d for d in docs[class_name] if d["name"] not in excluded)
             if entry["id"] not in answers:
-                raise KvleagueError(f"bfcl_multi_turn: no ground truth for {entry['id']} in {root / 'possible_answer' / QUESTIONS}")
+                raise KvleagueError(
+                    f"bfcl_multi_turn: no ground truth for {entry['id']} in {root / 'possible_answer' / QUESTIONS}"
+                )
             samples.append(
                 Sample(
                     sample_id=entry["id"],
@@ -283,7 +288,11 @@ class BfclMultiTurn(EpisodicTask):
     @staticmethod
     def _entry(sample: Sample) -> dict[str, Any]:
         ref = sample.reference
-        return {"id": sample.sample_id, "initial_config": ref["initial_config"], "involved_classes": ref["involved_classes"]}
+        return {
+            "id": sample.sample_id,
+            "initial_config": ref["initial_config"],
+            "involved_classes": ref["involved_classes"],
+        }
 
     # -- scoring ------------------------------------------------------------------------------------
     def score_transcript(self, sample: Sample, transcript: Transcript) -> ScoreResult:
@@ -341,7 +350,11 @@ def _run_checker(checker, utils, decoded, ground_truth, entry) -> dict[str, Any]
         try:
             return checker.multi_turn_checker(decoded, ground_truth, entry, "multi_turn_base", prefix)
         except Exception as exc:  # an assertion inside the checker: count as a failure, say why
-            return {"valid": False, "error_type": "multi_turn:checker_error", "error_message": f"{type(exc).__name__}: {exc}"}
+            return {
+                "valid": False,
+                "error_type": "multi_turn:checker_error",
+                "error_message": f"{type(exc).__name__}: {exc}",
+            }
         finally:
             namespace = vars(utils)
             for key in [k for k in namespace if k.startswith(prefix)]:

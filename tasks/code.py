@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
 from kvleague.tasks.data import load_records
@@ -86,8 +87,13 @@ class CodeTask(Task):
             score=float(ok),
             extracted=code,
             sample_id=sample.sample_id,
-            details={"status": run.status, "returncode": run.returncode, "stderr": run.stderr[-2000:],
-                     "duration_s": round(run.duration_s, 4), "isolation": run.isolation},
+            details={
+                "status": run.status,
+                "returncode": run.returncode,
+                "stderr": run.stderr[-2000:],
+                "duration_s": round(run.duration_s, 4),
+                "isolation": run.isolation,
+            },
         )
 
     def score(self, sample: Sample, completion: str) -> ScoreResult:
@@ -175,8 +181,9 @@ class HumanEval(CodeTask):
 def _mbpp_prompt(text: str, tests: list[str]) -> str:
     return (
         f"You are an expert Python programmer, and here is your task: {text.strip()} "
-        "Your code should pass these tests:\n\n" + "\n".join(tests) +
-        "\n\nReply with the complete Python code in a single ```python code block."
+        "Your code should pass these tests:\n\n"
+        + "\n".join(tests)
+        + "\n\nReply with the complete Python code in a single ```python code block."
     )
 
 
@@ -203,14 +210,20 @@ class _MbppBase(CodeTask):
             tests = list(row["test_list"])
             setup = row.get("test_setup_code") or ""
             imports = "\n".join(row.get("test_imports") or [])
-            out.append(Sample(
-                sample_id=str(tid),
-                task=self.name,
-                prompt=_mbpp_prompt(row[self._text_field], tests),
-                reference=row["code"],
-                metadata={"tests": tests, "imports": imports, "setup": setup,
-                          "entry_point": _mbpp_entry_point(row["code"], tests)},
-            ))
+            out.append(
+                Sample(
+                    sample_id=str(tid),
+                    task=self.name,
+                    prompt=_mbpp_prompt(row[self._text_field], tests),
+                    reference=row["code"],
+                    metadata={
+                        "tests": tests,
+                        "imports": imports,
+                        "setup": setup,
+                        "entry_point": _mbpp_entry_point(row["code"], tests),
+                    },
+                )
+            )
         out.sort(key=lambda s: int(s.sample_id))
         return out
 

@@ -14,11 +14,12 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 DATA_DIR_ENV = "KVLEAGUE_DATA_DIR"
 #: seconds the Hub has to accept a connection (name lookup included) before it counts as unreachable
@@ -70,8 +71,10 @@ def missing_dataset_error(source: DataSource, data_dir: Path | None, why: str) -
     else:
         expected = f"<data-dir>/{source.local_path} (set --data-dir or {DATA_DIR_ENV})"
     if source.hub_id is None:
-        return KvleagueError(f"dataset {source.dataset}: no local copy at {expected}; it is not on the Hugging Face Hub, "
-                             f"get it from {source.url}")
+        return KvleagueError(
+            f"dataset {source.dataset}: no local copy at {expected}; it is not on the Hugging Face Hub, "
+            f"get it from {source.url}"
+        )
     hub = f"{source.hub_id}@{source.revision}" if source.revision else source.hub_id
     return KvleagueError(f"dataset {source.dataset}: no local copy at {expected} and Hub id {hub} failed ({why})")
 
@@ -151,7 +154,7 @@ def hub_reachable(endpoint: str, seconds: float = HUB_PROBE_SECONDS) -> bool:
 def hub_offline():
     """``HF_HUB_OFFLINE`` for the calls inside: the libraries read the variable once, at import, so the
     flags they keep are switched (a copy in the Hub cache loads; nothing is requested or retried)."""
-    from huggingface_hub import constants  # noqa: PLC0415 - comes with transformers
+    from huggingface_hub import constants
 
     modules = [constants] + [m for m in (sys.modules.get("datasets.config"),) if m is not None]
     saved = [m.HF_HUB_OFFLINE for m in modules]
@@ -167,13 +170,15 @@ def hub_offline():
 def _load_from_hub(source: DataSource, data_dir: Path | None) -> list[dict[str, Any]]:
     # Offline mode is not short-circuited: a copy already in the Hub cache still loads. A Hub that does
     # not answer is treated as offline mode, rather than five retries with backoff (~25 s) per request.
-    from huggingface_hub import constants, hf_hub_download  # noqa: PLC0415 - comes with transformers
+    from huggingface_hub import constants, hf_hub_download
 
     if source.hub_file is None:
         try:
-            import datasets  # noqa: PLC0415 - optional, heavy
+            import datasets
         except ImportError:
-            raise missing_dataset_error(source, data_dir, "no local copy and the 'datasets' package is not installed") from None
+            raise missing_dataset_error(
+                source, data_dir, "no local copy and the 'datasets' package is not installed"
+            ) from None
     unreachable = not constants.HF_HUB_OFFLINE and not hub_reachable(constants.ENDPOINT)
     filename, _, member = (source.hub_file or "").partition("!")
     try:
@@ -181,7 +186,9 @@ def _load_from_hub(source: DataSource, data_dir: Path | None) -> list[dict[str, 
             if source.hub_file is not None:
                 path = hf_hub_download(source.hub_id, filename, repo_type="dataset", revision=source.revision)
             else:
-                ds = datasets.load_dataset(source.hub_id, source.hub_config, split=source.hub_split, revision=source.revision)
+                ds = datasets.load_dataset(
+                    source.hub_id, source.hub_config, split=source.hub_split, revision=source.revision
+                )
     except Exception as exc:  # network errors, missing configs, offline mode...
         if unreachable:
             why = f"the Hub at {constants.ENDPOINT} is unreachable and the Hub cache has no copy"

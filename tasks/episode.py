@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import Sample, ScoreResult, Task
 from kvleague.tasks.tool_calls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolCall, parse_tool_calls
 
@@ -70,7 +70,9 @@ class Transcript:
     terminated: str | None = None  # "max_steps": a turn hit the step limit; the episode stopped there
 
     def to_json(self) -> str:
-        return json.dumps({"format": TRANSCRIPT_FORMAT, "turns": self.turns, "terminated": self.terminated}, ensure_ascii=False)
+        return json.dumps(
+            {"format": TRANSCRIPT_FORMAT, "turns": self.turns, "terminated": self.terminated}, ensure_ascii=False
+        )
 
     @classmethod
     def parse(cls, completion: Any) -> Transcript:
@@ -86,7 +88,9 @@ class Transcript:
         if isinstance(obj, list):  # bare list of turns
             obj = {"turns": obj}
         turns = obj.get("turns") if isinstance(obj, dict) else None
-        if not isinstance(turns, list) or not all(isinstance(t, list) and all(isinstance(s, str) for s in t) for t in turns):
+        if not isinstance(turns, list) or not all(
+            isinstance(t, list) and all(isinstance(s, str) for s in t) for t in turns
+        ):
             raise KvleagueError("completion: transcript 'turns' must be a list of lists of step texts")
         return cls(turns=[list(t) for t in turns], terminated=obj.get("terminated"))
 
@@ -200,7 +204,9 @@ class ChatFormat:
             self.system_role = False
         base = self._fix_system([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         try:
-            text = self._render([*base, {"role": "assistant", "content": _SENTINEL}, {"role": "tool", "content": "OBS-PROBE-42"}], True)
+            text = self._render(
+                [*base, {"role": "assistant", "content": _SENTINEL}, {"role": "tool", "content": "OBS-PROBE-42"}], True
+            )
             self.tool_role = "OBS-PROBE-42" in text.split(_SENTINEL, 1)[1]
         except Exception:
             self.tool_role = False
@@ -363,7 +369,7 @@ def run_episode(task: EpisodicTask, sample: Sample, session: Any, tokenizer: Any
             history.extend(user)
         record = TurnRecord(user=user)
         turns.append(record)
-        for step in range(max_steps):
+        for _step in range(max_steps):
             out = session.decode(settings)
             last_raw = tokenizer.decode(list(out.token_ids), skip_special_tokens=False)
             calls, errors = parse_tool_calls(out.text)

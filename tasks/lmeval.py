@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
 from kvleague.tasks.registry import register_task_family
 
@@ -118,7 +118,9 @@ class LmEvalTask(Task):
         try:
             import lm_eval  # noqa: F401
         except ImportError:
-            raise KvleagueError(f"task {self.name}: needs the lm-eval package (pip install 'kvleague[lmeval]')") from None
+            raise KvleagueError(
+                f"task {self.name}: needs the lm-eval package (pip install 'kvleague[lmeval]')"
+            ) from None
         manager = _manager(include, defaults=False) if include else None
         if manager is None or self.lm_task not in manager.all_tasks:
             manager = _manager(include, defaults=True)
@@ -128,7 +130,9 @@ class LmEvalTask(Task):
                 if include
                 else f"lm-eval's built-in tasks (add yours with include_path or ${INCLUDE_ENV})"
             )
-            raise KvleagueError(f"task: lm-eval has no task {self.lm_task!r} in {where}; list them with: lm-eval ls tasks")
+            raise KvleagueError(
+                f"task: lm-eval has no task {self.lm_task!r} in {where}; list them with: lm-eval ls tasks"
+            )
         try:
             loaded = manager.load(self.lm_task)
         except Exception as exc:  # dataset download failures offline, bad YAML...
@@ -138,7 +142,9 @@ class LmEvalTask(Task):
             ) from None
         tasks = loaded["tasks"]
         if len(tasks) != 1:
-            raise KvleagueError(f"task {self.name}: is a group of {len(tasks)} lm-eval tasks; name one: {', '.join(sorted(tasks))}")
+            raise KvleagueError(
+                f"task {self.name}: is a group of {len(tasks)} lm-eval tasks; name one: {', '.join(sorted(tasks))}"
+            )
         task = next(iter(tasks.values()))
         if task.OUTPUT_TYPE != "generate_until":
             raise KvleagueError(
@@ -195,7 +201,9 @@ class LmEvalTask(Task):
         task, docs = self.lm_eval_task()
         doc_id = int(sample.reference["doc_id"])
         if not 0 <= doc_id < len(docs):
-            raise KvleagueError(f"sample_id: {sample.sample_id} has doc_id {doc_id}, task {self.name} has {len(docs)} documents")
+            raise KvleagueError(
+                f"sample_id: {sample.sample_id} has doc_id {doc_id}, task {self.name} has {len(docs)} documents"
+            )
         return task, docs[doc_id], doc_id
 
     # -- prompting ------------------------------------------------------------------------------------
@@ -208,11 +216,18 @@ class LmEvalTask(Task):
 
             def render(history, add_generation_prompt=True):
                 return tokenizer.apply_chat_template(
-                    history, tokenize=False, add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt
+                    history,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=not add_generation_prompt,
                 )
 
             text = task.fewshot_context(
-                doc, num_fewshot=self._shots(), apply_chat_template=True, chat_template=render, gen_prefix=task.doc_to_prefix(doc)
+                doc,
+                num_fewshot=self._shots(),
+                apply_chat_template=True,
+                chat_template=render,
+                gen_prefix=task.doc_to_prefix(doc),
             )
             return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
         return [int(i) for i in tokenizer(sample.prompt)["input_ids"]]
@@ -271,7 +286,11 @@ class LmEvalTask(Task):
             "summary": f"lm-eval task {cls.lm_task!r}, prompted and scored by lm-eval",
             "source": cls.source.describe(),
             "options": [
-                {"name": f.name, "type": str(f.type), "default": f.default if f.default is not dataclasses.MISSING else None}
+                {
+                    "name": f.name,
+                    "type": str(f.type),
+                    "default": f.default if f.default is not dataclasses.MISSING else None,
+                }
                 for f in dataclasses.fields(cls)
             ],
             "class": f"{cls.__module__}:{cls.__qualname__}",
@@ -281,7 +300,9 @@ class LmEvalTask(Task):
 def lmeval_task_class(rest: str) -> type[LmEvalTask]:
     """The kvleague task class for ``lmeval:<rest>`` (one class per lm-eval task name)."""
     if not rest or not re.fullmatch(r"[A-Za-z0-9_.\-]+", rest):
-        raise KvleagueError(f"task: {PREFIX}:{rest!r} needs an lm-eval task name of letters, digits, '_', '.', '-' (e.g. {PREFIX}:gsm8k)")
+        raise KvleagueError(
+            f"task: {PREFIX}:{rest!r} needs an lm-eval task name of letters, digits, '_', '.', '-' (e.g. {PREFIX}:gsm8k)"
+        )
     with _LOCK:
         if rest not in _CLASSES:
             cls = type(

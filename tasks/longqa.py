@@ -22,11 +22,12 @@ import json
 import re
 import string
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
 from kvleague.tasks.data import load_records
 from kvleague.tasks.math import Gsm8k, parse_number
@@ -119,8 +120,15 @@ _LEVAL = DataSource(
 
 def _leval_source(name: str, file: str, hub_path: str) -> DataSource:
     """L-Eval file ``file`` (local layout ``leval/<file>``; ``hub_path`` in the Hub repository)."""
-    return DataSource(dataset=f"L-Eval {name}", hub_id=_LEVAL.hub_id, revision=_LEVAL.revision,
-                      local_path=f"leval/{file}", license=_LEVAL.license, hub_file=hub_path, url=_LEVAL.url)
+    return DataSource(
+        dataset=f"L-Eval {name}",
+        hub_id=_LEVAL.hub_id,
+        revision=_LEVAL.revision,
+        local_path=f"leval/{file}",
+        license=_LEVAL.license,
+        hub_file=hub_path,
+        url=_LEVAL.url,
+    )
 
 
 class _LEvalTask(Task):
@@ -138,13 +146,15 @@ class _LEvalTask(Task):
         samples = []
         for d, row in enumerate(load_records(self.source, data_dir)):
             for q, (question, output) in enumerate(zip(row["instructions"], row["outputs"], strict=True)):
-                samples.append(Sample(
-                    sample_id=f"{d}-{q}",
-                    task=self.name,
-                    prompt=self.render(row["input"], question),
-                    reference=self.gold(output),
-                    metadata={"raw_answer": output, "doc_index": d, "source": row.get("source")},
-                ))
+                samples.append(
+                    Sample(
+                        sample_id=f"{d}-{q}",
+                        task=self.name,
+                        prompt=self.render(row["input"], question),
+                        reference=self.gold(output),
+                        metadata={"raw_answer": output, "doc_index": d, "source": row.get("source")},
+                    )
+                )
         return samples
 
     def reference_continuation(self, sample: Sample) -> str | None:
@@ -152,8 +162,10 @@ class _LEvalTask(Task):
         return str(sample.metadata.get("raw_answer") or "").strip() or None
 
     def render(self, document: str, question: str) -> str:
-        return f"Read the document below and answer the question that follows.\n\nDocument:\n{document.strip()}\n\n" \
-               f"Question: {question.strip()}\n\n{self.instruction}"
+        return (
+            f"Read the document below and answer the question that follows.\n\nDocument:\n{document.strip()}\n\n"
+            f"Question: {question.strip()}\n\n{self.instruction}"
+        )
 
 
 class _LEvalChoice(_LEvalTask):
@@ -172,8 +184,13 @@ class _LEvalChoice(_LEvalTask):
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         chosen = "".join(sorted(extract_choices(completion, multi=self.multi)))
         ok = chosen == sample.reference
-        return ScoreResult(correct=ok, score=float(ok), extracted=chosen or None, sample_id=sample.sample_id,
-                           details={"gold": sample.reference})
+        return ScoreResult(
+            correct=ok,
+            score=float(ok),
+            extracted=chosen or None,
+            sample_id=sample.sample_id,
+            details={"gold": sample.reference},
+        )
 
 
 @register_task("leval_quality")
@@ -182,7 +199,9 @@ class LEvalQuality(_LEvalChoice):
     """L-Eval QuALITY: multiple choice over long stories (202 questions), accuracy."""
 
     file: ClassVar[str] = "Closed-ended-tasks/quality.jsonl"
-    source: ClassVar[DataSource] = _leval_source("quality", "Closed-ended-tasks/quality.jsonl", "LEval/Exam/quality.jsonl")
+    source: ClassVar[DataSource] = _leval_source(
+        "quality", "Closed-ended-tasks/quality.jsonl", "LEval/Exam/quality.jsonl"
+    )
     size: ClassVar[int] = 202
 
 
@@ -202,11 +221,14 @@ class LEvalCoursera(_LEvalChoice):
     """L-Eval Coursera: multiple choice with one or more correct options (172 questions), exact-set accuracy."""
 
     file: ClassVar[str] = "Closed-ended-tasks/coursera.jsonl"
-    source: ClassVar[DataSource] = _leval_source("coursera", "Closed-ended-tasks/coursera.jsonl", "LEval/Exam/coursera.jsonl")
+    source: ClassVar[DataSource] = _leval_source(
+        "coursera", "Closed-ended-tasks/coursera.jsonl", "LEval/Exam/coursera.jsonl"
+    )
     size: ClassVar[int] = 172
     multi: ClassVar[bool] = True
-    instruction: ClassVar[str] = ("One or more options may be correct. Answer with the letters of all correct "
-                                  "options only (for example: AC).")
+    instruction: ClassVar[str] = (
+        "One or more options may be correct. Answer with the letters of all correct options only (for example: AC)."
+    )
 
 
 @register_task("leval_sci_fi")
@@ -231,8 +253,9 @@ class LEvalSciFi(_LEvalTask):
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         pred = extract_true_false(completion)
         ok = pred == sample.reference
-        return ScoreResult(correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id,
-                           details={"gold": sample.reference})
+        return ScoreResult(
+            correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id, details={"gold": sample.reference}
+        )
 
 
 @register_task("leval_topic_retrieval")
@@ -241,9 +264,11 @@ class LEvalTopicRetrieval(_LEvalTask):
     """L-Eval LongChat topic retrieval: name the k-th topic of a long chat (150 questions), accuracy."""
 
     file: ClassVar[str] = "Closed-ended-tasks/topic_retrieval_longchat.jsonl"
-    source: ClassVar[DataSource] = _leval_source("topic_retrieval_longchat",
-                                                 "Closed-ended-tasks/topic_retrieval_longchat.jsonl",
-                                                 "LEval/Exam/topic_retrieval_longchat.jsonl")
+    source: ClassVar[DataSource] = _leval_source(
+        "topic_retrieval_longchat",
+        "Closed-ended-tasks/topic_retrieval_longchat.jsonl",
+        "LEval/Exam/topic_retrieval_longchat.jsonl",
+    )
     size: ClassVar[int] = 150
     max_new_tokens: ClassVar[int] = 32
     scorer_version: ClassVar[str] = "contains/1"
@@ -253,8 +278,13 @@ class LEvalTopicRetrieval(_LEvalTask):
         gold = normalize_squad(sample.reference)
         pred = normalize_squad(completion)
         ok = bool(gold) and re.search(rf"(?:^| ){re.escape(gold)}(?: |$)", pred) is not None
-        return ScoreResult(correct=ok, score=float(ok), extracted=completion.strip() or None,
-                           sample_id=sample.sample_id, details={"gold": sample.reference})
+        return ScoreResult(
+            correct=ok,
+            score=float(ok),
+            extracted=completion.strip() or None,
+            sample_id=sample.sample_id,
+            details={"gold": sample.reference},
+        )
 
 
 @register_task("leval_gsm100")
@@ -277,8 +307,9 @@ class LEvalGsm100(_LEvalTask):
         pred = m[-1] if m else Gsm8k.extract(completion)[0]
         value = parse_number(pred) if pred is not None else None
         ok = value is not None and value == parse_number(str(sample.reference))
-        return ScoreResult(correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id,
-                           details={"gold": sample.reference})
+        return ScoreResult(
+            correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id, details={"gold": sample.reference}
+        )
 
 
 class _LEvalF1(_LEvalTask):
@@ -290,8 +321,13 @@ class _LEvalF1(_LEvalTask):
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         pred = completion.strip()
         f1 = token_f1(pred, sample.reference)
-        return ScoreResult(correct=exact_match(pred, sample.reference), score=f1, extracted=pred or None,
-                           sample_id=sample.sample_id, details={"gold": sample.reference, "f1": f1})
+        return ScoreResult(
+            correct=exact_match(pred, sample.reference),
+            score=f1,
+            extracted=pred or None,
+            sample_id=sample.sample_id,
+            details={"gold": sample.reference, "f1": f1},
+        )
 
     def aggregate(self, results: Sequence[ScoreResult]) -> dict[str, Any]:
         out = super().aggregate(results)
@@ -316,16 +352,41 @@ def _f1_task(name: str, file: str, hub: str, size: int, doc: str) -> type[_LEval
     return register_task(f"leval_{name}")(dataclass(cls))
 
 
-_f1_task("scientific_qa", "Open-ended-tasks/scientific_qa.jsonl", "LEval/Generation/scientific_qa.jsonl", 184,
-         "L-Eval Qasper-based scientific QA (184 questions), token F1.")
-_f1_task("multidoc_qa", "Open-ended-tasks/multidoc_qa.jsonl", "LEval/Generation/multidoc_qa.jsonl", 158,
-         "L-Eval multi-document QA (158 questions), token F1.")
-_f1_task("natural_question", "Open-ended-tasks/natural_question.jsonl", "LEval/Generation/natural_question.jsonl",
-         109, "L-Eval Natural Questions over long Wikipedia pages (109 questions), token F1.")
-_f1_task("financial_qa", "Open-ended-tasks/financial_qa.jsonl", "LEval/Generation/financial_qa.jsonl", 68,
-         "L-Eval financial earnings-call QA (68 questions), token F1.")
-_f1_task("legal_contract_qa", "Open-ended-tasks/legal_contract_qa.jsonl", "LEval/Generation/legal_contract_qa.jsonl",
-         154, "L-Eval CUAD legal contract QA (154 questions), token F1.")
+_f1_task(
+    "scientific_qa",
+    "Open-ended-tasks/scientific_qa.jsonl",
+    "LEval/Generation/scientific_qa.jsonl",
+    184,
+    "L-Eval Qasper-based scientific QA (184 questions), token F1.",
+)
+_f1_task(
+    "multidoc_qa",
+    "Open-ended-tasks/multidoc_qa.jsonl",
+    "LEval/Generation/multidoc_qa.jsonl",
+    158,
+    "L-Eval multi-document QA (158 questions), token F1.",
+)
+_f1_task(
+    "natural_question",
+    "Open-ended-tasks/natural_question.jsonl",
+    "LEval/Generation/natural_question.jsonl",
+    109,
+    "L-Eval Natural Questions over long Wikipedia pages (109 questions), token F1.",
+)
+_f1_task(
+    "financial_qa",
+    "Open-ended-tasks/financial_qa.jsonl",
+    "LEval/Generation/financial_qa.jsonl",
+    68,
+    "L-Eval financial earnings-call QA (68 questions), token F1.",
+)
+_f1_task(
+    "legal_contract_qa",
+    "Open-ended-tasks/legal_contract_qa.jsonl",
+    "LEval/Generation/legal_contract_qa.jsonl",
+    154,
+    "L-Eval CUAD legal contract QA (154 questions), token F1.",
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,10 +420,17 @@ class _KvRetrieval(Task):
             data = json.dumps(dict(records), indent=1)
             prompt = (
                 "Extract the value corresponding to the specified key in the JSON object below.\n\n"
-                f"JSON data:\n{data}\n\nKey: \"{key}\"\nCorresponding value:"
+                f'JSON data:\n{data}\n\nKey: "{key}"\nCorresponding value:'
             )
-            samples.append(Sample(sample_id=str(i), task=self.name, prompt=prompt, reference=value,
-                                  metadata={"key": key, "gold_index": position, "num_keys": len(records)}))
+            samples.append(
+                Sample(
+                    sample_id=str(i),
+                    task=self.name,
+                    prompt=prompt,
+                    reference=value,
+                    metadata={"key": key, "gold_index": position, "num_keys": len(records)},
+                )
+            )
         return samples
 
     def reference_continuation(self, sample: Sample) -> str | None:
@@ -371,8 +439,13 @@ class _KvRetrieval(Task):
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         ok = sample.reference.lower() in completion.lower()
         found = re.findall(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", completion.lower())
-        return ScoreResult(correct=ok, score=float(ok), extracted=found[0] if found else (completion.strip() or None),
-                           sample_id=sample.sample_id, details={"gold": sample.reference})
+        return ScoreResult(
+            correct=ok,
+            score=float(ok),
+            extracted=found[0] if found else (completion.strip() or None),
+            sample_id=sample.sample_id,
+            details={"gold": sample.reference},
+        )
 
 
 def _kv_source(keys: int) -> DataSource:
@@ -410,18 +483,29 @@ class KvRetrieval140(_KvRetrieval):
 # LongBench (Hub only)
 
 # Prompts are kvleague's own wording; max_new_tokens follow LongBench's per-subset settings.
-_PASSAGES = ("Use the passages below to answer the question. Reply with the answer alone, no other words.\n\n"
-             "Passages:\n{context}\n\nReply with the answer alone, no other words.\n\nQuestion: {input}\nAnswer:")
+_PASSAGES = (
+    "Use the passages below to answer the question. Reply with the answer alone, no other words.\n\n"
+    "Passages:\n{context}\n\nReply with the answer alone, no other words.\n\nQuestion: {input}\nAnswer:"
+)
 _LONGBENCH_PROMPTS = {
-    "narrativeqa": ("Below is a story (a novel or a film script) followed by a question. Answer as briefly as possible, "
-                    "in a single phrase if you can.\n\nStory:\n{context}\n\nAnswer the question about the story "
-                    "as briefly as possible.\n\nQuestion: {input}\n\nAnswer:", 128),
-    "qasper": ("Below is a scientific paper followed by a question. Answer as briefly as possible, in a single phrase "
-               "or sentence if you can. Write \"unanswerable\" when the paper does not answer it; answer yes/no "
-               "questions with \"yes\", \"no\" or \"unanswerable\".\n\nPaper:\n{context}\n\nAnswer the question "
-               "about the paper as briefly as possible.\n\nQuestion: {input}\n\nAnswer:", 128),
-    "multifieldqa_en": ("Read the text below and answer the question briefly.\n\n{context}\n\nGive only the answer "
-                        "to this question about the text.\n\nQuestion: {input}\nAnswer:", 64),
+    "narrativeqa": (
+        "Below is a story (a novel or a film script) followed by a question. Answer as briefly as possible, "
+        "in a single phrase if you can.\n\nStory:\n{context}\n\nAnswer the question about the story "
+        "as briefly as possible.\n\nQuestion: {input}\n\nAnswer:",
+        128,
+    ),
+    "qasper": (
+        "Below is a scientific paper followed by a question. Answer as briefly as possible, in a single phrase "
+        'or sentence if you can. Write "unanswerable" when the paper does not answer it; answer yes/no '
+        'questions with "yes", "no" or "unanswerable".\n\nPaper:\n{context}\n\nAnswer the question '
+        "about the paper as briefly as possible.\n\nQuestion: {input}\n\nAnswer:",
+        128,
+    ),
+    "multifieldqa_en": (
+        "Read the text below and answer the question briefly.\n\n{context}\n\nGive only the answer "
+        "to this question about the text.\n\nQuestion: {input}\nAnswer:",
+        64,
+    ),
     "hotpotqa": (_PASSAGES, 32),
     "2wikimqa": (_PASSAGES, 32),
 }
@@ -438,9 +522,13 @@ class _LongBench(Task):
     def load_records(self, data_dir: Path | None) -> list[Sample]:
         template, _ = _LONGBENCH_PROMPTS[self.subset]
         return [
-            Sample(sample_id=str(row.get("_id") or i), task=self.name,
-                   prompt=template.format(context=row["context"], input=row["input"]),
-                   reference=list(row["answers"]), metadata={"length": row.get("length")})
+            Sample(
+                sample_id=str(row.get("_id") or i),
+                task=self.name,
+                prompt=template.format(context=row["context"], input=row["input"]),
+                reference=list(row["answers"]),
+                metadata={"length": row.get("length")},
+            )
             for i, row in enumerate(load_records(self.source, data_dir))
         ]
 
@@ -451,8 +539,13 @@ class _LongBench(Task):
         answers = list(sample.reference)
         f1 = longbench_qa_f1(completion, answers)
         em = any(exact_match(completion, a) for a in answers)
-        return ScoreResult(correct=em, score=f1, extracted=completion.strip() or None, sample_id=sample.sample_id,
-                           details={"gold": answers, "f1": f1})
+        return ScoreResult(
+            correct=em,
+            score=f1,
+            extracted=completion.strip() or None,
+            sample_id=sample.sample_id,
+            details={"gold": answers, "f1": f1},
+        )
 
     def aggregate(self, results: Sequence[ScoreResult]) -> dict[str, Any]:
         out = super().aggregate(results)
@@ -473,9 +566,14 @@ def _longbench_task(subset: str) -> type[_LongBench]:
             "subset": subset,
             "size": _LONGBENCH_SIZES[subset],
             "max_new_tokens": max_new,
-            "source": DataSource(dataset=f"LongBench {subset}", hub_id="THUDM/LongBench", revision="main",
-                                 local_path=f"longbench/{subset}.jsonl", license="MIT (LongBench); sources vary",
-                                 hub_file=f"data.zip!data/{subset}.jsonl"),
+            "source": DataSource(
+                dataset=f"LongBench {subset}",
+                hub_id="THUDM/LongBench",
+                revision="main",
+                local_path=f"longbench/{subset}.jsonl",
+                license="MIT (LongBench); sources vary",
+                hub_file=f"data.zip!data/{subset}.jsonl",
+            ),
         },
     )
     return register_task(f"longbench_{subset}")(dataclass(cls))

@@ -56,7 +56,7 @@ def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}``/``\\fbox{...}`` in ``text`` (stripped), or ``None``."""
     span = last_boxed_span(text)
     if span is not None:
-        return text[span[0]:span[1]].strip()
+        return text[span[0] : span[1]].strip()
     if _BOX_RE.search(text):
         return None
     # ``\\boxed 5`` (no braces) is valid LaTeX for a single token
@@ -71,9 +71,21 @@ def normalize_answer(s: str) -> str:
     """Light LaTeX normalization for string comparison of final answers."""
     s = s.strip().strip("$").strip()
     s = _STRIP_WRAPPERS.sub(r"\1", s)
-    for a, b in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\ ", ""),
-                 ("dfrac", "frac"), ("tfrac", "frac"), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", ""),
-                 ("\\$", ""), ("$", "")):
+    for a, b in (
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\!", ""),
+        ("\\,", ""),
+        ("\\;", ""),
+        ("\\ ", ""),
+        ("dfrac", "frac"),
+        ("tfrac", "frac"),
+        ("^\\circ", ""),
+        ("^{\\circ}", ""),
+        ("\\%", ""),
+        ("\\$", ""),
+        ("$", ""),
+    ):
         s = s.replace(a, b)
     s = re.sub(r"\s+", "", s)
     s = s.rstrip(".")
@@ -88,7 +100,7 @@ def math_equal(gold: str, pred: str) -> bool:
     """``True`` when ``pred`` equals ``gold``: normalized strings, else math-verify's symbolic check."""
     if normalize_answer(gold) == normalize_answer(pred):
         return True
-    from math_verify import parse, verify  # noqa: PLC0415 - heavy import, only when scoring
+    from math_verify import parse, verify
 
     # math-verify's timeouts use SIGALRM, which only works in the main thread.
     timeout = 5 if _in_main_thread() else None
@@ -176,8 +188,9 @@ class Math500(_MathTask):
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         pred = last_boxed(completion)
         ok = pred is not None and math_equal(str(sample.reference), pred)
-        return ScoreResult(correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id,
-                           details={"gold": sample.reference})
+        return ScoreResult(
+            correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id, details={"gold": sample.reference}
+        )
 
 
 def aime_integer(s: str) -> int | None:
@@ -197,8 +210,13 @@ class _Aime(_MathTask):
         pred = last_boxed(completion)
         value = aime_integer(pred) if pred is not None else None
         ok = value is not None and value == aime_integer(str(sample.reference))
-        return ScoreResult(correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id,
-                           details={"gold": sample.reference, "value": value})
+        return ScoreResult(
+            correct=ok,
+            score=float(ok),
+            extracted=pred,
+            sample_id=sample.sample_id,
+            details={"gold": sample.reference, "value": value},
+        )
 
 
 @register_task("aime24")
@@ -217,8 +235,13 @@ class Aime24(_Aime):
 
     def load_records(self, data_dir: Path | None) -> list[Sample]:
         return [
-            Sample(sample_id=str(row["id"]), task=self.name, prompt=self._prompt(row["problem"]),
-                   reference=str(row["answer"]), metadata={"url": row.get("url"), "solution": row.get("solution")})
+            Sample(
+                sample_id=str(row["id"]),
+                task=self.name,
+                prompt=self._prompt(row["problem"]),
+                reference=str(row["answer"]),
+                metadata={"url": row.get("url"), "solution": row.get("solution")},
+            )
             for row in load_records(self.source, data_dir)
         ]
 
@@ -245,8 +268,15 @@ class Aime25(_Aime):
         out = []
         for i, row in enumerate(rows):
             contest = "I" if i < 15 else "II"
-            out.append(Sample(sample_id=f"{contest}-{i % 15 + 1}", task=self.name, prompt=self._prompt(row["problem"]),
-                              reference=str(row["answer"]), metadata={}))
+            out.append(
+                Sample(
+                    sample_id=f"{contest}-{i % 15 + 1}",
+                    task=self.name,
+                    prompt=self._prompt(row["problem"]),
+                    reference=str(row["answer"]),
+                    metadata={},
+                )
+            )
         return out
 
 
@@ -274,8 +304,13 @@ class Gsm8k(_MathTask):
 
     def load_records(self, data_dir: Path | None) -> list[Sample]:
         return [
-            Sample(sample_id=str(i), task=self.name, prompt=self._prompt(row["question"]),
-                   reference=gsm8k_gold(row["answer"]), metadata={"solution": row["answer"]})
+            Sample(
+                sample_id=str(i),
+                task=self.name,
+                prompt=self._prompt(row["question"]),
+                reference=gsm8k_gold(row["answer"]),
+                metadata={"solution": row["answer"]},
+            )
             for i, row in enumerate(load_records(self.source, data_dir))
         ]
 
@@ -303,5 +338,10 @@ class Gsm8k(_MathTask):
         gold = parse_number(str(sample.reference))
         value = parse_number(pred) if pred is not None else None
         ok = value is not None and gold is not None and value == gold
-        return ScoreResult(correct=ok, score=float(ok), extracted=pred, sample_id=sample.sample_id,
-                           details={"gold": sample.reference, "extraction": how})
+        return ScoreResult(
+            correct=ok,
+            score=float(ok),
+            extracted=pred,
+            sample_id=sample.sample_id,
+            details={"gold": sample.reference, "extraction": how},
+        )

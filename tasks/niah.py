@@ -9,20 +9,47 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
 from kvleague.tasks.data import local_path, missing_dataset_error
 from kvleague.tasks.registry import register_task
 
-
 _NIAH_KEYS = (
-    "Amsterdam", "Bangkok", "Cairo", "Dublin", "Edinburgh", "Florence", "Geneva", "Helsinki", "Istanbul", "Jakarta",
-    "Kyoto", "Lisbon", "Madrid", "Nairobi", "Oslo", "Prague", "Quito", "Reykjavik", "Santiago", "Toronto",
-    "Utrecht", "Vienna", "Warsaw", "Yokohama", "Zurich", "Athens", "Berlin", "Chicago", "Denver", "Lagos",
+    "Amsterdam",
+    "Bangkok",
+    "Cairo",
+    "Dublin",
+    "Edinburgh",
+    "Florence",
+    "Geneva",
+    "Helsinki",
+    "Istanbul",
+    "Jakarta",
+    "Kyoto",
+    "Lisbon",
+    "Madrid",
+    "Nairobi",
+    "Oslo",
+    "Prague",
+    "Quito",
+    "Reykjavik",
+    "Santiago",
+    "Toronto",
+    "Utrecht",
+    "Vienna",
+    "Warsaw",
+    "Yokohama",
+    "Zurich",
+    "Athens",
+    "Berlin",
+    "Chicago",
+    "Denver",
+    "Lagos",
 )
 
 
@@ -93,8 +120,12 @@ class Niah(Task):
     scorer_version: ClassVar[str] = "contains/1"
     size: ClassVar[int] = 55  # with the default options
 
-    context_length: int = field(default=4096, metadata={"unit": "tokens of the model's tokenizer (the sweep binds "
-                                                                 "it); characters when no tokenizer is bound"})
+    context_length: int = field(
+        default=4096,
+        metadata={
+            "unit": "tokens of the model's tokenizer (the sweep binds it); characters when no tokenizer is bound"
+        },
+    )
     depth: float | None = None
     num_depths: int = 11
     samples_per_depth: int = 5
@@ -118,11 +149,13 @@ class Niah(Task):
             return _Tokens(self._bound)
         if self.tokenizer is not None:
             try:
-                from transformers import AutoTokenizer  # noqa: PLC0415
+                from transformers import AutoTokenizer
 
                 self._bound = AutoTokenizer.from_pretrained(self.tokenizer)
-            except Exception as exc:  # noqa: BLE001 - one line for the user
-                raise KvleagueError(f"task niah: option tokenizer={self.tokenizer!r} could not be loaded: {exc}") from None
+            except Exception as exc:
+                raise KvleagueError(
+                    f"task niah: option tokenizer={self.tokenizer!r} could not be loaded: {exc}"
+                ) from None
             return _Tokens(self._bound)
         return _Chars()
 
@@ -147,14 +180,16 @@ class Niah(Task):
         if key not in _CORPUS_CACHE:
             units = measure.encode(corpus)
             if isinstance(measure, _Chars):
-                ends = [i + 1 for i, ch in enumerate(corpus) if ch in ".?!" and corpus[i + 1:i + 2] in (" ", "\n")]
+                ends = [i + 1 for i, ch in enumerate(corpus) if ch in ".?!" and corpus[i + 1 : i + 2] in (" ", "\n")]
             else:
                 ends = [i + 1 for i, t in enumerate(units) if measure.piece(t).rstrip().endswith((".", "?", "!"))]
             _CORPUS_CACHE.clear()
             _CORPUS_CACHE[key] = (units, ends)
         return _CORPUS_CACHE[key]
 
-    def make_haystack(self, corpus: str, needle: str, depth: float, measure: _Chars | _Tokens | None = None) -> dict[str, Any]:
+    def make_haystack(
+        self, corpus: str, needle: str, depth: float, measure: _Chars | _Tokens | None = None
+    ) -> dict[str, Any]:
         """Haystack of ``context_length`` units (needle included) with ``needle`` inserted after
         ``depth`` of the haystack, at a sentence end within 0.6% of that point when there is one."""
         measure = measure or self._measure()
@@ -182,7 +217,7 @@ class Niah(Task):
             hay_len = max(1, hay_len + target - total)
         start = text.index(needle)
         n_before = measure.count(text[:start].rstrip())
-        n_after = measure.count(text[start + len(needle):].lstrip())
+        n_after = measure.count(text[start + len(needle) :].lstrip())
         return {
             "text": text,
             "units": measure.unit,
@@ -206,14 +241,22 @@ class Niah(Task):
                     "and remember the number.\n\n<text>\n" + hay["text"] + "\n</text>\n\n"
                     f"What is the special magic number for {key} mentioned in the text? Answer with the number only."
                 )
-                samples.append(Sample(
-                    sample_id=f"L{self.context_length}{'tok' if hay['units'] == 'tokens' else 'chr'}-d{d:.3f}-{i}",
-                    task=self.name,
-                    prompt=prompt,
-                    reference=number,
-                    metadata={"key": key, "needle": needle, "depth": d, "needle_depth": hay["needle_depth"],
-                              "context_length": hay["context_length"], "units": hay["units"]},
-                ))
+                samples.append(
+                    Sample(
+                        sample_id=f"L{self.context_length}{'tok' if hay['units'] == 'tokens' else 'chr'}-d{d:.3f}-{i}",
+                        task=self.name,
+                        prompt=prompt,
+                        reference=number,
+                        metadata={
+                            "key": key,
+                            "needle": needle,
+                            "depth": d,
+                            "needle_depth": hay["needle_depth"],
+                            "context_length": hay["context_length"],
+                            "units": hay["units"],
+                        },
+                    )
+                )
         return samples
 
     def reference_continuation(self, sample: Sample) -> str | None:
@@ -223,5 +266,10 @@ class Niah(Task):
     def score(self, sample: Sample, completion: str) -> ScoreResult:
         numbers = re.findall(r"\d+", completion.replace(",", ""))
         ok = sample.reference in numbers
-        return ScoreResult(correct=ok, score=float(ok), extracted=numbers[0] if numbers else None,
-                           sample_id=sample.sample_id, details={"gold": sample.reference})
+        return ScoreResult(
+            correct=ok,
+            score=float(ok),
+            extracted=numbers[0] if numbers else None,
+            sample_id=sample.sample_id,
+            details={"gold": sample.reference},
+        )

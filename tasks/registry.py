@@ -2,7 +2,7 @@
 is imported when the registry is first read; there is no list to edit), the ``kvleague.tasks``
 entry-point group for third-party packages, name families resolved on demand (``lmeval:gsm8k``) and
 validated construction from plain dicts (CLI, sweep configs). One implementation for methods and
-tasks: :class:`runner.engine.registry.Registry`.
+tasks: :class:`engine.registry.Registry`.
 
 Public API::
 
@@ -16,10 +16,11 @@ Public API::
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.registry import Registry
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.registry import Registry
 from kvleague.tasks.base import DOMAINS, Task
 
 ENTRY_POINT_GROUP = "kvleague.tasks"
@@ -31,7 +32,9 @@ def _check_domain(cls: type[Task], name: str) -> None:
         raise KvleagueError(f"task {name!r}: domain {domain!r} is not one of {', '.join(DOMAINS)}")
 
 
-TASKS: Registry[type[Task]] = Registry("task", Task, package="kvleague.tasks", group=ENTRY_POINT_GROUP, check=_check_domain)
+TASKS: Registry[type[Task]] = Registry(
+    "task", Task, package="kvleague.tasks", group=ENTRY_POINT_GROUP, check=_check_domain
+)
 
 T = TypeVar("T", bound=type[Task])
 

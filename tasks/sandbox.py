@@ -50,12 +50,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.sandbox_supervisor import EXIT_SUPERVISOR_ERROR, EXIT_TIMEOUT, INFO_TAG
 
 MARKER_ENV = "KVLEAGUE_SANDBOX_ID"
@@ -136,14 +137,24 @@ def _namespace_prefix() -> list[str]:
                     prefix = cand
                     break
         if mode == "namespaces" and not prefix:
-            raise KvleagueError(f"{MODE_ENV}=namespaces but 'unshare' namespaces are not available here; use auto or plain")
+            raise KvleagueError(
+                f"{MODE_ENV}=namespaces but 'unshare' namespaces are not available here; use auto or plain"
+            )
         _probe_result = prefix
         return prefix
 
 
 def _base_env(home: str) -> dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": home,
-            "TMPDIR": home, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": home,
+        "TMPDIR": home,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+        "PYTHONIOENCODING": "utf-8",
+    }
 
 
 def find_marked_processes(marker: str) -> list[int]:
@@ -314,8 +325,16 @@ def _run(program: str, limits: SandboxLimits, prefix: list[str]) -> SandboxResul
     host_timeout = False
     try:
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=host_dir, env=env,
-                                    start_new_session=True, close_fds=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                cwd=host_dir,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+            )
             try:
                 try:
                     assert proc.stdin is not None
@@ -366,12 +385,22 @@ def _run(program: str, limits: SandboxLimits, prefix: list[str]) -> SandboxResul
         status = "error"
     else:
         status = "failed"
-    return SandboxResult(status=status, returncode=returncode, stdout=stdout, stderr=stderr.rstrip("\n"),
-                         duration_s=duration, isolation=isolation, leftover_killed=killed, marker=marker,
-                         tempdir=str(host_dir))
+    return SandboxResult(
+        status=status,
+        returncode=returncode,
+        stdout=stdout,
+        stderr=stderr.rstrip("\n"),
+        duration_s=duration,
+        isolation=isolation,
+        leftover_killed=killed,
+        marker=marker,
+        tempdir=str(host_dir),
+    )
 
 
-def run_many(programs: Sequence[str], limits: SandboxLimits | None = None, workers: int | None = None) -> list[SandboxResult]:
+def run_many(
+    programs: Sequence[str], limits: SandboxLimits | None = None, workers: int | None = None
+) -> list[SandboxResult]:
     """:func:`run_python` over ``programs`` with a small pool (each run is its own process tree)."""
     if workers is None:
         workers = max(1, min(4, os.cpu_count() or 1))

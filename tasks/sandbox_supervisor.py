@@ -23,10 +23,26 @@ import signal
 import sys
 import time
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 1, 2, 4, 8, 32, 1024, 2048, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    1024,
+    2048,
+    4096,
+)
 MS_MOVE, MS_REC, MS_RELATIME, MS_STRICTATIME = 8192, 16384, 1 << 21, 1 << 24
-OPT = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-       "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+OPT = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
 
 # exit codes besides the program's own (tasks.sandbox reads them)
 EXIT_TIMEOUT = 124
@@ -39,7 +55,7 @@ INFO_TAG = b"\n@@KVLEAGUE_SANDBOX@@"
 def mount(libc, src, target, fstype, flags, data):
     r = libc.mount(src, target.encode(), fstype, ctypes.c_ulong(flags), data)
     if r != 0:
-        raise OSError(ctypes.get_errno(), "mount %s" % target)
+        raise OSError(ctypes.get_errno(), f"mount {target}")
 
 
 def unescape(p):
@@ -65,11 +81,17 @@ def setup(cfg, libc, program, applied):
             if libc.mount(None, point.encode(), None, ctypes.c_ulong(flags), None) == 0:
                 ro += 1
         applied["readonly_mounts"] = ro
-        owner = "uid=%d,gid=%d," % (uid, uid) if uid is not None else ""
+        owner = f"uid={uid},gid={uid}," if uid is not None else ""
         for point in ("/tmp", "/dev/shm"):
             if os.path.isdir(point) and not os.path.islink(point):
-                mount(libc, b"tmpfs", point, b"tmpfs", MS_NOSUID | MS_NODEV,
-                      ("size=%dm,mode=0700,%s" % (cfg["tmpfs_mb"], owner)).encode())
+                mount(
+                    libc,
+                    b"tmpfs",
+                    point,
+                    b"tmpfs",
+                    MS_NOSUID | MS_NODEV,
+                    f"size={cfg['tmpfs_mb']}m,mode=0700,{owner}".encode(),
+                )
         if uid is not None:
             # Directories the sandbox user may not traverse (e.g. /root holding the interpreter) are
             # hidden behind an empty tmpfs, and only the interpreter's own trees are bound back, read-only.
@@ -85,7 +107,7 @@ def setup(cfg, libc, program, applied):
             for top, paths in sorted(hidden.items()):
                 staged = []
                 for path in sorted(set(paths)):
-                    stage = "/tmp/.kvleague-stage-%d" % stage_no
+                    stage = f"/tmp/.kvleague-stage-{stage_no}"
                     stage_no += 1
                     os.mkdir(stage)
                     mount(libc, path.encode(), stage, None, MS_BIND | MS_REC, None)
@@ -96,7 +118,9 @@ def setup(cfg, libc, program, applied):
                     mount(libc, stage.encode(), path, None, MS_MOVE, None)
                     os.rmdir(stage)
                     libc.mount(None, path.encode(), None, ctypes.c_ulong(MS_REMOUNT | MS_BIND | MS_RDONLY), None)
-                libc.mount(None, top.encode(), None, ctypes.c_ulong(MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV), None)
+                libc.mount(
+                    None, top.encode(), None, ctypes.c_ulong(MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV), None
+                )
             applied["hidden"] = sorted(hidden)
         workdir = "/tmp/work"
         os.mkdir(workdir, 0o700)
@@ -177,12 +201,13 @@ def run_program():
         exec(code, {"__name__": "__sandbox__", "__file__": "main.py", "__builtins__": vars(builtins)})
     except SystemExit as exc:
         try:
-            sys.stderr.write("program called exit(%r)\n" % (exc.code,))
+            sys.stderr.write(f"program called exit({exc.code!r})\n")
         finally:
             _end(EXIT_PROGRAM_EXIT)
     except BaseException:
         try:
             import traceback
+
             traceback.print_exc()
         finally:
             _end(EXIT_PROGRAM_FAILED)
@@ -197,9 +222,14 @@ def start_program(cfg, libc, workdir, writable, applied, info_write):
     os.dup2(fd, 0)
     os.chdir(workdir)
     cpu = cfg["cpu_s"]
-    lim = [(resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (cfg["as_bytes"],) * 2),
-           (resource.RLIMIT_FSIZE, (cfg["fsize_bytes"],) * 2), (resource.RLIMIT_NOFILE, (cfg["nofile"],) * 2),
-           (resource.RLIMIT_CORE, (0, 0)), (resource.RLIMIT_NPROC, (cfg["nproc"],) * 2)]
+    lim = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (cfg["as_bytes"],) * 2),
+        (resource.RLIMIT_FSIZE, (cfg["fsize_bytes"],) * 2),
+        (resource.RLIMIT_NOFILE, (cfg["nofile"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+        (resource.RLIMIT_NPROC, (cfg["nproc"],) * 2),
+    ]
     for what, value in lim:
         resource.setrlimit(what, value)
     if uid is not None:
@@ -226,7 +256,7 @@ def kill_all(pid):
         kids = set()
         for t in os.listdir("/proc/self/task"):
             try:
-                with open("/proc/self/task/%s/children" % t) as fh:
+                with open(f"/proc/self/task/{t}/children") as fh:
                     kids.update(int(x) for x in fh.read().split())
             except OSError:
                 pass
@@ -253,7 +283,7 @@ def main():
     try:
         workdir, writable = setup(cfg, libc, program, applied)
     except BaseException as exc:
-        os.write(2, ("sandbox: setup failed: %r\n" % (exc,)).encode())
+        os.write(2, (f"sandbox: setup failed: {exc!r}\n").encode())
         os._exit(EXIT_SUPERVISOR_ERROR)
 
     if not cfg["namespaces"]:
@@ -268,7 +298,7 @@ def main():
             os._exit(EXIT_SUPERVISOR_ERROR)
         except BaseException as exc:
             try:
-                os.write(2, ("sandbox: child setup failed: %r\n" % (exc,)).encode())
+                os.write(2, (f"sandbox: child setup failed: {exc!r}\n").encode())
             finally:
                 os._exit(EXIT_SUPERVISOR_ERROR)
     os.close(w)

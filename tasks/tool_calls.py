@@ -39,7 +39,9 @@ class ToolCall:
 
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     """The canonical text of one tool call (what a well-behaved model writes)."""
-    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+    return (
+        f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+    )
 
 
 _DECODER = json.JSONDecoder()

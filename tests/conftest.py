@@ -3,10 +3,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +43,9 @@ def pg_server() -> str:
 
     url = postgres_server_url()
     if url is None:
-        pytest.skip("PostgreSQL: KVLEAGUE_PG_URL is unset and no server binaries are installed (apt-get install postgresql)")
+        pytest.skip(
+            "PostgreSQL: KVLEAGUE_PG_URL is unset and no server binaries are installed (apt-get install postgresql)"
+        )
     return url
 
 
@@ -65,11 +67,29 @@ def db_url(request, tmp_path):
 #: on one worker, and a long file started last leaves the other worker idle while it runs.
 #: ``scripts/test.sh`` passes ``--no-loadscope-reorder``, or xdist would order files by their number of
 #: tests instead (it ran the four tests of test_sweep.py, ~3.5 minutes, last)
-LONGEST_FIRST = ("test_faults.py", "test_sweep.py", "test_dashboard_browser.py", "test_batch.py", "test_backend_slab.py",
-                 "test_sweep_fidelity.py", "test_gpu_check.py", "test_method_matrix.py", "test_baselines_authors.py", "test_dashboard_views.py",
-                 "test_cli.py", "test_report.py", "test_model_source.py", "test_bench.py", "test_lmeval.py",
-                 "test_agentic.py", "test_tasks_code.py", "test_sweep_config.py", "test_faults_input.py", "test_db.py",
-                 "test_signals.py")
+LONGEST_FIRST = (
+    "test_faults.py",
+    "test_sweep.py",
+    "test_dashboard_browser.py",
+    "test_batch.py",
+    "test_backend_slab.py",
+    "test_sweep_fidelity.py",
+    "test_gpu_check.py",
+    "test_method_matrix.py",
+    "test_baselines_authors.py",
+    "test_dashboard_views.py",
+    "test_cli.py",
+    "test_report.py",
+    "test_model_source.py",
+    "test_bench.py",
+    "test_lmeval.py",
+    "test_agentic.py",
+    "test_tasks_code.py",
+    "test_sweep_config.py",
+    "test_faults_input.py",
+    "test_db.py",
+    "test_signals.py",
+)
 
 
 def pytest_collection_modifyitems(items):

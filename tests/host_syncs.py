@@ -12,6 +12,8 @@ and the tensor methods that leave for the host (a function mode).
 from __future__ import annotations
 
 import traceback
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,7 +36,7 @@ class HostSyncs:
         self.found: list[tuple[str, str]] = []
         self._modes = (_Functions(self), _Dispatch(self))
 
-    def __enter__(self) -> "HostSyncs":
+    def __enter__(self) -> HostSyncs:
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -44,10 +46,24 @@ class HostSyncs:
             mode.__exit__(*exc)
 
     def note(self, op: str) -> None:
-        frames = [f for f in traceback.extract_stack() if f.filename != __file__
-                  and any(part in f.filename for part in ("/runner/", "/methods/", "/tests/", "/kvleague/"))]
+        frames = [f for f in traceback.extract_stack() if f.filename != __file__ and is_repository_code(f.filename)]
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         self.found.append((op, where))
+
+
+#: the repository's own code: the package's folders and the tests, found from where this file is (a
+#: folder's name in a path says nothing: a clone may be called ``kvleague`` and hold its venv inside)
+REPO = Path(__file__).resolve().parents[1]
+OWN_DIRS = tuple(
+    REPO / d for d in ("engine", "methods", "tasks", "db", "analysis", "runner", "dashboard", "kvleague", "tests")
+)
+
+
+@lru_cache(maxsize=4096)
+def is_repository_code(filename: str) -> bool:
+    """Whether ``filename`` (a frame's) is a file of this repository's code, links resolved."""
+    path = Path(filename).resolve()
+    return any(path.is_relative_to(d) for d in OWN_DIRS)
 
 
 class _Dispatch(TorchDispatchMode):

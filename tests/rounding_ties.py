@@ -82,7 +82,8 @@ def assert_parted_only_at_a_rounding_tie(a: LoggedKnorm, b: LoggedKnorm, a_kept:
             spread = float(scores.max() - scores.min())
             assert spread <= TIE_RTOL * float(scores.abs().max()), (
                 f"eviction {i}, layer/head row {row}: the runs kept different slots {sorted(differing)} whose "
-                f"scores {scores.tolist()} are not one rounding-level tie")
+                f"scores {scores.tolist()} are not one rounding-level tie"
+            )
         return True
     assert len(a.log) == len(b.log), "one run evicted more often than the other"
     return False

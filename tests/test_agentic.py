@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvleague.runner.engine.protocol import GenerationSettings
+from kvleague.engine.protocol import GenerationSettings
 from kvleague.runner.models.tiny import CHAT_TEMPLATE, byte_level_tokenizer
 from kvleague.tasks.episode import ScriptedSession, Transcript
-from kvleague.tasks.tool_calls import ToolCall, format_tool_call, parse_tool_calls
 from kvleague.tasks.registry import build_task
+from kvleague.tasks.tool_calls import ToolCall, format_tool_call, parse_tool_calls
 from tests.conftest import DATA_DIR
 
 
@@ -57,7 +57,7 @@ def test_parse_tool_calls_blocks_errors_and_truncation():
 
 
 def test_transcript_rejects_plain_text():
-    from kvleague.runner.engine.errors import KvleagueError
+    from kvleague.engine.errors import KvleagueError
 
     with pytest.raises(KvleagueError, match="transcript"):
         Transcript.parse("just an answer")
@@ -78,7 +78,10 @@ def _conversation(result, system: str) -> list[dict]:
         for step in turn.steps:
             msgs.append({"role": "assistant", "content": step.text})
             if step.calls:
-                msgs.extend({"role": "tool", "content": o} for o in step.observations + [f"Error: {e}" for e in step.parse_errors])
+                msgs.extend(
+                    {"role": "tool", "content": o}
+                    for o in step.observations + [f"Error: {e}" for e in step.parse_errors]
+                )
     return msgs
 
 
@@ -169,7 +172,9 @@ def test_episode_template_without_system_or_tool_role(tok):
     msgs[0]["content"] = task.system_message(sample) + "\n\n" + msgs[0]["content"]
     oracle = byte_level_tokenizer()  # the permissive ChatML template
     assert oracle.chat_template == CHAT_TEMPLATE
-    assert strict.decode(session.sequence, skip_special_tokens=False) + "\n" == oracle.apply_chat_template(msgs, tokenize=False)
+    assert strict.decode(session.sequence, skip_special_tokens=False) + "\n" == oracle.apply_chat_template(
+        msgs, tokenize=False
+    )
 
 
 def test_episode_step_limit_force_terminates(tok):
@@ -205,8 +210,8 @@ class _Recorder:
 
 
 def test_real_tiny_model_episode_on_one_session(engines):
+    from kvleague.engine.protocol import Protocol
     from kvleague.methods.registry import build_method
-    from kvleague.runner.engine.protocol import Protocol
 
     engine = engines["llama"]
     task = build_task("kv_agent", {"n_episodes": 1, "n_lockers": 2, "n_queries": 1, "n_logs": 0})
@@ -219,7 +224,11 @@ def test_real_tiny_model_episode_on_one_session(engines):
         result = task.run_episode(sample, rec, engine.tokenizer, settings)
     gen = result.generation
     assert len(result.turns) == len(sample.reference["turns"])  # a random model ends every turn at once
-    assert gen.prompt_tokens == sum(f["tokens"] for f in result.feeds) == sum(len(e[1]) for e in rec.events if e[0] == "feed")
+    assert (
+        gen.prompt_tokens
+        == sum(f["tokens"] for f in result.feeds)
+        == sum(len(e[1]) for e in rec.events if e[0] == "feed")
+    )
     assert gen.generated_tokens == sum(s.generated_tokens for t in result.turns for s in t.steps)
     assert gen.evictions > 0 and gen.peak_cache_entries <= budget + chunk
     assert all(len(kept) <= budget for kept in gen.kept_positions)
@@ -246,8 +255,11 @@ def _some_calls(text: str):
 
     from kvleague.tasks.tool_calls import ToolCall
 
-    return ([ToolCall("open_locker", {"locker_id": f"L-{zlib.crc32(text.encode()) % 1000}"})]
-            if zlib.crc32(text.encode()) % 3 else []), []
+    return (
+        [ToolCall("open_locker", {"locker_id": f"L-{zlib.crc32(text.encode()) % 1000}"})]
+        if zlib.crc32(text.encode()) % 3
+        else []
+    ), []
 
 
 @pytest.mark.parametrize("name", ["streaming_llm", "h2o", "snapkv", "epikv"])
@@ -255,9 +267,9 @@ def test_episodes_decoded_together_equal_each_alone(tiny_models, monkeypatch, na
     """``run_samples`` of an episodic task drives its episodes together (their decodes batched round
     by round): every episode's transcript, feeds, tool observations, kept positions and counters
     equal those of it alone (``run_sample``), in float64, where no float rounding parts a near-tie."""
+    from kvleague.engine import batch
+    from kvleague.engine.protocol import Protocol
     from kvleague.methods.registry import build_method
-    from kvleague.runner.engine import batch
-    from kvleague.runner.engine.protocol import Protocol
     from kvleague.runner.models import load_engine
     from kvleague.runner.sample import run_sample, run_samples
     from kvleague.tasks import episode
@@ -271,12 +283,23 @@ def test_episodes_decoded_together_equal_each_alone(tiny_models, monkeypatch, na
     alone = [run_sample(engine, task, s, build_method(name), budget, protocol, settings, 7) for s in samples]
     rounds = []
     inner = batch.DecodeLoop
-    monkeypatch.setattr(batch, "DecodeLoop", lambda engine, sessions, *a: rounds.append(len(sessions)) or inner(engine, sessions, *a))
-    together = run_samples(engine, task, samples, [build_method(name) for _ in samples], budget, protocol, settings, [7] * len(samples))
+    monkeypatch.setattr(
+        batch, "DecodeLoop", lambda engine, sessions, *a: rounds.append(len(sessions)) or inner(engine, sessions, *a)
+    )
+    together = run_samples(
+        engine, task, samples, [build_method(name) for _ in samples], budget, protocol, settings, [7] * len(samples)
+    )
     for one, row in zip(alone, together):
         assert row.completion == one.completion and row.details == one.details and row.score == one.score
-        for field in ("token_ids", "kept_positions", "evictions", "evicted_tokens", "prompt_tokens", "generated_tokens",
-                      "peak_cache_entries"):
+        for field in (
+            "token_ids",
+            "kept_positions",
+            "evictions",
+            "evicted_tokens",
+            "prompt_tokens",
+            "generated_tokens",
+            "peak_cache_entries",
+        ):
             assert getattr(row.generation, field) == getattr(one.generation, field), field
     steps = [one.details["episode"]["steps"] for one in alone]
     assert max(rounds) == len(samples)  # decoded together
@@ -289,10 +312,10 @@ def test_episodes_decoded_together_equal_each_alone(tiny_models, monkeypatch, na
 def test_a_failing_episode_stops_its_batch_and_raises(tiny_models, monkeypatch):
     """An episode that raises stops the others at their next request (none is left waiting) and its
     error is what the caller gets: the cell worker then runs the cells one by one."""
+    from kvleague.engine.batch import drive_sessions
+    from kvleague.engine.protocol import Protocol
+    from kvleague.engine.session import Session
     from kvleague.methods.registry import build_method
-    from kvleague.runner.engine.batch import drive_sessions
-    from kvleague.runner.engine.protocol import Protocol
-    from kvleague.runner.engine.session import Session
     from kvleague.runner.models import load_engine
 
     engine = load_engine(str(tiny_models["llama"]))
@@ -307,16 +330,18 @@ def test_a_failing_episode_stops_its_batch_and_raises(tiny_models, monkeypatch):
                 if i == 1 and step == 1:
                     raise ValueError("tool crashed")
                 handle.feed([9])
+
         return play
 
     with pytest.raises(ValueError, match="tool crashed"):
         drive_sessions(engine, sessions, [driver(i) for i in range(3)])
     assert sorted(seen) == [(i, 2) for i in range(3) for _ in range(2)]  # two rounds each, then the stop
     import threading
+
     assert not [t for t in threading.enumerate() if t.name.startswith("kvleague-driver")]
 
     # a batched decode that raises (out of memory, say) stops every driver the same way
-    from kvleague.runner.engine import batch
+    from kvleague.engine import batch
 
     rounds = []
     inner = batch.DecodeLoop
@@ -358,7 +383,9 @@ def test_bfcl_gold_replay_scores_at_least_95pct(bfcl, tok):
     # one call per step and all of a turn's calls in one step must both score.
     for i, sample in enumerate(samples[::4]):
         gold = task.gold_transcript(sample, one_call_per_step=bool(i % 2))
-        result = task.run_episode(sample, ScriptedSession(tok, replay(gold.turns)), tok, GenerationSettings(max_new_tokens=8))
+        result = task.run_episode(
+            sample, ScriptedSession(tok, replay(gold.turns)), tok, GenerationSettings(max_new_tokens=8)
+        )
         assert result.transcript.turns == gold.turns
         assert result.score.correct, (sample.sample_id, result.score.details.get("error_message"))
 
@@ -404,14 +431,21 @@ def test_bfcl_observations_match_bfcl_executor(bfcl):
         env = task.make_environment(sample)
         sigs = _signatures(sample.reference["involved_classes"])
         name = f"kvltest_{uuid.uuid4().hex}"
-        entry = {"initial_config": sample.reference["initial_config"], "involved_classes": sample.reference["involved_classes"]}
+        entry = {
+            "initial_config": sample.reference["initial_config"],
+            "involved_classes": sample.reference["involved_classes"],
+        }
         try:
             for turn in sample.reference["ground_truth"]:
                 for call_text in turn:
                     call = parse_bfcl_call(call_text, sigs)
                     ours = env.execute(call)
                     theirs, _ = multi_turn_utils.execute_multi_turn_func_call(
-                        [bfcl_call_string(call, set(sigs))], entry["initial_config"], entry["involved_classes"], name, sample.sample_id
+                        [bfcl_call_string(call, set(sigs))],
+                        entry["initial_config"],
+                        entry["involved_classes"],
+                        name,
+                        sample.sample_id,
                     )
                     assert ours == theirs[0], call_text
         finally:
@@ -451,7 +485,9 @@ def kv():
 def _success_rate(task, samples, make_agent, tok) -> float:
     ok = 0
     for i, sample in enumerate(samples):
-        result = task.run_episode(sample, ScriptedSession(tok, make_agent(i)), tok, GenerationSettings(max_new_tokens=64))
+        result = task.run_episode(
+            sample, ScriptedSession(tok, make_agent(i)), tok, GenerationSettings(max_new_tokens=64)
+        )
         ok += result.score.correct
         # the live environment and the scorer's replay agree on the final state
         assert result.final_state == result.score.details["final_state"]
@@ -480,7 +516,9 @@ def test_kv_agent_needs_facts_from_early_turns(kv):
     for sample in samples:
         ref = sample.reference
         turns, gold = ref["turns"], ref["gold_calls"]
-        opened_at = {c["arguments"]["locker_id"]: i for i, t in enumerate(gold) for c in t if c["name"] == "open_locker"}
+        opened_at = {
+            c["arguments"]["locker_id"]: i for i, t in enumerate(gold) for c in t if c["name"] == "open_locker"
+        }
         for i, t in enumerate(gold):
             for c in t:
                 if c["name"] == "transfer":
@@ -506,11 +544,16 @@ def test_kv_agent_wrong_pin_or_extra_transfer_fails(kv):
         k
         for k in sample.reference["lockers"]
         if k != last["locker_id"]
-        and k not in {c[0]["arguments"].get("locker_id") for c in sample.reference["gold_calls"] if c[0]["name"] == "transfer"}
+        and k
+        not in {
+            c[0]["arguments"].get("locker_id") for c in sample.reference["gold_calls"] if c[0]["name"] == "transfer"
+        }
     )
     info = sample.reference["lockers"][other]
     turns = [list(t) for t in gold.turns]
-    turns[-1][0] += "\n" + format_tool_call("transfer", {"locker_id": other, "pin": info["pin"], "quantity": info["quantity"]})
+    turns[-1][0] += "\n" + format_tool_call(
+        "transfer", {"locker_id": other, "pin": info["pin"], "quantity": info["quantity"]}
+    )
     verdict = task.score(sample, Transcript(turns).to_json())
     assert not verdict.correct and verdict.details["mismatched"] == ["contents", "dock"]
 

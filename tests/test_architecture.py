@@ -4,7 +4,7 @@ Imports go one way, down the layers of :data:`LAYERS`, and no two modules import
 indirectly: the graph is built from every import statement, those inside functions included (only
 imports under ``if TYPE_CHECKING:`` never run, so they count for the layers but not for cycles).
 
-The backend seam: nothing above ``runner/engine/`` touches the model's cache or attention internals
+The backend seam: nothing above ``engine/`` touches the model's cache or attention internals
 (transformers' cache, mask and attention registries, the attention kernel switch, a model run over
 a cache, the engine's model object); everything goes through the engine and its backend.
 """
@@ -22,30 +22,44 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TOP = ("methods", "tasks", "runner", "db", "analysis", "dashboard")
+TOP = ("engine", "methods", "tasks", "runner", "db", "analysis", "dashboard")
 
 #: the layers, bottom first, as README's "Where things are" states them: a module imports its own
 #: part and the layers below, never a layer above nor another part of its own layer. A part is a
 #: package (or module) named by its dotted prefix; the longest prefix that matches a module wins.
 LAYERS = (
-    ("kvleague.runner.engine",),                        # the ground floor: generation, the method contract, errors
+    ("kvleague.engine",),  # the ground floor: generation, the method contract, errors
     ("kvleague.methods", "kvleague.tasks", "kvleague.db"),  # methods, tasks, the results database
-    ("kvleague.analysis",),                             # statistics, tables, the paper's claims, the report
-    ("kvleague.runner", "kvleague.dashboard"),          # running (models, sweeps, benchmarks, studies); the Streamlit app
-    ("kvleague.runner.cli",),                           # the kvleague command line: registers every command group
+    ("kvleague.analysis",),  # statistics, tables, the paper's claims, the report
+    ("kvleague.runner", "kvleague.dashboard"),  # running (models, sweeps, benchmarks, studies); the Streamlit app
+    ("kvleague",),  # the rest of kvleague/: the command line, registering every group
 )
 
 #: transformers modules and names that are the model's cache and attention internals
-INTERNAL_MODULES = ("transformers.cache_utils", "transformers.masking_utils", "transformers.modeling_utils",
-                    "transformers.integrations")
-INTERNAL_NAMES = {"DynamicCache", "DynamicLayer", "StaticCache", "Cache", "AttentionInterface",
-                  "ALL_ATTENTION_FUNCTIONS", "ALL_MASK_ATTENTION_FUNCTIONS"}
+INTERNAL_MODULES = (
+    "transformers.cache_utils",
+    "transformers.masking_utils",
+    "transformers.modeling_utils",
+    "transformers.integrations",
+)
+INTERNAL_NAMES = {
+    "DynamicCache",
+    "DynamicLayer",
+    "StaticCache",
+    "Cache",
+    "AttentionInterface",
+    "ALL_ATTENTION_FUNCTIONS",
+    "ALL_MASK_ATTENTION_FUNCTIONS",
+}
 #: attribute uses that reach into a model: the kernel switch, and the engine's model object
 INTERNAL_ATTRIBUTES = {"set_attn_implementation", "past_key_values"}
 
 
 def modules(root: Path = REPO) -> list[Path]:
-    return sorted(p for top in TOP for p in (root / top).rglob("*.py") if "migrations" not in p.parts)
+    """Every module of the package: the top-level folders, and the command line's own files in
+    ``kvleague/`` (whose links to those folders are not followed)."""
+    tops = [p for top in TOP for p in (root / top).rglob("*.py") if "migrations" not in p.parts]
+    return sorted(tops + [p for p in (root / "kvleague").glob("*.py") if p.name != "__init__.py"])
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,7 @@ def module_names(root: Path = REPO) -> dict[str, Path]:
     out = {}
     for path in modules(root):
         parts = path.relative_to(root).with_suffix("").parts
+        parts = parts[1:] if parts[0] == "kvleague" else parts
         out[".".join(("kvleague", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
     return out
 
@@ -100,7 +115,9 @@ def import_graph(root: Path = REPO) -> list[Edge]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                targets = [known(f"{base}.{a.name}") if f"{base}.{a.name}" in names else known(base) for a in node.names]
+                targets = [
+                    known(f"{base}.{a.name}") if f"{base}.{a.name}" in names else known(base) for a in node.names
+                ]
             else:
                 continue
             where = f"{path.relative_to(root)}:{node.lineno}"
@@ -110,8 +127,12 @@ def import_graph(root: Path = REPO) -> list[Edge]:
 
 def _layer_of(module: str) -> tuple[int, str]:
     """(layer index, part) of a module: the part with the longest matching prefix."""
-    matches = [(len(part), i, part) for i, parts in enumerate(LAYERS) for part in parts
-               if module == part or module.startswith(part + ".")]
+    matches = [
+        (len(part), i, part)
+        for i, parts in enumerate(LAYERS)
+        for part in parts
+        if module == part or module.startswith(part + ".")
+    ]
     _, layer, part = max(matches)
     return layer, part
 
@@ -127,11 +148,12 @@ def layer_violations(edges: list[Edge]) -> list[str]:
 
 
 def import_cycles(edges: list[Edge]) -> list[list[Edge]]:
-    """The edges inside each strongly connected component of the imports that run (Tarjan's algorithm)."""
+    """The edges inside each strongly connected component of the imports (Tarjan's algorithm). Imports
+    under ``if TYPE_CHECKING:`` count: a cycle that only a type checker sees is still two modules that
+    cannot be read, moved or tested one without the other."""
     graph: dict[str, set[str]] = {}
     for e in edges:
-        if not e.type_only:
-            graph.setdefault(e.source, set()).add(e.target)
+        graph.setdefault(e.source, set()).add(e.target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -159,12 +181,41 @@ def import_cycles(edges: list[Edge]) -> list[list[Edge]]:
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return [[e for e in edges if not e.type_only and e.source in c and e.target in c] for c in components]
+    return [[e for e in edges if e.source in c and e.target in c] for c in components]
 
 
 def test_imports_go_one_way_down_the_layers():
     violations = layer_violations(import_graph())
     assert not violations, "imports against the layer order (README, Where things are):\n" + "\n".join(violations)
+
+
+def folder_of(module: str) -> str:
+    """The top-level folder of a module: one of :data:`TOP`, else ``kvleague`` (the command line)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in TOP else "kvleague"
+
+
+def folder_violations(edges: list[Edge]) -> list[str]:
+    """Arrows between top-level folders that do not run strictly down the layers (each folder's layer
+    is its package's: ``engine`` 0, ``methods``/``tasks``/``db`` 1, ``analysis`` 2, ``runner``/
+    ``dashboard`` 3): at folder scale a picture of the imports is the picture of the layers."""
+    layer = {folder_of(part): i for i, parts in enumerate(LAYERS) for part in parts if part.count(".") <= 1}
+    out = set()
+    for e in edges:
+        src, dst = folder_of(e.source), folder_of(e.target)
+        if src != dst and layer[dst] >= layer[src]:
+            out.add(f"{src}/ -> {dst}/ ({e})")
+    return sorted(out)
+
+
+def test_folders_import_strictly_down_and_never_in_a_cycle():
+    assert not folder_violations(import_graph())
+    folder_edges = [
+        Edge(folder_of(e.source), folder_of(e.target), e.where, e.type_only)
+        for e in import_graph()
+        if folder_of(e.source) != folder_of(e.target)
+    ]
+    assert not import_cycles(folder_edges)
 
 
 def test_no_import_cycles_between_modules():
@@ -174,17 +225,34 @@ def test_no_import_cycles_between_modules():
 
 #: what every layer imports for errors, names and plugins: no torch or transformers behind it (seconds to
 #: import), so that the CLI's parser, the database, the analysis layer and the dashboard never pay for them
-LIGHT_GROUND_FLOOR = ("kvleague.runner.engine", "kvleague.runner.engine.errors", "kvleague.runner.engine.registry",
-                      "kvleague.runner.engine.protocol", "kvleague.runner.engine.contract", "kvleague.methods",
-                      "kvleague.methods.registry", "kvleague.tasks", "kvleague.tasks.base", "kvleague.tasks.registry")
+LIGHT_GROUND_FLOOR = (
+    "kvleague.engine",
+    "kvleague.engine.errors",
+    "kvleague.engine.registry",
+    "kvleague.engine.protocol",
+    "kvleague.engine.contract",
+    "kvleague.methods",
+    "kvleague.methods.registry",
+    "kvleague.tasks",
+    "kvleague.tasks.base",
+    "kvleague.tasks.registry",
+)
 
 
 def test_the_ground_floor_and_the_registries_import_without_torch():
-    code = ("import importlib, json, sys\n"
-            "for m in sys.argv[1:]: importlib.import_module(m)\n"
-            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})))")
-    proc = subprocess.run([sys.executable, "-c", code, *LIGHT_GROUND_FLOOR], capture_output=True, text=True, cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    code = (
+        "import importlib, json, sys\n"
+        "for m in sys.argv[1:]: importlib.import_module(m)\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *LIGHT_GROUND_FLOOR],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout) == [], f"importing {', '.join(LIGHT_GROUND_FLOOR)} loads {proc.stdout.strip()}"
 
@@ -209,8 +277,13 @@ print(json.dumps([len(cells), loaded, env["transformers_version"], transformers.
 def test_a_sweep_driver_checks_plans_and_records_itself_without_transformers(tiny_models, tmp_path):
     """The driver builds every method to check a config, plans its cells and records its environment;
     transformers (~1.5 s to import, ~4 s under load, paid by every driver start) is for the workers."""
-    proc = subprocess.run([sys.executable, "-c", DRIVER_WORK, str(tiny_models["llama"]), str(tmp_path / "t.db")],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER_WORK, str(tiny_models["llama"]), str(tmp_path / "t.db")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     n_cells, loaded, recorded, imported = json.loads(proc.stdout.splitlines()[-1])
     assert n_cells == 4 and not loaded
@@ -219,14 +292,14 @@ def test_a_sweep_driver_checks_plans_and_records_itself_without_transformers(tin
 
 def test_the_import_checker_catches_planted_violations(tmp_path):
     files = {
-        "runner/engine/__init__.py": "",
-        "runner/engine/errors.py": "def f():\n    from kvleague.runner import sweep  # inside a function\n",
+        "engine/__init__.py": "",
+        "engine/errors.py": "def f():\n    from kvleague.runner import sweep  # inside a function\n",
         "runner/__init__.py": "",
         "runner/sweep.py": "from kvleague.dashboard import ui\n",
-        "runner/cli.py": "from kvleague.dashboard import ui\nfrom kvleague.runner import sweep\n",
+        "kvleague/cli.py": "from kvleague.dashboard import ui\nfrom kvleague.runner import sweep\n",
         "methods/__init__.py": "from kvleague.tasks.base import DOMAINS\n",
         "tasks/__init__.py": "",
-        "tasks/base.py": "from kvleague.runner.engine.errors import f\n",
+        "tasks/base.py": "from kvleague.engine.errors import f\n",
         "db/__init__.py": "",
         "analysis/__init__.py": "",
         "dashboard/__init__.py": "",
@@ -234,17 +307,31 @@ def test_the_import_checker_catches_planted_violations(tmp_path):
         "dashboard/views.py": "def g():\n    from kvleague.dashboard.ui import main\n",
         "dashboard/types.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvleague.dashboard.ui import x\n",
         "analysis/stats.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvleague.dashboard.ui import x\n",
+        "db/a.py": "from kvleague.db.b import y\n",
+        "db/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvleague.db.a import z\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     edges = import_graph(tmp_path)
     found = {v.split(": ", 1)[1].split("  [")[0].replace("kvleague.", "") for v in layer_violations(edges)}
-    assert found == {"runner.engine.errors -> runner.sweep", "runner.sweep -> dashboard.ui",
-                     "methods -> tasks.base", "analysis.stats -> dashboard.ui (TYPE_CHECKING)"}  # runner.cli may
+    assert found == {
+        "engine.errors -> runner.sweep",
+        "runner.sweep -> dashboard.ui",
+        "methods -> tasks.base",
+        "analysis.stats -> dashboard.ui (TYPE_CHECKING)",
+    }  # the cli may
     cycles = import_cycles(edges)
-    assert [sorted(str(e).split(": ", 1)[1].replace("kvleague.", "") for e in c) for c in cycles] == [
-        ["dashboard.ui -> dashboard.views", "dashboard.views -> dashboard.ui"]]  # the TYPE_CHECKING one does not run
+    assert sorted(sorted(str(e).split(": ", 1)[1].replace("kvleague.", "") for e in c) for c in cycles) == [
+        ["dashboard.ui -> dashboard.views", "dashboard.views -> dashboard.ui"],
+        ["db.a -> db.b", "db.b -> db.a (TYPE_CHECKING)"],
+    ]  # a cycle only a type checker sees counts too
+    assert [v.split(" (")[0] for v in folder_violations(edges)] == [
+        "analysis/ -> dashboard/",
+        "engine/ -> runner/",
+        "methods/ -> tasks/",
+        "runner/ -> dashboard/",
+    ]
 
 
 def bare_imports(path: Path, source: str) -> list[str]:
@@ -253,8 +340,11 @@ def bare_imports(path: Path, source: str) -> list[str]:
     own ``tasks`` package."""
     out = []
     for node in ast.walk(ast.parse(source, filename=str(path))):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+        )
         out += [f"{path}:{node.lineno}: {name}" for name in names if name.split(".")[0] in TOP]
     return out
 
@@ -263,18 +353,25 @@ def test_every_import_of_kvleague_goes_through_its_namespace():
     sources = [*modules(), *sorted((REPO / "tests").glob("*.py"))]
     found = [v for path in sources for v in bare_imports(path.relative_to(REPO), path.read_text())]
     assert not found, "imports of kvleague's folders by their bare names (use kvleague.<folder>):\n" + "\n".join(found)
-    assert bare_imports(Path("x.py"), "import runner.cli\nfrom tasks import base\nfrom kvleague.db import store")  == [
-        "x.py:1: runner.cli", "x.py:2: tasks"]
+    assert bare_imports(Path("x.py"), "import runner.cli\nfrom tasks import base\nfrom kvleague.db import store") == [
+        "x.py:1: runner.cli",
+        "x.py:2: tasks",
+    ]
 
 
 def test_pyproject_installs_every_package_under_kvleague():
     import tomllib
 
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {"kvleague." + ".".join(init.parent.relative_to(REPO).parts)
-               for top in TOP for init in (REPO / top).rglob("__init__.py")}
+    folders = {
+        "kvleague." + ".".join(init.parent.relative_to(REPO).parts)
+        for top in TOP
+        for init in (REPO / top).rglob("__init__.py")
+    }
     assert set(setuptools["packages"]) == folders | {"kvleague"}
-    assert setuptools["package-dir"] == {"kvleague": "kvleague", **{f"kvleague.{top}": top for top in TOP}}
+    assert "package-dir" not in setuptools  # the links below are the mapping: no import hook for tools to miss
+    links = {p.name: os.readlink(p) for p in (REPO / "kvleague").iterdir() if p.is_symlink()}
+    assert links == {top: f"../{top}" for top in TOP}
 
 
 def seam_violations(path: Path, source: str) -> list[str]:
@@ -283,7 +380,9 @@ def seam_violations(path: Path, source: str) -> list[str]:
     for node in ast.walk(ast.parse(source, filename=str(path))):
         if isinstance(node, ast.ImportFrom) and node.module:
             names = {a.name for a in node.names}
-            if node.module.startswith(INTERNAL_MODULES) or (node.module.startswith("transformers") and names & INTERNAL_NAMES):
+            if node.module.startswith(INTERNAL_MODULES) or (
+                node.module.startswith("transformers") and names & INTERNAL_NAMES
+            ):
                 out.append(f"{path}:{node.lineno}: from {node.module} import {', '.join(sorted(names))}")
         elif isinstance(node, ast.Import):
             out += [f"{path}:{node.lineno}: import {a.name}" for a in node.names if a.name.startswith(INTERNAL_MODULES)]
@@ -307,27 +406,32 @@ def test_nothing_above_the_engine_touches_the_models_cache_or_attention():
     violations = []
     for path in modules():
         rel = path.relative_to(REPO)
-        if rel.parts[:2] == ("runner", "engine"):
+        if rel.parts[0] == "engine":
             continue
         violations += seam_violations(rel, path.read_text())
-    assert not violations, "outside runner/engine/ (go through Engine / its backend):\n" + "\n".join(violations)
+    assert not violations, "outside engine/ (go through Engine / its backend):\n" + "\n".join(violations)
 
 
-@pytest.mark.parametrize("snippet", [
-    "from transformers import DynamicCache",
-    "from transformers.cache_utils import DynamicLayer",
-    "import transformers.masking_utils",
-    "engine.model.set_attn_implementation('eager')",
-    "out = model(ids, past_key_values=cache)",
-    "params = engine.model.parameters()",
-    "layer = self.engine.layers[0]",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "from transformers import DynamicCache",
+        "from transformers.cache_utils import DynamicLayer",
+        "import transformers.masking_utils",
+        "engine.model.set_attn_implementation('eager')",
+        "out = model(ids, past_key_values=cache)",
+        "params = engine.model.parameters()",
+        "layer = self.engine.layers[0]",
+    ],
+)
 def test_the_seam_check_finds_each_kind_of_reach(snippet):
     assert seam_violations(Path("x.py"), snippet)
 
 
 def test_the_seam_check_lets_the_engines_api_through():
-    assert not seam_violations(Path("x.py"), "from transformers import AutoTokenizer\nengine.describe()\nengine.backend.forward(x)")
+    assert not seam_violations(
+        Path("x.py"), "from transformers import AutoTokenizer\nengine.describe()\nengine.backend.forward(x)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -356,20 +460,23 @@ def unmapped_modules(root: Path, readme: str) -> list[str]:
         if path.name == "__init__.py" or (rel.startswith("methods/") and "@register_method(" in path.read_text()):
             continue
         folder = max((f for f in rows if rel.startswith(f)), key=len, default=None)
-        if folder is None or f"`{rel[len(folder):]}`" not in rows[folder]:
+        if folder is None or f"`{rel[len(folder) :]}`" not in rows[folder]:
             missing.append(f"{rel} (row {folder or 'none'})")
     return missing
 
 
 def test_readme_map_names_every_module():
     missing = unmapped_modules(REPO, (REPO / "README.md").read_text())
-    assert not missing, "modules README's \"Where things are\" does not name:\n" + "\n".join(missing)
+    assert not missing, 'modules README\'s "Where things are" does not name:\n' + "\n".join(missing)
 
 
 def test_the_map_check_finds_a_module_missing_from_its_row(tmp_path):
-    (tmp_path / "runner" / "engine").mkdir(parents=True)
-    for rel in ("runner/engine/errors.py", "runner/engine/new.py", "runner/cli.py"):
+    for folder in ("engine", "runner"):
+        (tmp_path / folder).mkdir()
+    for rel in ("engine/errors.py", "engine/new.py", "runner/cli.py"):
         (tmp_path / rel).write_text("")
-    readme = ("## Where things are\n\n| folder | what |\n|---|---|\n| `runner/engine/` | errors (`errors.py`) |\n"
-              "| `runner/` | the CLI (`cli.py`), `new.py` is named here, not in its own folder's row |\n\n## Next\n")
-    assert unmapped_modules(tmp_path, readme) == ["runner/engine/new.py (row runner/engine/)"]
+    readme = (
+        "## Where things are\n\n| folder | what |\n|---|---|\n| `engine/` | errors (`errors.py`) |\n"
+        "| `runner/` | the CLI (`cli.py`), `new.py` is named here, not in its own folder's row |\n\n## Next\n"
+    )
+    assert unmapped_modules(tmp_path, readme) == ["engine/new.py (row engine/)"]

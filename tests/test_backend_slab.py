@@ -1,4 +1,4 @@
-"""The slab backend (``runner/engine/slab.py``) against the Hugging Face backend, the oracle.
+"""The slab backend (``engine/slab.py``) against the Hugging Face backend, the oracle.
 
 Every registered method on tiny llama / qwen2 / qwen3 in float32, one sequence and a ragged batch:
 the slab backend must give the same tokens, kept positions and eviction counts as ``backend: hf``.
@@ -15,12 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvleague.engine.batch import drive_sessions
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.engine.session import Session
 from kvleague.methods import available_methods, build_method
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.batch import drive_sessions
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
-from kvleague.runner.engine.session import Session
 from tests.conftest import ARCHS
+
 # the batch tests' protocols (sinks and windows; compact positions, a buffered cadence and a kept
 # prompt; chunked prefill and seeded sampling) and settings
 from tests.test_batch import NEW_TOKENS, PROTOCOLS, SETTINGS
@@ -56,8 +57,15 @@ def prompts(pairs) -> list[list[int]]:
 def _same(oracle, result) -> None:
     assert result.token_ids == oracle.token_ids
     assert result.kept_positions == oracle.kept_positions
-    for name in ("evictions", "evicted_tokens", "ranked_evictions", "peak_cache_entries", "generated_tokens",
-                 "attn_implementation", "completion"):
+    for name in (
+        "evictions",
+        "evicted_tokens",
+        "ranked_evictions",
+        "peak_cache_entries",
+        "generated_tokens",
+        "attn_implementation",
+        "completion",
+    ):
         assert getattr(result, name) == getattr(oracle, name), name
 
 
@@ -81,7 +89,6 @@ def test_slab_equals_hf_alone_and_batched(pairs, prompts, name, arch):
         assert sum(r.evictions > 0 for r in oracle) >= 2
 
 
-
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "epikv"])
 def test_multi_turn_sessions_and_teacher_forcing_equal_hf(pairs, prompts, name):
     """Feed, decode, feed again (the pending token flushed), decode; then teacher forcing as fidelity
@@ -95,7 +102,7 @@ def test_multi_turn_sessions_and_teacher_forcing_equal_hf(pairs, prompts, name):
             first = session.decode(settings).token_ids
             session.feed(prompts[0])
             second = session.decode(settings).token_ids
-            session.teacher_force(prompts[2][:8], lambda l, t: logits.append(l.clone()))
+            session.teacher_force(prompts[2][:8], lambda l, t: logits.append(l.clone()))  # noqa: B023 - called before the loop moves on
             out[backend] = (first, second, session.kept_positions(), session.evictions, torch.stack(logits))
     hf, slab = out["hf"], out["slab"]
     assert slab[:4] == hf[:4]
@@ -117,7 +124,9 @@ def _watch_key_widths(monkeypatch, engine) -> list[int]:
 
     # the mapping that wins: a local entry (kvpress's import-time patch sets one for every kernel) overrides the global
     functions = mu.ALL_ATTENTION_FUNCTIONS
-    monkeypatch.setitem(functions._local_mapping if name in functions._local_mapping else functions._global_mapping, name, spy)
+    monkeypatch.setitem(
+        functions._local_mapping if name in functions._local_mapping else functions._global_mapping, name, spy
+    )
     return widths
 
 
@@ -132,7 +141,9 @@ def test_decode_steps_see_the_whole_fixed_slab_and_evictions_never_reallocate(pa
         assert capacity == BUDGET + 5  # budget + the prefill chunk (no pass of it is a single token)
         widths = _watch_key_widths(monkeypatch, slab)
         if batched:
-            results = slab.generate_batch(prompts, [build_method("snapkv") for _ in prompts], BUDGET, protocol, settings)
+            results = slab.generate_batch(
+                prompts, [build_method("snapkv") for _ in prompts], BUDGET, protocol, settings
+            )
             assert all(r.evictions for r in results[1:])
         else:
             session.decode(settings)
@@ -150,15 +161,17 @@ def test_an_eviction_moves_every_layer_with_one_gather(pairs, prompts, monkeypat
     """Every layer's K and V are views of one tensor (a sequence's store, or a batch's slabs), and each
     eviction moves the kept slots of all layers with one gather, never layer by layer (the tests above
     show that it keeps what the HF store keeps)."""
-    from kvleague.runner.engine import cache as cache_module
-    from kvleague.runner.engine import slab as slab_module
-    from kvleague.runner.engine.cache import BudgetedCache
+    from kvleague.engine import cache as cache_module
+    from kvleague.engine import slab as slab_module
+    from kvleague.engine.cache import BudgetedCache
 
     _, slab = pairs["llama"]
     gathered = []
     for module in (cache_module, slab_module):
         real = module.gather_slots
-        monkeypatch.setattr(module, "gather_slots", lambda kv, *a, _real=real, **k: gathered.append(kv.shape) or _real(kv, *a, **k))
+        monkeypatch.setattr(
+            module, "gather_slots", lambda kv, *a, _real=real, **k: gathered.append(kv.shape) or _real(kv, *a, **k)
+        )
     monkeypatch.setattr(BudgetedCache, "_evict_layer", lambda *a: pytest.fail("a layer evicted on its own"))
     protocol, settings = Protocol(sink=1), GenerationSettings(max_new_tokens=8)
     if batched:
@@ -169,8 +182,11 @@ def test_an_eviction_moves_every_layer_with_one_gather(pairs, prompts, monkeypat
     with slab.session(build_method(name), BUDGET, protocol) as session:
         session.feed(prompts[2])  # 27 tokens: the prompt is compressed
         store = session.cache
-        assert all(b.untyped_storage().data_ptr() == store.kv.untyped_storage().data_ptr()
-                   for layer in store.cache.layers for b in layer.buffers)
+        assert all(
+            b.untyped_storage().data_ptr() == store.kv.untyped_storage().data_ptr()
+            for layer in store.cache.layers
+            for b in layer.buffers
+        )
         session.decode(settings)
         assert session.evictions >= 8 and len(gathered) == session.evictions
         assert all(shape[:3] == (slab.n_layers, 2, 1) for shape in gathered)
@@ -180,12 +196,16 @@ def test_a_slab_that_must_grow_grows_before_its_step_is_captured(pairs, prompts,
     """A method that never evicts fills its slab, which grows (geometrically) on the graph's path
     before the step is keyed by the slabs' addresses: one capture per capacity, not a second one
     keyed by the slabs the step itself replaced; the tokens stay hf's."""
-    from kvleague.runner.engine.slab import GraphedStep
+    from kvleague.engine.slab import GraphedStep
 
     hf, slab = pairs["llama"]
     captured = []
     init = GraphedStep.__init__
-    monkeypatch.setattr(GraphedStep, "__init__", lambda self, backend, n, capacity: captured.append(capacity) or init(self, backend, n, capacity))
+    monkeypatch.setattr(
+        GraphedStep,
+        "__init__",
+        lambda self, backend, n, capacity: captured.append(capacity) or init(self, backend, n, capacity),
+    )
     monkeypatch.setattr(slab.backend, "graphs", True)
     settings = GenerationSettings(max_new_tokens=300)
     budget = slab.model.config.max_position_embeddings + 1  # past the context: no eviction, the slab grows
@@ -198,17 +218,25 @@ def test_a_slab_that_must_grow_grows_before_its_step_is_captured(pairs, prompts,
 def test_a_gather_of_a_few_layers_at_a_time_keeps_what_hf_keeps(pairs, prompts, monkeypatch, name):
     """Where one gather of every layer's kept slots would copy out more than ``_GATHER_BYTES`` (a
     large cache), the layers go a few at a time: here one at a time, alone and batched, against hf."""
-    from kvleague.runner.engine import cache as cache_module
+    from kvleague.engine import cache as cache_module
 
     hf, slab = pairs["qwen3"]
     protocol, settings = PROTOCOLS["qwen3"], SETTINGS["qwen3"]
     alone = [hf.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
-    batched = hf.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * len(prompts))
+    batched = hf.generate_batch(
+        prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * len(prompts)
+    )
     monkeypatch.setattr(cache_module, "_GATHER_BYTES", 1)
-    for oracle, result in zip(alone, [slab.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]):
+    for oracle, result in zip(
+        alone, [slab.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
+    ):
         _same(oracle, result)
-    for oracle, result in zip(batched, slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol,
-                                                            settings, [3] * len(prompts))):
+    for oracle, result in zip(
+        batched,
+        slab.generate_batch(
+            prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * len(prompts)
+        ),
+    ):
         _same(oracle, result)
 
 
@@ -227,7 +255,9 @@ def test_the_graph_ready_step_equals_hf(pairs, prompts, name, arch):
     try:
         before = dict(backend.steps)
         alone = [slab.generate(p, build_method(name), BUDGET, protocol, settings, seed=3) for p in prompts]
-        batched = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * 3)
+        batched = slab.generate_batch(
+            prompts, [build_method(name) for _ in prompts], BUDGET, protocol, settings, [3] * 3
+        )
         assert backend.steps["static"] - before["static"] == (len(prompts) + 1) * (NEW_TOKENS - 1)  # 3 alone, 1 batch
         assert backend.steps["eager"] == before["eager"]
     finally:
@@ -273,14 +303,16 @@ def test_one_token_prompts_and_turns_on_the_graph_ready_path_equal_hf(pairs, pro
         _same(expected, result)
 
 
-@pytest.mark.parametrize("name, batch_size", [("tova", 8), ("epikv", 8), ("h2o", 8), ("epikv", 3), ("h2o", 3)])  # (knorm parts at rounding ties here: tests/rounding_ties.py)
+@pytest.mark.parametrize(
+    "name, batch_size", [("tova", 8), ("epikv", 8), ("h2o", 8), ("epikv", 3), ("h2o", 3)]
+)  # (knorm parts at rounding ties here: tests/rounding_ties.py)
 def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pairs, name, batch_size, monkeypatch):
     """With captured steps, rows whose sequence ended (EOS at different steps) stay in the slabs as
     padding until fewer than half are live: every sequence still equals ``hf`` alone, and the batch
     builds few graphs (a new one per batch size, not per finished row). Eight prompts through three
     rows: each finished row is taken by the next prompt (continuous batching), at the same batch size,
     so the rows' turnover costs no capture."""
-    from kvleague.runner.engine import slab as slab_module
+    from kvleague.engine import slab as slab_module
 
     hf, slab = pairs["llama"]
     text = "Every new token costs an old one; which one goes is the whole question, and the answer differs. " * 3
@@ -300,7 +332,9 @@ def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pa
     slab.backend.graphs = True
     before = slab.describe()["graph_captures"]
     try:
-        batched = slab.generate_batch(batch, [build_method(name) for _ in batch], BUDGET, protocol, settings, batch_size=batch_size)
+        batched = slab.generate_batch(
+            batch, [build_method(name) for _ in batch], BUDGET, protocol, settings, batch_size=batch_size
+        )
     finally:
         slab.backend.graphs = False
     for expected, result in zip(alone, batched):
@@ -316,7 +350,7 @@ def test_a_sequence_bound_to_a_batch_row_lets_its_own_slabs_go(pairs, prompts):
     import gc
     import weakref
 
-    from kvleague.runner.engine.decode import DecodeLoop
+    from kvleague.engine.decode import DecodeLoop
 
     _, slab = pairs["llama"]
     sessions = [Session(slab, build_method("h2o"), BUDGET, Protocol(), 0) for _ in range(2)]
@@ -336,7 +370,9 @@ def test_a_sequence_bound_to_a_batch_row_lets_its_own_slabs_go(pairs, prompts):
         with session:
             session.feed(prompt)
     finished = [weakref.ref(s) for s in sessions]
-    loop = DecodeLoop(slab, sessions, GenerationSettings(max_new_tokens=3), refill=lambda: waiting.pop() if waiting else None)
+    loop = DecodeLoop(
+        slab, sessions, GenerationSettings(max_new_tokens=3), refill=lambda: waiting.pop() if waiting else None
+    )
     del sessions, session
     loop.run()
     gc.collect()
@@ -346,7 +382,7 @@ def test_a_sequence_bound_to_a_batch_row_lets_its_own_slabs_go(pairs, prompts):
 def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pairs, prompts):
     """A method that keeps what it observed keeps it: the tapped tensors are rewritten by the next
     step, the ones handed over are not (the hidden states epikv sees, the queries snapkv sees)."""
-    from kvleague.runner.engine.contract import Observation
+    from kvleague.engine.contract import Observation
 
     _, slab = pairs["llama"]
     backend = slab.backend
@@ -368,7 +404,11 @@ def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pa
     assert len(seen) == 4 and all(torch.equal(kept, snapshot) for kept, snapshot in seen)
     assert not torch.equal(seen[0][1], seen[1][1])  # the steps did observe different queries
     about = slab.describe()
-    assert about["backend"] == "slab" and about["cuda_graphs"] == "off" and set(about["decode_steps"]) == {"eager", "graph", "static"}
+    assert (
+        about["backend"] == "slab"
+        and about["cuda_graphs"] == "off"
+        and set(about["decode_steps"]) == {"eager", "graph", "static"}
+    )
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -379,7 +419,7 @@ def test_a_live_graph_keeps_no_finished_session_s_slabs_alive(pairs, prompts, mo
     import gc
     import weakref
 
-    from kvleague.runner.engine import slab as slab_module
+    from kvleague.engine import slab as slab_module
 
     _, slab = pairs["llama"]
     seen = []
@@ -393,10 +433,17 @@ def test_a_live_graph_keeps_no_finished_session_s_slabs_alive(pairs, prompts, mo
     slab.backend.graphs = True
     try:
         if batched:
-            slab.generate_batch(prompts, [build_method("snapkv") for _ in prompts], BUDGET, PROTOCOLS["llama"],
-                                GenerationSettings(max_new_tokens=4))
+            slab.generate_batch(
+                prompts,
+                [build_method("snapkv") for _ in prompts],
+                BUDGET,
+                PROTOCOLS["llama"],
+                GenerationSettings(max_new_tokens=4),
+            )
         else:
-            slab.generate(prompts[2], build_method("snapkv"), BUDGET, PROTOCOLS["llama"], GenerationSettings(max_new_tokens=4))
+            slab.generate(
+                prompts[2], build_method("snapkv"), BUDGET, PROTOCOLS["llama"], GenerationSettings(max_new_tokens=4)
+            )
     finally:
         slab.backend.graphs = False
     gc.collect()
@@ -409,13 +456,37 @@ def test_the_host_sync_spy_names_what_a_graph_cannot_hold(op):
     from tests.host_syncs import HostSyncs
 
     t = torch.arange(6.0)
-    run = {"item": lambda: t[0].item(), "bool": lambda: bool((t > 2).any()), "tolist": t.tolist, "int": lambda: int(t[1]),
-           "tensor": lambda: torch.tensor([1, 2]), "nonzero": t.nonzero, "boolean index": lambda: t[t > 2], "cpu": t.cpu}[op]
+    run = {
+        "item": lambda: t[0].item(),
+        "bool": lambda: bool((t > 2).any()),
+        "tolist": t.tolist,
+        "int": lambda: int(t[1]),
+        "tensor": lambda: torch.tensor([1, 2]),
+        "nonzero": t.nonzero,
+        "boolean index": lambda: t[t > 2],
+        "cpu": t.cpu,
+    }[op]
     with HostSyncs() as spy:
         (t * 2 + 1).softmax(-1)[torch.arange(3)]  # device work, an integer index: nothing to name
         assert spy.found == []
         run()
-    assert len(spy.found) >= 1 and spy.found[0][1].split("/")[-1].startswith("test_backend_slab.py:")  # the line that did it
+    assert len(spy.found) >= 1 and spy.found[0][1].split("/")[-1].startswith(
+        "test_backend_slab.py:"
+    )  # the line that did it
+
+
+def test_the_spy_knows_the_repositorys_code_by_where_it_is_not_by_folder_names(tmp_path):
+    """A clone named ``kvleague`` with its venv inside: the venv's files are not the repository's code
+    (a word in a path is no test of that), a repository file is, through a link too."""
+    from tests.host_syncs import REPO, is_repository_code
+
+    venv_file = REPO / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "_dynamo" / "eval_frame.py"
+    assert not is_repository_code(str(venv_file))
+    assert not is_repository_code("/elsewhere/kvleague/runner/tests/methods/x.py")
+    assert is_repository_code(str(REPO / "kvleague" / "engine" / "slab.py"))  # kvleague/engine -> ../engine
+    assert is_repository_code(__file__)
+    (tmp_path / "kvleague").symlink_to(REPO / "methods")
+    assert is_repository_code(str(tmp_path / "kvleague" / "epikv.py"))  # where it really is
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -423,7 +494,7 @@ def test_the_captured_step_never_waits_for_the_host(pairs, prompts, monkeypatch,
     """The body a CUDA graph captures (model forward over the slab, K/V written at device-held
     slots, observations tapped) makes no op that reads a device value on the host or builds a tensor
     from host data, for every method alone and batched: it can be captured and replayed as is."""
-    from kvleague.runner.engine.slab import GraphedStep
+    from kvleague.engine.slab import GraphedStep
     from tests.host_syncs import HostSyncs
 
     _, slab = pairs["llama"]
@@ -440,15 +511,20 @@ def test_the_captured_step_never_waits_for_the_host(pairs, prompts, monkeypatch,
     slab.backend.graphs = True
     try:
         slab.generate(prompts[2], build_method(name), BUDGET, PROTOCOLS["llama"], GenerationSettings(max_new_tokens=4))
-        slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, PROTOCOLS["llama"],
-                            GenerationSettings(max_new_tokens=4))
+        slab.generate_batch(
+            prompts,
+            [build_method(name) for _ in prompts],
+            BUDGET,
+            PROTOCOLS["llama"],
+            GenerationSettings(max_new_tokens=4),
+        )
     finally:
         slab.backend.graphs = False
     assert len(bodies) == 6 and found == []
 
 
 def test_unknown_backend_and_flash_attention_are_one_line_errors(tiny_models):
-    from kvleague.runner.engine.slab import SlabBackend
+    from kvleague.engine.slab import SlabBackend
     from kvleague.runner.models import load_engine
 
     with pytest.raises(KvleagueError, match="backend: unknown 'vllm'; allowed: hf, slab"):
@@ -465,8 +541,27 @@ def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys
     from tests.test_bench import _cli
 
     model = str(tiny_models["llama"])
-    _cli(["bench", "generate", "--model", model, "--prompt-tokens", "24", "--new-tokens", "8", "--rounds", "1",
-          "--backend", "hf", "--backend", "slab", "--static-anchor", "--json", str(tmp_path / "g.json")])
+    _cli(
+        [
+            "bench",
+            "generate",
+            "--model",
+            model,
+            "--prompt-tokens",
+            "24",
+            "--new-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--backend",
+            "hf",
+            "--backend",
+            "slab",
+            "--static-anchor",
+            "--json",
+            str(tmp_path / "g.json"),
+        ]
+    )
     g = h.read_report(tmp_path / "g.json")
     assert g["config"]["backends"] == ["hf", "slab"] and set(g["summary"]["by_backend"]) == {"hf", "slab"}
     assert all(s["same_tokens"] for s in g["summary"]["by_backend"].values())  # both reproduce model.generate
@@ -478,10 +573,27 @@ def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys
     assert h._LOADED[0] == model  # both backends ran one loaded model object
     ratios = [f for f in g["figures"] if f["metric"] == "backend_speed_ratio"]
     assert {(f["method"], f["details"]["backend"], f["reference"]) for f in ratios} == {
-        (m, "slab", "backend hf") for m in runners}
+        (m, "slab", "backend hf") for m in runners
+    }
     assert all(f["value"] > 0 for f in ratios)
-    _cli(["bench", "speed", "--model", model, "--budgets", "8", "--methods", "knorm", "--gen-factor", "2",
-          "--backend", "slab", "--json", str(tmp_path / "s.json")])
+    _cli(
+        [
+            "bench",
+            "speed",
+            "--model",
+            model,
+            "--budgets",
+            "8",
+            "--methods",
+            "knorm",
+            "--gen-factor",
+            "2",
+            "--backend",
+            "slab",
+            "--json",
+            str(tmp_path / "s.json"),
+        ]
+    )
     s = h.read_report(tmp_path / "s.json")
     assert s["config"]["backend"] == "slab" and {r["backend"] for r in s["rows"]} == {"slab"}
     assert all(r["evictions"] == (0 if r["method"] == "full" else r["steps"]) for r in s["rows"])

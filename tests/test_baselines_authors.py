@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from kvleague.engine.contract import EvictionMethod
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
-from kvleague.runner.engine.contract import EvictionMethod
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 from tests.test_epikv_reference import _prompt, _z, keep_only, kvleague_decode, oracle_decode
 
@@ -35,7 +35,9 @@ PROMPT, BUDGET, STEPS = 30, 48, 122  # every-step regimes: 104 decode forwards a
 def models(tiny_models):
     """``(arch, attn_implementation) -> float32 HF model``."""
     return {
-        (arch, impl): AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=impl).eval()
+        (arch, impl): AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation=impl
+        ).eval()
         for arch, path in tiny_models.items()
         for impl in ("eager", "sdpa")
     }
@@ -114,9 +116,23 @@ class Policy:
 class ThinKVOracle(Policy):
     attentions = True
 
-    def __init__(self, budget, segment=128, quotas=(64, 32, 8), fill=False, strict=False, classifier_layers=4, rank_all_layers=False):
+    def __init__(
+        self,
+        budget,
+        segment=128,
+        quotas=(64, 32, 8),
+        fill=False,
+        strict=False,
+        classifier_layers=4,
+        rank_all_layers=False,
+    ):
         self.budget, self.segment, self.quotas = budget, segment, quotas
-        self.fill, self.strict, self.classifier_layers, self.rank_all_layers = fill, strict, classifier_layers, rank_all_layers
+        self.fill, self.strict, self.classifier_layers, self.rank_all_layers = (
+            fill,
+            strict,
+            classifier_layers,
+            rank_all_layers,
+        )
 
     def step(self, out, cache, positions):
         b = self.budget
@@ -158,8 +174,16 @@ def test_thinkv_authors_equals_the_authors_semantics(engines, models, monkeypatc
         one_classifier_layer=ThinKVOracle(BUDGET, classifier_layers=1, **params),
         rank_by_all_layers=ThinKVOracle(BUDGET, rank_all_layers=True, **params),
     )
-    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("thinkv_authors", params), COMPACT,
-                          ThinKVOracle(BUDGET, **params), mutations if arch == "qwen2" else None)
+    assert_as_the_authors(
+        engines[arch],
+        models[arch, "eager"],
+        prompt,
+        STEPS,
+        build_method("thinkv_authors", params),
+        COMPACT,
+        ThinKVOracle(BUDGET, **params),
+        mutations if arch == "qwen2" else None,
+    )
 
 
 def test_thinkv_authors_keeps_only_the_quotas(engines, models, monkeypatch):
@@ -181,7 +205,13 @@ class RaaSOracle(Policy):
     attentions = True
 
     def __init__(self, budget, strict=False, upper_median=False, older_wins_ties=False, recent=0):
-        self.budget, self.strict, self.upper_median, self.older_wins_ties, self.recent = budget, strict, upper_median, older_wins_ties, recent
+        self.budget, self.strict, self.upper_median, self.older_wins_ties, self.recent = (
+            budget,
+            strict,
+            upper_median,
+            older_wins_ties,
+            recent,
+        )
 
     def start(self, n_prompt, out):
         super().start(n_prompt, out)
@@ -219,8 +249,16 @@ def test_raas_authors_equals_the_authors_semantics(engines, models, monkeypatch,
         older_wins_ties=RaaSOracle(BUDGET, older_wins_ties=True),
         recent_window=RaaSOracle(BUDGET, recent=8),
     )
-    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("raas_authors"), RAAS_PROTOCOL,
-                          RaaSOracle(BUDGET), mutations if arch == "llama" else None)
+    assert_as_the_authors(
+        engines[arch],
+        models[arch, "eager"],
+        prompt,
+        STEPS,
+        build_method("raas_authors"),
+        RAAS_PROTOCOL,
+        RaaSOracle(BUDGET),
+        mutations if arch == "llama" else None,
+    )
 
 
 # -- RKVEviction -------------------------------------------------------------------------------------
@@ -230,7 +268,14 @@ class RKVOracle(Policy):
     attentions = True
 
     def __init__(self, budget, buffer=1, pooling="max", standardised=True, window=8, lam=0.1):
-        self.budget, self.buffer, self.pooling, self.standardised, self.window, self.lam = budget, buffer, pooling, standardised, window, lam
+        self.budget, self.buffer, self.pooling, self.standardised, self.window, self.lam = (
+            budget,
+            buffer,
+            pooling,
+            standardised,
+            window,
+            lam,
+        )
 
     def start(self, n_prompt, out):
         super().start(n_prompt, out)
@@ -252,7 +297,9 @@ class RKVOracle(Policy):
         redundancy = torch.stack(per_layer).mean(dim=0)
         z = (lambda x: (x - x.mean()) / (x.std() + 1e-8)) if self.standardised else (lambda x: x)
         s = self.lam * z(importance) - (1 - self.lam) * z(redundancy)
-        score = {p: (float("inf") if i >= len(positions) - self.window else float(s[i])) for i, p in enumerate(positions)}
+        score = {
+            p: (float("inf") if i >= len(positions) - self.window else float(s[i])) for i, p in enumerate(positions)
+        }
         return set(best(positions, score, self.budget))
 
 
@@ -262,8 +309,16 @@ def test_rkv_authors_equals_the_authors_semantics(engines, models, monkeypatch, 
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(50 + ARCHS.index(arch), PROMPT)
     mutations = dict(avg_pooling=RKVOracle(BUDGET, pooling="avg"), raw_mix=RKVOracle(BUDGET, standardised=False))
-    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("rkv_authors"), COMPACT,
-                          RKVOracle(BUDGET), mutations if arch == "qwen3" else None)
+    assert_as_the_authors(
+        engines[arch],
+        models[arch, "eager"],
+        prompt,
+        STEPS,
+        build_method("rkv_authors"),
+        COMPACT,
+        RKVOracle(BUDGET),
+        mutations if arch == "qwen3" else None,
+    )
 
 
 def test_rkv_authors_buffer_is_cadence_buffer_n_minus_one(engines, models, monkeypatch):
@@ -272,9 +327,13 @@ def test_rkv_authors_buffer_is_cadence_buffer_n_minus_one(engines, models, monke
     prompt = _prompt(55, PROMPT)
     expected = oracle_loop(models["llama", "eager"], prompt, STEPS, RKVOracle(BUDGET, buffer=8))
     method = build_method("rkv_authors")
-    got = kvleague_decode(engines["llama"], prompt, STEPS, BUDGET, method, Protocol(positions="compact", cadence="buffer=7"))
+    got = kvleague_decode(
+        engines["llama"], prompt, STEPS, BUDGET, method, Protocol(positions="compact", cadence="buffer=7")
+    )
     assert got[2] >= 10 and (got[0], got[1]) == expected
-    later = kvleague_decode(engines["llama"], prompt, STEPS, BUDGET, method, Protocol(positions="compact", cadence="buffer=8"))
+    later = kvleague_decode(
+        engines["llama"], prompt, STEPS, BUDGET, method, Protocol(positions="compact", cadence="buffer=8")
+    )
     assert (later[0], later[1]) != expected
 
 
@@ -291,7 +350,9 @@ class LongFlowOracle(Policy):
         if len(positions) <= self.budget:
             return None
         row = newest_row(out.attentions)
-        size = torch.stack([layer.values[0].norm(p=self.norm, dim=-1).mean(dim=0) for layer in cache.layers]).mean(dim=0)
+        size = torch.stack([layer.values[0].norm(p=self.norm, dim=-1).mean(dim=0) for layer in cache.layers]).mean(
+            dim=0
+        )
         score = {p: float(row[i] * size[i]) for i, p in enumerate(positions)}
         for p in positions[len(positions) - self.recent :] if self.recent else []:
             score[p] = float("inf")
@@ -303,8 +364,16 @@ def test_longflow_authors_equals_the_authors_semantics(engines, models, monkeypa
     monkeypatch.setattr(engines[arch], "eos_ids", set())
     prompt = _prompt(60 + ARCHS.index(arch), PROMPT)
     mutations = dict(l2_norm=LongFlowOracle(BUDGET, norm=2), recent_window=LongFlowOracle(BUDGET, recent=8))
-    assert_as_the_authors(engines[arch], models[arch, "eager"], prompt, STEPS, build_method("longflow_authors"), COMPACT,
-                          LongFlowOracle(BUDGET), mutations if arch == "qwen2" else None)
+    assert_as_the_authors(
+        engines[arch],
+        models[arch, "eager"],
+        prompt,
+        STEPS,
+        build_method("longflow_authors"),
+        COMPACT,
+        LongFlowOracle(BUDGET),
+        mutations if arch == "qwen2" else None,
+    )
 
 
 # -- KVSegHSEviction (epikv_seg) ------------------------------------------------------------------------
@@ -334,7 +403,17 @@ class HiddenScore(Policy):
 
 
 class KVSegOracle(HiddenScore):
-    def __init__(self, budget, layer_a, layer_b, segment=128, quotas=(64, 32, 8), after_prompt=False, ascending=False, strict=False):
+    def __init__(
+        self,
+        budget,
+        layer_a,
+        layer_b,
+        segment=128,
+        quotas=(64, 32, 8),
+        after_prompt=False,
+        ascending=False,
+        strict=False,
+    ):
         super().__init__(layer_a, layer_b)
         self.budget, self.segment, self.quotas = budget, segment, quotas
         self.after_prompt, self.ascending, self.strict = after_prompt, ascending, strict
@@ -349,7 +428,9 @@ class KVSegOracle(HiddenScore):
         variance = torch.stack([layer.keys[0, :, :c].var(dim=-1).mean(dim=0) for layer in cache.layers]).mean(dim=0)
         first = p if self.after_prompt else 0
         segments = [list(range(s, min(s + self.segment, c))) for s in range(first, c, self.segment)]
-        kinds = tertiles([float(variance[seg].mean()) for seg in segments], descending=not self.ascending, strict=self.strict)
+        kinds = tertiles(
+            [float(variance[seg].mean()) for seg in segments], descending=not self.ascending, strict=self.strict
+        )
         keep, left = set(range(p)) | set(positions[c:]), b - recent - p
         for seg, kind in zip(segments, kinds):
             if left <= 0:
@@ -376,8 +457,16 @@ def test_epikv_seg_equals_the_authors_kvseghs(engines, models, monkeypatch, arch
         low_variance_first=KVSegOracle(BUDGET, 1, 3, ascending=True, **SEG_PARAMS),
         strict_thresholds=KVSegOracle(BUDGET, 1, 3, strict=True, **SEG_PARAMS),
     )
-    got, expected = assert_as_the_authors(engines[arch], models[arch, "sdpa"], prompt, steps, method, PAPER,
-                                          KVSegOracle(BUDGET, 1, 3, **SEG_PARAMS), mutations if arch == "llama" else None)
+    got, expected = assert_as_the_authors(
+        engines[arch],
+        models[arch, "sdpa"],
+        prompt,
+        steps,
+        method,
+        PAPER,
+        KVSegOracle(BUDGET, 1, 3, **SEG_PARAMS),
+        mutations if arch == "llama" else None,
+    )
     if arch == "llama":
         assert min(len(k) for k in got[1]) < BUDGET
         # kvleague's earlier reading (position segments, fill B) is an option and differs
@@ -455,8 +544,16 @@ def test_kv_variance_equals_the_authors_semantics(engines, models, monkeypatch, 
         std_instead_of_variance=RollingVarianceOracle(BUDGET, tensor, window=16, statistic="std"),
         series_with_prompt=RollingVarianceOracle(BUDGET, tensor, window=16, with_prompt=True),
     )
-    assert_as_the_authors(engines[arch], models[arch, "sdpa"], prompt, STEPS, build_method(name, {"window": 16}), PAPER,
-                          RollingVarianceOracle(BUDGET, tensor, window=16), mutations if arch == "qwen2" else None)
+    assert_as_the_authors(
+        engines[arch],
+        models[arch, "sdpa"],
+        prompt,
+        STEPS,
+        build_method(name, {"window": 16}),
+        PAPER,
+        RollingVarianceOracle(BUDGET, tensor, window=16),
+        mutations if arch == "qwen2" else None,
+    )
 
 
 class LagKeyOracle(PaperSelection):

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kvleague.engine.batch import auto_batch_size
+from kvleague.engine.contract import CacheView, EvictionMethod
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import available_methods, build_method
 from kvleague.methods.kernels import PositionTable
 from kvleague.methods.knorm import KeyNorm
-from kvleague.runner.engine.batch import auto_batch_size
-from kvleague.runner.engine.contract import CacheView, EvictionMethod
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 from tests.test_engine import Recorder
 
@@ -32,7 +32,9 @@ LENGTHS = (5, 8, 11, 14, 17, 20, 24, 28)  # below, at and above the budget
 PROTOCOLS = {
     "llama": Protocol(sink=2, recent=3),
     # the prompt is kept whole even beyond B: long prompts drop every generated token at once
-    "qwen2": Protocol(positions="compact", cadence="buffer=3", recent=2, protect_prompt=True, prompt_over_budget="keep"),
+    "qwen2": Protocol(
+        positions="compact", cadence="buffer=3", recent=2, protect_prompt=True, prompt_over_budget="keep"
+    ),
     "qwen3": Protocol(sink=1, prefill_chunk=7),
 }
 SETTINGS = {
@@ -66,8 +68,19 @@ def prompts(engines64) -> list[list[int]]:
 def _same(single, batched) -> None:
     assert batched.token_ids == single.token_ids
     assert batched.kept_positions == single.kept_positions
-    for name in ("evictions", "evicted_tokens", "peak_cache_entries", "prompt_tokens", "generated_tokens", "stop_reason",
-                 "completion", "attn_implementation", "method", "params", "budget"):
+    for name in (
+        "evictions",
+        "evicted_tokens",
+        "peak_cache_entries",
+        "prompt_tokens",
+        "generated_tokens",
+        "stop_reason",
+        "completion",
+        "attn_implementation",
+        "method",
+        "params",
+        "budget",
+    ):
         assert getattr(batched, name) == getattr(single, name), name
 
 
@@ -76,7 +89,7 @@ def _same(single, batched) -> None:
 def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch, monkeypatch):
     """Rows evict alone while their lengths differ and in one selection once they agree
     (``cache.evict_rows``; under qwen2's protocol the kept prompts differ, so they always evict alone)."""
-    import kvleague.runner.engine.decode as decode
+    import kvleague.engine.decode as decode
 
     together = []
     evict_rows = decode.evict_rows
@@ -95,28 +108,47 @@ def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch
 
 
 #: the built-ins that vectorise: (observe_batch, score_batch) replace per-sequence calls on equal-length rows
-VECTORISED = {"epikv": ("observe", "score"), "epikv_bands": ("observe", "score"), "hs_variance": ("observe", "score"),
-              "h2o": ("observe", "score"), "tova": ("observe",), "knorm": ("score",), "keydiff": ("score",),
-              "streaming_llm": ("score",), "snapkv": ("observe", "score"), "rkv": ("observe", "score"),
-              "scissorhands": ("observe", "score"), "kv_key": ("observe", "score"),
-              "kv_val": ("observe", "score"), "raas": ("observe", "score"), "lazy_eviction": ("observe", "score"),
-              "thinkv": ("observe", "score"), "lag_kv": ("score",), "lag_kv_key": ("score",),
-              "epikv_seg": ("observe", "score"), "thinkv_authors": ("observe", "score"),
-              "h2o_authors": ("observe", "score"), "raas_authors": ("observe", "score"),
-              "longflow_authors": ("observe", "score"), "rkv_authors": ("observe",)}
+VECTORISED = {
+    "epikv": ("observe", "score"),
+    "epikv_bands": ("observe", "score"),
+    "hs_variance": ("observe", "score"),
+    "h2o": ("observe", "score"),
+    "tova": ("observe",),
+    "knorm": ("score",),
+    "keydiff": ("score",),
+    "streaming_llm": ("score",),
+    "snapkv": ("observe", "score"),
+    "rkv": ("observe", "score"),
+    "scissorhands": ("observe", "score"),
+    "kv_key": ("observe", "score"),
+    "kv_val": ("observe", "score"),
+    "raas": ("observe", "score"),
+    "lazy_eviction": ("observe", "score"),
+    "thinkv": ("observe", "score"),
+    "lag_kv": ("score",),
+    "lag_kv_key": ("score",),
+    "epikv_seg": ("observe", "score"),
+    "thinkv_authors": ("observe", "score"),
+    "h2o_authors": ("observe", "score"),
+    "raas_authors": ("observe", "score"),
+    "longflow_authors": ("observe", "score"),
+    "rkv_authors": ("observe",),
+}
 #: variants whose vectorised path has arithmetic of its own: ``name:hyperparameter=value``
-VARIANTS = {"epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
-            "hs_variance:arithmetic=float64": ("hs_variance", {"arithmetic": "float64"}),
-            # chunks short enough that the cache holds several, and a partial one
-            "lag_kv:lag=4": ("lag_kv", {"lag": 4}),
-            "lag_kv:arithmetic=float32,lag=5": ("lag_kv", {"arithmetic": "float32", "lag": 5}),
-            "lag_kv_key:lag=3": ("lag_kv_key", {"lag": 3}),
-            "epikv_seg:segment=3": ("epikv_seg", {"segment": 3, "quotas": (2, 1, 0), "recent_window": 2}),
-            # a window short enough that the accumulated attention chooses (the default keeps sinks + window)
-            "h2o_authors:recent=2": ("h2o_authors", {"recent": 2}),
-            # query windows that fill while decoding, so a batch's windows shift together
-            "snapkv:window=4": ("snapkv", {"window": 4}),
-            "scissorhands:history=4": ("scissorhands", {"history": 4})}
+VARIANTS = {
+    "epikv:arithmetic=float64": ("epikv", {"arithmetic": "float64"}),
+    "hs_variance:arithmetic=float64": ("hs_variance", {"arithmetic": "float64"}),
+    # chunks short enough that the cache holds several, and a partial one
+    "lag_kv:lag=4": ("lag_kv", {"lag": 4}),
+    "lag_kv:arithmetic=float32,lag=5": ("lag_kv", {"arithmetic": "float32", "lag": 5}),
+    "lag_kv_key:lag=3": ("lag_kv_key", {"lag": 3}),
+    "epikv_seg:segment=3": ("epikv_seg", {"segment": 3, "quotas": (2, 1, 0), "recent_window": 2}),
+    # a window short enough that the accumulated attention chooses (the default keeps sinks + window)
+    "h2o_authors:recent=2": ("h2o_authors", {"recent": 2}),
+    # query windows that fill while decoding, so a batch's windows shift together
+    "snapkv:window=4": ("snapkv", {"window": 4}),
+    "scissorhands:history=4": ("scissorhands", {"history": 4}),
+}
 #: (prompt tokens, budget, new tokens) where the default (14, 12, 10) would not reach the path: EpiKV-Seg's
 #: quotas fill only the budget a short prompt leaves, over several segments of generated tokens
 SETUPS = {"epikv_seg:segment=3": (5, 14, 24)}
@@ -129,20 +161,35 @@ def test_vectorised_methods_run_batched_and_equal_each_sequence_alone(engines64,
     _batched_equals_alone(engines64, prompts, case)
 
 
-@pytest.mark.parametrize("case", ["snapkv:window=4", "scissorhands:history=4", "rkv", "keydiff", "lag_kv:lag=4",
-                                  "lag_kv_key:lag=3", "thinkv", "tova"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "snapkv:window=4",
+        "scissorhands:history=4",
+        "rkv",
+        "keydiff",
+        "lag_kv:lag=4",
+        "lag_kv_key:lag=3",
+        "thinkv",
+        "tova",
+    ],
+)
 def test_layers_and_rows_taken_a_few_at_a_time_equal_each_sequence_alone(engines64, prompts, case, monkeypatch):
     """Under a memory cap that admits one layer (one row) at a time, the batched arithmetic that stacks
     layers (the window's attention, the newest query's rows under SDPA, R-KV's redundancy, KeyDiff's
     similarity) or rows (LagKV) runs in
     several chunks and still equals each sequence alone (ThinKV's accumulated attention bit for bit)."""
+    from kvleague.engine import contract, probe
     from kvleague.methods import kernels
-    from kvleague.runner.engine import contract, probe
 
     sizes = []
     chunks = contract.chunks
     monkeypatch.setattr(contract, "STACK_BYTES", 1)
-    spy = lambda count, each: sizes.append(count) or chunks(count, each)
+
+    def spy(count, each):
+        sizes.append(count)
+        return chunks(count, each)
+
     for module in (contract, kernels, probe, sys.modules[build_method(case.split(":")[0]).__module__]):
         monkeypatch.setattr(module, "chunks", spy, raising=False)
     _batched_equals_alone(engines64, prompts, case)
@@ -202,7 +249,7 @@ def test_finished_rows_take_the_next_prompts(engines64, prompts, monkeypatch):
     """Continuous batching: seven prompts through three rows, EOS ending sequences at different steps;
     each finished row is taken by the next prompt (``DecodeLoop.refill``; ``full``, admitted into a
     batch of evicting rows, makes the slabs grow), and every sequence equals it alone."""
-    import kvleague.runner.engine.batch as batch
+    import kvleague.engine.batch as batch
 
     engine = engines64["llama"]
     names = ["knorm", "epikv", "tova", "snapkv", "streaming_llm", "full", "keydiff"]
@@ -226,7 +273,9 @@ def test_finished_rows_take_the_next_prompts(engines64, prompts, monkeypatch):
             return going
 
     monkeypatch.setattr(batch, "DecodeLoop", Loop)
-    batched = engine.generate_batch(prompts[:7], [build_method(n) for n in names], BUDGET, protocol, settings, batch_size=3)
+    batched = engine.generate_batch(
+        prompts[:7], [build_method(n) for n in names], BUDGET, protocol, settings, batch_size=3
+    )
     for single, result in zip(alone, batched):
         _same(single, result)
     assert loops == [3] and sum(admitted) == 4  # one loop of three rows; the other four prompts took finished rows
@@ -236,11 +285,13 @@ def test_rows_of_one_method_apart_in_the_slab_evict_together(engines64, prompts,
     """Equal-length rows, three methods interleaved (per-token, per-head and per-layer-head scores):
     each method's rows are not contiguous in the slab, and they still evict in one selection each
     (``evict_rows`` over gathered rows, written back), every row equal to its sequence alone."""
-    import kvleague.runner.engine.decode as decode
+    import kvleague.engine.decode as decode
 
     together = []
     evict_rows = decode.evict_rows
-    monkeypatch.setattr(decode, "evict_rows", lambda *a, **k: together.append((a[-1], evict_rows(*a, **k))) or together[-1][1])
+    monkeypatch.setattr(
+        decode, "evict_rows", lambda *a, **k: together.append((a[-1], evict_rows(*a, **k))) or together[-1][1]
+    )
     engine, protocol, settings = engines64["llama"], Protocol(sink=1, recent=2), GenerationSettings(max_new_tokens=10)
     same_length = [p[-14:] for p in prompts[4:]] + [list(reversed(p[-14:])) for p in prompts[4:]]
     names = ["epikv", "knorm", "tova", "epikv", "knorm", "tova", "epikv", "knorm"]
@@ -271,9 +322,9 @@ def test_rows_with_their_own_budgets_and_lengths_evict_together(engines64, promp
     quarter of each row's budget; absolute ones under another protocol), prompts of six lengths: the
     rows still evict in one selection, each as it would alone. A ``-inf`` score that leaves fewer
     slots than the budget is settled row by row (``evict_rows`` declines, nothing changed)."""
-    import kvleague.runner.engine.decode as decode
-    from kvleague.runner.engine.decode import DecodeLoop
-    from kvleague.runner.engine.session import Session
+    import kvleague.engine.decode as decode
+    from kvleague.engine.decode import DecodeLoop
+    from kvleague.engine.session import Session
 
     together = []
     evict_rows = decode.evict_rows
@@ -308,10 +359,10 @@ def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines6
     from above the budget; ordered ones compact), not only as sets of kept positions. ``gpu``: the
     moves a GPU makes (every kept slot, not only those after the first dropped one), gathered one
     layer at a time (as the slabs of a large cache are)."""
-    import kvleague.runner.engine.cache as cache
-    import kvleague.runner.engine.decode as decode
-    from kvleague.runner.engine.decode import DecodeLoop
-    from kvleague.runner.engine.session import Session
+    import kvleague.engine.cache as cache
+    import kvleague.engine.decode as decode
+    from kvleague.engine.decode import DecodeLoop
+    from kvleague.engine.session import Session
 
     # a buffered cadence: each decode eviction drops several slots at once, so holes and donors pair up
     engine, settings = engines64["qwen3"], GenerationSettings(max_new_tokens=14)
@@ -330,8 +381,16 @@ def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines6
                 session.feed(p)
         DecodeLoop(engine, sessions, settings).run()
         monkeypatch.undo()
-        return [([layer.keys.clone() for layer in s.cache.cache.layers], [layer.values.clone() for layer in s.cache.cache.layers],
-                 torch.stack(s.cache.positions), torch.stack(s.cache.is_prompt), s.evictions) for s in sessions]
+        return [
+            (
+                [layer.keys.clone() for layer in s.cache.cache.layers],
+                [layer.values.clone() for layer in s.cache.cache.layers],
+                torch.stack(s.cache.positions),
+                torch.stack(s.cache.is_prompt),
+                s.evictions,
+            )
+            for s in sessions
+        ]
 
     for alone, batched in zip(run(False), run(True)):
         assert alone[4] == batched[4] > 0
@@ -343,7 +402,9 @@ class _Copying(Recorder):
     """Keeps a copy of each observation (its tensors are the engine's, valid during ``observe`` only)."""
 
     def observe(self, obs) -> None:
-        copy = lambda x: [t.clone() for t in x] if isinstance(x, list) else x
+        def copy(x):
+            return [t.clone() for t in x] if isinstance(x, list) else x
+
         super().observe(type(obs)(**{k: copy(v) for k, v in vars(obs).items()}))
 
 
@@ -362,7 +423,11 @@ def test_batch_size_splits_and_observations_equal_the_single_ones(engines64, pro
     for single, method in zip(alone, methods):
         assert len(method.observations) == len(single)
         for a, b in zip(single, method.observations):
-            assert (a.phase, a.new_positions.tolist(), a.new_token_ids.tolist()) == (b.phase, b.new_positions.tolist(), b.new_token_ids.tolist())
+            assert (a.phase, a.new_positions.tolist(), a.new_token_ids.tolist()) == (
+                b.phase,
+                b.new_positions.tolist(),
+                b.new_token_ids.tolist(),
+            )
             for field in ("cache_positions", "new_keys", "new_values", "queries", "attention"):
                 for x, y in zip(getattr(a, field), getattr(b, field)):
                     torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-12)
@@ -385,7 +450,7 @@ class _PaddedKeyNorm(EvictionMethod):
             for padded, own in zip(caches.values, view.values):
                 assert torch.equal(padded[i, :, : view.length], own)
         cls.calls = getattr(cls, "calls", 0) + 1
-        return [torch.stack([-k[i, :, : n].norm(dim=-1) for k in caches.keys]) for i, n in enumerate(caches.lengths)]
+        return [torch.stack([-k[i, :, :n].norm(dim=-1) for k in caches.keys]) for i, n in enumerate(caches.lengths)]
 
 
 def test_score_batch_override_sees_the_padded_caches_of_the_evicting_sequences(engines64, prompts):
@@ -400,7 +465,7 @@ def test_score_batch_override_sees_the_padded_caches_of_the_evicting_sequences(e
 
 def test_slabs_that_must_grow_keep_every_row(engines64, prompts, monkeypatch):
     """Slabs that start with one free slot per row grow as the rows do, every row intact."""
-    from kvleague.runner.engine.decode import DecodeLoop
+    from kvleague.engine.decode import DecodeLoop
 
     monkeypatch.setattr(DecodeLoop, "_capacity_for", lambda self, sessions: max(s.cache.length for s in sessions) + 1)
     engine = engines64["qwen2"]
@@ -422,7 +487,10 @@ def test_bad_batches_are_refused_with_one_line(engines64, prompts):
         (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], seeds=[1]), "seeds: 1 seeds"),
         (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], batch_size=0), "batch_size"),
         (dict(prompts=[prompts[0], []], methods=[build_method("knorm") for _ in range(2)]), "prompt 1 is an empty"),
-        (dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], budget=[BUDGET]), "budget: 1 budgets for 2 prompts"),
+        (
+            dict(prompts=prompts[:2], methods=[build_method("knorm") for _ in range(2)], budget=[BUDGET]),
+            "budget: 1 budgets for 2 prompts",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(KvleagueError, match=message):
@@ -479,7 +547,9 @@ def test_knorm_parts_from_another_run_only_at_a_rounding_tie(engines, prompt_ids
             scores = KeyNorm.score(self, cache)
             if not self.log:
                 value = scores[0, 0, self.slot]
-                scores[0, 0, self.slot] = torch.nextafter(value, torch.tensor(float("inf"))) if self.step is None else value + self.step
+                scores[0, 0, self.slot] = (
+                    torch.nextafter(value, torch.tensor(float("inf"))) if self.step is None else value + self.step
+                )
             return self.record(cache.positions, scores)
 
     engine = engines["llama"]
@@ -522,5 +592,6 @@ def test_a_nan_score_is_refused_alone_and_batched(engines64, prompts, reduce):
     with pytest.raises(KvleagueError, match="score: the method returned NaN scores"):
         engine.generate(same_length[0], NaNScore(), BUDGET, Protocol(), GenerationSettings(max_new_tokens=2))
     with pytest.raises(KvleagueError, match="score: the method returned NaN scores"):
-        engine.generate_batch(same_length, [NaNScore() for _ in same_length], BUDGET, Protocol(),
-                              GenerationSettings(max_new_tokens=4))
+        engine.generate_batch(
+            same_length, [NaNScore() for _ in same_length], BUDGET, Protocol(), GenerationSettings(max_new_tokens=4)
+        )

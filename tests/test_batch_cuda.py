@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 import torch
 
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from kvleague.runner.models import load_engine
 from tests.rounding_ties import LoggedKnorm, assert_parted_only_at_a_rounding_tie
 
@@ -15,7 +15,9 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-KERNELS = [("sdpa", "float32")] + ([("flash_attention_2", "bfloat16")] if importlib.util.find_spec("flash_attn") else [])
+KERNELS = [("sdpa", "float32")] + (
+    [("flash_attention_2", "bfloat16")] if importlib.util.find_spec("flash_attn") else []
+)
 
 
 @pytest.mark.parametrize("attn,dtype", KERNELS)

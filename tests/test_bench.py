@@ -9,10 +9,9 @@ import math
 
 import pytest
 
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.bench import harness as h
 from kvleague.runner.bench import storage
-from kvleague.runner.engine.errors import KvleagueError
-
 
 # -- the limit search ---------------------------------------------------------------------------
 
@@ -43,7 +42,9 @@ def test_search_reports_the_cap_when_everything_fits_and_zero_when_nothing_does(
 
 
 def test_search_stops_at_the_requested_resolution_and_keeps_probe_details():
-    result = h.search_limit(lambda n: (n <= 3000, {"peak": n * 10}), start=1024, cap=100_000, resolution=64, relative=0.0)
+    result = h.search_limit(
+        lambda n: (n <= 3000, {"peak": n * 10}), start=1024, cap=100_000, resolution=64, relative=0.0
+    )
     assert result.limit <= 3000 < result.upper and result.upper - result.limit <= 64
     assert all(p.detail == {"peak": p.size * 10} for p in result.probes)
     coarse = h.search_limit(lambda n: n <= 3000, start=1024, cap=100_000, resolution=1, relative=0.25)
@@ -62,11 +63,19 @@ ENV = {key: "x" for key in h.ENVIRONMENT_KEYS}
 
 
 def _report(**over):
-    figures = [h.figure("speed_ratio", 1.25, "x", method="epikv", budget=256, reference="full", clock="cpu"),
-               h.figure("max_tokens", 4096, "tokens", method="h2o", budget=1024, at_least=False),
-               h.figure("ratio", float("nan"), "x")]
-    return h.make_report("decode_speed", config={"model": "m", **over}, rows=[{"method": "epikv"}], figures=figures,
-                         summary={}, env=dict(ENV))
+    figures = [
+        h.figure("speed_ratio", 1.25, "x", method="epikv", budget=256, reference="full", clock="cpu"),
+        h.figure("max_tokens", 4096, "tokens", method="h2o", budget=1024, at_least=False),
+        h.figure("ratio", float("nan"), "x"),
+    ]
+    return h.make_report(
+        "decode_speed",
+        config={"model": "m", **over},
+        rows=[{"method": "epikv"}],
+        figures=figures,
+        summary={},
+        env=dict(ENV),
+    )
 
 
 def test_a_report_has_the_schema_and_survives_json(tmp_path):
@@ -74,8 +83,18 @@ def test_a_report_has_the_schema_and_survives_json(tmp_path):
     assert report["figures"][2]["value"] is None  # NaN is stored as missing, never as invalid JSON
     path = h.write_report(report, tmp_path / "sub" / "r.json")
     assert h.read_report(path) == json.loads(json.dumps(report))
-    assert set(report) == {"schema_version", "benchmark", "run_id", "created_at", "elapsed_seconds", "environment", "config",
-                           "rows", "figures", "summary"}
+    assert set(report) == {
+        "schema_version",
+        "benchmark",
+        "run_id",
+        "created_at",
+        "elapsed_seconds",
+        "environment",
+        "config",
+        "rows",
+        "figures",
+        "summary",
+    }
 
 
 @pytest.mark.parametrize(
@@ -138,8 +157,15 @@ def test_storing_an_invalid_report_writes_nothing(tmp_path):
 def test_probe_subprocess_reports_the_peak_and_is_stopped_over_the_cap(tiny_models):
     from kvleague.runner.bench.feasible_context import GIB, measure_in_subprocess
 
-    spec = {"model": str(tiny_models["llama"]), "method": "h2o", "tokens": 48, "budget": 16, "decode_steps": 4,
-            "prefill_chunk": None, "threads": 1}
+    spec = {
+        "model": str(tiny_models["llama"]),
+        "method": "h2o",
+        "tokens": 48,
+        "budget": 16,
+        "decode_steps": 4,
+        "prefill_chunk": None,
+        "threads": 1,
+    }
     fits = measure_in_subprocess(spec, 8 * GIB, timeout=300)
     assert fits["ok"] and fits["fits"] and fits["attn_implementation"] == "eager"
     # the kernel's high-water mark covers everything the child did, at least its RSS after loading
@@ -152,7 +178,6 @@ def test_probe_subprocess_reports_the_peak_and_is_stopped_over_the_cap(tiny_mode
 
 
 def _cli(argv):
-    import argparse
 
     from kvleague.runner import bench_commands
     from kvleague.runner.cli_args import OneLineParser
@@ -165,15 +190,48 @@ def _cli(argv):
 
 def test_bench_generate_and_kvpress_write_reports(tiny_models, tmp_path, capsys):
     model = str(tiny_models["llama"])
-    _cli(["bench", "generate", "--model", model, "--prompt-tokens", "24", "--new-tokens", "12", "--rounds", "1",
-          "--json", str(tmp_path / "g.json")])
+    _cli(
+        [
+            "bench",
+            "generate",
+            "--model",
+            model,
+            "--prompt-tokens",
+            "24",
+            "--new-tokens",
+            "12",
+            "--rounds",
+            "1",
+            "--json",
+            str(tmp_path / "g.json"),
+        ]
+    )
     g = h.read_report(tmp_path / "g.json")
     assert g["summary"]["same_tokens"] is True  # no eviction: the engine reproduces model.generate
-    assert {f["method"] for f in g["figures"]} == {"engine", "generate"} and g["summary"]["ratio_engine_over_generate"] > 0
+    assert {f["method"] for f in g["figures"]} == {"engine", "generate"} and g["summary"][
+        "ratio_engine_over_generate"
+    ] > 0
     first = next(f for f in g["figures"] if f["metric"] == "first_pass_ratio")
-    assert first["value"] == g["summary"]["first_pass_tps"] / g["summary"]["second_pass_tps"] and first["details"]["target"] == 0.9
-    _cli(["bench", "kvpress", "--model", model, "--budgets", "16", "--new-tokens", "8", "--rounds", "1",
-          "--json", str(tmp_path / "k.json")])
+    assert (
+        first["value"] == g["summary"]["first_pass_tps"] / g["summary"]["second_pass_tps"]
+        and first["details"]["target"] == 0.9
+    )
+    _cli(
+        [
+            "bench",
+            "kvpress",
+            "--model",
+            model,
+            "--budgets",
+            "16",
+            "--new-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--json",
+            str(tmp_path / "k.json"),
+        ]
+    )
     k = h.read_report(tmp_path / "k.json")
     assert [(r["method"], r["budget"]) for r in k["rows"]] == [("streaming_llm", 16), ("knorm", 16)]
     assert all(r["ratio"] > 0 for r in k["rows"])
@@ -182,28 +240,77 @@ def test_bench_generate_and_kvpress_write_reports(tiny_models, tmp_path, capsys)
 
 def test_bench_speed_measures_each_method_beside_full_and_stores(tiny_models, tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'b.db'}"
-    _cli(["bench", "speed", "--model", str(tiny_models["qwen2"]), "--budgets", "8", "16", "--methods", "epikv", "h2o",
-          "--gen-factor", "4", "--json", str(tmp_path / "s.json"), "--store", "--db", url])
+    _cli(
+        [
+            "bench",
+            "speed",
+            "--model",
+            str(tiny_models["qwen2"]),
+            "--budgets",
+            "8",
+            "16",
+            "--methods",
+            "epikv",
+            "h2o",
+            "--gen-factor",
+            "4",
+            "--json",
+            str(tmp_path / "s.json"),
+            "--store",
+            "--db",
+            url,
+        ]
+    )
     s = h.read_report(tmp_path / "s.json")
     assert [(r["method"], r["budget"], r["steps"]) for r in s["rows"]] == [
-        (m, b, 4 * b) for b in (8, 16) for m in ("full", "epikv", "h2o")]
+        (m, b, 4 * b) for b in (8, 16) for m in ("full", "epikv", "h2o")
+    ]
     assert all(r["evictions"] == (0 if r["method"] == "full" else r["steps"]) for r in s["rows"])
     assert {(q["numerator"], q["denominator"], q["budget"]) for q in s["summary"]["ratios"]} == {
-        ("epikv", "h2o", 8), ("epikv", "full", 8), ("epikv", "h2o", 16), ("epikv", "full", 16)}
+        ("epikv", "h2o", 8),
+        ("epikv", "full", 8),
+        ("epikv", "h2o", 16),
+        ("epikv", "full", 16),
+    }
     stored = storage.read_figures(url, run_id=s["run_id"])
     assert len(stored) == len(s["figures"]) and "stored" in capsys.readouterr().out
 
 
 def test_bench_context_searches_each_method_in_subprocesses(tiny_models, tmp_path):
-    _cli(["bench", "context", "--model", str(tiny_models["llama"]), "--methods", "epikv", "h2o", "--memory-gib", "8",
-          "--max-tokens", "64", "--start", "32", "--budget", "16", "--prefill-chunk", "16", "--decode-steps", "2",
-          "--threads", "1", "--json", str(tmp_path / "c.json")])
+    _cli(
+        [
+            "bench",
+            "context",
+            "--model",
+            str(tiny_models["llama"]),
+            "--methods",
+            "epikv",
+            "h2o",
+            "--memory-gib",
+            "8",
+            "--max-tokens",
+            "64",
+            "--start",
+            "32",
+            "--budget",
+            "16",
+            "--prefill-chunk",
+            "16",
+            "--decode-steps",
+            "2",
+            "--threads",
+            "1",
+            "--json",
+            str(tmp_path / "c.json"),
+        ]
+    )
     c = h.read_report(tmp_path / "c.json")
     rows = {r["method"]: r for r in c["rows"]}
     assert rows["epikv"]["max_tokens"] == 64 and rows["epikv"]["at_least"] and rows["epikv"]["prefill_chunk"] == 16
     assert rows["h2o"]["attn_implementation"] == "eager" and rows["h2o"]["prefill_chunk"] is None
-    assert c["summary"]["ratios"] == [{"numerator": "epikv", "denominator": "h2o", "ratio": 1.0, "at_least": False,
-                                       "undetermined": True}]
+    assert c["summary"]["ratios"] == [
+        {"numerator": "epikv", "denominator": "h2o", "ratio": 1.0, "at_least": False, "undetermined": True}
+    ]
 
 
 def test_bench_store_puts_saved_reports_into_the_database(tmp_path, capsys):

@@ -5,26 +5,49 @@ from __future__ import annotations
 
 import pytest
 
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.bench import harness as h
-from kvleague.runner.engine.errors import KvleagueError
 from tests.test_bench import _cli
 
 
 def test_bench_batch_reports_every_method_and_batch_size_beside_generate(tiny_models, tmp_path, capsys):
-    _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "24", "--new-tokens", "6",
-          "--batch-sizes", "1,2,8", "--methods", "full,epikv", "--threads", "1", "--json", str(tmp_path / "b.json")])
+    _cli(
+        [
+            "bench",
+            "batch",
+            "--model",
+            str(tiny_models["qwen2"]),
+            "--prompt-tokens",
+            "24",
+            "--new-tokens",
+            "6",
+            "--batch-sizes",
+            "1,2,8",
+            "--methods",
+            "full,epikv",
+            "--threads",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+        ]
+    )
     report = h.read_report(tmp_path / "b.json")
     assert report["benchmark"] == "batch"
     rows = {(r["method"], r["batch_size"]): r for r in report["rows"]}
     assert set(rows) == {("full/single", 1), ("epikv/single", 1)} | {
-        (m, b) for m in ("full", "epikv", "generate") for b in (1, 2, 8)}
+        (m, b) for m in ("full", "epikv", "generate") for b in (1, 2, 8)
+    }
     assert all(r["decode_tokens_per_second"] > 0 for r in report["rows"])
     assert all(rows[("epikv", b)]["evictions"] > 0 for b in (1, 2, 8)) and rows[("full", 8)]["evictions"] == 0
     assert set(report["summary"]["speedup_batch_8"]) == {"full", "epikv", "generate"}
     # no eviction and equal-length prompts: the batched engine decodes exactly what model.generate does
     same = [f for f in report["figures"] if f["metric"] == "speed_ratio"]
     assert [f["details"]["batch_size"] for f in same] == [1, 2, 8] and all(f["details"]["same_tokens"] for f in same)
-    assert {f["metric"] for f in report["figures"]} >= {"decode_tokens_per_second", "batch_speedup", "batch_1_over_single"}
+    assert {f["metric"] for f in report["figures"]} >= {
+        "decode_tokens_per_second",
+        "batch_speedup",
+        "batch_1_over_single",
+    }
     assert "batch 8 / batch 1" in capsys.readouterr().out
 
 
@@ -37,12 +60,38 @@ def test_bench_batch_times_the_engine_and_generate_on_one_clock(tiny_models, tmp
 
     ticks = itertools.count()
     monkeypatch.setattr(time, "process_time", lambda: float(next(ticks)))
-    _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "16", "--new-tokens", "5",
-          "--batch-sizes", "1,2", "--methods", "full", "--clock", "cpu", "--static-anchor", "--json", str(tmp_path / "b.json")])
+    _cli(
+        [
+            "bench",
+            "batch",
+            "--model",
+            str(tiny_models["qwen2"]),
+            "--prompt-tokens",
+            "16",
+            "--new-tokens",
+            "5",
+            "--batch-sizes",
+            "1,2",
+            "--methods",
+            "full",
+            "--clock",
+            "cpu",
+            "--static-anchor",
+            "--json",
+            str(tmp_path / "b.json"),
+        ]
+    )
     report = h.read_report(tmp_path / "b.json")
     rows = report["rows"]
-    assert {(r["method"], r["batch_size"]) for r in rows} == {("full/single", 1), ("full", 1), ("full", 2), ("generate", 1), ("generate", 2),
-                                                            ("generate_static", 1), ("generate_static", 2)}
+    assert {(r["method"], r["batch_size"]) for r in rows} == {
+        ("full/single", 1),
+        ("full", 1),
+        ("full", 2),
+        ("generate", 1),
+        ("generate", 2),
+        ("generate_static", 1),
+        ("generate_static", 2),
+    }
     # the static-cache anchor decodes what the engine does, at each batch size
     assert {b: a["same_tokens"] for b, a in report["summary"]["engine_over_static"].items()} == {"1": True, "2": True}
     for r in rows:
@@ -62,18 +111,57 @@ def test_a_static_anchor_that_cannot_compile_is_reported_and_the_rest_still_runs
         return real(engine, prompts, new_tokens, clock, **kwargs)
 
     monkeypatch.setattr(batch, "time_generate_batch", failing)
-    _cli(["bench", "batch", "--model", str(tiny_models["qwen2"]), "--prompt-tokens", "16", "--new-tokens", "4",
-          "--batch-sizes", "1", "--methods", "full", "--static-anchor", "--json", str(tmp_path / "b.json")])
+    _cli(
+        [
+            "bench",
+            "batch",
+            "--model",
+            str(tiny_models["qwen2"]),
+            "--prompt-tokens",
+            "16",
+            "--new-tokens",
+            "4",
+            "--batch-sizes",
+            "1",
+            "--methods",
+            "full",
+            "--static-anchor",
+            "--json",
+            str(tmp_path / "b.json"),
+        ]
+    )
     report = h.read_report(tmp_path / "b.json")
-    assert {(r["method"], r["batch_size"]) for r in report["rows"]} == {("full/single", 1), ("full", 1), ("generate", 1)}
+    assert {(r["method"], r["batch_size"]) for r in report["rows"]} == {
+        ("full/single", 1),
+        ("full", 1),
+        ("generate", 1),
+    }
     assert report["summary"]["engine_over_static"]["1"]["error"] == "inductor: no working C compiler"
 
 
 def test_bench_episodes_plays_them_alone_and_together_with_the_same_outcome(tiny_models, tmp_path, capsys):
     """``kvleague bench episodes``: an agentic task's episodes one by one and decoded together, per
     method; in float32 the two agree here (same transcripts, kept positions, counters)."""
-    _cli(["bench", "episodes", "--model", str(tiny_models["llama"]), "--samples", "3", "--budget", "64", "--new-tokens", "4",
-          "--methods", "full,h2o", "--threads", "1", "--json", str(tmp_path / "e.json")])
+    _cli(
+        [
+            "bench",
+            "episodes",
+            "--model",
+            str(tiny_models["llama"]),
+            "--samples",
+            "3",
+            "--budget",
+            "64",
+            "--new-tokens",
+            "4",
+            "--methods",
+            "full,h2o",
+            "--threads",
+            "1",
+            "--json",
+            str(tmp_path / "e.json"),
+        ]
+    )
     report = h.read_report(tmp_path / "e.json")
     assert report["benchmark"] == "episodes" and [r["method"] for r in report["rows"]] == ["full", "h2o"]
     for row in report["rows"]:
@@ -89,9 +177,9 @@ def test_bench_refill_decodes_fixed_chunks_and_continuously_with_the_same_sequen
     """``kvleague bench refill``: a task's prompts in fixed chunks of three rows and continuously (a
     finished row taken by the next prompt), per method; an EOS the model emits makes the lengths differ,
     and every sequence comes out the same both ways."""
+    from kvleague.engine.protocol import GenerationSettings
     from kvleague.methods import build_method
     from kvleague.runner.bench.refill import spreading_token
-    from kvleague.runner.engine.protocol import GenerationSettings
     from kvleague.runner.models import load_engine
     from kvleague.tasks.registry import build_task
 
@@ -99,26 +187,79 @@ def test_bench_refill_decodes_fixed_chunks_and_continuously_with_the_same_sequen
     engine.eos_ids = set()
     prompts = [build_task("gsm8k").build_prompt(s, engine.tokenizer) for s in build_task("gsm8k").load()[:6]]
     eos = spreading_token(engine, prompts, 12, 3)  # auto: a token the full-cache decodes emit, first at spread steps
-    free = engine.generate_batch(prompts, [build_method("full") for _ in prompts], 200, None, GenerationSettings(max_new_tokens=12))
+    free = engine.generate_batch(
+        prompts, [build_method("full") for _ in prompts], 200, None, GenerationSettings(max_new_tokens=12)
+    )
     firsts = [r.token_ids.index(eos) + 1 if eos in r.token_ids else 12 for r in free]
     assert len(set(firsts)) > 1 and min(firsts) < 12
-    _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--samples", "6", "--batch-size", "3", "--budget", "48",
-          "--new-tokens", "12", "--eos-token", "auto", "--methods", "full,h2o", "--threads", "1", "--json", str(tmp_path / "r.json")])
+    _cli(
+        [
+            "bench",
+            "refill",
+            "--model",
+            str(tiny_models["llama"]),
+            "--samples",
+            "6",
+            "--batch-size",
+            "3",
+            "--budget",
+            "48",
+            "--new-tokens",
+            "12",
+            "--eos-token",
+            "auto",
+            "--methods",
+            "full,h2o",
+            "--threads",
+            "1",
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     report = h.read_report(tmp_path / "r.json")
     assert report["config"]["eos_tokens"] == [eos]
     assert report["benchmark"] == "refill" and [r["method"] for r in report["rows"]] == ["full", "h2o"]
     for row in report["rows"]:
-        assert row["same_sequences"] and row["tokens_per_second_chunked"] > 0 and row["tokens_per_second_continuous"] > 0
+        assert (
+            row["same_sequences"] and row["tokens_per_second_chunked"] > 0 and row["tokens_per_second_continuous"] > 0
+        )
         assert row["mean_over_longest"] < 1  # the EOS ended some sequences early
     assert {f["metric"] for f in report["figures"]} == {"batch_tokens_per_second", "continuous_batching_speedup"}
     assert "continuous tok/s" in capsys.readouterr().out
     with pytest.raises(KvleagueError, match=r"^task: 'kv_agent' is episodic; allowed: a plain task"):
         _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--task", "kv_agent"])
-    with pytest.raises(KvleagueError, match=r"^eos_token: got 'x'; allowed: a token id \(a non-negative integer\) or auto$"):
+    with pytest.raises(
+        KvleagueError, match=r"^eos_token: got 'x'; allowed: a token id \(a non-negative integer\) or auto$"
+    ):
         _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--eos-token", "x"])
     # random prompts (the GPU check's step, which has no task data): a spreading EOS, both ways the same
-    _cli(["bench", "refill", "--model", str(tiny_models["llama"]), "--task", "random", "--prompt-tokens", "24", "--samples", "5",
-          "--batch-size", "2", "--budget", "16", "--new-tokens", "10", "--eos-token", "auto", "--methods", "epikv", "--threads", "1",
-          "--json", str(tmp_path / "random.json")])
+    _cli(
+        [
+            "bench",
+            "refill",
+            "--model",
+            str(tiny_models["llama"]),
+            "--task",
+            "random",
+            "--prompt-tokens",
+            "24",
+            "--samples",
+            "5",
+            "--batch-size",
+            "2",
+            "--budget",
+            "16",
+            "--new-tokens",
+            "10",
+            "--eos-token",
+            "auto",
+            "--methods",
+            "epikv",
+            "--threads",
+            "1",
+            "--json",
+            str(tmp_path / "random.json"),
+        ]
+    )
     report = h.read_report(tmp_path / "random.json")
     assert all(12 <= n <= 24 for n in report["config"]["prompt_tokens"]) and report["rows"][0]["same_sequences"]

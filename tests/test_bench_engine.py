@@ -10,19 +10,21 @@ import torch
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import repeat_kv
 
-import kvleague.runner.engine.cache as bc
+import kvleague.engine.cache as bc
+from kvleague.engine.attention import attention_rows
+from kvleague.engine.cache import BudgetedCache, SlabLayer
+from kvleague.engine.contract import Needs
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
-from kvleague.runner.engine.contract import Needs
-from kvleague.runner.engine.attention import attention_rows
-from kvleague.runner.engine.cache import BudgetedCache, SlabLayer
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
 L, H, D = 3, 2, 4
 
 
 def _cache(length: int, reserve: int | None = None, seed: int = 0) -> tuple[BudgetedCache, list, list]:
     """A cache holding ``length`` random entries at positions 0..length-1, plus the entries by position."""
-    config = LlamaConfig(num_hidden_layers=L, num_attention_heads=2 * H, num_key_value_heads=H, hidden_size=8 * H * D // 2)
+    config = LlamaConfig(
+        num_hidden_layers=L, num_attention_heads=2 * H, num_key_value_heads=H, hidden_size=8 * H * D // 2
+    )
     cache = BudgetedCache(config, L, H, torch.device("cpu"), reserve=reserve)
     gen = torch.Generator().manual_seed(seed)
     keys, values = [], []
@@ -79,7 +81,7 @@ def test_eviction_paths_keep_the_best_slots_with_their_entries(monkeypatch, gran
     gen = torch.Generator().manual_seed(1)
     position = length
     shape = {"token": (), "layer": (L,), "head": (L, H)}[granularity]
-    for step in range(12):  # one large eviction (prefill-like), then one slot per step
+    for _step in range(12):  # one large eviction (prefill-like), then one slot per step
         positions = [p.clone() for p in cache.positions]
         scores = torch.randn(*shape, cache.length, generator=gen)
         expected = _expected_kept(scores, positions, budget, sink)
@@ -189,9 +191,9 @@ def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
     method that evicts every step shows its evictions, its reads and its copies."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from kvleague.engine.protocol import GenerationSettings, Protocol
     from kvleague.methods import build_method
     from kvleague.runner.bench.step_ops import count
-    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
     from kvleague.runner.models import load_engine
 
     engine = load_engine(str(tiny_models["llama"]), backend="slab")
@@ -249,8 +251,23 @@ def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path
     from kvleague.runner.models import load_engine
     from kvleague.runner.models.tiny import make_tiny_model
 
-    names = ("full", "epikv", "h2o", "snapkv", "tova", "raas", "lazy_eviction", "thinkv", "rkv", "scissorhands",
-             "kv_key", "lag_kv", "h2o_authors", "raas_authors", "longflow_authors")
+    names = (
+        "full",
+        "epikv",
+        "h2o",
+        "snapkv",
+        "tova",
+        "raas",
+        "lazy_eviction",
+        "thinkv",
+        "rkv",
+        "scissorhands",
+        "kv_key",
+        "lag_kv",
+        "h2o_authors",
+        "raas_authors",
+        "longflow_authors",
+    )
     per_row: dict[int, dict[str, float]] = {}
     reads_per_row: dict[str, float] = {}
     for layers in (2, 6):
@@ -262,7 +279,9 @@ def test_a_batch_step_s_host_work_per_row_does_not_grow_with_the_layers(tmp_path
         for name in names:
             two, eight = (count(engine, name, n, 16, prompt, 4) for n in (2, 8))
             per_row[layers][name] = (eight["ops_per_step"] - two["ops_per_step"]) / 6
-            reads_per_row[name] = max(reads_per_row.get(name, 0), (eight["host_reads_per_step"] - two["host_reads_per_step"]) / 6)
+            reads_per_row[name] = max(
+                reads_per_row.get(name, 0), (eight["host_reads_per_step"] - two["host_reads_per_step"]) / 6
+            )
     growth = {name: per_row[6][name] - per_row[2][name] for name in names}
     assert growth["full"] > 0  # the slabs built per row and layer: the count sees the layers
     for name in names[1:]:
@@ -281,8 +300,22 @@ def test_a_sequence_s_step_does_not_loop_over_the_layers(tmp_path):
     from kvleague.runner.models import load_engine
     from kvleague.runner.models.tiny import make_tiny_model
 
-    names = ("full", "epikv", "h2o", "snapkv", "tova", "rkv", "scissorhands", "keydiff", "raas", "lazy_eviction",
-             "thinkv", "lag_kv", "kv_key", "h2o_authors")
+    names = (
+        "full",
+        "epikv",
+        "h2o",
+        "snapkv",
+        "tova",
+        "rkv",
+        "scissorhands",
+        "keydiff",
+        "raas",
+        "lazy_eviction",
+        "thinkv",
+        "lag_kv",
+        "kv_key",
+        "h2o_authors",
+    )
     ops: dict[tuple[str, int], float] = {}
     for layers in (2, 6):
         engine = load_engine(str(make_tiny_model("llama", tmp_path / f"l{layers}", layers=layers)), backend="slab")

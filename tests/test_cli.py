@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from kvleague.runner.cli import main
+from kvleague.cli import main
 
 PLUGIN = textwrap.dedent(
     '''
@@ -54,7 +54,18 @@ def plugin_path(tmp_path_factory):
     )
     target = tmp_path_factory.mktemp("plugin-site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(src),
+        ],
         check=True,
         timeout=300,
     )
@@ -66,7 +77,7 @@ def run_cli(*args, pythonpath=None, timeout=180):
     if pythonpath:
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(
-        [sys.executable, "-m", "kvleague.runner.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "kvleague.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
 
 
@@ -78,8 +89,20 @@ def test_plugin_method_is_listed_and_runs(plugin_path, tiny_models):
     assert by_name["newest_only"]["hyperparameters"] == [{"name": "bonus", "type": "float", "default": 0.0}]
 
     out = run_cli(
-        "generate", "--model", str(tiny_models["llama"]), "--method", "newest_only", "--param", "bonus=1.5",
-        "--budget", "24", "--prompt", "a plugin evicts " * 4, "--max-new-tokens", "12", "--json",
+        "generate",
+        "--model",
+        str(tiny_models["llama"]),
+        "--method",
+        "newest_only",
+        "--param",
+        "bonus=1.5",
+        "--budget",
+        "24",
+        "--prompt",
+        "a plugin evicts " * 4,
+        "--max-new-tokens",
+        "12",
+        "--json",
         pythonpath=plugin_path,
     )
     assert out.returncode == 0, out.stderr
@@ -102,9 +125,18 @@ def test_methods_lists_hyperparameters_and_needs(capsys):
         (["--method", "streaming_llm", "--param", "window=3"], "unknown hyperparameter 'window'; valid: n_sink"),
         (["--method", "streaming_llm", "--param", "n_sink=abc"], "hyperparameter n_sink='abc'"),
         (["--method", "streaming_llm", "--param", "n_sink=-1"], "n_sink must be >= 0"),
-        (["--method", "knorm", "--sink", "8", "--recent", "8", "--budget", "16"], "budget: 16 leaves no evictable slot"),
-        (["--method", "knorm", "--cadence", "sometimes"], "cadence: unknown 'sometimes'; allowed: every_step, buffer=N"),
-        (["--method", "knorm", "--model", "/no/such/dir"], "model: no checkpoint directory or .gguf file at '/no/such/dir'"),
+        (
+            ["--method", "knorm", "--sink", "8", "--recent", "8", "--budget", "16"],
+            "budget: 16 leaves no evictable slot",
+        ),
+        (
+            ["--method", "knorm", "--cadence", "sometimes"],
+            "cadence: unknown 'sometimes'; allowed: every_step, buffer=N",
+        ),
+        (
+            ["--method", "knorm", "--model", "/no/such/dir"],
+            "model: no checkpoint directory or .gguf file at '/no/such/dir'",
+        ),
         (["--method", "knorm", "--budget", "x"], "argument --budget: invalid int value"),
     ],
 )
@@ -120,7 +152,10 @@ def test_bad_input_is_one_line_exit_2(capsys, tiny_models, args, fragment):
 def test_console_script_exit_code_without_traceback():
     proc = run_cli("generate", "--model", "/no/such/dir", "--method", "full", "--budget", "8", "--prompt", "x")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "kvleague: error: model: no checkpoint directory or .gguf file at '/no/such/dir' (known names: smollm2-135m)"
+    assert (
+        proc.stderr.strip()
+        == "kvleague: error: model: no checkpoint directory or .gguf file at '/no/such/dir' (known names: smollm2-135m)"
+    )
 
 
 README_CHECK = textwrap.dedent(
@@ -129,7 +164,7 @@ README_CHECK = textwrap.dedent(
     from transformers import DynamicCache
     from kvleague.methods import build_method
     from kvleague.runner.models import load_engine
-    from kvleague.runner.engine.protocol import Protocol
+    from kvleague.engine.protocol import Protocol
     import value_norm  # the README's example, registered on import
 
     engine = load_engine(sys.argv[1])
@@ -157,7 +192,11 @@ def test_readme_method_example_runs(tmp_path, tiny_models):
     (tmp_path / "check.py").write_text(README_CHECK)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, str(tmp_path / "check.py"), str(tiny_models["qwen3"])], capture_output=True, text=True, env=env, timeout=180
+        [sys.executable, str(tmp_path / "check.py"), str(tiny_models["qwen3"])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
@@ -165,16 +204,39 @@ def test_readme_method_example_runs(tmp_path, tiny_models):
 def test_every_protocol_field_is_a_flag_and_a_model_arg():
     """The protocol's flags, the sweep YAML's protocol and lm-eval's model_args come from one field list:
     each field set by its flag gives the Protocol with that field, and text values parse the same way."""
-    from kvleague.runner.cli import build_parser
+    from kvleague.cli import build_parser
+    from kvleague.engine.protocol import Protocol, protocol_fields
     from kvleague.runner.cli_args import protocol_from_args
-    from kvleague.runner.engine.protocol import Protocol, protocol_fields
     from kvleague.runner.sweep_config import ProtocolConfig, ProtocolOverride
 
-    given = {"cadence": "buffer=8", "positions": "compact", "sink": "4", "recent": "16", "protect_prompt": "true",
-             "prefill_chunk": "32", "recent_max_fraction": "0.25", "prompt_over_budget": "keep", "budget_base": "prompt"}
-    assert set(given) == {f.name for f in protocol_fields()} == set(ProtocolConfig.model_fields) == set(ProtocolOverride.model_fields)
-    expected = Protocol(cadence="buffer=8", positions="compact", sink=4, recent=16, protect_prompt=True, prefill_chunk=32,
-                        recent_max_fraction=0.25, prompt_over_budget="keep", budget_base="prompt")
+    given = {
+        "cadence": "buffer=8",
+        "positions": "compact",
+        "sink": "4",
+        "recent": "16",
+        "protect_prompt": "true",
+        "prefill_chunk": "32",
+        "recent_max_fraction": "0.25",
+        "prompt_over_budget": "keep",
+        "budget_base": "prompt",
+    }
+    assert (
+        set(given)
+        == {f.name for f in protocol_fields()}
+        == set(ProtocolConfig.model_fields)
+        == set(ProtocolOverride.model_fields)
+    )
+    expected = Protocol(
+        cadence="buffer=8",
+        positions="compact",
+        sink=4,
+        recent=16,
+        protect_prompt=True,
+        prefill_chunk=32,
+        recent_max_fraction=0.25,
+        prompt_over_budget="keep",
+        budget_base="prompt",
+    )
     argv = ["generate", "--method", "full", "--budget", "64", "--prompt", "x"]
     for name, value in given.items():
         flag = "--" + name.replace("_", "-")
@@ -191,7 +253,7 @@ HEAVY_MODULES = ("torch", "transformers", "ray", "streamlit", "pandas", "matplot
 IMPORT_CHECK = textwrap.dedent(
     """
     import argparse, contextlib, io, json, sys
-    from kvleague.runner.cli import build_parser, main
+    from kvleague.cli import build_parser, main
 
     def subcommands(parser, prefix=()):
         for action in parser._actions:
@@ -216,8 +278,13 @@ def test_help_and_argument_errors_import_no_heavy_library():
     """`kvleague --help`, every subcommand's --help and an argument error answer from the parser alone:
     none of them imports torch, transformers, Ray, Streamlit, pandas, matplotlib or SQLAlchemy (each
     command imports what it needs when it runs), which keeps them well under a second."""
-    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK, *HEAVY_MODULES], capture_output=True, text=True,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK, *HEAVY_MODULES],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["loaded"] == [], result["loaded"]
@@ -246,17 +313,37 @@ def short_context_model(tiny_models, tmp_path_factory):
         (["--prompt", "  \n "], "--prompt: the prompt is empty; give the text the model should continue"),
         ([], "generate: give one of --prompt TEXT or --prompt-file FILE"),
         (["--prompt", "x", "--prompt-file", "f.txt"], "generate: give one of --prompt TEXT or --prompt-file FILE"),
-        (["--prompt-file", "/no/such/file.txt"], "--prompt-file: cannot read '/no/such/file.txt' as UTF-8 text: FileNotFoundError"),
-        (["--prompt", "x" * 400], "--prompt: the prompt is 400 tokens and --max-new-tokens 8, past the model's context of 256 "
-                                  "tokens (max_position_embeddings); shorten the prompt or --max-new-tokens"),
-        (["--prompt", "x" * 250, "--max-new-tokens", "20"], "--prompt: the prompt is 250 tokens and --max-new-tokens 20, past "
-                                                            "the model's context of 256 tokens"),
+        (
+            ["--prompt-file", "/no/such/file.txt"],
+            "--prompt-file: cannot read '/no/such/file.txt' as UTF-8 text: FileNotFoundError",
+        ),
+        (
+            ["--prompt", "x" * 400],
+            "--prompt: the prompt is 400 tokens and --max-new-tokens 8, past the model's context of 256 "
+            "tokens (max_position_embeddings); shorten the prompt or --max-new-tokens",
+        ),
+        (
+            ["--prompt", "x" * 250, "--max-new-tokens", "20"],
+            "--prompt: the prompt is 250 tokens and --max-new-tokens 20, past the model's context of 256 tokens",
+        ),
     ],
 )
 def test_bad_prompts_are_one_line_exit_2(short_context_model, capsys, args, message):
     """The byte-level tokenizer makes one token per character, so the token counts above are exact."""
-    argv = ["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
-            "--max-new-tokens", "8", *args]
+    argv = [
+        "generate",
+        "--model",
+        str(short_context_model),
+        "--method",
+        "streaming_llm",
+        "--budget",
+        "64",
+        "--chat",
+        "off",
+        "--max-new-tokens",
+        "8",
+        *args,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvleague: error: {message}"), err
@@ -268,18 +355,52 @@ def test_prompt_file_and_compact_positions_past_the_context(short_context_model,
     (no position above the budget) the run goes ahead with a one-line warning, and reports progress."""
     text = "The quick brown fox jumps over the lazy dog. " * 3
     (tmp_path / "p.txt").write_text(text, encoding="utf-8")
-    base = ["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
-            "--max-new-tokens", "8", "--json"]
+    base = [
+        "generate",
+        "--model",
+        str(short_context_model),
+        "--method",
+        "streaming_llm",
+        "--budget",
+        "64",
+        "--chat",
+        "off",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]
     assert main([*base, "--prompt", text]) == 0
     direct = json.loads(capsys.readouterr().out)
     assert main([*base, "--prompt-file", str(tmp_path / "p.txt")]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == direct["token_ids"]
     long = "x" * 400
-    assert main(["generate", "--model", str(short_context_model), "--method", "streaming_llm", "--budget", "64", "--chat", "off",
-                 "--max-new-tokens", "8", "--positions", "compact", "--prompt", long]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(short_context_model),
+                "--method",
+                "streaming_llm",
+                "--budget",
+                "64",
+                "--chat",
+                "off",
+                "--max-new-tokens",
+                "8",
+                "--positions",
+                "compact",
+                "--prompt",
+                long,
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("kvleague generate: warning: the prompt is 400 tokens and --max-new-tokens 8, past the model's "
-                             "context of 256 tokens"), err
+    assert err[0].startswith(
+        "kvleague generate: warning: the prompt is 400 tokens and --max-new-tokens 8, past the model's "
+        "context of 256 tokens"
+    ), err
     assert err[1] == "kvleague generate: prefill of 400 prompt tokens under budget 64"
     assert err[2].startswith("kvleague generate: prefill done in ") and err[2].endswith("decoding up to 8 tokens")
 
@@ -301,10 +422,23 @@ class _Writes:
 def test_generate_streams_the_completion_as_it_is_decoded(tiny_models, capsys, monkeypatch, stop):
     """Without --json the completion reaches stdout while decoding runs, and the streamed text is the
     completion --json reports (ending before a stop string, none of which is streamed)."""
-    from kvleague.runner.engine.generation import Session
+    from kvleague.engine.generation import Session
 
-    base = ["generate", "--model", str(tiny_models["qwen2"]), "--method", "streaming_llm", "--budget", "32", "--chat", "off",
-            "--prompt", "the cache keeps " * 6, "--max-new-tokens", "40"]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_models["qwen2"]),
+        "--method",
+        "streaming_llm",
+        "--budget",
+        "32",
+        "--chat",
+        "off",
+        "--prompt",
+        "the cache keeps " * 6,
+        "--max-new-tokens",
+        "40",
+    ]
     assert main([*base, "--json"]) == 0
     whole = json.loads(capsys.readouterr().out)
     extra, expected = [], whole["completion"]

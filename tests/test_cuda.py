@@ -5,9 +5,9 @@ import importlib.util
 import pytest
 import torch
 
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import available_methods, build_method
 from kvleague.runner.models import load_engine
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.rounding_ties import LoggedKnorm, assert_parted_only_at_a_rounding_tie
 from tests.test_engine import Recorder
 
@@ -37,7 +37,9 @@ def test_attention_rows_match_eager_under_every_kernel(tiny_models, prompt_ids, 
     method = Recorder()
     with engine.session(method, 4096, Protocol()) as session:
         session.feed(prompt_ids)
-    eager = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], attn_implementation="eager", dtype=torch.bfloat16).cuda()
+    eager = AutoModelForCausalLM.from_pretrained(
+        tiny_models["llama"], attn_implementation="eager", dtype=torch.bfloat16
+    ).cuda()
     with torch.no_grad():
         out = eager(torch.tensor([prompt_ids], device="cuda"), output_attentions=True)
     n = len(prompt_ids)
@@ -49,13 +51,17 @@ def test_eviction_frees_cuda_memory(tiny_models):
     engine = load_engine(str(tiny_models["llama"]), device="cuda", dtype="bfloat16")
     prompt = list(range(10, 250)) * 8
     full = engine.generate(prompt, build_method("full"), 1 << 20, settings=GenerationSettings(max_new_tokens=8))
-    small = engine.generate(prompt, build_method("knorm"), 64, Protocol(prefill_chunk=64), GenerationSettings(max_new_tokens=8))
+    small = engine.generate(
+        prompt, build_method("knorm"), 64, Protocol(prefill_chunk=64), GenerationSettings(max_new_tokens=8)
+    )
     assert small.peak_kv_bytes * 10 < full.peak_kv_bytes
 
 
 @pytest.fixture(scope="module")
 def float32_engines(tiny_models):
-    engines = {device: load_engine(str(tiny_models["qwen3"]), dtype="float32", device=device) for device in ("cpu", "cuda")}
+    engines = {
+        device: load_engine(str(tiny_models["qwen3"]), dtype="float32", device=device) for device in ("cpu", "cuda")
+    }
     for engine in engines.values():
         engine.eos_ids = set()
     return engines
@@ -72,7 +78,9 @@ def test_every_method_keeps_and_generates_the_same_on_cuda_and_cpu(float32_engin
     }
     cpu, cuda = results["cpu"], results["cuda"]
     if name == "knorm" and (cpu.token_ids, cpu.kept_positions) != (cuda.token_ids, cuda.kept_positions):
-        assert assert_parted_only_at_a_rounding_tie(methods["cpu"], methods["cuda"], cpu.kept_positions, cuda.kept_positions)
+        assert assert_parted_only_at_a_rounding_tie(
+            methods["cpu"], methods["cuda"], cpu.kept_positions, cuda.kept_positions
+        )
         return
     assert cuda.token_ids == cpu.token_ids
     assert cuda.kept_positions == cpu.kept_positions

@@ -61,7 +61,7 @@ def seed_db(path: Path) -> list[dict]:
     sweep = s.sweep("dash-test", {"name": "dash-test", "seeds": [0, 1]}, git_commit=GIT)
     meths = {m: s.method(m) for m in METHODS}
     out: list[dict] = []
-    for t_i, (task, domain, n) in enumerate(TASKS):
+    for _t_i, (task, domain, n) in enumerate(TASKS):
         task_id = s.task(task, domain)
         for m_i, method in enumerate(METHODS):
             for budget in BUDGETS:
@@ -74,9 +74,16 @@ def seed_db(path: Path) -> list[dict]:
                         correct = is_correct(method, budget, d, shift)
                         fired = method != "full" and budget < 4096 and i % 3 != 0
                         row = {
-                            "sweep_id": sweep, "model_id": model, "method_spec_id": meths[method], "task_id": task_id,
-                            "protocol_id": proto, "generation_id": gen, "budget": budget, "sample_id": f"{task}-{i:03d}",
-                            "sample_index": j, "seed": seed,
+                            "sweep_id": sweep,
+                            "model_id": model,
+                            "method_spec_id": meths[method],
+                            "task_id": task_id,
+                            "protocol_id": proto,
+                            "generation_id": gen,
+                            "budget": budget,
+                            "sample_id": f"{task}-{i:03d}",
+                            "sample_index": j,
+                            "seed": seed,
                         }
                         meta = {"task": task, "domain": domain, "method": method, "sampled": gen == sampled}
                         if method == "h2o" and budget == 128 and i == 0:
@@ -89,15 +96,28 @@ def seed_db(path: Path) -> list[dict]:
                         if method == "snapkv" and i == 1:
                             completion = "and then " * 40
                         row.update(
-                            status="ok", correct=correct, score=float(correct), extracted=f"{'A' if correct else 'B'}{i}",
-                            completion=completion, stop_reason="eos", prompt_tokens=50 + i, generated_tokens=100 + i,
-                            prefill_seconds=0.01 * (m_i + 1), decode_seconds_mean=0.001 * (m_i + 1) + budget * 1e-6,
-                            decode_seconds_p50=0.001, decode_seconds_p95=0.002,
-                            tokens_per_second=1000 / (m_i + 1) - budget / 1000 + i % 2, method_seconds=0.001 * m_i,
-                            wall_seconds=0.5, evictions=(i % 5 + 1) if fired else 0, evicted_tokens=(i % 5 + 1) * 3 if fired else 0,
+                            status="ok",
+                            correct=correct,
+                            score=float(correct),
+                            extracted=f"{'A' if correct else 'B'}{i}",
+                            completion=completion,
+                            stop_reason="eos",
+                            prompt_tokens=50 + i,
+                            generated_tokens=100 + i,
+                            prefill_seconds=0.01 * (m_i + 1),
+                            decode_seconds_mean=0.001 * (m_i + 1) + budget * 1e-6,
+                            decode_seconds_p50=0.001,
+                            decode_seconds_p95=0.002,
+                            tokens_per_second=1000 / (m_i + 1) - budget / 1000 + i % 2,
+                            method_seconds=0.001 * m_i,
+                            wall_seconds=0.5,
+                            evictions=(i % 5 + 1) if fired else 0,
+                            evicted_tokens=(i % 5 + 1) * 3 if fired else 0,
                             peak_cache_entries=min(budget, 150 + i) if method != "full" else 150 + i,
                             peak_kv_bytes=(min(budget, 150 + i) if method != "full" else 150 + i) * 1024,
-                            peak_memory_bytes=2**30 + m_i, peak_memory_source="cpu", attn_implementation="sdpa",
+                            peak_memory_bytes=2**30 + m_i,
+                            peak_memory_source="cpu",
+                            attn_implementation="sdpa",
                         )
                         out.append({**row, **meta})
     s.write([{k: v for k, v in r.items() if k not in ("task", "domain", "method", "sampled")} for r in out])
@@ -218,8 +238,15 @@ def test_leaderboard_greedy_numbers(app, seeded):
             assert d["p"] == pytest.approx(p, rel=1e-9)
             assert d["test"] == test
             assert d["tied with best"] == (d["rank interval"].split("-")[0] == "1")
-            fired = [r for r in rows if r["method"] == method and r["domain"] == domain and r["budget"] == 128
-                     and r["status"] == "ok" and not r["sampled"]]
+            fired = [
+                r
+                for r in rows
+                if r["method"] == method
+                and r["domain"] == domain
+                and r["budget"] == 128
+                and r["status"] == "ok"
+                and not r["sampled"]
+            ]
             share = 100 * sum(1 for r in fired if r["evictions"] > 0) / len(fired)
             assert d["eviction fired %"] == pytest.approx(share, abs=1e-9)
         means = [expected_accuracy(exp[(method, d)]) for d in ("code", "math")]
@@ -325,7 +352,9 @@ def test_budget_curves(app, seeded):
                 c = row_of(curves, method=method, domain=domain, budget=budget)
                 assert c["accuracy"] == pytest.approx(expected_accuracy(exp[(method, domain)]), abs=1e-9)
     exp = per_problem(rows, 64, ("greedy",))  # full cache: same answers at every budget
-    assert row_of(full, domain="code")["full cache %"] == pytest.approx(expected_accuracy(exp[("full", "code")]), abs=1e-9)
+    assert row_of(full, domain="code")["full cache %"] == pytest.approx(
+        expected_accuracy(exp[("full", "code")]), abs=1e-9
+    )
 
 
 def test_scorecard(app, seeded):
@@ -340,15 +369,31 @@ def test_scorecard(app, seeded):
     assert epikv_claim["kvleague"].startswith(f"{expected_accuracy(math500_4096[('epikv', 'math')]):.1f}% ")
     aime = claims[claims["claim"].str.contains("aime24")]
     assert len(aime) == 3 and set(aime["kvleague"]) == {"not measured yet"}
+
     # speed: best ratio of mean tokens/s (EpiKV family / full cache) over budgets and domains
     def mean_of(col, method, budget, domain):
-        return np.mean([r[col] for r in rows if r["method"] == method and r["budget"] == budget and r["domain"] == domain
-                        and r["status"] == "ok" and not r["sampled"]])
+        return np.mean(
+            [
+                r[col]
+                for r in rows
+                if r["method"] == method
+                and r["budget"] == budget
+                and r["domain"] == domain
+                and r["status"] == "ok"
+                and not r["sampled"]
+            ]
+        )
 
     settings = [(b, d) for b in BUDGETS for d in ("math", "code")]
-    speed = max(mean_of("tokens_per_second", "epikv", b, d) / mean_of("tokens_per_second", "full", b, d) for b, d in settings)
-    assert row_of(claims, claim="decoding speed vs full cache (tokens/s), best setting")["kvleague"].startswith(f"{speed:.2f}x (epikv")
-    ctx = max(mean_of("peak_cache_entries", "full", b, d) / mean_of("peak_cache_entries", "epikv", b, d) for b, d in settings)
+    speed = max(
+        mean_of("tokens_per_second", "epikv", b, d) / mean_of("tokens_per_second", "full", b, d) for b, d in settings
+    )
+    assert row_of(claims, claim="decoding speed vs full cache (tokens/s), best setting")["kvleague"].startswith(
+        f"{speed:.2f}x (epikv"
+    )
+    ctx = max(
+        mean_of("peak_cache_entries", "full", b, d) / mean_of("peak_cache_entries", "epikv", b, d) for b, d in settings
+    )
     ctx_row = row_of(claims, claim="feasible context in the same KV memory (full / method peak cache entries)")
     assert ctx_row["kvleague"].startswith(f"{ctx:.1f}x (epikv") and ctx > 2
     systems = claims[claims["claim"].str.endswith("(systems benchmark)")]
@@ -356,7 +401,9 @@ def test_scorecard(app, seeded):
     # paper values are tested, not just compared with an interval: the score test of the measured share
     p0 = 0.72
     acc = expected_accuracy(math500_4096[("epikv", "math")]) / 100
-    assert epikv_claim["p vs paper"] == pytest.approx(2 * scipy_stats.norm.sf(abs(acc - p0) / math.sqrt(p0 * (1 - p0) / 40)), rel=1e-9)
+    assert epikv_claim["p vs paper"] == pytest.approx(
+        2 * scipy_stats.norm.sf(abs(acc - p0) / math.sqrt(p0 * (1 - p0) / 40)), rel=1e-9
+    )
     tested = claims["p vs paper"].notna()
     holm = sm_multitest.multipletests(claims.loc[tested, "p vs paper"], method="holm")[1]
     assert claims.loc[tested, "p vs paper (Holm)"].tolist() == pytest.approx(list(holm), rel=1e-9)
@@ -380,7 +427,10 @@ def test_scorecard(app, seeded):
                 want = max(want, p0)
             assert r["p"] == pytest.approx(want, rel=1e-5)
             if budget == 64 and domain == "math":  # epikv collapses at 64: worse than thinkv and far below full
-                assert row_of(card, domain=domain, budget=64, method="epikv", claim="better than thinkv")["verdict"] == "does not replicate"
+                assert (
+                    row_of(card, domain=domain, budget=64, method="epikv", claim="better than thinkv")["verdict"]
+                    == "does not replicate"
+                )
                 assert r["verdict"] == "does not replicate"
     # one family: every verdict's p, Holm-adjusted together; verdicts follow the adjusted p
     holm = sm_multitest.multipletests(card["p"], method="holm")[1]
@@ -417,7 +467,11 @@ def test_cost(app, seeded):
     df = app.dataframe[0].value
     for method in ("full", "snapkv"):
         for budget in BUDGETS:
-            sel = [r for r in rows if r["method"] == method and r["budget"] == budget and r["status"] == "ok" and not r["sampled"]]
+            sel = [
+                r
+                for r in rows
+                if r["method"] == method and r["budget"] == budget and r["status"] == "ok" and not r["sampled"]
+            ]
             got = row_of(df, method=method, budget=budget)
             assert got["samples"] == len(sel)
             assert got["tokens/s"] == pytest.approx(np.mean([r["tokens_per_second"] for r in sel]), rel=1e-9)
@@ -446,8 +500,14 @@ def test_samples(app, seeded):
     df = app.dataframe[0].value
     assert set(df["method"]) == set(METHODS)
     for method in METHODS:
-        raw = next(r for r in rows if r["method"] == method and r["task"] == "humaneval" and r["sample_id"] == "humaneval-001"
-                   and r["budget"] == 128)
+        raw = next(
+            r
+            for r in rows
+            if r["method"] == method
+            and r["task"] == "humaneval"
+            and r["sample_id"] == "humaneval-001"
+            and r["budget"] == 128
+        )
         got = row_of(df, method=method)
         assert bool(got["correct"]) == raw["correct"]
         assert got["extracted"] == raw["extracted"]
@@ -462,7 +522,7 @@ def test_samples(app, seeded):
     problems = app.selectbox(key="sm_problem").options
     exp = per_problem([r for r in rows if r["task"] == "humaneval" and r["status"] == "ok"], 128)
     by_problem = defaultdict(set)
-    for (method, _), probs in exp.items():
+    for (_method, _), probs in exp.items():
         for key, (k, m) in probs.items():
             by_problem[key[1]].add(k == m)
     assert sorted(problems) == sorted(p for p, outcomes in by_problem.items() if len(outcomes) > 1)
@@ -500,10 +560,25 @@ def test_query_param_selects_page(seeded, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 BENCH_ENV = {
-    "hostname": "bench-host", "platform": "Linux-bench", "gpu_name": "NVIDIA H200", "gpu_count": 1, "cuda_version": "12.8",
-    "python_version": "3.11.9", "torch_version": "2.13.0", "transformers_version": "5.2.0", "kvleague_version": "0.1.0",
-    "ray_version": "not installed", "git_commit": GIT, "git_dirty": False, "spec_hash": "b" * 64, "cpu_model": "bench CPU",
-    "cpu_count": 16, "cpu_affinity": 16, "torch_threads": 1, "kvpress_version": "not installed", "load_average": [0.5],
+    "hostname": "bench-host",
+    "platform": "Linux-bench",
+    "gpu_name": "NVIDIA H200",
+    "gpu_count": 1,
+    "cuda_version": "12.8",
+    "python_version": "3.11.9",
+    "torch_version": "2.13.0",
+    "transformers_version": "5.2.0",
+    "kvleague_version": "0.1.0",
+    "ray_version": "not installed",
+    "git_commit": GIT,
+    "git_dirty": False,
+    "spec_hash": "b" * 64,
+    "cpu_model": "bench CPU",
+    "cpu_count": 16,
+    "cpu_affinity": 16,
+    "torch_threads": 1,
+    "kvpress_version": "not installed",
+    "load_average": [0.5],
 }
 
 
@@ -512,8 +587,14 @@ def bench_report(benchmark, figures, created_at):
     runner/bench/decode_speed.py and feasible_context.py name theirs."""
     from kvleague.runner.bench import harness as h
 
-    report = h.make_report(benchmark, config={"model": "tiny", "model_label": "tiny-bench"}, rows=[],
-                           figures=[h.figure(*f[:3], **f[3]) for f in figures], summary={}, env=dict(BENCH_ENV))
+    report = h.make_report(
+        benchmark,
+        config={"model": "tiny", "model_label": "tiny-bench"},
+        rows=[],
+        figures=[h.figure(*f[:3], **f[3]) for f in figures],
+        summary={},
+        env=dict(BENCH_ENV),
+    )
     report["created_at"] = created_at
     return report
 
@@ -521,19 +602,43 @@ def bench_report(benchmark, figures, created_at):
 def speed_report(epikv_over_full, epikv_over_h2o, created_at):
     figures = [("tokens_per_second", 123.5, "tokens/s", {"method": "full", "budget": 256, "clock": "cpu"})]
     for budget, ratio in epikv_over_full.items():
-        figures.append(("speed_ratio", ratio, "x", {"method": "epikv", "budget": budget, "reference": "full", "paper_claim": 2.8}))
+        figures.append(
+            ("speed_ratio", ratio, "x", {"method": "epikv", "budget": budget, "reference": "full", "paper_claim": 2.8})
+        )
     for budget, ratio in epikv_over_h2o.items():
-        figures.append(("speed_ratio", ratio, "x", {"method": "epikv", "budget": budget, "reference": "h2o", "clock": "cpu"}))
+        figures.append(
+            ("speed_ratio", ratio, "x", {"method": "epikv", "budget": budget, "reference": "h2o", "clock": "cpu"})
+        )
     return bench_report("decode_speed", figures, created_at)
 
 
 def context_report(ratio, at_least, created_at):
-    return bench_report("feasible_context", [
-        ("max_tokens", 16384, "tokens", {"method": "epikv", "budget": 1024, "at_least": at_least, "bound": "token_cap"}),
-        ("max_tokens", 2048, "tokens", {"method": "h2o", "budget": 1024, "at_least": False, "bound": "memory"}),
-        ("feasible_context_ratio", ratio, "x", {"method": "epikv", "budget": 1024, "reference": "h2o", "at_least": at_least,
-                                                "undetermined": False, "paper_claim": 16.0}),
-    ], created_at)
+    return bench_report(
+        "feasible_context",
+        [
+            (
+                "max_tokens",
+                16384,
+                "tokens",
+                {"method": "epikv", "budget": 1024, "at_least": at_least, "bound": "token_cap"},
+            ),
+            ("max_tokens", 2048, "tokens", {"method": "h2o", "budget": 1024, "at_least": False, "bound": "memory"}),
+            (
+                "feasible_context_ratio",
+                ratio,
+                "x",
+                {
+                    "method": "epikv",
+                    "budget": 1024,
+                    "reference": "h2o",
+                    "at_least": at_least,
+                    "undetermined": False,
+                    "paper_claim": 16.0,
+                },
+            ),
+        ],
+        created_at,
+    )
 
 
 def seeded_copy(seeded, tmp_path, monkeypatch) -> Path:
@@ -584,10 +689,14 @@ def test_cost_and_scorecard_show_stored_systems_benchmarks(seeded, tmp_path, mon
     _goto(at, "Replication scorecard")
     claims = at.dataframe[0].value
     assert row_of(claims, claim="decoding speed epikv / full (systems benchmark)")[["paper", "kvleague"]].tolist() == [
-        "up to 2.8x", "2.50x at budget 1024"]
+        "up to 2.8x",
+        "2.50x at budget 1024",
+    ]
     assert row_of(claims, claim="decoding speed epikv / h2o (systems benchmark)")["kvleague"] == "1.50x at budget 256"
     assert row_of(claims, claim="feasible context epikv / h2o (systems benchmark)")[["paper", "kvleague"]].tolist() == [
-        "16x", ">= 8.00x at budget 1024"]
+        "16x",
+        ">= 8.00x at budget 1024",
+    ]
 
 
 def test_cost_renders_on_a_schema_without_the_benchmark_table(seeded, tmp_path, monkeypatch):
@@ -635,16 +744,34 @@ def test_new_results_invalidate_the_cache(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path}/grow.db"
     engine = get_engine(url)
     s = Seeder(engine)
-    ids = dict(model_id=s.model("m"), task_id=s.task("math500", "math"), protocol_id=s.protocol(), generation_id=s.generation(),
-               sweep_id=s.sweep("grow"), budget=64, sample_index=0, seed=0)
+    ids = dict(
+        model_id=s.model("m"),
+        task_id=s.task("math500", "math"),
+        protocol_id=s.protocol(),
+        generation_id=s.generation(),
+        sweep_id=s.sweep("grow"),
+        budget=64,
+        sample_index=0,
+        seed=0,
+    )
     full, h2o = s.method("full"), s.method("h2o")
-    s.write([{**ids, "method_spec_id": m, "sample_id": f"p{i}", "status": "ok", "correct": i < 2, "evictions": 0}
-             for m in (full, h2o) for i in range(4)])
+    s.write(
+        [
+            {**ids, "method_spec_id": m, "sample_id": f"p{i}", "status": "ok", "correct": i < 2, "evictions": 0}
+            for m in (full, h2o)
+            for i in range(4)
+        ]
+    )
     monkeypatch.setenv("KVLEAGUE_DB", url)
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert row_of(at.dataframe[1].value, method="h2o")["accuracy %"] == pytest.approx(50.0)
-    s.write([{**ids, "method_spec_id": m, "sample_id": f"p{i}", "status": "ok", "correct": True, "evictions": 1}
-             for m in (full, h2o) for i in range(4, 8)])
+    s.write(
+        [
+            {**ids, "method_spec_id": m, "sample_id": f"p{i}", "status": "ok", "correct": True, "evictions": 1}
+            for m in (full, h2o)
+            for i in range(4, 8)
+        ]
+    )
     ui.fingerprint.clear()  # what the fingerprint's few-second TTL does on its own
     at.run()
     assert not at.exception

@@ -36,13 +36,16 @@ IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 try:
     import playwright.sync_api  # noqa: F401
+
     HAVE_PLAYWRIGHT = True
 except ImportError:  # pragma: no cover - depends on the environment
     HAVE_PLAYWRIGHT = False
 
 if not IN_CI and (CHROMIUM is None or not HAVE_PLAYWRIGHT):
-    pytest.skip("needs Debian chromium (bash scripts/chromium.sh) and the playwright package; CI always runs this",
-                allow_module_level=True)
+    pytest.skip(
+        "needs Debian chromium (bash scripts/chromium.sh) and the playwright package; CI always runs this",
+        allow_module_level=True,
+    )
 
 sm_proportion = pytest.importorskip("statsmodels.stats.proportion")
 
@@ -77,12 +80,15 @@ def server(realistic_db, tmp_path_factory):
 
 def test_leaderboard_in_chromium(server, realistic_db, tmp_path):
     if CHROMIUM is None or not HAVE_PLAYWRIGHT:
-        pytest.fail("CI is set but chromium or playwright is missing: run bash scripts/chromium.sh and pip install -e '.[test]'")
+        pytest.fail(
+            "CI is set but chromium or playwright is missing: run bash scripts/chromium.sh and pip install -e '.[test]'"
+        )
     url, rows, spec = realistic_db
     domain_of = {t[0]: t[1] for t in spec.tasks}
     # expected numbers for the first domain column (agentic: kv_agent) and every method, from the raw rows
-    from kvleague.db.models import MethodSpec, TaskSpec
     from sqlalchemy import select
+
+    from kvleague.db.models import MethodSpec, TaskSpec
 
     engine = get_engine(url)
     with engine.connect() as conn:
@@ -149,7 +155,11 @@ def _legend_labels_outside(page) -> list[str]:
         box = chart.bounding_box()
         for label in chart.locator("g.role-legend-label text").all():
             b = label.bounding_box()
-            if b is None or b["y"] + b["height"] > box["y"] + box["height"] + 1 or b["x"] + b["width"] > box["x"] + box["width"] + 1:
+            if (
+                b is None
+                or b["y"] + b["height"] > box["y"] + box["height"] + 1
+                or b["x"] + b["width"] > box["x"] + box["width"] + 1
+            ):
                 out.append(label.text_content())
     return out
 
@@ -160,11 +170,15 @@ def test_every_page_in_chromium(db, realistic_db, replication_url, tmp_path, tmp
     from kvleague.dashboard.ui import SLUGS
 
     if CHROMIUM is None or not HAVE_PLAYWRIGHT:
-        pytest.fail("CI is set but chromium or playwright is missing: run bash scripts/chromium.sh and pip install -e '.[test]'")
+        pytest.fail(
+            "CI is set but chromium or playwright is missing: run bash scripts/chromium.sh and pip install -e '.[test]'"
+        )
     assert PAGE_SLUGS == tuple(SLUGS.values())
     url = realistic_db[0] if db == "seeded" else replication_url
-    with serve(url, tmp_path_factory.mktemp("server") / "streamlit.log") as base, \
-            chromium_page(tmp_path / "chromium-profile") as page:
+    with (
+        serve(url, tmp_path_factory.mktemp("server") / "streamlit.log") as base,
+        chromium_page(tmp_path / "chromium-profile") as page,
+    ):
         spy = ChartSpy(page)
         for slug in PAGE_SLUGS:
             open_page(page, base, slug, spy)

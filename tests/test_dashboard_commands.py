@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from kvleague.dashboard import commands
 from kvleague.analysis import queries as q
+from kvleague.dashboard import commands
 from kvleague.db.seed import Seeder
 from kvleague.db.session import get_engine
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 
 @pytest.fixture
@@ -21,16 +21,43 @@ def small_db(tmp_path) -> str:
     url = f"sqlite:///{tmp_path}/small.db"
     engine = get_engine(url)
     s = Seeder(engine)
-    ids = dict(model_id=s.model("m"), task_id=s.task("math500", "math"), protocol_id=s.protocol(), generation_id=s.generation(),
-               sweep_id=s.sweep("small"), sample_index=0, seed=0)
+    ids = dict(
+        model_id=s.model("m"),
+        task_id=s.task("math500", "math"),
+        protocol_id=s.protocol(),
+        generation_id=s.generation(),
+        sweep_id=s.sweep("small"),
+        sample_index=0,
+        seed=0,
+    )
     a, b = s.method("h2o", {"window": 8}), s.method("h2o", {"window": 16})
     full = s.method("full")
     rows = []
     for budget in (64, 128):
         for i in range(6):
-            rows.append({**ids, "budget": budget, "method_spec_id": full, "sample_id": f"p{i}", "correct": i < 4, "evictions": 0})
-            rows.append({**ids, "budget": budget, "method_spec_id": a, "sample_id": f"p{i}", "correct": i < 2, "evictions": i})
-            rows.append({**ids, "budget": budget, "method_spec_id": b, "sample_id": f"p{i}", "correct": i in (0, 4), "evictions": 1})
+            rows.append(
+                {
+                    **ids,
+                    "budget": budget,
+                    "method_spec_id": full,
+                    "sample_id": f"p{i}",
+                    "correct": i < 4,
+                    "evictions": 0,
+                }
+            )
+            rows.append(
+                {**ids, "budget": budget, "method_spec_id": a, "sample_id": f"p{i}", "correct": i < 2, "evictions": i}
+            )
+            rows.append(
+                {
+                    **ids,
+                    "budget": budget,
+                    "method_spec_id": b,
+                    "sample_id": f"p{i}",
+                    "correct": i in (0, 4),
+                    "evictions": 1,
+                }
+            )
     s.write(rows)
     engine.dispose()
     return url
@@ -96,7 +123,7 @@ def test_url_resolution_order(monkeypatch):
 
 
 def test_cli_entry(tmp_path, capsys):
-    from kvleague.runner import cli
+    from kvleague import cli
 
     assert cli.main(["dashboard", "--db", f"sqlite:///{tmp_path}/missing.db"]) == 2
     assert "no SQLite database" in capsys.readouterr().err
@@ -129,8 +156,13 @@ def test_question_cells_match_brute_force(small_db):
         assert got[(by_label["full"], f"p{i}")] == (int(i < 4), 1, 0, 0)
         assert got[(by_label["h2o(window=8)"], f"p{i}")] == (int(i < 2), 1, 0, int(i > 0))
         assert got[(by_label["h2o(window=16)"], f"p{i}")] == (int(i in (0, 4)), 1, 0, 1)
-    keys = [tuple(r[k] for k in ("method_spec_id", "budget", "model_id", "task_id", "protocol_id", "generation_id", "sample_id"))
-            for r in cells]
+    keys = [
+        tuple(
+            r[k]
+            for k in ("method_spec_id", "budget", "model_id", "task_id", "protocol_id", "generation_id", "sample_id")
+        )
+        for r in cells
+    ]
     assert keys == sorted(keys)  # a fixed order, whatever the database returns
     # filters: budget, decoding, domain, nothing selected
     assert {r[1] for r in q.question_cells(engine, q.Filters(budgets=(128,)))} == {128}
@@ -153,8 +185,11 @@ def test_sigterm_to_the_dashboard_stops_its_streamlit_server(small_db):
     from kvleague.dashboard.browser import free_port, wait_until_serving
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvleague.runner.cli", "dashboard", "--db", small_db, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvleague.cli", "dashboard", "--db", small_db, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     children: list[int] = []
     try:
         wait_until_serving(f"http://127.0.0.1:{port}", proc, 90)

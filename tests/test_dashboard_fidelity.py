@@ -5,7 +5,6 @@ loops, a naive percentile bootstrap, scipy's Wilcoxon, statsmodels' Holm)."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -59,21 +58,59 @@ def seed_db(path: Path) -> list[dict]:
         for method in METHODS:
             for budget in BUDGETS:
                 for i in range(n):
-                    cell = {"sweep_id": sweep, "model_id": model, "method_spec_id": meths[method], "task_id": task_id,
-                            "protocol_id": proto, "budget": budget, "sample_id": f"{task}-{i:03d}", "sample_index": 0}
+                    cell = {
+                        "sweep_id": sweep,
+                        "model_id": model,
+                        "method_spec_id": meths[method],
+                        "task_id": task_id,
+                        "protocol_id": proto,
+                        "budget": budget,
+                        "sample_id": f"{task}-{i:03d}",
+                        "sample_index": 0,
+                    }
                     correct = i < FULL_ACCURACY[domain] * n and (method == "full" or i % 2 == 0)
-                    generation.append({**cell, "generation_id": greedy, "seed": 0, "correct": correct, "score": float(correct),
-                                       "evictions": 0 if method == "full" else 3})
+                    generation.append(
+                        {
+                            **cell,
+                            "generation_id": greedy,
+                            "seed": 0,
+                            "correct": correct,
+                            "score": float(correct),
+                            "evictions": 0 if method == "full" else 3,
+                        }
+                    )
                     if (method, budget, cell["sample_id"]) == MISSING:
                         continue
                     for seed in (0, 1):
-                        fidelity.append({**cell, "generation_id": teacher_forced, "seed": seed, "measure": "fidelity",
-                                         "kl_mean": kl_of(method, budget, i, seed), "top1_agreement": top1_of(method, budget, i, seed),
-                                         "delta_nll_mean": kl_of(method, budget, i, seed) / 2, "scored_tokens": 24,
-                                         "task": task, "domain": domain, "method": method})
-    failed = {**fidelity[-1], "seed": 2, "status": "failed", "error": "RuntimeError: synthetic", "kl_mean": None,
-              "top1_agreement": None}  # a failed fidelity cell is no sample
-    s.write([*generation, *({k: v for k, v in r.items() if k not in ("task", "domain", "method")} for r in [*fidelity, failed])])
+                        fidelity.append(
+                            {
+                                **cell,
+                                "generation_id": teacher_forced,
+                                "seed": seed,
+                                "measure": "fidelity",
+                                "kl_mean": kl_of(method, budget, i, seed),
+                                "top1_agreement": top1_of(method, budget, i, seed),
+                                "delta_nll_mean": kl_of(method, budget, i, seed) / 2,
+                                "scored_tokens": 24,
+                                "task": task,
+                                "domain": domain,
+                                "method": method,
+                            }
+                        )
+    failed = {
+        **fidelity[-1],
+        "seed": 2,
+        "status": "failed",
+        "error": "RuntimeError: synthetic",
+        "kl_mean": None,
+        "top1_agreement": None,
+    }  # a failed fidelity cell is no sample
+    s.write(
+        [
+            *generation,
+            *({k: v for k, v in r.items() if k not in ("task", "domain", "method")} for r in [*fidelity, failed]),
+        ]
+    )
     engine.dispose()
     return fidelity
 
@@ -119,8 +156,10 @@ def per_sample(rows, budget, domain):
     for r in rows:
         if r["budget"] == budget and r["domain"] == domain:
             acc[r["method"]][r["sample_id"]].append((r["kl_mean"], r["top1_agreement"]))
-    return {m: {sid: tuple(sum(v[k] for v in vals) / len(vals) for k in (0, 1)) for sid, vals in by.items()}
-            for m, by in acc.items()}
+    return {
+        m: {sid: tuple(sum(v[k] for v in vals) / len(vals) for k in (0, 1)) for sid, vals in by.items()}
+        for m, by in acc.items()
+    }
 
 
 def common(samples, methods):
@@ -155,8 +194,8 @@ def assert_interval_close(text, values, digits, scale=1.0):
     width = want_hi - want_lo
     assert width > 0
     # two Monte Carlo estimates of the same percentile interval: equal up to resampling noise and rounding
-    assert abs(lo - want_lo * scale) <= 0.08 * width * scale + 10 ** -digits
-    assert abs(hi - want_hi * scale) <= 0.08 * width * scale + 10 ** -digits
+    assert abs(lo - want_lo * scale) <= 0.08 * width * scale + 10**-digits
+    assert abs(hi - want_hi * scale) <= 0.08 * width * scale + 10**-digits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,7 +293,9 @@ def test_scorecard_uses_fidelity_where_full_accuracy_is_below_the_floor(seeded, 
         assert r["samples"] == len(keys) and r["Δ KL"] == pytest.approx(sum(d) / len(d), rel=1e-12)
         assert r["p"] == pytest.approx(scipy_stats.wilcoxon(d).pvalue, rel=1e-12)
         want_p.append(r["p"])
-    assert card["p (Holm)"].tolist() == pytest.approx(list(sm_multitest.multipletests(want_p, method="holm")[1]), rel=1e-12)
+    assert card["p (Holm)"].tolist() == pytest.approx(
+        list(sm_multitest.multipletests(want_p, method="holm")[1]), rel=1e-12
+    )
     assert set(card["verdict"]) == {"replicates"}  # epikv's KL is lower than h2o's on every sample
 
 
@@ -263,13 +304,35 @@ def test_a_fidelity_only_database_shows_its_tables(tmp_path, monkeypatch):
     engine = get_engine(f"sqlite:///{tmp_path / 'only.db'}")
     s = Seeder(engine)
     task, gen = s.task("niah", "longqa"), s.generation(0.0, max_new_tokens=24)
-    cells = dict(sweep_id=s.sweep("only"), model_id=s.model("m"), task_id=task, protocol_id=s.protocol(), generation_id=gen,
-                 budget=64, sample_index=0, seed=0, measure="fidelity", scored_tokens=24)
-    rows = [{**cells, "method_spec_id": s.method(m), "sample_id": f"n{i}", "kl_mean": BASE_KL[m] * (1 + i / 10),
-             "top1_agreement": 1 - BASE_KL[m], "delta_nll_mean": 0.0} for m in METHODS for i in range(12)]
+    cells = dict(
+        sweep_id=s.sweep("only"),
+        model_id=s.model("m"),
+        task_id=task,
+        protocol_id=s.protocol(),
+        generation_id=gen,
+        budget=64,
+        sample_index=0,
+        seed=0,
+        measure="fidelity",
+        scored_tokens=24,
+    )
+    rows = [
+        {
+            **cells,
+            "method_spec_id": s.method(m),
+            "sample_id": f"n{i}",
+            "kl_mean": BASE_KL[m] * (1 + i / 10),
+            "top1_agreement": 1 - BASE_KL[m],
+            "delta_nll_mean": 0.0,
+        }
+        for m in METHODS
+        for i in range(12)
+    ]
     # full cache measured once, at another budget, as a sweep does; two samples of it at 64 too: fewer, so not used
     rows = [{**r, "budget": 32} if r["method_spec_id"] == s.method("full") else r for r in rows]
-    rows += [{**r, "budget": 64} for r in rows if r["method_spec_id"] == s.method("full") and r["sample_id"] in ("n0", "n1")]
+    rows += [
+        {**r, "budget": 64} for r in rows if r["method_spec_id"] == s.method("full") and r["sample_id"] in ("n0", "n1")
+    ]
     s.write(rows)
     engine.dispose()
     monkeypatch.setenv("KVLEAGUE_DB", f"sqlite:///{tmp_path / 'only.db'}")
@@ -287,8 +350,8 @@ def test_a_fidelity_only_database_shows_its_tables(tmp_path, monkeypatch):
 
 def test_the_markdown_table_holds_the_boards_figures(seeded):
     """``python -m analysis.fidelity_tables``: one line per (domain, method, budget), numbers from the seeded rows."""
-    from kvleague.analysis import queries
     from kvleague.analysis import fidelity_tables as fidelity
+    from kvleague.analysis import queries
 
     url, rows = seeded
     text = fidelity.markdown(queries.open_readonly(url))

@@ -15,8 +15,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from kvleague.dashboard import chart_checks
-from kvleague.db.seed import TASKS, RealisticSpec, Seeder, realistic_rows
 from kvleague.dashboard.ui import PAGES
+from kvleague.db.seed import TASKS, RealisticSpec, Seeder, realistic_rows
 from kvleague.db.session import get_engine
 from tests.conftest import REPO
 
@@ -63,8 +63,10 @@ def open_page(path: Path, page: str, monkeypatch) -> AppTest:
 
 
 def charts(at: AppTest) -> list[tuple[dict, dict[str, pd.DataFrame]]]:
-    return [(json.loads(c.proto.spec), {d.name: chart_checks.arrow_frame(d.data.data) for d in c.proto.datasets})
-            for c in at.get("vega_lite_chart")]
+    return [
+        (json.loads(c.proto.spec), {d.name: chart_checks.arrow_frame(d.data.data) for d in c.proto.datasets})
+        for c in at.get("vega_lite_chart")
+    ]
 
 
 def assert_opens_on_data(at: AppTest, where: str) -> None:
@@ -91,8 +93,20 @@ def _spec(chart: alt.TopLevelMixin) -> tuple[dict, dict[str, pd.DataFrame]]:
 
 
 def _curves(protocol_of_budget) -> pd.DataFrame:
-    return pd.DataFrame([{"method": m, "budget": b, "accuracy": 50.0, "model": "m", "protocol": protocol_of_budget(b),
-                          "generation": "g"} for m in METHODS15[:3] for b in (48, 96, 128, 192, 256)])
+    return pd.DataFrame(
+        [
+            {
+                "method": m,
+                "budget": b,
+                "accuracy": 50.0,
+                "model": "m",
+                "protocol": protocol_of_budget(b),
+                "generation": "g",
+            }
+            for m in METHODS15[:3]
+            for b in (48, 96, 128, 192, 256)
+        ]
+    )
 
 
 def test_chart_checks_catch_a_line_across_protocols():
@@ -101,7 +115,9 @@ def test_chart_checks_catch_a_line_across_protocols():
     assert "a line across budgets joins 2 different values of protocol" in chart_checks.problems(*_spec(by_method))
     by_slice = by_method.encode(detail=["model:N", "protocol:N", "generation:N"])
     assert chart_checks.problems(*_spec(by_slice)) == []
-    unlabelled = alt.Chart(joined.drop(columns=["protocol"])).mark_line().encode(x="budget:Q", y="accuracy:Q", color="method:N")
+    unlabelled = (
+        alt.Chart(joined.drop(columns=["protocol"])).mark_line().encode(x="budget:Q", y="accuracy:Q", color="method:N")
+    )
     assert chart_checks.problems(*_spec(unlabelled)) == ["a line across budgets whose points do not say their protocol"]
 
 
@@ -109,20 +125,41 @@ def test_chart_checks_catch_cut_and_missing_legends():
     data = pd.DataFrame({"method": METHODS15, "x": range(15), "y": range(15)})
     side = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color="method:N").properties(height=200)
     assert chart_checks.problems(*_spec(side)) == [
-        "the legend of method (15 rows at the side) is taller than the chart (200px): it is cut off"]
+        "the legend of method (15 rows at the side) is taller than the chart (200px): it is cut off"
+    ]
     none = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color=alt.Color("method:N", legend=None))
     assert chart_checks.problems(*_spec(none)) == ["15 series of method with neither a legend nor direct labels"]
     # one layer switching the legend off switches it off for all (what hid the Signals page's legend)
     lines = alt.Chart(data).mark_line().encode(x="x:Q", y="y:Q", stroke="method:N")
-    mixed = alt.layer(lines, alt.Chart(data).mark_area().encode(x="x:Q", y="y:Q", fill=alt.Fill("method:N", legend=None)))
+    mixed = alt.layer(
+        lines, alt.Chart(data).mark_area().encode(x="x:Q", y="y:Q", fill=alt.Fill("method:N", legend=None))
+    )
     assert chart_checks.problems(*_spec(mixed)) == ["15 series of method with neither a legend nor direct labels"]
-    limited = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color=alt.Color(
-        "method:N", legend=alt.Legend(symbolLimit=8, orient="bottom", columns=5))).properties(height=400)
+    limited = (
+        alt.Chart(data)
+        .mark_point()
+        .encode(
+            x="x:Q", y="y:Q", color=alt.Color("method:N", legend=alt.Legend(symbolLimit=8, orient="bottom", columns=5))
+        )
+        .properties(height=400)
+    )
     assert chart_checks.problems(*_spec(limited)) == ["the legend of method lists 8 of its 15 values"]
-    narrow_domain = alt.Chart(data).mark_point().encode(x="x:Q", y="y:Q", color=alt.Color(
-        "method:N", scale=alt.Scale(domain=METHODS15[:10]), legend=alt.Legend(orient="bottom", columns=5))).properties(height=400)
+    narrow_domain = (
+        alt.Chart(data)
+        .mark_point()
+        .encode(
+            x="x:Q",
+            y="y:Q",
+            color=alt.Color(
+                "method:N", scale=alt.Scale(domain=METHODS15[:10]), legend=alt.Legend(orient="bottom", columns=5)
+            ),
+        )
+        .properties(height=400)
+    )
     assert chart_checks.problems(*_spec(narrow_domain))[0].startswith("the colour scale of method leaves out")
-    assert chart_checks.problems(*_spec(alt.Chart(data.iloc[:0]).mark_point().encode(x="x:Q"))) == ["the chart has no data"]
+    assert chart_checks.problems(*_spec(alt.Chart(data.iloc[:0]).mark_point().encode(x="x:Q"))) == [
+        "the chart has no data"
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,8 +189,11 @@ def _protocol_id(label: str) -> int:
 def test_budget_curves_open_on_the_largest_slice_and_never_join_protocols(replication_db, monkeypatch):
     at = open_page(replication_db, "Budget curves", monkeypatch)
     at.radio(key="bc_measure").set_value("KL to full cache").run()
-    counts = sql(replication_db, "SELECT model_id, protocol_id, generation_id, COUNT(*) FROM sample_results "
-                                 "WHERE measure = 'fidelity' GROUP BY 1, 2, 3 ORDER BY 4 DESC")
+    counts = sql(
+        replication_db,
+        "SELECT model_id, protocol_id, generation_id, COUNT(*) FROM sample_results "
+        "WHERE measure = 'fidelity' GROUP BY 1, 2, 3 ORDER BY 4 DESC",
+    )
     assert len(counts) == 6  # protocols #1-#6 (each its own fidelity settings)
     slice_box = at.selectbox(key="bc_fidelity_slice")
     assert tuple(slice_box.value) == counts[0][:3]
@@ -165,26 +205,40 @@ def test_budget_curves_open_on_the_largest_slice_and_never_join_protocols(replic
             assert chart_checks.problems(spec, data) == []
             line = next(d for d in data.values() if "method" in d.columns)
             for protocol, rows in line.groupby("protocol"):
-                budgets = {b for (b,) in sql(replication_db, "SELECT DISTINCT budget FROM sample_results WHERE measure = "
-                                                            "'fidelity' AND protocol_id = ?", _protocol_id(protocol))}
+                budgets = {
+                    b
+                    for (b,) in sql(
+                        replication_db,
+                        "SELECT DISTINCT budget FROM sample_results WHERE measure = 'fidelity' AND protocol_id = ?",
+                        _protocol_id(protocol),
+                    )
+                }
                 assert set(rows["budget"]) <= budgets, (protocol, sorted(rows["budget"].unique()), budgets)
 
 
 def test_leaderboard_opens_on_the_budget_with_the_most_results(replication_db, monkeypatch):
     at = open_page(replication_db, "Leaderboard", monkeypatch)
-    counts = sql(replication_db, "SELECT budget, COUNT(*) FROM sample_results WHERE measure = 'generation' "
-                                 "GROUP BY budget ORDER BY 2 DESC, 1")
+    counts = sql(
+        replication_db,
+        "SELECT budget, COUNT(*) FROM sample_results WHERE measure = 'generation' GROUP BY budget ORDER BY 2 DESC, 1",
+    )
     assert at.selectbox(key="lb_budget").value == counts[0][0]
-    methods = sql(replication_db, "SELECT COUNT(DISTINCT method_spec_id) FROM sample_results WHERE measure = 'generation' "
-                                  "AND budget = ?", counts[0][0])[0][0]
+    methods = sql(
+        replication_db,
+        "SELECT COUNT(DISTINCT method_spec_id) FROM sample_results WHERE measure = 'generation' AND budget = ?",
+        counts[0][0],
+    )[0][0]
     assert len(at.dataframe[0].value) == methods > 1
 
 
 def test_the_budget_filter_says_which_budgets_are_room_on_top_of_the_prompt(replication_db, monkeypatch):
     """The export's 64 is only ever ``prompt+64`` (the paper-regime runs); the others are absolute."""
     at = open_page(replication_db, "Leaderboard", monkeypatch)
-    kinds = sql(replication_db, "SELECT DISTINCT r.budget, p.budget_base FROM sample_results r "
-                                "JOIN protocols p ON p.id = r.protocol_id ORDER BY 1")
+    kinds = sql(
+        replication_db,
+        "SELECT DISTINCT r.budget, p.budget_base FROM sample_results r "
+        "JOIN protocols p ON p.id = r.protocol_id ORDER BY 1",
+    )
     expected = {}
     for budget, base in kinds:
         expected.setdefault(budget, []).append(f"prompt+{budget:,}" if base == "prompt" else f"{budget:,}")
@@ -197,12 +251,19 @@ def test_samples_open_on_problems_and_task_variants_are_told_apart(replication_d
     at = open_page(replication_db, "Samples", monkeypatch)
     box = at.selectbox(key="sm_task")
     labels = box.options  # AppTest gives the options as shown
-    assert len(set(labels)) == len(labels) == sql(replication_db, "SELECT COUNT(DISTINCT task_id) FROM sample_results")[0][0]
+    assert (
+        len(set(labels))
+        == len(labels)
+        == sql(replication_db, "SELECT COUNT(DISTINCT task_id) FROM sample_results")[0][0]
+    )
     # the demo, fidelity_cpu and replication variants, one more niah variant, and the one scored on its own traces
     assert sum(label.startswith("niah (longqa; ") for label in labels) == 5, labels
     assert "math500 (math; fidelity_reference=self)" in labels and "math500 (math)" in labels
-    task, budget, _ = sql(replication_db, "SELECT task_id, budget, COUNT(*) FROM sample_results WHERE measure = 'generation' "
-                                          "GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 1")[0]
+    task, budget, _ = sql(
+        replication_db,
+        "SELECT task_id, budget, COUNT(*) FROM sample_results WHERE measure = 'generation' "
+        "GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 1",
+    )[0]
     assert (box.value, at.selectbox(key="sm_budget").value) == (task, budget)
     assert len(at.dataframe[0].value) > 1
 
@@ -210,13 +271,20 @@ def test_samples_open_on_problems_and_task_variants_are_told_apart(replication_d
 def test_identical_methods_are_named(replication_db, monkeypatch):
     """On protocol #2's fidelity rows two method specs have the same KL, top-1 and ΔNLL on every sample
     (found here by comparing every pair of methods' rows); the page names exactly those."""
-    rows = pd.DataFrame(sql(replication_db, "SELECT m.name, m.params, r.budget, r.task_id, r.sample_id, r.seed, "
-                                            "r.kl_mean, r.top1_agreement, r.delta_nll_mean FROM sample_results r JOIN "
-                                            "method_specs m ON m.id = r.method_spec_id WHERE r.measure = 'fidelity' AND "
-                                            "r.protocol_id = 2"),
-                        columns=["name", "params", "budget", "task", "sample", "seed", "kl", "top1", "dnll"])
-    per = {key: frozenset(map(tuple, g.drop(columns=["name", "params"]).itertuples(index=False)))
-           for key, g in rows.groupby(["name", "params"])}
+    rows = pd.DataFrame(
+        sql(
+            replication_db,
+            "SELECT m.name, m.params, r.budget, r.task_id, r.sample_id, r.seed, "
+            "r.kl_mean, r.top1_agreement, r.delta_nll_mean FROM sample_results r JOIN "
+            "method_specs m ON m.id = r.method_spec_id WHERE r.measure = 'fidelity' AND "
+            "r.protocol_id = 2",
+        ),
+        columns=["name", "params", "budget", "task", "sample", "seed", "kl", "top1", "dnll"],
+    )
+    per = {
+        key: frozenset(map(tuple, g.drop(columns=["name", "params"]).itertuples(index=False)))
+        for key, g in rows.groupby(["name", "params"])
+    }
     same = [(a, b) for a in per for b in per if a < b and per[a] == per[b]]
     assert [(a[0], b[0]) for a, b in same] == [("epikv", "epikv_seg")]
     at = open_page(replication_db, "Budget curves", monkeypatch)
@@ -229,8 +297,11 @@ def test_identical_methods_are_named(replication_db, monkeypatch):
 
 def test_cost_draws_accuracy_against_memory_only_where_memory_differs(replication_db, seeded_db, monkeypatch):
     for path in (replication_db, seeded_db):
-        (lo, hi), = sql(path, "SELECT MIN(m), MAX(m) FROM (SELECT AVG(peak_kv_bytes) AS m FROM sample_results WHERE "
-                              "status = 'ok' AND measure = 'generation' GROUP BY method_spec_id, budget)")
+        ((lo, hi),) = sql(
+            path,
+            "SELECT MIN(m), MAX(m) FROM (SELECT AVG(peak_kv_bytes) AS m FROM sample_results WHERE "
+            "status = 'ok' AND measure = 'generation' GROUP BY method_spec_id, budget)",
+        )
         at = open_page(path, "Cost", monkeypatch)
         drawn = any(json.dumps(spec).count('"peak KV MiB"') for spec, _ in charts(at))
         assert drawn == (hi >= 1.25 * lo), (path.name, lo, hi)
@@ -239,8 +310,11 @@ def test_cost_draws_accuracy_against_memory_only_where_memory_differs(replicatio
 
 def _shown(at: AppTest, *columns) -> list[tuple[pd.DataFrame, pd.DataFrame]]:
     """(values, the text a reader sees) of every table with ``columns``."""
-    return [(d.value, chart_checks.arrow_frame(d.proto.arrow_data.styler.display_values)) for d in at.dataframe
-            if all(c in d.value.columns for c in columns)]
+    return [
+        (d.value, chart_checks.arrow_frame(d.proto.arrow_data.styler.display_values))
+        for d in at.dataframe
+        if all(c in d.value.columns for c in columns)
+    ]
 
 
 def _two_significant(p: float) -> str | float:
@@ -269,7 +343,9 @@ def test_fidelity_tables_show_p_values_to_two_significant_digits(replication_db,
             assert_readable(values, text, (), {"KL": 4, "top-1 %": 1, "ΔNLL": 4})
             seen += 1
         for values, text in _shown(at, "p (Wilcoxon)", "Δ KL (A−B)"):
-            assert_readable(values, text, ("p (Wilcoxon)", "p (Holm)"), {"KL A": 4, "KL B": 4, "Δ KL (A−B)": 4, "Δ top-1 (pts)": 1})
+            assert_readable(
+                values, text, ("p (Wilcoxon)", "p (Holm)"), {"KL A": 4, "KL B": 4, "Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}
+            )
             seen += 1
     at = open_page(replication_db, "Replication scorecard", monkeypatch)
     for values, text in _shown(at, "why fidelity", "p"):

@@ -11,14 +11,19 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import MetaData, Table, insert, text
 
+from kvleague.cli import main
 from kvleague.db.seed import RealisticSpec, Seeder, realistic_rows
 from kvleague.db.session import get_engine, upgrade
 from kvleague.db.transfer import export, import_
-from kvleague.runner.cli import main
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
-SMALL = RealisticSpec(tasks=(("math500", "math", 12, 0.7, 300), ("niah", "longqa", 8, 0.9, 40)),
-                      budgets=(128, 256), methods=("full", "epikv", "h2o"), completion_chars=40, fail_rate=0.05)
+SMALL = RealisticSpec(
+    tasks=(("math500", "math", 12, 0.7, 300), ("niah", "longqa", 8, 0.9, 40)),
+    budgets=(128, 256),
+    methods=("full", "epikv", "h2o"),
+    completion_chars=40,
+    fail_rate=0.05,
+)
 
 # every result with its dimensions spelled out: equal across databases whatever the ids
 CONTENT = """
@@ -66,7 +71,9 @@ def test_round_trip_keeps_every_row_and_merging_twice_duplicates_nothing(tmp_pat
 
 def test_merging_into_a_database_with_results_of_its_own(tmp_path):
     a = seeded(f"sqlite:///{tmp_path / 'a.db'}")
-    other = RealisticSpec(tasks=SMALL.tasks, budgets=(512,), methods=("full", "snapkv"), sweep="other", completion_chars=40)
+    other = RealisticSpec(
+        tasks=SMALL.tasks, budgets=(512,), methods=("full", "snapkv"), sweep="other", completion_chars=40
+    )
     b = seeded(f"sqlite:///{tmp_path / 'b.db'}", other)
     path = tmp_path / "a.jsonl.gz"
     export(a, path)
@@ -100,10 +107,18 @@ def test_an_export_of_an_older_schema_imports_at_head(tmp_path):
     assert "kl_mean" not in reflected.columns
     now = datetime.now(timezone.utc)
     with old.begin() as conn:  # written as the code of that revision would: only the columns it has
-        conn.execute(insert(reflected), [
-            {**{c.name: row.get(c.name) for c in reflected.columns if c.name != "id"}, "created_at": now, "attempts": 1,
-             "cell_key": f"{row['method_spec_id']}-{row['task_id']}-{row['budget']}-{row['sample_id']}"}
-            for row in rows])
+        conn.execute(
+            insert(reflected),
+            [
+                {
+                    **{c.name: row.get(c.name) for c in reflected.columns if c.name != "id"},
+                    "created_at": now,
+                    "attempts": 1,
+                    "cell_key": f"{row['method_spec_id']}-{row['task_id']}-{row['budget']}-{row['sample_id']}",
+                }
+                for row in rows
+            ],
+        )
     path = tmp_path / "old.jsonl.gz"
     export(old, path)
     with gzip.open(path, "rt") as fh:
@@ -169,8 +184,8 @@ def test_the_one_spec_hash_reproduces_every_hash_in_the_committed_results():
     sweep config hashes (json.dumps's default separators), so db import keeps matching them."""
     from pathlib import Path
 
-    from kvleague.runner.provenance import environment_hash
     from kvleague.db.spec_hash import spec_hash
+    from kvleague.runner.provenance import environment_hash
     from kvleague.runner.sweep_config import UNHASHED_FIELDS, SweepConfig
 
     path = Path(__file__).resolve().parent.parent / "results" / "replication.jsonl.gz"
@@ -185,8 +200,12 @@ def test_the_one_spec_hash_reproduces_every_hash_in_the_committed_results():
         "method_specs": lambda r: {"name": r["name"], "params": r["params"]},
         "generation_settings": lambda r: {k: r[k] for k in ("max_new_tokens", "temperature", "top_p", "stop")},
         # preset fields at their defaults are left out of a protocol's spec (stored as NULL)
-        "protocols": lambda r: {k: v for k, v in r.items() if k not in ("id", "spec_hash")
-                                and not (k in ("recent_max_fraction", "prompt_over_budget", "budget_base") and v is None)},
+        "protocols": lambda r: {
+            k: v
+            for k, v in r.items()
+            if k not in ("id", "spec_hash")
+            and not (k in ("recent_max_fraction", "prompt_over_budget", "budget_base") and v is None)
+        },
     }
     checked = 0
     for table, of in spec.items():
@@ -197,7 +216,10 @@ def test_the_one_spec_hash_reproduces_every_hash_in_the_committed_results():
         assert environment_hash({k: v for k, v in r.items() if k not in ("id", "created_at")}) == r["spec_hash"], r
         checked += 1
     for r in by_table["sweeps"]:  # the config as stored (from the config model of its day), unhashed fields left out
-        assert spec_hash({k: v for k, v in r["config"].items() if k not in UNHASHED_FIELDS}, spaced=True) == r["config_hash"], r["id"]
+        assert (
+            spec_hash({k: v for k, v in r["config"].items() if k not in UNHASHED_FIELDS}, spaced=True)
+            == r["config_hash"]
+        ), r["id"]
         checked += 1
     fields = set(SweepConfig.model_fields)  # unhashed fields added since (batch_size) may be absent
     current = [r for r in by_table["sweeps"] if fields - set(UNHASHED_FIELDS) <= set(r["config"]) <= fields]
@@ -220,8 +242,12 @@ def test_a_truncated_export_is_one_line_and_creates_nothing(tmp_path, cut):
     cut_file = tmp_path / "cut.jsonl.gz"
     cut_file.write_bytes(whole[: len(whole) // 2] if cut == "middle" else whole[:40])
     target = tmp_path / "t.db"
-    proc = subprocess.run([sys.executable, "-m", "kvleague.runner.cli", "db", "import", str(cut_file), "--db", f"sqlite:///{target}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvleague.cli", "db", "import", str(cut_file), "--db", f"sqlite:///{target}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"kvleague: error: db import: {str(cut_file)!r} is truncated"), proc.stderr

@@ -26,7 +26,9 @@ def test_union_length_counts_overlaps_once():
 
 
 def _event(name, start, end, device=DeviceType.CPU, parent=None):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device, cpu_parent=parent)
+    return SimpleNamespace(
+        name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device, cpu_parent=parent
+    )
 
 
 def test_the_window_skips_warmup_steps_and_counts_what_lies_inside():
@@ -34,31 +36,61 @@ def test_the_window_skips_warmup_steps_and_counts_what_lies_inside():
     linear = _event("aten::linear", 120, 150, parent=steps[1])
     events = steps + [
         _event("aten::mm", 10, 20, parent=steps[0]),  # a warm-up step's op: outside the window
-        linear, _event("aten::addmm", 125, 145, parent=linear),  # nested: counted once, as linear
+        linear,
+        _event("aten::addmm", 125, 145, parent=linear),  # nested: counted once, as linear
         _event("aten::cat", 310, 320, parent=steps[3]),
         _event("aten::argmax", 390, 395),  # the loop's own read, between marks: inside the window
-        _event("gemm_kernel", 130, 170, DeviceType.CUDA), _event("gemm_kernel", 160, 190, DeviceType.CUDA),
+        _event("gemm_kernel", 130, 170, DeviceType.CUDA),
+        _event("gemm_kernel", 160, 190, DeviceType.CUDA),
         _event("cat_kernel", 330, 340, DeviceType.CUDA),
         _event("early_kernel", 20, 40, DeviceType.CUDA),  # before the window
     ]
     got = analyse(events, batch=4, warmup=1)
     # window [100, 400]: device busy over [130, 190] and [330, 340] = 70 of 300; 3 kernels for 3 steps x 4 rows
-    assert got == {"steps": 3, "device_busy": pytest.approx(70 / 300), "kernels_per_token": pytest.approx(3 / 12),
-                   "host_ops_per_step": pytest.approx(3 / 3), "step_ms": pytest.approx(300 / 3 / 1e3)}
+    assert got == {
+        "steps": 3,
+        "device_busy": pytest.approx(70 / 300),
+        "kernels_per_token": pytest.approx(3 / 12),
+        "host_ops_per_step": pytest.approx(3 / 3),
+        "step_ms": pytest.approx(300 / 3 / 1e3),
+    }
     cpu_only = [e for e in events if e.device_type == DeviceType.CPU]
     assert analyse(cpu_only, batch=4, warmup=1)["device_busy"] is None  # no device: not measured, not 0
     assert analyse(steps[:1], batch=4, warmup=1) == {"steps": 0}
 
 
 def test_bench_busy_reports_each_method_batch_and_backend(tiny_models, tmp_path):
-    from kvleague.runner.cli import main
-    from kvleague.runner.engine.decode import DecodeLoop
+    from kvleague.cli import main
+    from kvleague.engine.decode import DecodeLoop
 
     step = DecodeLoop.step
     out = tmp_path / "busy.json"  # the name the GPU check gives it
-    assert main(["bench", "busy", "--quick", "--model", str(tiny_models["llama"]), "--methods", "full,snapkv",
-                 "--batch-sizes", "1,3", "--steps", "3", "--warmup", "2", "--backend", "hf", "--backend", "slab",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "busy",
+                "--quick",
+                "--model",
+                str(tiny_models["llama"]),
+                "--methods",
+                "full,snapkv",
+                "--batch-sizes",
+                "1,3",
+                "--steps",
+                "3",
+                "--warmup",
+                "2",
+                "--backend",
+                "hf",
+                "--backend",
+                "slab",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert DecodeLoop.step is step  # the marking is undone
     report = json.loads(out.read_text())
     rows = {(r["backend"], r["method"], r["batch_size"]): r for r in report["rows"]}

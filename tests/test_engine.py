@@ -6,14 +6,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvleague.engine.contract import CacheView, Observation
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import EvictionMethod, Needs, build_method
-from kvleague.runner.engine.contract import CacheView, Observation
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from kvleague.runner.models import load_engine
 from tests.conftest import ARCHS
 from tests.naive_attention import decode_logits
-
 
 # -- test-only methods (not registered: they exist to exercise the engine) --------------------------
 
@@ -73,7 +72,10 @@ def test_full_cache_greedy_equals_model_generate(engines, prompt_ids, arch):
 def test_sampling_is_deterministic_for_a_seed(engines, prompt_ids, arch):
     engine = engines[arch]
     settings = greedy(40, temperature=1.0, top_p=0.9)
-    runs = [engine.generate(prompt_ids, build_method("knorm"), 64, Protocol(sink=4), settings, seed=s).token_ids for s in (11, 11, 12)]
+    runs = [
+        engine.generate(prompt_ids, build_method("knorm"), 64, Protocol(sink=4), settings, seed=s).token_ids
+        for s in (11, 11, 12)
+    ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -83,7 +85,11 @@ def test_sampling_is_deterministic_for_a_seed(engines, prompt_ids, arch):
 
 def _snapshot(session):
     layers = session.cache.cache.layers
-    return [l.keys[0].clone() for l in layers], [l.values[0].clone() for l in layers], [p.clone() for p in session.cache.positions]
+    return (
+        [l.keys[0].clone() for l in layers],
+        [l.values[0].clone() for l in layers],
+        [p.clone() for p in session.cache.positions],
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -196,7 +202,9 @@ def test_protect_prompt_longer_than_budget_is_a_clear_error(engines, prompt_ids)
 
 
 def test_streaming_llm_keeps_exactly_sinks_and_most_recent(engines, prompt_ids):
-    result = engines["llama"].generate(prompt_ids, build_method("streaming_llm", {"n_sink": 4}), 32, Protocol(), greedy(30))
+    result = engines["llama"].generate(
+        prompt_ids, build_method("streaming_llm", {"n_sink": 4}), 32, Protocol(), greedy(30)
+    )
     newest = len(prompt_ids) + 30 - 2  # the last sampled token is not fed
     assert result.kept_positions[0] == list(range(4)) + list(range(newest - 27, newest + 1))
     assert all(layer == result.kept_positions[0] for layer in result.kept_positions)
@@ -262,9 +270,13 @@ def test_attention_rows_under_sdpa_equal_eager_attention(engines, tiny_models, p
         out = eager(all_ids, output_attentions=True, output_hidden_states=True)
     n = len(prompt_ids)
     for layer in range(engine.n_layers):
-        torch.testing.assert_close(prefill.attention[layer], out.attentions[layer][0, :, n - 4 : n, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            prefill.attention[layer], out.attentions[layer][0, :, n - 4 : n, :n], rtol=1e-4, atol=1e-5
+        )
         total = all_ids.shape[1]
-        torch.testing.assert_close(decode.attention[layer], out.attentions[layer][0, :, total - 1 :, :], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            decode.attention[layer], out.attentions[layer][0, :, total - 1 :, :], rtol=1e-4, atol=1e-5
+        )
     # hidden states: only the declared layer, equal to HF's hidden_states[l + 1]
     assert set(prefill.hidden_states) == {1}
     torch.testing.assert_close(prefill.hidden_states[1], out.hidden_states[2][0, :n], rtol=1e-4, atol=1e-5)
@@ -330,22 +342,27 @@ def test_decode_steps_read_the_synchronizing_clock_only_at_their_boundaries(engi
     """On CUDA the engine's clock waits for the device; inside a step (observe, score, selection) the
     engine takes marks instead (CUDA events there), so a batch of 4 evicting every step reads the
     clock about once per step, not once per sequence and phase."""
-    from kvleague.runner.engine.generation import Engine
+    from kvleague.engine.generation import Engine
 
     engine = engines["llama"]
     reads = []
     monkeypatch.setattr(engine, "clock", lambda: reads.append(1) or float(len(reads)))
     monkeypatch.setattr(Engine, "mark", lambda self: 0.0)
     prompts = [prompt_ids[i : i + 20] for i in range(4)]
-    engine.generate_batch(prompts, [build_method("h2o") for _ in prompts], 12, Protocol(sink=1, recent=2),
-                          GenerationSettings(max_new_tokens=10))
+    engine.generate_batch(
+        prompts,
+        [build_method("h2o") for _ in prompts],
+        12,
+        Protocol(sink=1, recent=2),
+        GenerationSettings(max_new_tokens=10),
+    )
     assert len(reads) <= 2 * 10 + 4 * 3, len(reads)  # two per step, plus each sequence's prefill and finish
 
 
 def test_spans_sum_marks_and_read_events_only_when_read():
     """``Spans`` against a naive sum: numbers add at once; event pairs wait until the sum is read (or
     until enough have completed), and then add their elapsed milliseconds as seconds."""
-    from kvleague.runner.engine.resources import Spans
+    from kvleague.engine.resources import Spans
 
     class Event:  # a CUDA event's interface: elapsed_time in ms, query, synchronize
         def __init__(self, t: float, done: bool = True):
@@ -368,7 +385,9 @@ def test_spans_sum_marks_and_read_events_only_when_read():
     pairs = [(Event(i), Event(i + 0.5, done=i % 2 == 0)) for i in range(Spans.FOLD_AT)]
     for start, end in pairs:
         pending.add(start, end, 0.5)
-    assert len(pending._events) == Spans.FOLD_AT // 2 and not any(end.waited for _, end in pairs)  # completed ones folded
+    assert len(pending._events) == Spans.FOLD_AT // 2 and not any(
+        end.waited for _, end in pairs
+    )  # completed ones folded
     assert pending.seconds == pytest.approx(Spans.FOLD_AT * 0.25) and pairs[-1][1].waited and not pending._events
 
 
@@ -382,7 +401,9 @@ def test_multi_turn_session_keeps_one_cache_and_true_positions(engines, prompt_i
         session.feed(turn2)
         second = session.decode(greedy(10))
     whole = prompt_ids + first.token_ids + turn2
-    reference = engine.model.generate(torch.tensor([whole]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reference = engine.model.generate(
+        torch.tensor([whole]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert second.token_ids == reference[0, len(whole) :].tolist()
 
 
@@ -404,7 +425,9 @@ def test_a_special_token_stop_string_ends_the_completion_before_it(engines, prom
     text before it (this used to raise: the cut looked for it in the text without special tokens)."""
     engine = engines["llama"]
     tokenizer = engine.tokenizer
-    special = next(t for t in tokenizer.all_special_tokens if tokenizer.convert_tokens_to_ids(t) < engine.backend.vocab_size)
+    special = next(
+        t for t in tokenizer.all_special_tokens if tokenizer.convert_tokens_to_ids(t) < engine.backend.vocab_size
+    )
     special_id = tokenizer.convert_tokens_to_ids(special)
     monkeypatch.setattr(engine, "eos_ids", set())
     others = tuple(i for i in range(engine.backend.vocab_size) if i != special_id)  # the model can only say it
@@ -425,6 +448,7 @@ def test_decode_streams_each_token_as_it_is_chosen(engines, prompt_ids):
 def test_load_engine_names_its_backend_and_refuses_an_unknown_one(tiny_models):
     engine = load_engine(str(tiny_models["llama"]), backend="hf")
     assert engine.describe()["backend"] == "hf" and engine.describe()["parameters"] == sum(
-        p.numel() for p in engine.model.parameters())
+        p.numel() for p in engine.model.parameters()
+    )
     with pytest.raises(KvleagueError, match=r"^backend: unknown 'vllm'; allowed: hf, slab$"):
         load_engine(str(tiny_models["llama"]), backend="vllm")

@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 
@@ -50,7 +50,9 @@ def keep_only(cache, positions: list[int], keep: set[int]) -> list[int]:
     return [positions[i] for i in index.tolist()]
 
 
-def oracle_decode(model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0, 1.0), window=64, keep_recent=128, signal=_z):
+def oracle_decode(
+    model, prompt, n_new, budget, layers_a, layers_b, weights=(1.0, 1.0), window=64, keep_recent=128, signal=_z
+):
     """The authors' loop and eviction rule, naively; returns (tokens, kept positions after each step).
 
     ``signal(series, window)`` reduces each layer group's series to the token's value (z-score: EpiKV)."""
@@ -124,7 +126,12 @@ def test_epikv_equals_authors_semantics_over_many_evictions(engines, hf_models, 
     # layer B = 3 is the last of the 4: its hidden state is taken after the final norm
     expected_tokens, expected_kept = oracle_decode(hf_models[arch], prompt, steps, budget, [1], [3])
     tokens, kept, evictions = kvleague_decode(
-        engine, prompt, steps, budget, build_method("epikv", {"layer_a": 1, "layer_b": 3}), Protocol.preset("epikv_paper")
+        engine,
+        prompt,
+        steps,
+        budget,
+        build_method("epikv", {"layer_a": 1, "layer_b": 3}),
+        Protocol.preset("epikv_paper"),
     )
     assert evictions >= steps - (budget - len(prompt))  # evicts at every step once the cache is full
     assert _first_difference(kept, expected_kept) is None
@@ -207,13 +214,20 @@ def test_epikv_paper_preset_is_one_line_in_a_sweep_and_is_stored(tmp_path):
     from kvleague.db.models import ProtocolSpec
     from kvleague.db.session import get_engine, upgrade
     from kvleague.db.store import get_or_create
-    from kvleague.runner.engine.protocol import PRESETS
+    from kvleague.engine.protocol import PRESETS
     from kvleague.runner.sweep_config import parse_config
 
-    config = parse_config({
-        "name": "replication", "database": f"sqlite:///{tmp_path / 'r.db'}", "models": [{"source": "x/y"}],
-        "methods": ["epikv"], "budgets": [512], "tasks": ["math500"], "protocol": "epikv_paper",
-    })
+    config = parse_config(
+        {
+            "name": "replication",
+            "database": f"sqlite:///{tmp_path / 'r.db'}",
+            "models": [{"source": "x/y"}],
+            "methods": ["epikv"],
+            "budgets": [512],
+            "tasks": ["math500"],
+            "protocol": "epikv_paper",
+        }
+    )
     protocol = config.protocol_for("math", True)
     assert protocol == PRESETS["epikv_paper"]
     assert protocol.recent_for(512) == 128 and protocol.recent_for(256) == 64 and protocol.prompt_over_budget == "keep"
@@ -262,7 +276,9 @@ def oracle_h2o_authors(model, prompt, n_new, budget, n_sink=4, keep_recent=128):
 def test_h2o_authors_equals_the_authors_semantics_over_many_evictions(engines, tiny_models, monkeypatch):
     engine = engines["qwen3"]
     monkeypatch.setattr(engine, "eos_ids", set())
-    eager = AutoModelForCausalLM.from_pretrained(str(tiny_models["qwen3"]), dtype=torch.float32, attn_implementation="eager").eval()
+    eager = AutoModelForCausalLM.from_pretrained(
+        str(tiny_models["qwen3"]), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     prompt, budget, steps = _prompt(11, 20), 150, 170  # 4 sinks, 128 recent, 18 heavy hitters; 40 evictions
     expected = oracle_h2o_authors(eager, prompt, steps, budget)
     got = kvleague_decode(engine, prompt, steps, budget, build_method("h2o_authors"), Protocol(positions="compact"))

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -62,8 +61,18 @@ print("RESULT " + json.dumps({"total": s.total, "ran": s.ran, "skipped": s.skipp
 
 
 def _driver(ray_head, config: dict, failures: list | None = None, plan: dict | None = None) -> subprocess.Popen:
-    args = [sys.executable, "-c", DRIVER, json.dumps(config), ray_head["gcs"], json.dumps(failures or []), json.dumps(plan or {})]
-    return subprocess.Popen(args, cwd=REPO, env=ray_head["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        sys.executable,
+        "-c",
+        DRIVER,
+        json.dumps(config),
+        ray_head["gcs"],
+        json.dumps(failures or []),
+        json.dumps(plan or {}),
+    ]
+    return subprocess.Popen(
+        args, cwd=REPO, env=ray_head["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -99,7 +108,9 @@ def _has_table(conn, name: str) -> bool:
 def _rows(url: str) -> dict[str, tuple]:
     dispose_engines()
     with get_engine(url).connect() as conn:
-        return {r[0]: tuple(r[1:]) for r in conn.execute(text("SELECT cell_key, status, error, worker FROM sample_results"))}
+        return {
+            r[0]: tuple(r[1:]) for r in conn.execute(text("SELECT cell_key, status, error, worker FROM sample_results"))
+        }
 
 
 def test_database_refuses_a_second_row_for_a_cell(db_url):
@@ -107,16 +118,26 @@ def test_database_refuses_a_second_row_for_a_cell(db_url):
     from kvleague.db.seed import Seeder
 
     s = Seeder(get_engine(db_url))
-    ids = {"model_id": s.model("m"), "method_spec_id": s.method("full"), "task_id": s.task("t", "math"),
-           "protocol_id": s.protocol(), "generation_id": s.generation(), "sweep_id": s.sweep("x")}
+    ids = {
+        "model_id": s.model("m"),
+        "method_spec_id": s.method("full"),
+        "task_id": s.task("t", "math"),
+        "protocol_id": s.protocol(),
+        "generation_id": s.generation(),
+        "sweep_id": s.sweep("x"),
+    }
     row = {"cell_key": "k", "budget": 64, "sample_id": "p", "sample_index": 0, "seed": 0, **ids}
     assert s.write([dict(row)]) == 1
     with get_engine(db_url).begin() as conn, pytest.raises(IntegrityError):
-        conn.execute(text("INSERT INTO sample_results (cell_key, sweep_id, model_id, method_spec_id, task_id, protocol_id, "
-                          "generation_id, environment_id, budget, sample_id, sample_index, seed, status, attempts, created_at) "
-                          "SELECT cell_key, sweep_id, model_id, method_spec_id, task_id, protocol_id, generation_id, "
-                          "environment_id, budget, sample_id, sample_index, seed, status, attempts, created_at "
-                          "FROM sample_results WHERE cell_key = 'k'"))
+        conn.execute(
+            text(
+                "INSERT INTO sample_results (cell_key, sweep_id, model_id, method_spec_id, task_id, protocol_id, "
+                "generation_id, environment_id, budget, sample_id, sample_index, seed, status, attempts, created_at) "
+                "SELECT cell_key, sweep_id, model_id, method_spec_id, task_id, protocol_id, generation_id, "
+                "environment_id, budget, sample_id, sample_index, seed, status, attempts, created_at "
+                "FROM sample_results WHERE cell_key = 'k'"
+            )
+        )
     assert _counts(db_url)[:2] == (1, 1)
 
 
@@ -128,7 +149,7 @@ def test_a_database_that_stays_away_is_one_line_after_the_retry_window(tmp_path,
     from sqlalchemy.exc import OperationalError
 
     from kvleague.db.session import retrying
-    from kvleague.runner.engine.errors import KvleagueError
+    from kvleague.engine.errors import KvleagueError
 
     with socket.socket() as s:  # a port with nothing behind it
         s.bind(("127.0.0.1", 0))
@@ -143,7 +164,9 @@ def test_a_database_that_stays_away_is_one_line_after_the_retry_window(tmp_path,
     with pytest.raises(KvleagueError) as err:
         retrying(engine, write, "writing 3 finished results", 2.0)
     assert 1.0 <= time.monotonic() - t0 < 10
-    assert str(err.value).startswith(f"database: writing 3 finished results failed for 2s at postgresql+psycopg://postgres@127.0.0.1:{port}/kvleague: ")
+    assert str(err.value).startswith(
+        f"database: writing 3 finished results failed for 2s at postgresql+psycopg://postgres@127.0.0.1:{port}/kvleague: "
+    )
     assert "retrying in 0.5s" in capsys.readouterr().err
     sqlite = get_engine(f"sqlite:///{tmp_path / 'x.db'}")
     t0 = time.monotonic()
@@ -171,14 +194,19 @@ def test_hung_cell_and_out_of_memory_cell(ray_head, project, tmp_path):
     rows = _rows(url)
     assert set(rows) == {c.key for c in cells} and _counts(url)[:2] == (len(cells), len(cells))
     status, error, oom_worker = rows[oom]
-    assert status == "failed" and error.startswith("out of memory: RuntimeError:") and "can't allocate memory" in error, error
+    assert (
+        status == "failed" and error.startswith("out of memory: RuntimeError:") and "can't allocate memory" in error
+    ), error
     assert [rows[c.key][0] for c in cells[1:3]] == ["ok", "ok"]
     assert {rows[c.key][2] for c in cells[:3]} == {oom_worker}  # the worker went on after running out of memory
     status, error, hung_worker = rows[hung]
-    assert (status, error) == ("failed", "timed out after 20s (resources.cell_timeout_seconds); its worker was replaced")
+    assert (status, error) == (
+        "failed",
+        "timed out after 20s (resources.cell_timeout_seconds); its worker was replaced",
+    )
     after = {rows[c.key][2] for c in cells[4:]}
     assert {rows[c.key][0] for c in cells[4:]} == {"ok"} and oom_worker not in after  # a new worker ran the rest
-    assert f"timed out after 20s; replaced the worker" in err
+    assert "timed out after 20s; replaced the worker" in err
     print(f"hung + OOM cells: {len(cells)} cells in {time.monotonic() - t0:.0f}s")
 
 
@@ -235,8 +263,10 @@ def test_driver_killed_at_random_points(ray_head, project, db_url):
     n, distinct, final = _counts(db_url)
     assert (n, distinct) == (len(cells), len(cells)) and final == keys
     assert {s for s, *_ in _rows(db_url).values()} == {"ok"}
-    print(f"driver SIGKILL on {db_url.split(':')[0]}: {KILLS} kills {plans}; {len(cells)} cells, {n} rows, "
-          f"0 lost, 0 doubled")
+    print(
+        f"driver SIGKILL on {db_url.split(':')[0]}: {KILLS} kills {plans}; {len(cells)} cells, {n} rows, "
+        f"0 lost, 0 doubled"
+    )
 
 
 def test_two_drivers_on_one_sweep(ray_head, project, tmp_path):
@@ -249,14 +279,16 @@ def test_two_drivers_on_one_sweep(ray_head, project, tmp_path):
     cells = expand(parse_config(cfg)).cells
     procs = [_driver(ray_head, cfg) for _ in range(2)]
     results = [_finish(p) for p in procs]
-    for rc, out, err in results:
+    for rc, _out, err in results:
         assert rc == 0, err[-3000:]
     n, distinct, keys = _counts(db_url)
     assert (n, distinct) == (len(cells), len(cells)) and keys == {c.key for c in cells}
     with get_engine(db_url).connect() as conn:
         assert conn.execute(text("SELECT status FROM sweeps")).scalars().all() == ["finished", "finished"]
-    print(f"two drivers on sqlite: {len(cells)} cells, ran {[_result(o)['ran'] for _, o, _ in results]}, "
-          f"{n} rows, 0 doubled")
+    print(
+        f"two drivers on sqlite: {len(cells)} cells, ran {[_result(o)['ran'] for _, o, _ in results]}, "
+        f"{n} rows, 0 doubled"
+    )
 
 
 @pytest.fixture
@@ -270,8 +302,11 @@ def own_postgres():
     script = str(REPO / "scripts" / "postgres.sh")
     out = subprocess.run(["bash", script, "start", state], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    yield {"url": out.stdout.strip().splitlines()[-1], "pause": ["bash", script, "pause", state],
-           "resume": ["bash", script, "resume", state]}
+    yield {
+        "url": out.stdout.strip().splitlines()[-1],
+        "pause": ["bash", script, "pause", state],
+        "resume": ["bash", script, "resume", state],
+    }
     dispose_engines()
     subprocess.run(["bash", script, "stop", state], capture_output=True, text=True, timeout=60)
 
@@ -302,8 +337,10 @@ def test_postgres_restarted_mid_sweep(ray_head, project, own_postgres):
     n, distinct, keys = _counts(url)
     assert (n, distinct) == (len(cells), len(cells)) and keys == {c.key for c in cells}
     assert (_result(out)["ok"], _result(out)["failed"]) == (len(cells), 0)
-    print(f"PostgreSQL restart: {before} rows before the stop, {len(cells)} cells, {n} rows after, 0 lost, 0 doubled; "
-          f"driver said: {[ln for ln in err.splitlines() if ln.startswith('database:')][:1]}")
+    print(
+        f"PostgreSQL restart: {before} rows before the stop, {len(cells)} cells, {n} rows after, 0 lost, 0 doubled; "
+        f"driver said: {[ln for ln in err.splitlines() if ln.startswith('database:')][:1]}"
+    )
 
 
 @pytest.mark.cuda
@@ -316,10 +353,14 @@ def test_cuda_out_of_memory_cell_then_the_worker_goes_on(project, tmp_path):
         pytest.skip("needs a CUDA GPU")
     from kvleague.runner.sweep import CellWorker
 
-    cells = expand(parse_config(small_config(project, f"sqlite:///{tmp_path / 'x.db'}", methods=["full"], budgets=[64]))).cells
+    cells = expand(
+        parse_config(small_config(project, f"sqlite:///{tmp_path / 'x.db'}", methods=["full"], budgets=[64]))
+    ).cells
     worker = CellWorker(torch_threads=1, inject_failures=[{"key": cells[0].key, "allocate_mb": 10**9}])  # a petabyte
     row = worker.run(cells[0])
-    assert row["status"] == "failed" and row["error"].startswith("out of memory: OutOfMemoryError: CUDA out of memory"), row
+    assert row["status"] == "failed" and row["error"].startswith(
+        "out of memory: OutOfMemoryError: CUDA out of memory"
+    ), row
     before = torch.cuda.memory_allocated()
     assert worker.run(cells[1])["status"] == "ok"
     assert torch.cuda.memory_allocated() <= before + 64 * 1024**2  # nothing of the failed cell is held

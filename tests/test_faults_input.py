@@ -20,8 +20,8 @@ import yaml
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from kvleague.runner import cli
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague import cli
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.sweep_config import INT32
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,15 +33,39 @@ DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 UNICODE = ["☃", "名前", "é\u0301", "\u202e", "😀", "\x00", "a\nb"]
 REQUIRED = {(): ["name", "models", "methods", "budgets", "tasks"]}
 #: integer fields with an upper bound (the others are unbounded on purpose, e.g. a sample limit)
-BOUNDED_INTS = [("budgets", 0), ("seeds", 0), ("generation", "n_samples"), ("generation", "max_new_tokens"),
-                ("protocol", "sink"), ("protocol", "recent"), ("resources", "workers"), ("resources", "max_restarts"),
-                ("resources", "max_task_retries"), ("resources", "max_cell_attempts"), ("resources", "batch_size"),
-                ("resources", "in_flight_per_worker"), ("tasks", 0, "max_new_tokens")]
-NON_NEGATIVE = BOUNDED_INTS + [("tasks", 0, "limit"), ("generation", "temperature"), ("resources", "cpus_per_worker"),
-                               ("resources", "flush_seconds"), ("resources", "cell_timeout_seconds"),
-                               ("resources", "memory_limit_gb"), ("resources", "db_retry_seconds")]
-NAMED = [("name",), ("methods", 0), ("methods", 1, "name"), ("tasks", 0, "name"), ("models", 0, "dtype"),
-         ("protocol", "cadence"), ("protocol", "positions")]
+BOUNDED_INTS = [
+    ("budgets", 0),
+    ("seeds", 0),
+    ("generation", "n_samples"),
+    ("generation", "max_new_tokens"),
+    ("protocol", "sink"),
+    ("protocol", "recent"),
+    ("resources", "workers"),
+    ("resources", "max_restarts"),
+    ("resources", "max_task_retries"),
+    ("resources", "max_cell_attempts"),
+    ("resources", "batch_size"),
+    ("resources", "in_flight_per_worker"),
+    ("tasks", 0, "max_new_tokens"),
+]
+NON_NEGATIVE = BOUNDED_INTS + [
+    ("tasks", 0, "limit"),
+    ("generation", "temperature"),
+    ("resources", "cpus_per_worker"),
+    ("resources", "flush_seconds"),
+    ("resources", "cell_timeout_seconds"),
+    ("resources", "memory_limit_gb"),
+    ("resources", "db_retry_seconds"),
+]
+NAMED = [
+    ("name",),
+    ("methods", 0),
+    ("methods", 1, "name"),
+    ("tasks", 0, "name"),
+    ("models", 0, "dtype"),
+    ("protocol", "cadence"),
+    ("protocol", "positions"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +86,19 @@ def base_config(model: Path, db: Path) -> dict:
         "protocol": {"sink": 2, "recent": 4, "protect_prompt": False},
         "generation": {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "n_samples": 1},
         "seeds": [0],
-        "resources": {"workers": 1, "cpus_per_worker": 1, "batch_size": 4, "flush_seconds": 1.0,
-                      "cell_timeout_seconds": 60.0, "memory_limit_gb": 4.0, "db_retry_seconds": 5.0,
-                      "max_restarts": 1, "max_task_retries": 1, "max_cell_attempts": 2, "in_flight_per_worker": 1},
+        "resources": {
+            "workers": 1,
+            "cpus_per_worker": 1,
+            "batch_size": 4,
+            "flush_seconds": 1.0,
+            "cell_timeout_seconds": 60.0,
+            "memory_limit_gb": 4.0,
+            "db_retry_seconds": 5.0,
+            "max_restarts": 1,
+            "max_task_retries": 1,
+            "max_cell_attempts": 2,
+            "in_flight_per_worker": 1,
+        },
         "models": [{"dtype": "float32", "source": str(model)}],
     }
 
@@ -90,14 +124,47 @@ def _nested(depth: int):
 
 def mutate(rng: random.Random, cfg: dict) -> tuple[str, str | bytes]:
     """One mutant: ``(what was done, file content)``; every kind is invalid by construction."""
-    kind = rng.choice(["wrong_type", "missing", "extra", "negative", "huge", "unicode", "nested", "enormous",
-                       "truncated", "not_utf8", "not_a_mapping", "unset_env", "non_finite"])
+    kind = rng.choice(
+        [
+            "wrong_type",
+            "missing",
+            "extra",
+            "negative",
+            "huge",
+            "unicode",
+            "nested",
+            "enormous",
+            "truncated",
+            "not_utf8",
+            "not_a_mapping",
+            "unset_env",
+            "non_finite",
+        ]
+    )
     dump = lambda c: yaml.dump(c, Dumper=DUMPER, sort_keys=False, allow_unicode=True)  # noqa: E731
     if kind == "wrong_type":
-        path = rng.choice([("budgets",), ("seeds",), ("tasks",), ("protocol",), ("generation",), ("resources",),
-                           *NON_NEGATIVE, ("protocol", "protect_prompt"), ("models", 0), ("methods", 1, "params")])
+        path = rng.choice(
+            [
+                ("budgets",),
+                ("seeds",),
+                ("tasks",),
+                ("protocol",),
+                ("generation",),
+                ("resources",),
+                *NON_NEGATIVE,
+                ("protocol", "protect_prompt"),
+                ("models", 0),
+                ("methods", 1, "params"),
+            ]
+        )
         current = _get(cfg, path)
-        bad = [["x"], {"a": 1}] if not isinstance(current, (dict, list)) else [7, "word"] if isinstance(current, dict) else [{"a": 1}, 7]
+        bad = (
+            [["x"], {"a": 1}]
+            if not isinstance(current, (dict, list))
+            else [7, "word"]
+            if isinstance(current, dict)
+            else [{"a": 1}, 7]
+        )
         if isinstance(current, (int, float)) and not isinstance(current, bool):
             bad += ["seven", "1e2x", [1, 2]]
         if path == ("models", 0):
@@ -105,14 +172,31 @@ def mutate(rng: random.Random, cfg: dict) -> tuple[str, str | bytes]:
         value = rng.choice(bad)
         return f"{kind} {path}={value!r}", dump(_set(cfg, path, value))
     if kind == "missing":
-        path = rng.choice([("name",), ("models",), ("methods",), ("budgets",), ("tasks",), ("methods", 1, "name"),
-                           ("tasks", 0, "name")])
+        path = rng.choice(
+            [
+                ("name",),
+                ("models",),
+                ("methods",),
+                ("budgets",),
+                ("tasks",),
+                ("methods", 1, "name"),
+                ("tasks", 0, "name"),
+            ]
+        )
         out = copy.deepcopy(cfg)
         del _get(out, path[:-1])[path[-1]]
         return f"{kind} {path}", dump(out)
     if kind == "extra":
-        holders = [(), ("protocol",), ("generation",), ("resources",), ("tasks", 0), ("methods", 1),
-                   ("methods", 1, "params"), ("tasks", 0, "options")]
+        holders = [
+            (),
+            ("protocol",),
+            ("generation",),
+            ("resources",),
+            ("tasks", 0),
+            ("methods", 1),
+            ("methods", 1, "params"),
+            ("tasks", 0, "options"),
+        ]
         path = rng.choice(holders)
         out = copy.deepcopy(cfg)
         out["tasks"][0]["options"] = {}
@@ -132,7 +216,9 @@ def mutate(rng: random.Random, cfg: dict) -> tuple[str, str | bytes]:
         value = rng.choice(UNICODE) + rng.choice(["", "full", "kv_agent"])
         return f"{kind} {path}={value!r}", dump(_set(cfg, path, value))
     if kind == "nested":
-        path = rng.choice([("name",), ("budgets",), ("models", 0), ("methods", 1), ("protocol",), ("tasks", 0, "limit")])
+        path = rng.choice(
+            [("name",), ("budgets",), ("models", 0), ("methods", 1), ("protocol",), ("tasks", 0, "limit")]
+        )
         depth = rng.choice([5, 60, 3000, 50000])
         if depth > 100:  # deeper than the YAML emitter goes: write the flow sequence by hand
             body = dump(_set(cfg, path, "NESTED"))
@@ -149,15 +235,27 @@ def mutate(rng: random.Random, cfg: dict) -> tuple[str, str | bytes]:
     if kind == "not_utf8":
         body = dump(cfg).encode()
         at = rng.randrange(0, len(body))
-        return f"{kind} at {at}", body[:at] + rng.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80\x80"]) + body[at:]
+        return f"{kind} at {at}", body[:at] + rng.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80\x80"]) + body[
+            at:
+        ]
     if kind == "not_a_mapping":
         return kind, rng.choice(["- a\n- b\n", "42\n", "just words\n", "null\n", "", "[]\n", "'quoted'\n"])
     if kind == "unset_env":
         path = rng.choice([("name",), ("database",), ("models", 0), ("tasks", 0, "name")])
         return f"{kind} {path}", dump(_set(cfg, path, "${KVLEAGUE_FUZZ_UNSET_VARIABLE}"))
-    path = rng.choice([("generation", "temperature"), ("generation", "top_p"), ("resources", "flush_seconds"),
-                       ("resources", "cpus_per_worker"), ("budgets", 0), ("resources", "cell_timeout_seconds")])
-    return f"{kind} {path}", dump(_set(cfg, path, "NONFINITE")).replace("NONFINITE", rng.choice([".inf", "-.inf", ".nan"]), 1)
+    path = rng.choice(
+        [
+            ("generation", "temperature"),
+            ("generation", "top_p"),
+            ("resources", "flush_seconds"),
+            ("resources", "cpus_per_worker"),
+            ("budgets", 0),
+            ("resources", "cell_timeout_seconds"),
+        ]
+    )
+    return f"{kind} {path}", dump(_set(cfg, path, "NONFINITE")).replace(
+        "NONFINITE", rng.choice([".inf", "-.inf", ".nan"]), 1
+    )
 
 
 def _run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
@@ -190,7 +288,11 @@ def test_fuzzed_sweep_configs(tiny_llama, tmp_path, capsys, monkeypatch):
         rc, out, err = _run_cli(capsys, ["sweep", "--config", str(path), "--no-progress"])
         lines = err.splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("kvleague: error: "), (i, what, rc, err[-2000:])
-        assert "Traceback" not in err and "not in this test" not in err and len(lines[0]) <= MAX_LINE, (i, what, err[:2000])
+        assert "Traceback" not in err and "not in this test" not in err and len(lines[0]) <= MAX_LINE, (
+            i,
+            what,
+            err[:2000],
+        )
         assert not db.exists(), (i, what)
         kinds[what.split()[0]] = kinds.get(what.split()[0], 0) + 1
     assert len(kinds) == 13, kinds  # every kind of mutation was generated
@@ -203,8 +305,14 @@ def test_config_errors_name_the_field_and_the_allowed_values(tiny_llama, tmp_pat
     cases = [
         (_set(cfg, ("budgets", 0), INT32 + 1), f"budgets: must be at most {INT32}, got {INT32 + 1}"),
         (_set(cfg, ("seeds", 0), 2**63), f"seeds: must be at most {INT32}, got {2**63}"),
-        (_set(cfg, ("resources", "cell_timeout_seconds"), 0), "resources.cell_timeout_seconds: Input should be greater than 0"),
-        (_set(cfg, ("resources", "memory_limit_gb"), "lots"), "resources.memory_limit_gb: Input should be a valid number"),
+        (
+            _set(cfg, ("resources", "cell_timeout_seconds"), 0),
+            "resources.cell_timeout_seconds: Input should be greater than 0",
+        ),
+        (
+            _set(cfg, ("resources", "memory_limit_gb"), "lots"),
+            "resources.memory_limit_gb: Input should be a valid number",
+        ),
         (_set(cfg, ("resources", "timeout"), 5), "resources.timeout: unknown field; allowed: workers, cpus_per_worker"),
         (_set(cfg, ("name",), "x" * 5000), "name: String should have at most 200 characters (got 'xxxx"),
     ]
@@ -215,7 +323,10 @@ def test_config_errors_name_the_field_and_the_allowed_values(tiny_llama, tmp_pat
         assert len(err) < MAX_LINE
     path.write_text("tasks: " + "[" * 50000 + "]" * 50000 + "\n")
     rc, _, err = _run_cli(capsys, ["sweep", "--config", str(path)])
-    assert (rc, err) == (2, f"kvleague: error: config {path}: invalid YAML at line 1, column 1007: exceeded maximum nesting depth\n")
+    assert (rc, err) == (
+        2,
+        f"kvleague: error: config {path}: invalid YAML at line 1, column 1007: exceeded maximum nesting depth\n",
+    )
     path.write_bytes(b"name: caf\xe9\n")
     rc, _, err = _run_cli(capsys, ["sweep", "--config", str(path)])
     assert (rc, err) == (2, f"kvleague: error: config {path}: not UTF-8 text (byte 9)\n")
@@ -233,8 +344,23 @@ def _aime_ids() -> list[str]:
 
 
 def mutate_jsonl(rng: random.Random, rows: list[dict]) -> tuple[str, bytes]:
-    kind = rng.choice(["wrong_type", "missing", "extra", "huge", "unicode_id", "nested", "enormous", "truncated",
-                       "not_utf8", "not_an_object", "not_json", "empty", "non_finite"])
+    kind = rng.choice(
+        [
+            "wrong_type",
+            "missing",
+            "extra",
+            "huge",
+            "unicode_id",
+            "nested",
+            "enormous",
+            "truncated",
+            "not_utf8",
+            "not_an_object",
+            "not_json",
+            "empty",
+            "non_finite",
+        ]
+    )
     rows = copy.deepcopy(rows)
     i = rng.randrange(len(rows))
     enc = lambda rs: "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rs).encode()  # noqa: E731
@@ -301,7 +427,11 @@ def test_fuzzed_completions_files(tmp_path, capsys):
         path.write_bytes(body)
         rc, out, err = _run_cli(capsys, argv)
         lines = err.splitlines()
-        assert rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("kvleague: error: --completions: "), (i, what, err[-2000:])
+        assert rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("kvleague: error: --completions: "), (
+            i,
+            what,
+            err[-2000:],
+        )
         assert "Traceback" not in err and len(lines[0]) <= MAX_LINE, (i, what, err[:2000])
         kinds[what.split()[0]] = kinds.get(what.split()[0], 0) + 1
     assert len(kinds) == 13, kinds
@@ -316,12 +446,19 @@ def test_hostile_input_through_real_processes(tiny_llama, tmp_path):
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_bytes(b'{"sample_id": "I-1", "completion": "x", "extra": 1}\n')
     cases = [
-        (["sweep", "--config", str(cfg_path)], f"kvleague: error: config {cfg_path}: budgets: must be positive integers, got -64\n"),
-        (["score", "--task", "aime25", "--completions", str(jsonl), "--data-dir", str(DATA_DIR)],
-         "kvleague: error: --completions: line 1: unknown field 'extra'; allowed: sample_id, completion\n"),
+        (
+            ["sweep", "--config", str(cfg_path)],
+            f"kvleague: error: config {cfg_path}: budgets: must be positive integers, got -64\n",
+        ),
+        (
+            ["score", "--task", "aime25", "--completions", str(jsonl), "--data-dir", str(DATA_DIR)],
+            "kvleague: error: --completions: line 1: unknown field 'extra'; allowed: sample_id, completion\n",
+        ),
     ]
     for argv, expected in cases:
-        out = subprocess.run([sys.executable, "-m", "kvleague.runner.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "kvleague.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
         assert (out.returncode, out.stderr, out.stdout) == (2, expected, "")
     assert not (tmp_path / "p.db").exists()
 
@@ -348,9 +485,26 @@ def _seeded(url: str) -> int:
     s = Seeder(get_engine(url))
     model, method, task = s.model("m"), s.method("full"), s.task("t", "math")
     proto, gen, env, sweep = s.protocol(), s.generation(), s.environment(), s.sweep("seed")
-    rows = [{"cell_key": f"k{i}", "sweep_id": sweep, "model_id": model, "method_spec_id": method, "task_id": task,
-             "protocol_id": proto, "generation_id": gen, "environment_id": env, "budget": 64, "sample_id": f"p{i}",
-             "sample_index": 0, "seed": 0, "status": "ok", "correct": True, "score": 1.0} for i in range(5)]
+    rows = [
+        {
+            "cell_key": f"k{i}",
+            "sweep_id": sweep,
+            "model_id": model,
+            "method_spec_id": method,
+            "task_id": task,
+            "protocol_id": proto,
+            "generation_id": gen,
+            "environment_id": env,
+            "budget": 64,
+            "sample_id": f"p{i}",
+            "sample_index": 0,
+            "seed": 0,
+            "status": "ok",
+            "correct": True,
+            "score": 1.0,
+        }
+        for i in range(5)
+    ]
     return s.write(rows)
 
 
@@ -386,15 +540,41 @@ def mutate_report(rng: random.Random, report: dict) -> tuple[str, bytes]:
 
     STORED_ENV = [k for k in ENVIRONMENT_KEYS if k in Environment.__table__.columns]
 
-    kind = rng.choice(["wrong_type", "missing", "extra", "huge", "negative_budget", "unicode", "nested", "enormous",
-                       "truncated", "not_utf8", "not_an_object", "bad_date", "non_finite"])
+    kind = rng.choice(
+        [
+            "wrong_type",
+            "missing",
+            "extra",
+            "huge",
+            "negative_budget",
+            "unicode",
+            "nested",
+            "enormous",
+            "truncated",
+            "not_utf8",
+            "not_an_object",
+            "bad_date",
+            "non_finite",
+        ]
+    )
     r = copy.deepcopy(report)
     fig = r["figures"][rng.randrange(len(r["figures"]))]
     if kind == "wrong_type":
         where = rng.choice(["top", "figure", "environment"])
         if where == "top":
-            key = rng.choice(["schema_version", "benchmark", "run_id", "created_at", "environment", "config", "rows",
-                              "figures", "summary"])
+            key = rng.choice(
+                [
+                    "schema_version",
+                    "benchmark",
+                    "run_id",
+                    "created_at",
+                    "environment",
+                    "config",
+                    "rows",
+                    "figures",
+                    "summary",
+                ]
+            )
             r[key] = {"a": 1} if isinstance(report[key], list) else rng.choice([[1], None])
         elif where == "figure":
             key = rng.choice(list(FIGURE_KEYS))
@@ -404,7 +584,9 @@ def mutate_report(rng: random.Random, report: dict) -> tuple[str, bytes]:
     elif kind == "missing":
         where = rng.choice(["top", "figure", "environment"])
         if where == "top":
-            del r[rng.choice(["schema_version", "benchmark", "run_id", "created_at", "environment", "config", "figures"])]
+            del r[
+                rng.choice(["schema_version", "benchmark", "run_id", "created_at", "environment", "config", "figures"])
+            ]
         elif where == "figure":
             del fig[rng.choice(list(FIGURE_KEYS))]
         else:
@@ -446,10 +628,18 @@ def test_fuzzed_benchmark_reports(tmp_path, capsys):
     and nothing in the database (no figure, no environment row)."""
     from kvleague.runner.bench import harness as h
 
-    figures = [h.figure("speed_ratio", 1.25, "x", method="epikv", budget=256, reference="full", clock="cpu"),
-               h.figure("max_tokens", 4096, "tokens", method="h2o", budget=1024, at_least=False)]
-    report = h.make_report("decode_speed", config={"model": "m"}, rows=[{"method": "epikv"}], figures=figures,
-                           summary={}, env=h.environment())
+    figures = [
+        h.figure("speed_ratio", 1.25, "x", method="epikv", budget=256, reference="full", clock="cpu"),
+        h.figure("max_tokens", 4096, "tokens", method="h2o", budget=1024, at_least=False),
+    ]
+    report = h.make_report(
+        "decode_speed",
+        config={"model": "m"},
+        rows=[{"method": "epikv"}],
+        figures=figures,
+        summary={},
+        env=h.environment(),
+    )
     path = tmp_path / "r.json"
     db = tmp_path / "bench.db"
     url = f"sqlite:///{db}"
@@ -463,11 +653,20 @@ def test_fuzzed_benchmark_reports(tmp_path, capsys):
         path.write_bytes(body)
         rc, out, err = _run_cli(capsys, ["bench", "store", str(path), "--db", url])
         lines = err.splitlines()
-        assert rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith(f"kvleague: error: {path}: "), (i, kind, err[-2000:])
+        assert rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith(f"kvleague: error: {path}: "), (
+            i,
+            kind,
+            err[-2000:],
+        )
         assert "Traceback" not in err and len(lines[0]) <= MAX_LINE, (i, kind, err[:2000])
         kinds[kind] = kinds.get(kind, 0) + 1
     with get_engine(url).connect() as conn:
-        assert conn.execute(text("SELECT (SELECT count(*) FROM benchmark_results) + (SELECT count(*) FROM environments)")).scalar() == 0
+        assert (
+            conn.execute(
+                text("SELECT (SELECT count(*) FROM benchmark_results) + (SELECT count(*) FROM environments)")
+            ).scalar()
+            == 0
+        )
     assert len(kinds) == 13, kinds
     path.write_text(json.dumps(report))
     assert _run_cli(capsys, ["bench", "store", str(path), "--db", url])[0] == 0  # the unmutated report is stored

@@ -4,11 +4,11 @@ exactly the kept positions, and the segments walk the same tokens as the full-ca
 import pytest
 import torch
 
+from kvleague.engine import Session
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods.registry import build_method
 from kvleague.runner import fidelity
-from kvleague.runner.engine import Session
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.naive_attention import decode_step
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -52,8 +52,13 @@ def test_kl_equals_a_naive_recomputation_on_the_kept_positions(engines, prompt_i
         start = len(segs[0][0])
         # the oracle's own K/V per position: the prompt's from one full prefill (the engine prefills it in
         # one chunk too); every later token's from the naive step, under the reduced cache it attended to
-        store = {t: ([l.keys[0][:, t] for l in out.past_key_values.layers], [l.values[0][:, t] for l in out.past_key_values.layers])
-                 for t in range(start)}
+        store = {
+            t: (
+                [l.keys[0][:, t] for l in out.past_key_values.layers],
+                [l.values[0][:, t] for l in out.past_key_values.layers],
+            )
+            for t in range(start)
+        }
         n = len(result.per_token["kl"])
         for i, kl in enumerate(result.per_token["kl"]):
             if i == 0:  # the prompt's own forward: nothing was evicted yet, so q is the full cache's
@@ -65,8 +70,12 @@ def test_kl_equals_a_naive_recomputation_on_the_kept_positions(engines, prompt_i
             for layer, pos in enumerate(kept):
                 pos = pos.expand(len(store[0][0][layer]), -1) if pos.dim() == 1 else pos
                 others = [sorted(t for t in pos[h].tolist() if t != cur) for h in range(pos.shape[0])]
-                layer_k.append(torch.stack([torch.stack([store[t][0][layer][h] for t in idx]) for h, idx in enumerate(others)]))
-                layer_v.append(torch.stack([torch.stack([store[t][1][layer][h] for t in idx]) for h, idx in enumerate(others)]))
+                layer_k.append(
+                    torch.stack([torch.stack([store[t][0][layer][h] for t in idx]) for h, idx in enumerate(others)])
+                )
+                layer_v.append(
+                    torch.stack([torch.stack([store[t][1][layer][h] for t in idx]) for h, idx in enumerate(others)])
+                )
             logits, new_k, new_v = decode_step(engine.model, layer_k, layer_v, seq[cur], cur)
             store[cur] = (new_k, new_v)
             q = torch.log_softmax(logits.double(), -1)
@@ -90,11 +99,22 @@ def test_truncate_and_bad_segments():
 DATA_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
-@pytest.mark.parametrize("name,options,limit", [
-    ("math500", {}, 40), ("gsm8k", {}, 40), ("aime24", {}, 30), ("humaneval", {}, 20), ("mbpp", {}, 20),
-    ("niah", {"context_length": 300, "num_depths": 3, "samples_per_depth": 2}, 6), ("kv_retrieval_75", {}, 10),
-    ("leval_tpo", {}, 20), ("leval_scientific_qa", {}, 20), ("kv_agent", {}, 10), ("bfcl_multi_turn", {}, 6),
-])
+@pytest.mark.parametrize(
+    "name,options,limit",
+    [
+        ("math500", {}, 40),
+        ("gsm8k", {}, 40),
+        ("aime24", {}, 30),
+        ("humaneval", {}, 20),
+        ("mbpp", {}, 20),
+        ("niah", {"context_length": 300, "num_depths": 3, "samples_per_depth": 2}, 6),
+        ("kv_retrieval_75", {}, 10),
+        ("leval_tpo", {}, 20),
+        ("leval_scientific_qa", {}, 20),
+        ("kv_agent", {}, 10),
+        ("bfcl_multi_turn", {}, 6),
+    ],
+)
 def test_a_reference_continuation_is_a_correct_answer(name, options, limit, engines):
     """The oracle is the task's own scorer: what fidelity teacher-forces must be a right answer."""
     from kvleague.tasks.registry import build_task
@@ -113,7 +133,12 @@ def test_a_reference_continuation_is_a_correct_answer(name, options, limit, engi
             from kvleague.tasks.episode import ScriptedSession
 
             turns = iter([tok.decode(ids, skip_special_tokens=True) for ids, scored in segments if scored])
-            result = task.run_episode(s, ScriptedSession(tok, lambda ctx: next(turns)), tok, GenerationSettings(max_new_tokens=8))
+            result = task.run_episode(
+                s,
+                ScriptedSession(tok, lambda ctx, turns=turns: next(turns)),
+                tok,
+                GenerationSettings(max_new_tokens=8),
+            )
             right += result.score.correct
         else:
             right += task.score(s, task.reference_continuation(s)).correct
@@ -122,7 +147,7 @@ def test_a_reference_continuation_is_a_correct_answer(name, options, limit, engi
 
 
 def test_fidelity_of_a_task_without_references_is_one_line_exit_2(capsys):
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     assert main(["fidelity", "--task", "aime25", "--method", "full", "--budget", "64"]) == 2
     err = capsys.readouterr().err
@@ -130,29 +155,60 @@ def test_fidelity_of_a_task_without_references_is_one_line_exit_2(capsys):
 
 
 def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, capsys):
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     if not (DATA_DIR / "gsm8k").is_dir():
         pytest.skip("no local GSM8K")
-    argv = ["fidelity", "--model", str(tiny_models["llama"]), "--task", "gsm8k", "--method", "full", "--method", "streaming_llm",
-            "--budget", "32", "--budget", "48", "--limit", "2", "--max-tokens", "12", "--sink", "2", "--recent", "4",
-            "--data-dir", str(DATA_DIR), "--json", "-"]
+    argv = [
+        "fidelity",
+        "--model",
+        str(tiny_models["llama"]),
+        "--task",
+        "gsm8k",
+        "--method",
+        "full",
+        "--method",
+        "streaming_llm",
+        "--budget",
+        "32",
+        "--budget",
+        "48",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "12",
+        "--sink",
+        "2",
+        "--recent",
+        "4",
+        "--data-dir",
+        str(DATA_DIR),
+        "--json",
+        "-",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    report = __import__("json").loads(out[out.index("{"):])
+    report = __import__("json").loads(out[out.index("{") :])
     rows = report["samples"]
     assert len(rows) == 2 * (1 + 2)  # full once per sample, streaming_llm at both budgets
     assert all(r["tokens"] == 12 for r in rows)
     by = {(s["method"], s["budget"]): s for s in report["summary"]}
     assert by[("full", 32)]["kl_mean"] < 1e-6 and by[("full", 32)]["top1"] == 1.0
     assert by[("streaming_llm", 32)]["kl_mean"] > by[("streaming_llm", 48)]["kl_mean"] > 0
-    assert by[("streaming_llm", 32)]["kl_lo"] <= by[("streaming_llm", 32)]["kl_mean"] <= by[("streaming_llm", 32)]["kl_hi"]
+    assert (
+        by[("streaming_llm", 32)]["kl_lo"] <= by[("streaming_llm", 32)]["kl_mean"] <= by[("streaming_llm", 32)]["kl_hi"]
+    )
     # a sample's methods and budgets are forced together by default; one at a time gives the same rows
     assert main(argv + ["--batch-size", "1"]) == 0
     out = capsys.readouterr().out
-    single = __import__("json").loads(out[out.index("{"):])["samples"]
+    single = __import__("json").loads(out[out.index("{") :])["samples"]
     for a, b in zip(rows, single):
-        assert (a["sample_id"], a["method"], a["budget"], a["evictions"]) == (b["sample_id"], b["method"], b["budget"], b["evictions"])
+        assert (a["sample_id"], a["method"], a["budget"], a["evictions"]) == (
+            b["sample_id"],
+            b["method"],
+            b["budget"],
+            b["evictions"],
+        )
         assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-3, abs=1e-6)
     assert main(argv + ["--batch-size", "0"]) == 2
     assert capsys.readouterr().err.strip().startswith("kvleague: error: --batch-size: must be a positive integer")
@@ -161,48 +217,89 @@ def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, c
 # ---- one definition of the protocol flags --------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [
-    ["generate", "--method", "full", "--budget", "64", "--prompt", "x"],
-    ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--method", "full", "--budget", "64", "--prompt", "x"],
+        ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
+    ],
+)
 def test_generate_and_fidelity_read_the_protocol_flags_alike(command):
-    from kvleague.runner.cli import build_parser, protocol_from_args
+    from kvleague.cli import build_parser, protocol_from_args
 
     parse = lambda *extra: protocol_from_args(build_parser().parse_args([*command, *extra]))  # noqa: E731
     assert parse() == Protocol()  # the same defaults in both commands: Protocol's own
     assert parse("--protocol", "epikv_paper") == Protocol.preset("epikv_paper")
-    assert parse("--sink", "4", "--recent", "16", "--cadence", "buffer=8", "--positions", "compact", "--protect-prompt",
-                 "--prefill-chunk", "32") == Protocol(sink=4, recent=16, cadence="buffer=8", positions="compact",
-                                                      protect_prompt=True, prefill_chunk=32)
+    assert parse(
+        "--sink",
+        "4",
+        "--recent",
+        "16",
+        "--cadence",
+        "buffer=8",
+        "--positions",
+        "compact",
+        "--protect-prompt",
+        "--prefill-chunk",
+        "32",
+    ) == Protocol(sink=4, recent=16, cadence="buffer=8", positions="compact", protect_prompt=True, prefill_chunk=32)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--protocol", "nope"], "kvleague: error: --protocol: unknown preset 'nope'; allowed: epikv_paper"),
-    (["--protocol", "epikv_paper", "--sink", "4", "--protect-prompt"],
-     "kvleague: error: --protocol: the preset epikv_paper sets every protocol field; drop --sink, --protect-prompt"),
-])
-@pytest.mark.parametrize("command", [
-    ["generate", "--method", "full", "--budget", "64", "--prompt", "x"],
-    ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--protocol", "nope"], "kvleague: error: --protocol: unknown preset 'nope'; allowed: epikv_paper"),
+        (
+            ["--protocol", "epikv_paper", "--sink", "4", "--protect-prompt"],
+            "kvleague: error: --protocol: the preset epikv_paper sets every protocol field; drop --sink, --protect-prompt",
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--method", "full", "--budget", "64", "--prompt", "x"],
+        ["fidelity", "--task", "gsm8k", "--method", "full", "--budget", "64"],
+    ],
+)
 def test_bad_protocol_flags_are_one_line_exit_2(command, extra, message, capsys):
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     assert main([*command, "--model", "/no/such/dir", *extra]) == 2  # refused before the model is looked at
     assert capsys.readouterr().err.strip() == message
 
 
 def test_fidelity_cli_takes_the_epikv_paper_preset(tiny_models, capsys):
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     if not (DATA_DIR / "gsm8k").is_dir():
         pytest.skip("no local GSM8K")
-    argv = ["fidelity", "--model", str(tiny_models["llama"]), "--task", "gsm8k", "--method", "full", "--method", "knorm",
-            "--budget", "48", "--limit", "1", "--max-tokens", "8", "--protocol", "epikv_paper", "--data-dir", str(DATA_DIR),
-            "--json", "-"]
+    argv = [
+        "fidelity",
+        "--model",
+        str(tiny_models["llama"]),
+        "--task",
+        "gsm8k",
+        "--method",
+        "full",
+        "--method",
+        "knorm",
+        "--budget",
+        "48",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "8",
+        "--protocol",
+        "epikv_paper",
+        "--data-dir",
+        str(DATA_DIR),
+        "--json",
+        "-",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    report = __import__("json").loads(out[out.index("{"):])
+    report = __import__("json").loads(out[out.index("{") :])
     assert report["protocol"] == Protocol.preset("epikv_paper").model_dump(mode="json")
     full, knorm = report["samples"]
     assert full["kl_mean"] < 1e-6 and knorm["prompt_tokens"] > 48  # the prompt is kept whole (prompt_over_budget: keep)
@@ -211,7 +308,7 @@ def test_fidelity_cli_takes_the_epikv_paper_preset(tiny_models, capsys):
 def test_fidelity_cli_reports_progress_before_the_first_sample_is_done(tiny_models, capsys, monkeypatch):
     """Lines on stderr before the model loads and before the first sample's runs start: what a long first
     sample (minutes on long prompts) is doing, not only a line once it has finished."""
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     if not (DATA_DIR / "gsm8k").is_dir():
         pytest.skip("no local GSM8K")
@@ -223,12 +320,33 @@ def test_fidelity_cli_reports_progress_before_the_first_sample_is_done(tiny_mode
         return reference(engine, segments)
 
     monkeypatch.setattr(fidelity, "full_cache_logprobs", noting_reference)
-    argv = ["fidelity", "--model", str(tiny_models["llama"]), "--task", "gsm8k", "--method", "full", "--method", "streaming_llm",
-            "--budget", "32", "--budget", "48", "--limit", "2", "--max-tokens", "12", "--data-dir", str(DATA_DIR)]
+    argv = [
+        "fidelity",
+        "--model",
+        str(tiny_models["llama"]),
+        "--task",
+        "gsm8k",
+        "--method",
+        "full",
+        "--method",
+        "streaming_llm",
+        "--budget",
+        "32",
+        "--budget",
+        "48",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "12",
+        "--data-dir",
+        str(DATA_DIR),
+    ]
     assert main(argv) == 0
     before = seen[0].splitlines()
     assert before[0] == f"[gsm8k] loading {tiny_models['llama']} and up to 2 samples"
     assert before[1].startswith("[gsm8k] 2 samples x 3 runs (methods x budgets), loaded in ")
-    assert before[2].startswith("[gsm8k] sample 1/2: a full-cache pass and 3 runs over ") and before[2].endswith(" (12 scored)")
+    assert before[2].startswith("[gsm8k] sample 1/2: a full-cache pass and 3 runs over ") and before[2].endswith(
+        " (12 scored)"
+    )
     assert not any("1/2 samples" in line for line in before)  # the per-sample line comes after
     assert "[gsm8k] 1/2 samples, " in seen[1]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvleague.engine.errors import KvleagueError
 from kvleague.methods import available_methods, build_method
 from kvleague.runner import fidelity
-from kvleague.runner.engine.errors import KvleagueError
 from tests.conftest import ARCHS
 from tests.test_batch import PROTOCOLS, engines64  # noqa: F401 - the float64 engines fixture
 
@@ -37,7 +37,15 @@ def _same(alone: fidelity.FidelityResult, batched: fidelity.FidelityResult) -> N
     assert batched.tokens == alone.tokens
     a, b = alone.generation, batched.generation
     assert b.kept_positions == a.kept_positions
-    for name in ("evictions", "evicted_tokens", "peak_cache_entries", "prompt_tokens", "generated_tokens", "token_ids", "budget"):
+    for name in (
+        "evictions",
+        "evicted_tokens",
+        "peak_cache_entries",
+        "prompt_tokens",
+        "generated_tokens",
+        "token_ids",
+        "budget",
+    ):
         assert getattr(b, name) == getattr(a, name), name
 
 
@@ -47,10 +55,20 @@ def test_each_sequence_of_a_fidelity_batch_equals_it_alone(engines64, arch):
     samples = _samples(engine, len(METHODS))
     budgets = [BUDGETS[i % len(BUDGETS)] for i in range(len(METHODS))]
     seeds = list(range(len(METHODS)))
-    alone = [fidelity.measure(engine, s, build_method(name), b, protocol, seed, per_token=True)
-             for s, name, b, seed in zip(samples, METHODS, budgets, seeds)]
-    batched = fidelity.measure_batch(engine, samples, [build_method(n) for n in METHODS], budgets, protocol, seeds,
-                                     batch_size=len(METHODS), per_token=True)
+    alone = [
+        fidelity.measure(engine, s, build_method(name), b, protocol, seed, per_token=True)
+        for s, name, b, seed in zip(samples, METHODS, budgets, seeds)
+    ]
+    batched = fidelity.measure_batch(
+        engine,
+        samples,
+        [build_method(n) for n in METHODS],
+        budgets,
+        protocol,
+        seeds,
+        batch_size=len(METHODS),
+        per_token=True,
+    )
     for one, many in zip(alone, batched):
         _same(one, many)
     evicting = [r.generation.evictions for r, n in zip(alone, METHODS) if not build_method(n).never_evicts]
@@ -68,8 +86,9 @@ def test_one_reference_serves_many_methods_and_multi_turn_samples_run_alone(engi
     samples = [one] * 4 + [multi]
     references = [fidelity.full_cache_logprobs(engine, s) for s in samples]
     budgets = [12, 16, 12, 12, 16]
-    batched = fidelity.measure_batch(engine, samples, [build_method(n) for n in names], budgets, protocol,
-                                     references=references, per_token=True)
+    batched = fidelity.measure_batch(
+        engine, samples, [build_method(n) for n in names], budgets, protocol, references=references, per_token=True
+    )
     for s, name, b, r in zip(samples, names, budgets, batched):
         _same(fidelity.measure(engine, s, build_method(name), b, protocol, per_token=True), r)
         assert r.reference_seconds == 0.0  # the references were given

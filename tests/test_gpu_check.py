@@ -41,7 +41,7 @@ def _bench_lines(with_report: bool = False) -> list[tuple]:
 def test_the_documented_steps_are_the_steps_it_runs():
     text = SCRIPT.read_text()
     documented = re.findall(r"^#   (\w+)\s{2,}", text, flags=re.M)
-    default = re.search(r'GPU_CHECK_STEPS:-([^}]*)\}', text).group(1).split()
+    default = re.search(r"GPU_CHECK_STEPS:-([^}]*)\}", text).group(1).split()
     run = re.findall(r"^wants (\w+) &&", text, flags=re.M)
     optional = re.findall(r"^#\s+(?:\S.*)?\(not among the default steps: GPU_CHECK_STEPS=(\w+)\)", text, flags=re.M)
     assert documented == run and default == [s for s in run if s not in optional]
@@ -51,7 +51,7 @@ def test_the_documented_steps_are_the_steps_it_runs():
 
 @pytest.mark.parametrize("step, args", _bench_lines(), ids=[s for s, _ in _bench_lines()])
 def test_every_benchmark_line_parses(step, args):
-    from kvleague.runner.cli import build_parser
+    from kvleague.cli import build_parser
 
     parsed = build_parser().parse_args(["bench", *args, "--model", "m", "--json", "out.json"])
     assert parsed.command == "bench"
@@ -82,21 +82,25 @@ def _lengths(args: list[str]) -> dict[str, int]:
 def check_folder(tiny_models, tmp_path_factory) -> Path:
     """The reports of the check's steps that feed the targets table, from its own command lines run
     on the CPU; only the model (a tiny llama) and the lengths (``CPU_LENGTHS``) differ."""
+    from kvleague.cli import main
     from kvleague.runner.bench.gpu_targets import REPORTS
-    from kvleague.runner.cli import main
 
     out = tmp_path_factory.mktemp("gpu-check")
     lines = [(report, args) for _, report, args in _bench_lines(with_report=True) if report in REPORTS]
     assert sorted(r for r, _ in lines) == sorted(REPORTS)
     for report, args in lines:
         shorter = [w for flag, n in CPU_LENGTHS.items() if flag in args for w in (flag, str(n))]
-        assert main(["bench", *args, *shorter, "--model", str(tiny_models["llama"]),
-                     "--json", str(out / f"{report}.json")]) == 0
+        assert (
+            main(
+                ["bench", *args, *shorter, "--model", str(tiny_models["llama"]), "--json", str(out / f"{report}.json")]
+            )
+            == 0
+        )
     return out
 
 
 def _targets(folder: Path, *extra: str) -> dict:
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     assert main(["bench", "targets", str(folder), *extra]) == 0
     return json.loads((folder / "targets.json").read_text())
@@ -109,8 +113,13 @@ def _from_the_report(folder: Path, target: dict, backend: str) -> float | None:
         return None
     summary = report["summary"].get("by_backend", {}).get(backend, report["summary"])
     if target["metric"] == "decode_tokens_per_second":
-        (value,) = [r["decode_tokens_per_second"] for r in report["rows"] if r["method"] == target["method"]
-                    and r.get("backend", backend) == backend and r.get("batch_size") == target["batch_size"]]
+        (value,) = [
+            r["decode_tokens_per_second"]
+            for r in report["rows"]
+            if r["method"] == target["method"]
+            and r.get("backend", backend) == backend
+            and r.get("batch_size") == target["batch_size"]
+        ]
         return value
     if target["metric"] == "first_pass_ratio":
         return summary["first_over_second_pass"]
@@ -158,7 +167,7 @@ def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_f
     judged = 0
     for row in result["rows"]:
         t = row["target"]
-        for backend, cell in row["cells"].items():
+        for _backend, cell in row["cells"].items():
             if cell["value"] is None:
                 continue
             if t["reference"] == "generate_static":  # the CPU never compiles the anchor: not the target's
@@ -192,7 +201,10 @@ def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_f
     cell = rows["batch 32, `epikv` (tok/s)"]["slab"]
     assert cell["met"] is None and cell["value"] is not None and "prompt_tokens 64" in cell["note"]
     assert rows["`full` / `model.generate` (static cache + compile), batch 32"]["slab"]["note"] == "report missing"
-    assert rows["`full` / `model.generate` (static cache + compile), batch 1"]["slab"]["note"] == "anchor failed: the compile failed"
+    assert (
+        rows["`full` / `model.generate` (static cache + compile), batch 1"]["slab"]["note"]
+        == "anchor failed: the compile failed"
+    )
 
     # a bandwidth measured on another GPU, or reports of different models, size no bound
     (tmp_path / "bandwidth.json").write_text(json.dumps({"bytes_per_second": 2e12, "gpu": "Other GPU", "torch": "x"}))
@@ -204,7 +216,7 @@ def test_on_a_gpu_report_targets_are_judged_and_shared_against_the_bound(check_f
 
 
 def test_targets_refuse_what_is_not_a_check_folder(tmp_path, capsys):
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     assert main(["bench", "targets", str(tmp_path / "absent")]) == 2
     assert main(["bench", "targets", str(tmp_path), "--bandwidth-gbs", "0"]) == 2
@@ -223,16 +235,26 @@ def test_the_script_runs_its_steps_on_the_cpu_when_asked_and_refuses_otherwise(t
 
     env = {**os.environ, "KVLEAGUE_BENCH_MODELS": str(tmp_path / "models"), "OMP_NUM_THREADS": "1"}
     if not torch.cuda.is_available():
-        refused = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "refused")], env=env, capture_output=True,
-                                 text=True, timeout=120)
+        refused = subprocess.run(
+            ["bash", str(SCRIPT), str(tmp_path / "refused")], env=env, capture_output=True, text=True, timeout=120
+        )
         assert refused.returncode == 2 and "torch sees no CUDA device (GPU_CHECK_CPU=1" in refused.stderr
     out = tmp_path / "check"
-    run = subprocess.run(["bash", str(SCRIPT), str(out)], env={**env, "GPU_CHECK_CPU": "1", "GPU_CHECK_STEPS": "tests cudnn"},
-                         capture_output=True, text=True, timeout=400)
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(out)],
+        env={**env, "GPU_CHECK_CPU": "1", "GPU_CHECK_STEPS": "tests cudnn"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = [line.split() for line in (out / "summary.txt").read_text().splitlines()]
-    assert [(s[0], s[1]) for s in summary] == [("cuda-tests", "rc=0"), ("model", "rc=0"), ("generate-cudnn", "rc=0"),
-                                              ("targets", "rc=0")]
+    assert [(s[0], s[1]) for s in summary] == [
+        ("cuda-tests", "rc=0"),
+        ("model", "rc=0"),
+        ("generate-cudnn", "rc=0"),
+        ("targets", "rc=0"),
+    ]
     assert (tmp_path / "models" / "llama-tiny" / "model.safetensors").is_file()
     report = json.loads((out / "generate-cudnn.json").read_text())
     assert report["config"]["cudnn_attention"] is True and "llama-tiny" in report["config"]["model"]

@@ -14,14 +14,22 @@ from kvleague.analysis.head_to_head import pair_row
 
 def _results(outcomes: dict[int, list[int | None]]) -> cs.Results:
     """method -> per-problem outcome: 1 right, 0 wrong, None failed (a sample that raised)."""
-    return {m: {(1, f"s{i}", 1, 1, 1): (int(o == 1), 1, int(o is None), 1) for i, o in enumerate(out)}
-            for m, out in outcomes.items()}
+    return {
+        m: {(1, f"s{i}", 1, 1, 1): (int(o == 1), 1, int(o is None), 1) for i, o in enumerate(out)}
+        for m, out in outcomes.items()
+    }
 
 
 def _pair(b: int, c: int, concordant: int = 17) -> dict:
     """A pair with ``b`` problems only A gets right, ``c`` only B, and ``concordant`` both or neither."""
-    return pair_row(cs.common_set(_results({1: [1] * b + [0] * c + [1] * concordant, 2: [0] * b + [1] * c + [1] * concordant}),
-                                  [1, 2]), 1, 2, {})
+    return pair_row(
+        cs.common_set(
+            _results({1: [1] * b + [0] * c + [1] * concordant, 2: [0] * b + [1] * c + [1] * concordant}), [1, 2]
+        ),
+        1,
+        2,
+        {},
+    )
 
 
 @pytest.mark.parametrize("b,c", [(0, 0), (0, 5), (6, 0), (9, 2), (3, 3), (2, 10)])
@@ -46,7 +54,12 @@ def test_pair_row_counts_the_table_from_the_rows():
     both = sum(x and y for x, y in zip(a, b))
     a_only = sum(x and not y for x, y in zip(a, b))
     b_only = sum(y and not x for x, y in zip(a, b))
-    assert (row["both right"], row["A only"], row["B only"], row["both wrong"]) == (both, a_only, b_only, 40 - both - a_only - b_only)
+    assert (row["both right"], row["A only"], row["B only"], row["both wrong"]) == (
+        both,
+        a_only,
+        b_only,
+        40 - both - a_only - b_only,
+    )
     assert row["p"] == pytest.approx(mcnemar([[both, a_only], [b_only, 0]], exact=True).pvalue)
     assert row["Δ A−B (pts)"] == pytest.approx(100 * (sum(a) - sum(b)) / 40)
     assert row["test"] == "exact McNemar" and row["problems"] == 40
@@ -62,7 +75,9 @@ def test_pairs_use_the_common_problems_and_failed_counts_as_wrong():
 
 
 def test_several_samples_per_question_fall_back_to_the_score_test():
-    res = {m: {(1, f"s{i}", 1, 1, 1): (k, 3, 0, 1) for i, k in enumerate(ks)}
-           for m, ks in {1: [3, 2, 3, 3, 2, 3, 3, 3, 2, 3], 2: [0, 1, 0, 1, 0, 0, 1, 0, 0, 1]}.items()}
+    res = {
+        m: {(1, f"s{i}", 1, 1, 1): (k, 3, 0, 1) for i, k in enumerate(ks)}
+        for m, ks in {1: [3, 2, 3, 3, 2, 3, 3, 3, 2, 3], 2: [0, 1, 0, 1, 0, 0, 1, 0, 0, 1]}.items()
+    }
     row = pair_row(cs.common_set(res, [1, 2]), 1, 2, {})
     assert row["test"] != "exact McNemar" and math.isnan(row["A only"]) and row["p"] < 0.05

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods.registry import build_method
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = ["2+2", "the capital of France", "3 x 7", "a color of the sky"]
@@ -43,7 +43,10 @@ def local_task(engines, tmp_path_factory):
     root = tmp_path_factory.mktemp("lmeval-task")
     completions = [_direct_completion(engine, q) for q in QUESTIONS]
     assert all(c for c in completions)  # non-empty, so a wrong target cannot match by accident
-    rows = [{"question": q, "answer": c if i % 2 == 0 else "WRONG" + c} for i, (q, c) in enumerate(zip(QUESTIONS, completions))]
+    rows = [
+        {"question": q, "answer": c if i % 2 == 0 else "WRONG" + c}
+        for i, (q, c) in enumerate(zip(QUESTIONS, completions))
+    ]
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     (root / "kvl_echo.yaml").write_text(
@@ -119,7 +122,7 @@ def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task, monke
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import kvleague.runner.engine.batch as batch
+    import kvleague.engine.batch as batch
     from kvleague.runner.lm_eval_model import KvleagueLM
 
     root, completions = local_task
@@ -137,13 +140,18 @@ def test_kvleague_lm_runs_a_local_task_end_to_end(tiny_models, local_task, monke
 
     monkeypatch.setattr(batch, "DecodeLoop", Loop)
     out = lm_eval.simple_evaluate(
-        model=lm, tasks=["kvl_echo"], task_manager=TaskManager(include_path=str(root), include_defaults=False), log_samples=True
+        model=lm,
+        tasks=["kvl_echo"],
+        task_manager=TaskManager(include_path=str(root), include_defaults=False),
+        log_samples=True,
     )
     assert batches == {1: [(1, 1)] * 4, 3: [(3, 4)], "auto": [(4, 4)]}[batch_size]
     assert out["results"]["kvl_echo"]["exact_match,raw"] == 0.5
     responses = [s["resps"][0][0] for s in sorted(out["samples"]["kvl_echo"], key=lambda s: s["doc_id"])]
     assert responses == completions
-    assert len(lm.generations) == 4 and all(g["evictions"] > 0 and g["budget"] == BUDGET and g["method"] == METHOD for g in lm.generations)
+    assert len(lm.generations) == 4 and all(
+        g["evictions"] > 0 and g["budget"] == BUDGET and g["method"] == METHOD for g in lm.generations
+    )
     assert out["config"]["kvleague_budget"] == BUDGET
 
 
@@ -191,7 +199,9 @@ def test_lm_eval_cli_with_kvleague_model(tiny_models, local_task, tmp_path):
         "--model_args", f"pretrained={tiny_models['llama']},method={METHOD},budget={BUDGET},method.n_sink={PARAMS['n_sink']}",
         "--tasks", "kvl_echo", "--include_path", str(root), "--output_path", str(tmp_path / "out"),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=300, env={**_env(), "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=300, env={**_env(), "PYTHONPATH": str(REPO)}
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result_files = list((tmp_path / "out").rglob("results_*.json"))
     assert len(result_files) == 1

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvleague.engine.contract import CacheView, Observation, SequenceInfo
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
-from kvleague.runner.engine.contract import CacheView, Observation, SequenceInfo
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 
@@ -142,7 +142,10 @@ def test_epikv_score_on_hand_made_series_matches_numpy(window, variant):
 def test_epikv_last_layer_is_read_after_the_final_norm():
     """Engine hidden index ``n_layers`` is the final norm's output (HF ``hidden_states[-1]``)."""
     assert list(build_method("epikv", {"layer_a": 1, "layer_b": 7}).hidden_layers(8)) == [1, 8]
-    assert list(build_method("epikv", {"layer_a": 1, "layer_b": 7, "last_layer": "residual"}).hidden_layers(8)) == [1, 7]
+    assert list(build_method("epikv", {"layer_a": 1, "layer_b": 7, "last_layer": "residual"}).hidden_layers(8)) == [
+        1,
+        7,
+    ]
     assert list(build_method("epikv_bands", {"layers_a": [0], "layers_b": [6, 7]}).hidden_layers(8)) == [0, 6, 8]
 
 
@@ -180,7 +183,9 @@ def _full_hidden(model, ids, layers):
     the last layer's output is taken before the final norm, by a hook, as the method defines it)."""
     last = len(model.model.layers) - 1
     grabbed = {}
-    handle = model.model.layers[last].register_forward_hook(lambda m, a, out: grabbed.setdefault("h", out[0] if isinstance(out, tuple) else out))
+    handle = model.model.layers[last].register_forward_hook(
+        lambda m, a, out: grabbed.setdefault("h", out[0] if isinstance(out, tuple) else out)
+    )
     try:
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
@@ -219,7 +224,9 @@ def test_epikv_kept_set_on_tiny_model_equals_naive_reimplementation(
         session.feed(prompt)
         out = session.decode(GenerationSettings(max_new_tokens=n_fed + 1))
         kept = sorted(session.cache.positions[0][0].tolist())
-        assert session.evictions == 1 and all(torch.equal(p[0], session.cache.positions[0][0]) for p in session.cache.positions)
+        assert session.evictions == 1 and all(
+            torch.equal(p[0], session.cache.positions[0][0]) for p in session.cache.positions
+        )
     ids = prompt + out.token_ids[:n_fed]
     n = len(ids)
     hidden, full_cache = _full_hidden(engine.model, ids, sorted(set(group_a) | set(group_b)))
@@ -233,7 +240,11 @@ def test_epikv_kept_set_on_tiny_model_equals_naive_reimplementation(
     reserve = params.get("value_reserve", 0)
     if reserve:
         ranges = np.mean(
-            [(layer.values[0].amax(-1) - layer.values[0].amin(-1)).mean(0).double().numpy() for layer in full_cache.layers], axis=0
+            [
+                (layer.values[0].amax(-1) - layer.values[0].amin(-1)).mean(0).double().numpy()
+                for layer in full_cache.layers
+            ],
+            axis=0,
         )
         generated = np.arange(n) >= len(prompt)
         top = np.argsort(-np.where(generated, ranges, -np.inf), kind="stable")[:reserve]
@@ -399,14 +410,33 @@ def test_lag_kv_matches_numpy(t):
 
 def test_epikv_seg_keeps_tertile_quotas_ranked_by_epikv_score():
     seg, n, recent = 8, 6 * 8 + 4, 4
-    method = build_method("epikv_seg", {"segment": seg, "quotas": (4, 2, 1), "recent_window": recent, "layer_a": 0, "layer_b": 1, "window": 4, "selection": "fill"})
+    method = build_method(
+        "epikv_seg",
+        {
+            "segment": seg,
+            "quotas": (4, 2, 1),
+            "recent_window": recent,
+            "layer_a": 0,
+            "layer_b": 1,
+            "window": 4,
+            "selection": "fill",
+        },
+    )
     method.reset(_info(n_layers=3, n_kv_heads=1))  # layer 1 is not the last: no final norm
     rng = np.random.default_rng(3)
     # key variance per segment: segments 0..5 get spreads [5, 1, 3, 0.5, 4, 2] -> tertiles H L M L H M
     spread = np.repeat([5.0, 1.0, 3.0, 0.5, 4.0, 2.0, 1.0], seg)[:n]
     keys = torch.tensor(rng.normal(size=(1, n, 16)) * spread[None, :, None], dtype=torch.float32)
     hidden = torch.tensor(rng.normal(size=(n, 8)).cumsum(0), dtype=torch.float32)
-    method.observe(_obs(list(range(n)), {0: hidden, 1: hidden * 0.5 + torch.tensor(rng.normal(size=(n, 8)), dtype=torch.float32)}, keys=[keys, keys], n_layers=2, n_kv=1))
+    method.observe(
+        _obs(
+            list(range(n)),
+            {0: hidden, 1: hidden * 0.5 + torch.tensor(rng.normal(size=(n, 8)), dtype=torch.float32)},
+            keys=[keys, keys],
+            n_layers=2,
+            n_kv=1,
+        )
+    )
     scores = method.score(_view([keys, keys], budget=20, current=n - 1))
     base = method.token_scores(_view([keys], current=n - 1)).numpy()
     quota = {0: 4, 4: 4, 2: 2, 5: 2, 1: 1, 3: 1}
@@ -440,7 +470,11 @@ def test_thinkv_classifies_segments_by_sparsity_and_protects_transitions():
     method = build_method("thinkv", {"segment": seg, "keep_schedule": (2, 1), "thresholds": (0.5, 0.8)})
     method.reset(_info(n_layers=layers, n_heads=1, n_kv_heads=n_kv))
     prompt = 4
-    method.observe(_obs(list(range(prompt)), attention=[torch.full((1, 1, prompt), 1 / prompt)], phase="prefill", n_layers=1, n_kv=1))
+    method.observe(
+        _obs(
+            list(range(prompt)), attention=[torch.full((1, 1, prompt), 1 / prompt)], phase="prefill", n_layers=1, n_kv=1
+        )
+    )
     # segment kinds by construction: dense (R), very sparse (T), medium (E), dense (R), then an open segment
     kinds = ["R", "T", "E", "R"]
     rng = np.random.default_rng(0)
@@ -567,7 +601,12 @@ def test_position_table_write_one_is_write_and_a_copy_is_its_own():
     for position, value in ((3, 0.1), (5000, -2.5), (7, 1e-300)):
         one.write_one(position, value)
         many.write(torch.tensor([position]), torch.tensor([value], dtype=torch.float64))
-    assert torch.equal(one.data, many.data) and one.read(torch.tensor([3, 4, 5000, 9000])).tolist() == [0.1, float("inf"), -2.5, float("inf")]
+    assert torch.equal(one.data, many.data) and one.read(torch.tensor([3, 4, 5000, 9000])).tolist() == [
+        0.1,
+        float("inf"),
+        -2.5,
+        float("inf"),
+    ]
     twin = copy.deepcopy(one)
     twin.write_one(3, 42.0)
     assert one.read(torch.tensor([3])).item() == 0.1 and twin.read(torch.tensor([3])).item() == 42.0

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvleague.engine.contract import EvictionMethod, Needs
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import available_methods, build_method
-from kvleague.runner.engine.contract import EvictionMethod, Needs
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 METHODS = sorted(available_methods())
@@ -73,7 +73,7 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
         assert alone.evictions == 0 and not shapes
     else:
         assert alone.evictions > 0 and shapes, "the cache never exceeded the budget: the cell tests nothing"
-        # a -inf score asks for the slot to go even below B (runner/engine/contract.py); otherwise exactly B stay
+        # a -inf score asks for the slot to go even below B (engine/contract.py); otherwise exactly B stay
         asked_fewer = any(fewer for _, fewer in shapes)
         for layer in alone.kept_positions:  # [T] or [H][T]
             heads = layer if isinstance(layer[0], list) else [layer]
@@ -93,7 +93,7 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
 @pytest.mark.parametrize("k", [7, 24, 25, 26, 43, "per row"], ids=lambda k: f"k{k}")
 def test_keep_top_keeps_highest_scores_then_most_recent_whatever_the_slot_order(shape, k):
     """Against a plain lexicographic sort on (score, position), for one count and a count per row."""
-    from kvleague.runner.engine.cache import _keep_top
+    from kvleague.engine.cache import _keep_top
 
     gen = torch.Generator().manual_seed(len(shape))
     scores = torch.randint(0, 4, shape, generator=gen).double()  # many exact ties
@@ -103,7 +103,11 @@ def test_keep_top_keeps_highest_scores_then_most_recent_whatever_the_slot_order(
     rows = scores.numel() // shape[-1]
     counts = torch.randint(1, shape[-1], (rows,), generator=gen) if k == "per row" else torch.full((rows,), k)
     keep = _keep_top(scores, counts.view(*shape[:-1], 1) if k == "per row" else k, positions)
-    flat_s, flat_p, flat_k = scores.reshape(-1, shape[-1]), positions.reshape(-1, shape[-1]), keep.reshape(-1, shape[-1])
+    flat_s, flat_p, flat_k = (
+        scores.reshape(-1, shape[-1]),
+        positions.reshape(-1, shape[-1]),
+        keep.reshape(-1, shape[-1]),
+    )
     for s, p, kept, n in zip(flat_s, flat_p, flat_k, counts.tolist()):
         order = sorted(range(shape[-1]), key=lambda i: (float(s[i]), int(p[i])), reverse=True)
         assert set(kept.nonzero()[:, 0].tolist()) == set(order[:n])
@@ -119,7 +123,9 @@ class _Constant(EvictionMethod):
 
 
 def test_equal_scores_keep_the_most_recent_positions_on_the_order_free_path(engines, prompt_ids):
-    result = engines["qwen2"].generate(prompt_ids, _Constant(), BUDGET, Protocol(), GenerationSettings(max_new_tokens=20))
+    result = engines["qwen2"].generate(
+        prompt_ids, _Constant(), BUDGET, Protocol(), GenerationSettings(max_new_tokens=20)
+    )
     newest = len(prompt_ids) + 20 - 2  # the last sampled token is not fed
     assert result.kept_positions[0] == list(range(newest - BUDGET + 1, newest + 1))
 
@@ -128,6 +134,8 @@ def test_kept_prompt_beyond_the_recent_window_keeps_the_newest_of_the_window(eng
     """epikv_paper, prompt + recent > B: the prompt stays, the newest generated tokens fill what is left."""
     monkeypatch.setattr(engines["llama"], "eos_ids", set())
     prompt, budget = prompt_ids[:56], 64  # recent window min(128, 64 // 4) = 16 > 64 - 56
-    result = engines["llama"].generate(prompt, _Constant(), budget, Protocol.preset("epikv_paper"), GenerationSettings(max_new_tokens=30))
+    result = engines["llama"].generate(
+        prompt, _Constant(), budget, Protocol.preset("epikv_paper"), GenerationSettings(max_new_tokens=30)
+    )
     newest = 56 + 30 - 2
     assert result.kept_positions[0] == list(range(56)) + list(range(newest - 7, newest + 1))

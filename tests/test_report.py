@@ -12,10 +12,10 @@ import pytest
 from scipy.stats import wilcoxon
 from statsmodels.stats.multitest import multipletests
 
+from kvleague.cli import main
 from kvleague.db.seed import Seeder
 from kvleague.db.session import get_engine
 from kvleague.db.transfer import export
-from kvleague.runner.cli import main
 
 N = 30
 BUDGETS = (64, 128)
@@ -28,8 +28,12 @@ def kl(method: str, budget: int, i: int) -> float:
     wiggle (no difference to find); smaller budgets hurt more."""
     scale = 128 / budget
     base = 0.05 * scale * (1 + (i % 7) / 7)
-    return {"full": 0.0, "epikv": base, "h2o": base * 1.6 + 0.01,
-            "tova": base + (0.004 if i % 2 else -0.004) * (1 + i % 3)}[method]
+    return {
+        "full": 0.0,
+        "epikv": base,
+        "h2o": base * 1.6 + 0.01,
+        "tova": base + (0.004 if i % 2 else -0.004) * (1 + i % 3),
+    }[method]
 
 
 ABLATION_SHIFT = {"h2o": lambda i: 0.02 + 0.001 * (i % 5), "tova": lambda i: (0.003 if i % 2 else -0.003) * (1 + i % 3)}
@@ -49,27 +53,73 @@ def seed(path: Path) -> None:
         for m in METHODS:
             for b in BUDGETS:
                 for i in range(N):
-                    cell = {"sweep_id": sweep, "model_id": model, "method_spec_id": ids[m], "task_id": t, "protocol_id": proto,
-                            "budget": b, "sample_id": f"{task}-{i:03d}", "sample_index": 0, "seed": 0,
-                            "prompt_tokens": 100, "wall_seconds": 2.0}
+                    cell = {
+                        "sweep_id": sweep,
+                        "model_id": model,
+                        "method_spec_id": ids[m],
+                        "task_id": t,
+                        "protocol_id": proto,
+                        "budget": b,
+                        "sample_id": f"{task}-{i:03d}",
+                        "sample_index": 0,
+                        "seed": 0,
+                        "prompt_tokens": 100,
+                        "wall_seconds": 2.0,
+                    }
                     correct = (i % 3 != 0) if m == "full" else (i % 3 != 0 and (m != "h2o" or i % 2 == 0))
-                    rows.append({**cell, "generation_id": greedy, "correct": correct, "score": float(correct),
-                                 "generated_tokens": 40, "evictions": 0 if m == "full" else 5})
+                    rows.append(
+                        {
+                            **cell,
+                            "generation_id": greedy,
+                            "correct": correct,
+                            "score": float(correct),
+                            "generated_tokens": 40,
+                            "evictions": 0 if m == "full" else 5,
+                        }
+                    )
                     k = kl(m, b, i)
-                    rows.append({**cell, "generation_id": forced, "measure": "fidelity", "kl_mean": k,
-                                 "top1_agreement": 1.0 - min(0.9, 2 * k), "delta_nll_mean": k / 2, "scored_tokens": 32})
+                    rows.append(
+                        {
+                            **cell,
+                            "generation_id": forced,
+                            "measure": "fidelity",
+                            "kl_mean": k,
+                            "top1_agreement": 1.0 - min(0.9, 2 * k),
+                            "delta_nll_mean": k / 2,
+                            "scored_tokens": 32,
+                        }
+                    )
     # an ablation: math at budget 64 again under protocol #2 (positions compact, nothing else changed),
     # fidelity only, h2o and tova: h2o's KL is higher under #2 on every sample, tova's moves by a symmetric
     # wiggle; protocol #3 differs from both in two settings or more, so it is no ablation of either
     t = s.task("math500", "math")
-    for proto_id, shift in ((s.protocol(sink=4, recent=8, positions="compact"), ABLATION_SHIFT),
-                            (s.protocol(sink=0, recent=16, positions="compact"), {"h2o": lambda i: 0.5, "tova": lambda i: 0.5})):
+    for proto_id, shift in (
+        (s.protocol(sink=4, recent=8, positions="compact"), ABLATION_SHIFT),
+        (s.protocol(sink=0, recent=16, positions="compact"), {"h2o": lambda i: 0.5, "tova": lambda i: 0.5}),
+    ):
         for m, dkl in shift.items():
             for i in range(N):
-                rows.append({"sweep_id": sweep, "model_id": model, "method_spec_id": ids[m], "task_id": t, "protocol_id": proto_id,
-                             "budget": 64, "sample_id": f"math500-{i:03d}", "sample_index": 0, "seed": 0, "prompt_tokens": 100,
-                             "wall_seconds": 2.0, "generation_id": forced, "measure": "fidelity", "kl_mean": kl(m, 64, i) + dkl(i),
-                             "top1_agreement": 0.5, "delta_nll_mean": 0.0, "scored_tokens": 32})
+                rows.append(
+                    {
+                        "sweep_id": sweep,
+                        "model_id": model,
+                        "method_spec_id": ids[m],
+                        "task_id": t,
+                        "protocol_id": proto_id,
+                        "budget": 64,
+                        "sample_id": f"math500-{i:03d}",
+                        "sample_index": 0,
+                        "seed": 0,
+                        "prompt_tokens": 100,
+                        "wall_seconds": 2.0,
+                        "generation_id": forced,
+                        "measure": "fidelity",
+                        "kl_mean": kl(m, 64, i) + dkl(i),
+                        "top1_agreement": 0.5,
+                        "delta_nll_mean": 0.0,
+                        "scored_tokens": 32,
+                    }
+                )
     s.write(rows)
     from kvleague.db.models import SignalCorrelation
 
@@ -77,12 +127,31 @@ def seed(path: Path) -> None:
     # layers 6-7 (60-70%) below 0, the rest covering 0
     rho = {3: (0.3, 0.1, 0.5), 4: (0.2, 0.05, 0.35), 6: (-0.3, -0.5, -0.1), 7: (-0.2, -0.4, -0.05)}
     with engine.begin() as conn:
-        conn.execute(SignalCorrelation.__table__.insert(), [
-            {"row_key": f"k{layer}", "run_id": "run", "model": "tiny-test", "task": "math500", "domain": "math",
-             "label": "occlusion_nll", "signal": f"hs_l2_diff_rolling64_l{layer}", "family": "hs_l2_diff_rolling64",
-             "layer": layer, "n_layers": 10, "rho": rho.get(layer, (0.0, -0.1, 0.1))[0],
-             "rho_lo": rho.get(layer, (0.0, -0.1, 0.1))[1], "rho_hi": rho.get(layer, (0.0, -0.1, 0.1))[2], "p_value": 0.5,
-             "n_samples": N, "n_pairs": 10 * N, "config": {}} for layer in range(10)])
+        conn.execute(
+            SignalCorrelation.__table__.insert(),
+            [
+                {
+                    "row_key": f"k{layer}",
+                    "run_id": "run",
+                    "model": "tiny-test",
+                    "task": "math500",
+                    "domain": "math",
+                    "label": "occlusion_nll",
+                    "signal": f"hs_l2_diff_rolling64_l{layer}",
+                    "family": "hs_l2_diff_rolling64",
+                    "layer": layer,
+                    "n_layers": 10,
+                    "rho": rho.get(layer, (0.0, -0.1, 0.1))[0],
+                    "rho_lo": rho.get(layer, (0.0, -0.1, 0.1))[1],
+                    "rho_hi": rho.get(layer, (0.0, -0.1, 0.1))[2],
+                    "p_value": 0.5,
+                    "n_samples": N,
+                    "n_pairs": 10 * N,
+                    "config": {},
+                }
+                for layer in range(10)
+            ],
+        )
     engine.dispose()
 
 
@@ -102,8 +171,8 @@ def report(database, tmp_path_factory) -> str:
 
 def section(text: str, heading: str) -> str:
     start = text.index(heading)
-    nxt = re.search(r"\n#{2,4} ", text[start + len(heading):])
-    return text[start: start + len(heading) + (nxt.start() if nxt else len(text))]
+    nxt = re.search(r"\n#{2,4} ", text[start + len(heading) :])
+    return text[start : start + len(heading) + (nxt.start() if nxt else len(text))]
 
 
 def table_rows(block: str) -> list[list[str]]:
@@ -122,13 +191,19 @@ def test_paired_fidelity_tests_match_scipy_and_statsmodels(report):
     block = section(report, "#### math, budget 64").split("Paired fidelity tests")[1]
     # the pairs the table holds: every pair of the four methods in the domain, Holm over all six
     methods = sorted(METHODS)
-    pairs = [(a, b) for i, a in enumerate(methods) for b in methods[i + 1:]]
-    raw = [wilcoxon([kl(a, 64, i) - kl(b, 64, i) for i in range(N)]).pvalue
-           if any(kl(a, 64, i) != kl(b, 64, i) for i in range(N)) else 1.0 for a, b in pairs]
+    pairs = [(a, b) for i, a in enumerate(methods) for b in methods[i + 1 :]]
+    raw = [
+        wilcoxon([kl(a, 64, i) - kl(b, 64, i) for i in range(N)]).pvalue
+        if any(kl(a, 64, i) != kl(b, 64, i) for i in range(N))
+        else 1.0
+        for a, b in pairs
+    ]
     holm = dict(zip(pairs, multipletests(raw, method="holm")[1]))
     cells = table_row(block, "epikv", "h2o")
     assert cells[2:4] == [str(N), "0"]  # samples, none tied
-    assert float(cells[4]) == pytest.approx(np.mean([kl("epikv", 64, i) - kl("h2o", 64, i) for i in range(N)]), abs=1e-4)
+    assert float(cells[4]) == pytest.approx(
+        np.mean([kl("epikv", 64, i) - kl("h2o", 64, i) for i in range(N)]), abs=1e-4
+    )
     assert cells[8] == "A < B"
     assert float(cells[-1]) == pytest.approx(holm[("epikv", "h2o")], rel=0.05)
     cells = table_row(block, "epikv", "tova")
@@ -156,7 +231,9 @@ def test_findings_say_only_what_the_tests_support(report):
     acc = [line for line in lines if "(accuracy" in line]
     assert len(acc) == len(DOMAINS) * len(BUDGETS)
     for line in acc:  # same answers as full cache; right on every second of full's problems where h2o is wrong
-        assert "not significantly different from full cache" in line and "above h2o (Δ +33.3 pts, exact McNemar" in line, line
+        assert (
+            "not significantly different from full cache" in line and "above h2o (Δ +33.3 pts, exact McNemar" in line
+        ), line
         assert "not significantly different from tova" in line, line
     # the at-a-glance table says the same per (domain, budget): h2o beaten, tova no different, nothing lost
     glance = findings.split("At a glance")[1].split("\n- **")[0]
@@ -168,7 +245,10 @@ def test_findings_say_only_what_the_tests_support(report):
 
 
 def test_the_report_has_figures_totals_and_provenance(report):
-    assert "**Totals:** " in report and f"{2 * len(DOMAINS) * len(METHODS) * len(BUDGETS) * N + ABLATION_ROWS} cells" in report
+    assert (
+        "**Totals:** " in report
+        and f"{2 * len(DOMAINS) * len(METHODS) * len(BUDGETS) * N + ABLATION_ROWS} cells" in report
+    )
     assert f"{len(DOMAINS) * N} samples" in report
     for d in ("math", "code"):
         for kind in ("accuracy", "kl", "top1"):
@@ -189,10 +269,16 @@ def test_protocol_ablation_matches_scipy_and_names_what_moved(report):
     for m in ("h2o", "tova"):
         cells = next(c for c in table_rows(block) if c[5:6] == [m])
         assert float(cells[10]) == pytest.approx(np.mean(diffs[m]), abs=1e-4)
-        assert float(cells[-2]) == pytest.approx(raw[m], rel=0.05) and float(cells[-1]) == pytest.approx(holm[m], rel=0.05)
+        assert float(cells[-2]) == pytest.approx(raw[m], rel=0.05) and float(cells[-1]) == pytest.approx(
+            holm[m], rel=0.05
+        )
     line = next(line for line in report.splitlines() if "protocol ablation" in line)
-    assert line.startswith("- **math, budget 64, protocol ablation** (positions #1: absolute → #2: compact, 30 samples"), line
-    assert "higher for h2o (" in line and "not significantly different for tova (" in line and "lower for" not in line, line
+    assert line.startswith(
+        "- **math, budget 64, protocol ablation** (positions #1: absolute → #2: compact, 30 samples"
+    ), line
+    assert (
+        "higher for h2o (" in line and "not significantly different for tova (" in line and "lower for" not in line
+    ), line
 
 
 def test_the_dashboard_scorecard_shows_the_reports_ablations(database, report, monkeypatch):
@@ -214,7 +300,9 @@ def test_the_dashboard_scorecard_shows_the_reports_ablations(database, report, m
 
 def test_the_signal_study_finding_follows_its_intervals(report):
     line = next(line for line in report.splitlines() if "signal study" in line)
-    assert "holds" in line and "early band: 2 of 2 layers above 0, 0 below; late band: 2 of 2 below 0, 0 above" in line, line
+    assert (
+        "holds" in line and "early band: 2 of 2 layers above 0, 0 below; late band: 2 of 2 below 0, 0 above" in line
+    ), line
 
 
 def test_report_regenerates_byte_for_byte_from_an_export(database, tmp_path):
@@ -224,18 +312,36 @@ def test_report_regenerates_byte_for_byte_from_an_export(database, tmp_path):
     (tmp_path / "preamble.md").write_text("This is a **seeded** database.\n")
     for name in ("one", "two"):
         out = tmp_path / name
-        assert main(["report", "--export", str(path), "--out", str(out), "--preamble", str(tmp_path / "preamble.md")]) == 0
+        assert (
+            main(["report", "--export", str(path), "--out", str(out), "--preamble", str(tmp_path / "preamble.md")]) == 0
+        )
         outs.append(out)
     assert "This is a **seeded** database.\n\n## Findings" in (outs[0] / "replication.md").read_text()
     files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
-    assert Path("replication.md") in files and sum(f.suffix == ".png" for f in files) == 6 + 2 * 2  # + KL and top-1 of protocols #2 and #3
+    assert (
+        Path("replication.md") in files and sum(f.suffix == ".png" for f in files) == 6 + 2 * 2
+    )  # + KL and top-1 of protocols #2 and #3
     for f in files:
         assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
     assert sorted(p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file()) == files
     # the database itself and its export give the same report (only the source line differs)
     direct = tmp_path / "direct"
-    assert main(["report", "--db", f"sqlite:///{database}", "--out", str(direct), "--source", "the export results.jsonl.gz",
-                 "--preamble", str(tmp_path / "preamble.md")]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--db",
+                f"sqlite:///{database}",
+                "--out",
+                str(direct),
+                "--source",
+                "the export results.jsonl.gz",
+                "--preamble",
+                str(tmp_path / "preamble.md"),
+            ]
+        )
+        == 0
+    )
     assert (direct / "replication.md").read_bytes() == (outs[0] / "replication.md").read_bytes()
 
 
@@ -243,7 +349,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert main(["report", "--out", str(tmp_path)]) == 2
     assert main(["report", "--db", f"sqlite:///{tmp_path / 'none.db'}", "--out", str(tmp_path)]) == 2
     assert main(["report", "--export", str(tmp_path / "none.jsonl.gz"), "--out", str(tmp_path)]) == 2
-    assert main(["report", "--db", "sqlite:///x.db", "--out", str(tmp_path), "--preamble", str(tmp_path / "no.md")]) == 2
+    assert (
+        main(["report", "--db", "sqlite:///x.db", "--out", str(tmp_path), "--preamble", str(tmp_path / "no.md")]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("kvleague: error: ") for line in err)
     assert "--preamble" in err[3]
@@ -254,20 +362,56 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
 
     from kvleague.analysis.report import fidelity_findings
 
-    board = pd.DataFrame([
-        {"method": "epikv(series=all)", "KL": 0.1, "KL 95% CI": "[0.08, 0.12]", "top-1 %": 90.0, "top-1 95% CI": "[88, 92]", "samples": 30},
-        {"method": "epikv(series=generated)", "KL": 0.3, "KL 95% CI": "[0.2, 0.4]", "top-1 %": 70.0, "top-1 95% CI": "[65, 75]", "samples": 30},
-    ])
-    pair = lambda a, b, d, lo, hi, p, sign: {"A": a, "B": b, "Δ KL (A−B)": d, "Δ KL lo": lo, "Δ KL hi": hi,  # noqa: E731
-                                             "p (Holm)": p, "sign": sign, "samples": 30, "tied": 0}
-    pairs = pd.DataFrame([
-        pair("epikv(series=all)", "h2o", -0.05, -0.07, -0.03, 0.001, -1),  # epikv first: lower
-        pair("h2o", "epikv(series=generated)", -0.15, -0.2, -0.1, 0.001, -1),  # h2o first: epikv higher by 0.15
-        pair("epikv(series=generated)", "tova", 0.01, -0.02, 0.04, 0.6, 1),
-        pair("epikv(series=all)", "epikv(series=generated)", -0.2, -0.3, -0.1, 0.001, -1),  # not a baseline
-        pair("full", "epikv(series=all)", -0.1, -0.12, -0.08, 0.001, -1),  # not a baseline
-    ])
-    name_of = {"epikv(series=all)": "epikv", "epikv(series=generated)": "epikv", "h2o": "h2o", "tova": "tova", "full": "full"}
+    board = pd.DataFrame(
+        [
+            {
+                "method": "epikv(series=all)",
+                "KL": 0.1,
+                "KL 95% CI": "[0.08, 0.12]",
+                "top-1 %": 90.0,
+                "top-1 95% CI": "[88, 92]",
+                "samples": 30,
+            },
+            {
+                "method": "epikv(series=generated)",
+                "KL": 0.3,
+                "KL 95% CI": "[0.2, 0.4]",
+                "top-1 %": 70.0,
+                "top-1 95% CI": "[65, 75]",
+                "samples": 30,
+            },
+        ]
+    )
+
+    def pair(a, b, d, lo, hi, p, sign):
+        return {
+            "A": a,
+            "B": b,
+            "Δ KL (A−B)": d,
+            "Δ KL lo": lo,
+            "Δ KL hi": hi,
+            "p (Holm)": p,
+            "sign": sign,
+            "samples": 30,
+            "tied": 0,
+        }
+
+    pairs = pd.DataFrame(
+        [
+            pair("epikv(series=all)", "h2o", -0.05, -0.07, -0.03, 0.001, -1),  # epikv first: lower
+            pair("h2o", "epikv(series=generated)", -0.15, -0.2, -0.1, 0.001, -1),  # h2o first: epikv higher by 0.15
+            pair("epikv(series=generated)", "tova", 0.01, -0.02, 0.04, 0.6, 1),
+            pair("epikv(series=all)", "epikv(series=generated)", -0.2, -0.3, -0.1, 0.001, -1),  # not a baseline
+            pair("full", "epikv(series=all)", -0.1, -0.12, -0.08, 0.001, -1),  # not a baseline
+        ]
+    )
+    name_of = {
+        "epikv(series=all)": "epikv",
+        "epikv(series=generated)": "epikv",
+        "h2o": "h2o",
+        "tova": "tova",
+        "full": "full",
+    }
     all_, generated = (f.text for f in fidelity_findings(pairs, board, "math", 96, name_of))
     assert "EpiKV (epikv(series=all))'s mean KL to the full cache is 0.100" in all_
     assert all_.endswith("Its KL is lower than h2o (Δ -0.050 [-0.070, -0.030], p Holm 0.001).")
@@ -283,14 +427,44 @@ def test_findings_take_the_direction_and_the_ties_from_the_test():
 
     from kvleague.analysis.report import fidelity_findings
 
-    board = pd.DataFrame([{"method": "epikv", "KL": 5.2, "KL 95% CI": "[5.0, 5.4]", "top-1 %": 18.5, "top-1 95% CI": "[16, 21]",
-                           "samples": 13}])
-    pairs = pd.DataFrame([
-        {"A": "epikv", "B": "h2o", "Δ KL (A−B)": 9.4e-7, "Δ KL lo": 5.5e-7, "Δ KL hi": 1.3e-6, "p (Holm)": 1.0, "sign": 0,
-         "samples": 13, "tied": 13},
-        {"A": "tova", "B": "epikv", "Δ KL (A−B)": 0.02, "Δ KL lo": -0.01, "Δ KL hi": 0.06, "p (Holm)": 0.01, "sign": -1,
-         "samples": 13, "tied": 2},
-    ])
+    board = pd.DataFrame(
+        [
+            {
+                "method": "epikv",
+                "KL": 5.2,
+                "KL 95% CI": "[5.0, 5.4]",
+                "top-1 %": 18.5,
+                "top-1 95% CI": "[16, 21]",
+                "samples": 13,
+            }
+        ]
+    )
+    pairs = pd.DataFrame(
+        [
+            {
+                "A": "epikv",
+                "B": "h2o",
+                "Δ KL (A−B)": 9.4e-7,
+                "Δ KL lo": 5.5e-7,
+                "Δ KL hi": 1.3e-6,
+                "p (Holm)": 1.0,
+                "sign": 0,
+                "samples": 13,
+                "tied": 13,
+            },
+            {
+                "A": "tova",
+                "B": "epikv",
+                "Δ KL (A−B)": 0.02,
+                "Δ KL lo": -0.01,
+                "Δ KL hi": 0.06,
+                "p (Holm)": 0.01,
+                "sign": -1,
+                "samples": 13,
+                "tied": 2,
+            },
+        ]
+    )
     (finding,) = fidelity_findings(pairs, board, "code", 128, {"epikv": "epikv", "h2o": "h2o", "tova": "tova"})
     assert "higher than tova (Δ -0.020 [-0.060, +0.010], 2 of 13 tied, p Holm 0.01)" in finding.text, finding.text
     assert "the same within float32 rounding (every per-sample difference) as h2o (Δ +9.4e-07" in finding.text
@@ -303,11 +477,24 @@ def test_the_published_report_is_what_its_committed_export_gives(tmp_path):
     command it states, it is the same text (figures are compared in the seeded test above; their
     bytes may differ across matplotlib versions)."""
     repo = Path(__file__).resolve().parent.parent
-    assert main(["report", "--export", str(repo / "results" / "replication.jsonl.gz"), "--out", str(tmp_path),
-                 "--preamble", str(repo / "docs" / "replication_preamble.md")]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--export",
+                str(repo / "results" / "replication.jsonl.gz"),
+                "--out",
+                str(tmp_path),
+                "--preamble",
+                str(repo / "docs" / "replication_preamble.md"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "replication.md").read_text() == (repo / "docs" / "replication.md").read_text()
-    assert sorted(p.name for p in (tmp_path / "replication_figures").iterdir()) == \
-        sorted(p.name for p in (repo / "docs" / "replication_figures").iterdir())
+    assert sorted(p.name for p in (tmp_path / "replication_figures").iterdir()) == sorted(
+        p.name for p in (repo / "docs" / "replication_figures").iterdir()
+    )
 
 
 def test_budget_figures_tick_every_budget_and_keep_the_legend_off_the_bands(tmp_path, monkeypatch):
@@ -319,14 +506,28 @@ def test_budget_figures_tick_every_budget_and_keep_the_legend_off_the_bands(tmp_
 
     budgets = [48, 96, 192, 320, 512]
     methods = [f"method_{i}" for i in range(15)]
-    curves = pd.DataFrame([{"method": m, "budget": b, "accuracy": 10 + i + b / 100, "acc_lo": 5 + i, "acc_hi": 20 + i + b / 50}
-                           for i, m in enumerate(methods) for b in budgets])
+    curves = pd.DataFrame(
+        [
+            {"method": m, "budget": b, "accuracy": 10 + i + b / 100, "acc_lo": 5 + i, "acc_hi": 20 + i + b / 50}
+            for i, m in enumerate(methods)
+            for b in budgets
+        ]
+    )
     drawn = []
     monkeypatch.setattr(report_figures, "_save", lambda fig, path: drawn.append(fig))
-    report_figures.budget_figure(curves, "accuracy", "acc_lo", "acc_hi", "accuracy (%)", "math", tmp_path / "f.png",
-                                 solid=["method_0"], reference=30.0)
-    fig, = drawn
-    ax, = fig.axes
+    report_figures.budget_figure(
+        curves,
+        "accuracy",
+        "acc_lo",
+        "acc_hi",
+        "accuracy (%)",
+        "math",
+        tmp_path / "f.png",
+        solid=["method_0"],
+        reference=30.0,
+    )
+    (fig,) = drawn
+    (ax,) = fig.axes
     fig.canvas.draw()
     assert list(ax.get_xticks()) == budgets
     assert [t.get_text() for t in ax.get_xticklabels()] == [str(b) for b in budgets]

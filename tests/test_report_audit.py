@@ -19,7 +19,6 @@ from scipy.stats import rankdata, wilcoxon
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.proportion import proportion_confint
 
-
 REPO = Path(__file__).resolve().parent.parent
 EXPORT = REPO / "results" / "replication.jsonl.gz"
 #: the tie rule restated (docs/statistics.md): logits move by at most 1e-5 between runs that keep the same tokens
@@ -50,8 +49,11 @@ def ids(rows, table: str, **match) -> list[int]:
 
 
 def spec(rows, name: str, **params) -> int:
-    (found,) = [r["id"] for r in rows["method_specs"] if r["name"] == name
-                and all(json.loads(r["params_json"]).get(k) == v for k, v in params.items())]
+    (found,) = [
+        r["id"]
+        for r in rows["method_specs"]
+        if r["name"] == name and all(json.loads(r["params_json"]).get(k) == v for k, v in params.items())
+    ]
     return found
 
 
@@ -66,8 +68,11 @@ def fidelity(rows, method: int, budget: int, tasks: list[int], proto: int) -> di
     """(task, sample) -> KL (one fidelity cell per sample here)."""
     out = {}
     for r in rows["sample_results"]:
-        if (r["measure"], r["method_spec_id"], r["budget"], r["protocol_id"]) == ("fidelity", method, budget, proto) \
-                and r["task_id"] in tasks and r["status"] == "ok":
+        if (
+            (r["measure"], r["method_spec_id"], r["budget"], r["protocol_id"]) == ("fidelity", method, budget, proto)
+            and r["task_id"] in tasks
+            and r["status"] == "ok"
+        ):
             assert (r["task_id"], r["sample_id"]) not in out
             out[(r["task_id"], r["sample_id"])] = r["kl_mean"]
     return out
@@ -85,8 +90,8 @@ def protocol_section(report: str, number: int) -> str:
 
 def section(text: str, heading: str) -> str:
     start = text.index(heading + "\n")
-    nxt = re.search(r"\n#{2,4} ", text[start + len(heading):])
-    return text[start: start + len(heading) + (nxt.start() if nxt else len(text))]
+    nxt = re.search(r"\n#{2,4} ", text[start + len(heading) :])
+    return text[start : start + len(heading) + (nxt.start() if nxt else len(text))]
 
 
 def table(block: str, first_column: str) -> list[dict[str, str]]:
@@ -131,12 +136,17 @@ def test_float_noise_is_a_tie_and_the_direction_is_the_tests(rows, report):
         assert wilcoxon(d).pvalue < 1e-4  # what ranking the noise claimed
         kept = [x for k, x in zip(keys, d) if not tied(epikv[k], h2o[k])]
         assert len(kept) == 1 and kept[0] > 0.001  # test/precalculus/881.json
-        row = next(r for r in table(block.split("Paired fidelity tests")[1], "A")
-                   if (r["A"], r["B"]) == (f"epikv(series={series})", "h2o"))
+        row = next(
+            r
+            for r in table(block.split("Paired fidelity tests")[1], "A")
+            if (r["A"], r["B"]) == (f"epikv(series={series})", "h2o")
+        )
         assert (row["samples"], row["tied"], row["p (Wilcoxon)"]) == ("30", "29", f"{wilcoxon(kept).pvalue:.2g}")
         assert float(row["Δ KL (A−B)"]) == pytest.approx(np.mean(d), abs=5e-5)
     for line in [f for f in finding(report, "protocol #1, math, budget 192** (fidelity") if "series=" in f]:
-        assert "higher than h2o" not in line and re.search(r"not significantly different from h2o \(Δ [^)]*29 of 30 tied", line)
+        assert "higher than h2o" not in line and re.search(
+            r"not significantly different from h2o \(Δ [^)]*29 of 30 tied", line
+        )
 
 
 def test_an_ablation_is_not_split_by_the_sign_of_one_noise_difference(rows, report):
@@ -150,8 +160,11 @@ def test_an_ablation_is_not_split_by_the_sign_of_one_noise_difference(rows, repo
     assert len(n) == 1  # one sample set for the finding that reads them together
     for r in ablation_rows:
         # the spec of that name measured here (one per name under these protocols)
-        (a, b), = [(fa, fidelity(rows, m, 256, code, p3)) for m in ids(rows, "method_specs", name=r["method"].split("(")[0])
-                   if (fa := fidelity(rows, m, 256, code, p2))]
+        ((a, b),) = [
+            (fa, fidelity(rows, m, 256, code, p3))
+            for m in ids(rows, "method_specs", name=r["method"].split("(")[0])
+            if (fa := fidelity(rows, m, 256, code, p2))
+        ]
         keys = sorted(a.keys() & b.keys())
         kept = [b[k] - a[k] for k in keys if not tied(a[k], b[k])]
         assert len(keys) >= int(r["samples"]) and int(r["tied"]) == int(r["samples"]) - len(kept) == 1
@@ -178,7 +191,12 @@ def test_every_sentence_states_the_n_of_its_table(report):
             assert {r["samples"] for r in table(pairs, "A")} == {n}, heading
             domain, budget = re.match(r"#### (\w+), budget ([\w+]+)", heading).groups()
             for g in glance:
-                if (g["protocol"], g["domain"], g["budget"], g["measure"]) == (f"#{number}", domain, budget, "fidelity (KL)"):
+                if (g["protocol"], g["domain"], g["budget"], g["measure"]) == (
+                    f"#{number}",
+                    domain,
+                    budget,
+                    "fidelity (KL)",
+                ):
                     assert g["EpiKV vs full cache"].endswith(f"({n} samples)"), (heading, g)
                     checked += 1
     assert checked >= 20
@@ -212,8 +230,10 @@ def test_niah_variants_that_share_prompts_are_found_from_the_rows(rows):
             fingerprint[q] = (f["fed_tokens"], round(f["nll_full_mean"], 5))
     depth = lambda q: q[1].rsplit("-", 1)[0]  # noqa: E731
     dims = {t: dict(row) for t, row in tasks.items()}
-    for known, content, copies in ((gold, lambda q: (depth(q), gold[q]), 4),
-                                   (fingerprint, lambda q: (depth(q), fingerprint[q]), 6)):
+    for known, content, copies in (
+        (gold, lambda q: (depth(q), gold[q]), 4),
+        (fingerprint, lambda q: (depth(q), fingerprint[q]), 6),
+    ):
         same = defaultdict(set)
         for q in known:
             same[content(q)].add(q)
@@ -235,8 +255,13 @@ def test_the_content_key_is_the_generators(rows):
     seen: dict[tuple, tuple] = {}
     for t in _niah_tasks(rows).values():
         o = t["options"]
-        task = niah.Niah(context_length=o["context_length"], depth=o["depth"], num_depths=o["num_depths"],
-                         samples_per_depth=o["samples_per_depth"], seed=o["seed"])
+        task = niah.Niah(
+            context_length=o["context_length"],
+            depth=o["depth"],
+            num_depths=o["num_depths"],
+            samples_per_depth=o["samples_per_depth"],
+            seed=o["seed"],
+        )
         for s in task.load_records(data):
             key = content_key(t, s.sample_id)
             assert seen.setdefault(key, (s.prompt, s.reference)) == (s.prompt, s.reference)
@@ -252,11 +277,20 @@ def test_the_content_key_is_the_generators(rows):
 def test_few_discordant_needles_get_exact_mcnemar_and_the_adjusted_verdict(rows, report):
     """niah at 512, EpiKV vs full: b = 0, c = 5. The score test's p 0.025 said "below the full cache";
     exact McNemar gives 0.0625, and the verdict follows the Holm-adjusted p of the table."""
-    needles = [t for t, v in _niah_tasks(rows).items() if v["options"]["samples_per_depth"] == 5 and v["options"]["num_depths"] == 6]
+    needles = [
+        t
+        for t, v in _niah_tasks(rows).items()
+        if v["options"]["samples_per_depth"] == 5 and v["options"]["num_depths"] == 6
+    ]
     epikv, full = spec(rows, "epikv", series="generated"), spec(rows, "full")
     right = defaultdict(dict)
     for r in rows["sample_results"]:
-        if r["measure"] == "generation" and r["task_id"] in needles and r["budget"] == 512 and r["method_spec_id"] in (epikv, full):
+        if (
+            r["measure"] == "generation"
+            and r["task_id"] in needles
+            and r["budget"] == 512
+            and r["method_spec_id"] in (epikv, full)
+        ):
             right[r["method_spec_id"]][r["sample_id"]] = bool(r["correct"])
     keys = sorted(right[epikv].keys() & right[full].keys())
     b = sum(right[epikv][k] and not right[full][k] for k in keys)
@@ -265,11 +299,17 @@ def test_few_discordant_needles_get_exact_mcnemar_and_the_adjusted_verdict(rows,
     exact = mcnemar([[25, b], [c, 0]], exact=True).pvalue
     assert exact == pytest.approx(0.0625)
     block = section(protocol_section(report, 1), "#### longqa, budget 512")
-    pair = next(r for r in table(block.split("Paired accuracy tests")[1], "A") if {r["A"], r["B"]} == {"full", "epikv(series=generated)"})
+    pair = next(
+        r
+        for r in table(block.split("Paired accuracy tests")[1], "A")
+        if {r["A"], r["B"]} == {"full", "epikv(series=generated)"}
+    )
     assert (pair["problems"], pair["test"], pair["p"]) == ("30", "exact McNemar", f"{exact:.2g}")
     assert {pair["A only"], pair["B only"]} == {"0", "5"}
     board = next(r for r in table(block, "method") if r["method"] == "epikv(series=generated)")
-    assert board["p_value"] == f"{exact:.2g}" and float(board["delta_lo"]) < 0 <= float(board["delta_hi"])  # the interval agrees
+    assert board["p_value"] == f"{exact:.2g}" and float(board["delta_lo"]) < 0 <= float(
+        board["delta_hi"]
+    )  # the interval agrees
     (line,) = [f for f in finding(report, "protocol #1, longqa, budget 512** (accuracy")]
     assert "not significantly different from full cache" in line and f"p Holm {pair['p (Holm)']}" in line, line
 
@@ -287,8 +327,15 @@ def test_top1_interval_of_identical_samples_is_not_a_point(rows, report):
     block = section(protocol_section(report, 1), "#### agentic, budget 48")
     fid = table(block.split("Fidelity (mean")[1].split("Paired")[0], "method")
     n = int(next(r for r in fid if r["method"] == "epikv(series=all)")["samples"])
-    cells = [r for r in rows["sample_results"] if r["measure"] == "fidelity" and r["method_spec_id"] == m and r["budget"] == 48
-             and r["protocol_id"] == p1 and r["task_id"] in agent]
+    cells = [
+        r
+        for r in rows["sample_results"]
+        if r["measure"] == "fidelity"
+        and r["method_spec_id"] == m
+        and r["budget"] == 48
+        and r["protocol_id"] == p1
+        and r["task_id"] in agent
+    ]
     shares = {round(r["top1_agreement"] * r["scored_tokens"]) / r["scored_tokens"] for r in cells}
     assert shares == {13 / 24} and {r["scored_tokens"] for r in cells} == {24}
     lo, hi = proportion_confint(13 / 24 * n * 24, n * 24, method="wilson")  # design effect 1/24: n x 24 tokens
@@ -308,7 +355,9 @@ def test_full_cache_comes_from_the_budget_with_most_samples_as_the_report_says(r
     assert (len(fidelity(rows, full, 48, math500, p1)), len(fidelity(rows, full, 96, math500, p1))) == (30, 10)
     block = section(protocol_section(report, 1), "#### math, budget 96")
     assert "full cache's rows from budget 48" in block
-    assert next(r for r in table(block.split("Fidelity (mean")[1], "method") if r["method"] == "full")["samples"] == "30"
+    assert (
+        next(r for r in table(block.split("Fidelity (mean")[1], "method") if r["method"] == "full")["samples"] == "30"
+    )
     doc = (REPO / "docs" / "statistics.md").read_text()
     assert "at the budget where it has the most samples" in doc and "at the budget asked for, or" not in doc
 
@@ -323,8 +372,11 @@ def test_rows_where_the_protocol_chose_everything_are_not_findings(rows, report)
     p2 = protocol(rows, positions="compact")
     agent = ids(rows, "tasks", name="kv_agent")
     full = spec(rows, "full")
-    cells = [r for r in rows["sample_results"] if r["protocol_id"] == p2 and r["task_id"] in agent
-             and r["status"] == "ok" and r["method_spec_id"] != full]
+    cells = [
+        r
+        for r in rows["sample_results"]
+        if r["protocol_id"] == p2 and r["task_id"] in agent and r["status"] == "ok" and r["method_spec_id"] != full
+    ]
     assert len(cells) > 20
     for r in cells:  # recent = min(128, B/4), no sink: the kept prompt plus the window fill B
         assert r["prompt_tokens"] + min(128, r["budget"] // 4) >= r["budget"] and r["evicted_tokens"] > 0
@@ -345,8 +397,11 @@ def test_the_paper_regime_rows_rank_and_score_one_trace_per_sample(rows):
     hashes: dict[tuple, set] = defaultdict(set)
     for r in cells:
         assert r["resolved_budget"] == r["prompt_tokens"] + r["budget"] and r["scored_tokens"] == 512
-        hashes[(r["task_id"], r["sample_id"])].add(json.loads(r["details"])["fidelity"]["scored_sha256"]
-                                                   if isinstance(r["details"], str) else r["details"]["fidelity"]["scored_sha256"])
+        hashes[(r["task_id"], r["sample_id"])].add(
+            json.loads(r["details"])["fidelity"]["scored_sha256"]
+            if isinstance(r["details"], str)
+            else r["details"]["fidelity"]["scored_sha256"]
+        )
         if r["evictions"]:
             assert 0 < r["ranked_evictions"] <= r["evictions"]
     assert all(len(h) == 1 for h in hashes.values())  # one trace per sample, under every protocol
@@ -368,8 +423,11 @@ def test_the_paper_regime_rows_rank_and_score_one_trace_per_sample(rows):
 
 
 def _regime_kl(rows, proto: int, method: int) -> dict[tuple[int, str], dict]:
-    return {(r["task_id"], r["sample_id"]): r for r in rows["sample_results"]
-            if r["protocol_id"] == proto and r["method_spec_id"] == method and r["status"] == "ok"}
+    return {
+        (r["task_id"], r["sample_id"]): r
+        for r in rows["sample_results"]
+        if r["protocol_id"] == proto and r["method_spec_id"] == method and r["status"] == "ok"
+    }
 
 
 def test_true_positions_lower_every_sample_and_the_report_says_so(rows, report):
@@ -388,8 +446,9 @@ def test_true_positions_lower_every_sample_and_the_report_says_so(rows, report):
         for task, _ in b:
             per_domain[domains[task]] += 1
         for domain, n in per_domain.items():
-            assert wilcoxon([b[k]["kl_mean"] - a[k]["kl_mean"] for k in b if domains[k[0]] == domain]).pvalue == \
-                pytest.approx(2 / 2**n)
+            assert wilcoxon(
+                [b[k]["kl_mean"] - a[k]["kl_mean"] for k in b if domains[k[0]] == domain]
+            ).pvalue == pytest.approx(2 / 2**n)
             (line,) = finding(report, f"{domain}, budget prompt+64, protocol ablation")
             assert f"#4: compact → #5: absolute, {n} samples" in line and "is lower for" in line
 

@@ -15,13 +15,14 @@ import torch
 from scipy import stats
 from transformers import AutoModelForCausalLM
 
+from kvleague.engine import Engine
+from kvleague.engine.protocol import Protocol
 from kvleague.methods.registry import build_method
-from kvleague.runner.engine import Engine
-from kvleague.runner.models import load_engine
-from kvleague.runner.signals.method_panel import MethodPanel
-from kvleague.runner.engine.protocol import Protocol
-from kvleague.runner.signals.correlation import SampleBootstrap, pooled_partial_spearman, pooled_spearman
 from kvleague.runner.fidelity import self_traces
+from kvleague.runner.models import load_engine
+from kvleague.runner.models.tiny import make_tiny_model
+from kvleague.runner.signals.correlation import SampleBootstrap, pooled_partial_spearman, pooled_spearman
+from kvleague.runner.signals.method_panel import MethodPanel
 from kvleague.runner.signals.study import (
     MEAN_FAMILIES,
     SignalOptions,
@@ -31,10 +32,8 @@ from kvleague.runner.signals.study import (
     token_labels,
     trace_windows,
 )
-from kvleague.runner.models.tiny import make_tiny_model
 from kvleague.tasks.base import ScoreResult
 from tests.naive_attention import _rope
-
 
 DATA_DIR = Path(os.environ.get("KVLEAGUE_DATA_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
@@ -85,7 +84,9 @@ def naive_signals(path, ids: list[int], rolling: int) -> dict[str, np.ndarray]:
         h = hidden[layer + 1][0].double()
         diff = [0.0] + [float(torch.linalg.norm(h[t] - h[t - 1])) for t in range(1, n)]
         out[f"hs_l2_diff_l{layer}"] = np.array(diff)
-        out[f"hs_l2_diff_rolling64_l{layer}"] = np.array([np.mean(diff[max(0, t - rolling + 1) : t + 1]) for t in range(n)])
+        out[f"hs_l2_diff_rolling64_l{layer}"] = np.array(
+            [np.mean(diff[max(0, t - rolling + 1) : t + 1]) for t in range(n)]
+        )
         with torch.no_grad():
             x = block.input_layernorm(hidden[layer][0])
             q = block.self_attn.q_proj(x).view(n, n_heads, d).double()
@@ -95,7 +96,9 @@ def naive_signals(path, ids: list[int], rolling: int) -> dict[str, np.ndarray]:
         k = torch.stack([torch.stack([_rope(k[t, i], t, theta) for i in range(n_kv)]) for t in range(n)])
         out[f"key_norm_l{layer}"] = np.array([np.mean([float(k[t, i].norm()) for i in range(n_kv)]) for t in range(n)])
         out[f"key_var_l{layer}"] = np.array([np.mean([float(k[t, i].var()) for i in range(n_kv)]) for t in range(n)])
-        out[f"value_norm_l{layer}"] = np.array([np.mean([float(v[t, i].norm()) for i in range(n_kv)]) for t in range(n)])
+        out[f"value_norm_l{layer}"] = np.array(
+            [np.mean([float(v[t, i].norm()) for i in range(n_kv)]) for t in range(n)]
+        )
         out[f"value_var_l{layer}"] = np.array([np.mean([float(v[t, i].var()) for i in range(n_kv)]) for t in range(n)])
         received = np.zeros((n_heads, n))
         entropy = np.zeros((n_heads, n))
@@ -124,7 +127,9 @@ def test_every_model_signal_equals_its_naive_recomputation(tiny):
         np.testing.assert_allclose(ours[name], expected, rtol=1e-4, atol=1e-5, err_msg=name)
     assert ours["position"].tolist() == list(range(len(ids)))
     for family in ("key_norm", "h2o", "attn_entropy"):  # the all-layer means
-        np.testing.assert_allclose(ours[f"{family}_mean"], (naive[f"{family}_l0"] + naive[f"{family}_l1"]) / 2, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            ours[f"{family}_mean"], (naive[f"{family}_l0"] + naive[f"{family}_l1"]) / 2, rtol=1e-4, atol=1e-5
+        )
 
 
 def test_occlusion_labels_equal_full_recomputation(tiny):
@@ -173,7 +178,7 @@ def test_answer_flip_label_as_the_authors_define_it(tiny):
         with torch.no_grad():
             for _ in range(n):
                 ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-        return engine.tokenizer.decode(ids[len(ctx):], skip_special_tokens=True)
+        return engine.tokenizer.decode(ids[len(ctx) :], skip_special_tokens=True)
 
     right, wrong = greedy_text(context), "\x00never"
     task = FixedTask({"r": (context, [1, 2]), "w": (context, [1, 2])}, {"r": right, "w": wrong})
@@ -182,7 +187,9 @@ def test_answer_flip_label_as_the_authors_define_it(tiny):
     w = study_sample(engine, task, FixedSample("w"), {}, options)
     assert r.full_correct is True and w.full_correct is False and "answer_flip" not in w.labels
     pad = engine.tokenizer.pad_token_id
-    expected = [int(not greedy_text(context[:s] + [pad] * (e - s) + context[e:]).startswith(right)) for s, e in r.windows]
+    expected = [
+        int(not greedy_text(context[:s] + [pad] * (e - s) + context[e:]).startswith(right)) for s, e in r.windows
+    ]
     assert r.window_flips == expected
     assert r.labels["answer_flip"].tolist() == [expected[t // 8] for t in range(24)]
 
@@ -229,9 +236,9 @@ def test_windows_over_the_self_trace_never_cover_the_prompt_and_label_the_later_
     expected = []
     for s, e in result.windows:
         occluded = token_nll(ids[:s] + [pad] * (e - s) + ids[e:])
-        expected.append(float(occluded[e - 1:].mean() - base[e - 1:].mean()))  # tokens e.. (index t-1)
+        expected.append(float(occluded[e - 1 :].mean() - base[e - 1 :].mean()))  # tokens e.. (index t-1)
     np.testing.assert_allclose(result.window_delta_nll, expected, atol=1e-5)
-    assert result.answer_nll == pytest.approx(base[len(prompt) - 1:].mean(), abs=1e-5)
+    assert result.answer_nll == pytest.approx(base[len(prompt) - 1 :].mean(), abs=1e-5)
     np.testing.assert_allclose(result.labels["occlusion_nll"], np.repeat(expected, 8), atol=1e-5)
     with torch.no_grad():
         whole = model_signals(engine.backend.analysis_pass(ids, 1), rolling=8)
@@ -359,8 +366,10 @@ def test_position_plus_noise_has_no_partial_rho_and_a_planted_signal_keeps_its_r
     boot = SampleBootstrap(label, n_resamples=500, seed=0)
     raw_pos, partial_pos = boot.correlate(position_like), boot.partial(position_like, position)
     raw_planted, partial_planted = boot.correlate(planted), boot.partial(planted, position)
-    print(f"position-like raw {raw_pos.rho:+.3f}, partial {partial_pos.rho:+.3f} [{partial_pos.lo:+.3f}, "
-          f"{partial_pos.hi:+.3f}]; planted raw {raw_planted.rho:+.3f}, partial {partial_planted.rho:+.3f}")
+    print(
+        f"position-like raw {raw_pos.rho:+.3f}, partial {partial_pos.rho:+.3f} [{partial_pos.lo:+.3f}, "
+        f"{partial_pos.hi:+.3f}]; planted raw {raw_planted.rho:+.3f}, partial {partial_planted.rho:+.3f}"
+    )
     assert raw_pos.rho > 0.3 and raw_pos.lo > 0  # position alone looks like a signal ...
     assert abs(partial_pos.rho) < 0.05 and partial_pos.lo < 0 < partial_pos.hi  # ... and is none with position fixed
     assert raw_planted.rho > 0.3 and partial_planted.lo > 0.3
@@ -439,8 +448,10 @@ def test_planted_fact_is_found_and_a_random_signal_is_not(tmp_path):
     built = boot.correlate(indicator)
     key_norm = boot.correlate([s.signals["key_norm_mean"] for s in studied])  # the construction puts the fact in K
     noise = boot.correlate([np.random.default_rng(100 + i).random(s.context_tokens) for i, s in enumerate(studied)])
-    print(f"planted indicator rho {built.rho:+.3f} [{built.lo:+.3f}, {built.hi:+.3f}]; key_norm_mean rho "
-          f"{key_norm.rho:+.3f} [{key_norm.lo:+.3f}, {key_norm.hi:+.3f}]; random rho {noise.rho:+.3f} [{noise.lo:+.3f}, {noise.hi:+.3f}]")
+    print(
+        f"planted indicator rho {built.rho:+.3f} [{built.lo:+.3f}, {built.hi:+.3f}]; key_norm_mean rho "
+        f"{key_norm.rho:+.3f} [{key_norm.lo:+.3f}, {key_norm.hi:+.3f}]; random rho {noise.rho:+.3f} [{noise.lo:+.3f}, {noise.hi:+.3f}]"
+    )
     assert built.rho > 0.5 and built.lo > 0.5
     assert key_norm.rho > 0.5
     assert noise.lo < 0 < noise.hi
@@ -466,7 +477,7 @@ def test_planted_fact_is_found_and_a_random_signal_is_not(tmp_path):
     ],
 )
 def test_bad_input_is_one_line_naming_the_field_exit_2(capsys, argv, field):
-    from kvleague.runner.cli import main
+    from kvleague.cli import main
 
     assert main(["signals", "--task", "math500", "--no-store", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -480,24 +491,48 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
 
     from sqlalchemy import select
 
+    from kvleague.cli import main
     from kvleague.db.models import Environment, SignalCorrelation
     from kvleague.db.session import get_engine
-    from kvleague.runner.cli import main
 
     if not (DATA_DIR / "paul_graham_essays").is_dir():
         pytest.skip(f"no NIAH haystack under {DATA_DIR}")
     path, _ = tiny
     url = f"sqlite:///{tmp_path / 'signals.db'}"
     out = tmp_path / "signals.json"
-    argv = ["signals", "--model", str(path), "--task", "niah", "--option", "context_length=160", "--limit", "2",
-            "--max-tokens", "8", "--method", "h2o", "--method", "random", "--bootstrap", "200", "--data-dir", str(DATA_DIR),
-            "--json", str(out), "--db", url]
+    argv = [
+        "signals",
+        "--model",
+        str(path),
+        "--task",
+        "niah",
+        "--option",
+        "context_length=160",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "8",
+        "--method",
+        "h2o",
+        "--method",
+        "random",
+        "--bootstrap",
+        "200",
+        "--data-dir",
+        str(DATA_DIR),
+        "--json",
+        str(out),
+        "--db",
+        url,
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     with get_engine(url).connect() as conn:
         rows = [dict(r._mapping) for r in conn.execute(select(SignalCorrelation.__table__))]
         env = dict(conn.execute(select(Environment.__table__)).one()._mapping)
-    assert len(rows) == len(report["correlations"]) == 8 * 2 + 6 + 1 + 2  # 8 families x 2 layers, 6 all-layer means, position, 2 methods
+    assert (
+        len(rows) == len(report["correlations"]) == 8 * 2 + 6 + 1 + 2
+    )  # 8 families x 2 layers, 6 all-layer means, position, 2 methods
     stored = {(r["label"], r["signal"]): r for r in rows}
     for c in report["correlations"]:
         r = stored[(c["label"], c["signal"])]
@@ -512,8 +547,12 @@ def test_cli_stores_every_correlation_with_provenance(tiny, tmp_path):
         assert stored[("occlusion_nll", name)]["rho_lo"] < stored[("occlusion_nll", name)]["rho_hi"], name
     # and, but for position itself, the rho with position held fixed, as the JSON report has it
     partial = {(c["label"], c["signal"]): c for c in report["correlations"] if "control" in c}
-    assert {s for _, s in partial} == {"hs_l2_diff_rolling64_l0", "hs_l2_diff_rolling64_l1", "method:h2o",
-                                       "method:random"} | {f"{f}_mean" for f in MEAN_FAMILIES}
+    assert {s for _, s in partial} == {
+        "hs_l2_diff_rolling64_l0",
+        "hs_l2_diff_rolling64_l1",
+        "method:h2o",
+        "method:random",
+    } | {f"{f}_mean" for f in MEAN_FAMILIES}
     for key, r in stored.items():
         if key in partial:
             c = partial[key]
@@ -536,21 +575,58 @@ def test_cli_trace_setting_stores_rows_tagged_with_it_over_the_self_traces(tiny,
     from sqlalchemy import select
 
     from kvleague.analysis.signal_tables import read_correlations, setting_comparison
+    from kvleague.cli import main
     from kvleague.db.models import SignalCorrelation
     from kvleague.db.session import get_engine
-    from kvleague.runner.cli import main
-    from kvleague.runner.reference_tasks import load_samples, reference_task
     from kvleague.runner.fidelity import prompt_ids
+    from kvleague.runner.reference_tasks import load_samples, reference_task
 
     if not (DATA_DIR / "paul_graham_essays").is_dir():
         pytest.skip(f"no NIAH haystack under {DATA_DIR}")
     path, engine = tiny
     url = f"sqlite:///{tmp_path / 'signals.db'}"
-    common = ["signals", "--model", str(path), "--task", "niah", "--option", "context_length=160", "--limit", "3",
-              "--method", "h2o", "--bootstrap", "200", "--data-dir", str(DATA_DIR), "--db", url]
+    common = [
+        "signals",
+        "--model",
+        str(path),
+        "--task",
+        "niah",
+        "--option",
+        "context_length=160",
+        "--limit",
+        "3",
+        "--method",
+        "h2o",
+        "--bootstrap",
+        "200",
+        "--data-dir",
+        str(DATA_DIR),
+        "--db",
+        url,
+    ]
     out = tmp_path / "trace.json"
-    assert main([*common, "--trace", "self", "--occlude", "trace", "--max-tokens", "24", "--window", "8", "--stride", "8",
-                 "--trace-batch", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                *common,
+                "--trace",
+                "self",
+                "--occlude",
+                "trace",
+                "--max-tokens",
+                "24",
+                "--window",
+                "8",
+                "--stride",
+                "8",
+                "--trace-batch",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert main([*common, "--max-tokens", "8"]) == 0
     report = json.loads(out.read_text())
     task = reference_task("niah", ["context_length=160"], "")
@@ -570,7 +646,10 @@ def test_cli_trace_setting_stores_rows_tagged_with_it_over_the_self_traces(tiny,
     assert sorted(map(sorted, by_run.values())) == [["context"], ["trace"]]
     trace_rows = [r for r in rows if r["run_id"] == report["run_id"]]
     assert {r["occluded"] for r in trace_rows} == {"trace"} and len(trace_rows) == len(report["correlations"])
-    assert trace_rows[0]["config"]["options"]["occluded"] == "trace" and trace_rows[0]["config"]["options"]["trace"] == "self"
+    assert (
+        trace_rows[0]["config"]["options"]["occluded"] == "trace"
+        and trace_rows[0]["config"]["options"]["trace"] == "self"
+    )
     df = read_correlations(get_engine(url))
     assert set(df["occluded"]) == {"context", "trace"}  # the latest run of each setting, not of each task
     comparison = setting_comparison(df)

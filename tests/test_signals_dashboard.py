@@ -11,15 +11,27 @@ import pyarrow as pa
 import pytest
 
 pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
+from streamlit.testing.v1 import AppTest
 
-from kvleague.analysis.paper import PUBLISHED_LAYER_RHO  # noqa: E402
+from kvleague.analysis.paper import PUBLISHED_LAYER_RHO
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 N_LAYERS = 32
-ENV = {"spec_hash": "e" * 64, "hostname": "h", "platform": "p", "python_version": "3", "torch_version": "t",
-       "transformers_version": "tf", "cuda_version": "none", "gpu_name": "none", "gpu_count": 0,
-       "kvleague_version": "0", "ray_version": "r", "git_commit": "c" * 40, "git_dirty": False}
+ENV = {
+    "spec_hash": "e" * 64,
+    "hostname": "h",
+    "platform": "p",
+    "python_version": "3",
+    "torch_version": "t",
+    "transformers_version": "tf",
+    "cuda_version": "none",
+    "gpu_name": "none",
+    "gpu_count": 0,
+    "kvleague_version": "0",
+    "ray_version": "r",
+    "git_commit": "c" * 40,
+    "git_dirty": False,
+}
 
 
 def report(run_id: str, task: str, domain: str, rho_of_layer, created: str, n: int = 30, partial_of_layer=None) -> dict:
@@ -28,17 +40,58 @@ def report(run_id: str, task: str, domain: str, rho_of_layer, created: str, n: i
     correlations = []
     for layer in range(N_LAYERS):
         rho = rho_of_layer(layer)
-        correlations.append({"label": "occlusion_nll", "signal": f"hs_l2_diff_rolling64_l{layer}", "rho": rho,
-                             "lo": rho - 0.05, "hi": rho + 0.05, "p_value": 0.01, "n_samples": n, "n_pairs": 100 * n})
+        correlations.append(
+            {
+                "label": "occlusion_nll",
+                "signal": f"hs_l2_diff_rolling64_l{layer}",
+                "rho": rho,
+                "lo": rho - 0.05,
+                "hi": rho + 0.05,
+                "p_value": 0.01,
+                "n_samples": n,
+                "n_pairs": 100 * n,
+            }
+        )
         if partial_of_layer is not None:
             partial = partial_of_layer(layer)
-            correlations[-1].update(control="position", partial_rho=partial, partial_lo=partial - 0.05,
-                                    partial_hi=partial + 0.05, partial_p_value=0.01)
+            correlations[-1].update(
+                control="position",
+                partial_rho=partial,
+                partial_lo=partial - 0.05,
+                partial_hi=partial + 0.05,
+                partial_p_value=0.01,
+            )
     correlations += [
-        {"label": "occlusion_nll", "signal": "method:snapkv", "rho": 0.2, "lo": 0.1, "hi": 0.3, "p_value": 0.01, "n_samples": n, "n_pairs": 100 * n},
-        {"label": "occlusion_nll", "signal": "method:epikv", "rho": float("nan"), "lo": float("nan"), "hi": float("nan"),
-         "p_value": float("nan"), "n_samples": n, "n_pairs": 100 * n},
-        {"label": "occlusion_nll", "signal": "h2o_mean", "rho": -0.1, "lo": -0.2, "hi": 0.0, "p_value": 0.05, "n_samples": n, "n_pairs": 100 * n},
+        {
+            "label": "occlusion_nll",
+            "signal": "method:snapkv",
+            "rho": 0.2,
+            "lo": 0.1,
+            "hi": 0.3,
+            "p_value": 0.01,
+            "n_samples": n,
+            "n_pairs": 100 * n,
+        },
+        {
+            "label": "occlusion_nll",
+            "signal": "method:epikv",
+            "rho": float("nan"),
+            "lo": float("nan"),
+            "hi": float("nan"),
+            "p_value": float("nan"),
+            "n_samples": n,
+            "n_pairs": 100 * n,
+        },
+        {
+            "label": "occlusion_nll",
+            "signal": "h2o_mean",
+            "rho": -0.1,
+            "lo": -0.2,
+            "hi": 0.0,
+            "p_value": 0.05,
+            "n_samples": n,
+            "n_pairs": 100 * n,
+        },
     ]
     config = {"model": "tiny", "task": task, "domain": domain, "n_layers": N_LAYERS}
     return {"run_id": run_id, "created_at": created, "config": config, "environment": ENV, "correlations": correlations}
@@ -55,8 +108,17 @@ def signals_db(tmp_path, monkeypatch):
 
     url = f"sqlite:///{tmp_path / 'signals.db'}"
     store_correlations(report("old", "math500", "math", lambda layer: -0.5, "2026-01-01T00:00:00+00:00"), url)
-    store_correlations(report("new", "math500", "math", paper_like, "2026-02-01T00:00:00+00:00",
-                              partial_of_layer=lambda layer: -paper_like(layer)), url)
+    store_correlations(
+        report(
+            "new",
+            "math500",
+            "math",
+            paper_like,
+            "2026-02-01T00:00:00+00:00",
+            partial_of_layer=lambda layer: -paper_like(layer),
+        ),
+        url,
+    )
     store_correlations(report("code", "humaneval", "code", lambda layer: 0.0, "2026-02-01T00:00:00+00:00", n=12), url)
     monkeypatch.setenv("KVLEAGUE_DB", url)
     return url
@@ -71,8 +133,11 @@ def test_signals_page_shows_the_latest_runs_bands_and_methods(signals_db):
     assert len(at.dataframe) == 4  # bands, every layer, methods, all-layer signals
     verdicts = at.dataframe[0].value
     # with position held fixed the math run's pattern is reversed; the code run has no partial rho (stored before it)
-    assert sorted(zip(verdicts["task"], verdicts["rho"])) == [("humaneval", "raw"), ("math500", "position held fixed"),
-                                                              ("math500", "raw")]
+    assert sorted(zip(verdicts["task"], verdicts["rho"])) == [
+        ("humaneval", "raw"),
+        ("math500", "position held fixed"),
+        ("math500", "raw"),
+    ]
     partial = verdicts[verdicts["rho"] == "position held fixed"].iloc[0]
     assert partial["verdict"] == "does not hold as stated: early band negative, late band positive"
     bands = verdicts[verdicts["rho"] == "raw"].set_index("task")
@@ -115,8 +180,8 @@ def test_signals_page_shows_the_latest_runs_bands_and_methods(signals_db):
 
 def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
     """A database at revision 0006 (no partial columns) reads, and after the upgrade its rows have no partial rho."""
-    from kvleague.db.session import get_engine, upgrade
     from kvleague.analysis.signal_tables import markdown, read_correlations
+    from kvleague.db.session import get_engine, upgrade
     from kvleague.runner.signals.store import store_correlations
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
@@ -127,11 +192,14 @@ def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
             "INSERT INTO signal_correlations (row_key, run_id, model, task, domain, label, signal, family, layer, n_layers,"
             " rho, rho_lo, rho_hi, p_value, n_samples, n_pairs, created_at) VALUES ('k', 'old', 'tiny', 'math500', 'math',"
             " 'occlusion_nll', 'hs_l2_diff_rolling64_l9', 'hs_l2_diff_rolling64', 9, 32, 0.3, 0.2, 0.4, 0.01, 30, 3000,"
-            " '2026-01-01 00:00:00')")
+            " '2026-01-01 00:00:00')"
+        )
     before = read_correlations(engine)
     assert before["rho"].tolist() == [0.3] and before["partial_rho"].isna().all()
-    store_correlations(report("new", "humaneval", "code", paper_like, "2026-02-01T00:00:00+00:00",
-                              partial_of_layer=lambda layer: 0.0), url)  # upgrades to head on the way
+    store_correlations(
+        report("new", "humaneval", "code", paper_like, "2026-02-01T00:00:00+00:00", partial_of_layer=lambda layer: 0.0),
+        url,
+    )  # upgrades to head on the way
     after = read_correlations(get_engine(url))
     old = after[after["run_id"] == "old"].iloc[0]
     assert old["rho"] == 0.3 and pd.isna(old["partial_rho"]) and old["control"] is None
@@ -139,7 +207,9 @@ def test_rows_stored_before_the_partial_rho_still_load(tmp_path):
     assert (new["control"], new["partial_rho"], new["partial_hi"]) == ("position", 0.0, 0.05)
     text = markdown(after)
     assert "partial rho with the token's position held fixed of hs_l2_diff_rolling64" in text
-    assert "| 9 | 0.28 | positive | +0.300 [+0.200, +0.400] | +0.200 [+0.150, +0.250] |" in text  # math (raw only), code
+    assert (
+        "| 9 | 0.28 | positive | +0.300 [+0.200, +0.400] | +0.200 [+0.150, +0.250] |" in text
+    )  # math (raw only), code
 
 
 def test_reference_series_are_the_authors_csv_figures():
@@ -194,7 +264,12 @@ def test_the_two_settings_of_the_windows_stay_apart_and_compare_side_by_side(tmp
     assert comp.loc["method:snapkv", "sign"] == "opposite" and not comp.loc["method:snapkv", "overlap"]
     assert comp.loc["h2o_mean", "sign"] == "one covers 0" and not comp.loc["h2o_mean", "overlap"]
     layer0, layer1 = comp.loc["hs_l2_diff_rolling64_l0"], comp.loc["hs_l2_diff_rolling64_l1"]
-    assert (layer0["rho_context"], layer0["rho_trace"], layer0["sign"], layer0["overlap"]) == (-0.1, -0.3, "same", False)
+    assert (layer0["rho_context"], layer0["rho_trace"], layer0["sign"], layer0["overlap"]) == (
+        -0.1,
+        -0.3,
+        "same",
+        False,
+    )
     assert (layer1["sign"], layer1["overlap"]) == ("both cover 0", True)  # 0.0 [-0.05, +0.05] in both
     agree = setting_agreement(df).set_index("signals")
     per_layer = agree.loc["hs_l2_diff_rolling64 per layer"]
@@ -203,8 +278,12 @@ def test_the_two_settings_of_the_windows_stay_apart_and_compare_side_by_side(tmp
     assert "method:epikv" not in comp.index  # no rho in either setting: not compared
     text = comparison_markdown(df)
     (line,) = [x for x in text.splitlines() if x.startswith("| method:snapkv")]
-    assert [c.strip() for c in line.strip("|").split("|")] == ["method:snapkv", "+0.200 [+0.100, +0.300]",
-                                                               "-0.200 [-0.300, -0.100]", "opposite, apart"]
+    assert [c.strip() for c in line.strip("|").split("|")] == [
+        "method:snapkv",
+        "+0.200 [+0.100, +0.300]",
+        "-0.200 [-0.300, -0.100]",
+        "opposite, apart",
+    ]
     assert "math500 context (n=30)" in text and "math500 trace (n=20)" in text
     alone = markdown(df[df["occluded"] == "context"])  # one setting's tables, as before the trace setting
     assert "+0.200 [+0.100, +0.300]" in alone and "-0.200 [-0.300, -0.100]" not in alone

@@ -85,7 +85,9 @@ def test_wilson_test_is_dual_to_the_interval():
 # ---------------------------------------------------------------------------------------------- Tango
 
 
-@pytest.mark.parametrize("b,c,n", [(0, 5, 100), (5, 0, 100), (3, 3, 20), (9, 2, 31), (12, 4, 50), (40, 25, 300), (1, 0, 1)])
+@pytest.mark.parametrize(
+    "b,c,n", [(0, 5, 100), (5, 0, 100), (3, 3, 20), (9, 2, 31), (12, 4, 50), (40, 25, 300), (1, 0, 1)]
+)
 def test_tango_at_zero_is_mcnemar_without_correction(b, c, n):
     got = tango(b, c, n)
     ref = sm_tables.mcnemar(np.array([[n - b - c, b], [c, 0]]), exact=False, correction=False)
@@ -103,7 +105,8 @@ def test_tango_interval_ends_solve_the_score_equation(b, c, n):
     # and the closed-form statistic agrees with the numeric restricted MLE inside the interval
     for delta in np.linspace(got.lo, got.hi, 7)[1:-1]:
         assert score_tests.tango_z((b - c) / n, (b + c) / n, n, delta) == pytest.approx(
-            tango_z_numeric(b, c, n, delta), abs=1e-5)
+            tango_z_numeric(b, c, n, delta), abs=1e-5
+        )
 
 
 def test_tango_p_and_interval_agree_for_every_table_up_to_30():
@@ -132,7 +135,9 @@ def test_design_effect_is_one_for_one_sample_and_matches_numpy_otherwise():
     assert eff.n == pytest.approx(40 / expected, rel=1e-12)
     acc = stats.accuracy_interval([(int(x), 3, 1) for x in k])
     n_eff = 40 / expected
-    assert (acc.lo, acc.hi) == pytest.approx(sm_proportion.proportion_confint(p * n_eff, n_eff, method="wilson"), abs=1e-12)
+    assert (acc.lo, acc.hi) == pytest.approx(
+        sm_proportion.proportion_confint(p * n_eff, n_eff, method="wilson"), abs=1e-12
+    )
 
 
 def test_weighted_effective_matches_the_sandwich_variance():
@@ -140,7 +145,9 @@ def test_weighted_effective_matches_the_sandwich_variance():
     n/(n-1) * sum(w^2 (v - mean)^2) / (sum w)^2 and n_kish = (sum w)^2 / sum w^2."""
     v = np.array([1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0.5, 0.5])
     w = np.array([1 / 10] * 10 + [1 / 3] * 3)
-    scores = stats.Scores(np.array([int(2 * x) for x in v]), 2, np.array([0] * 10 + [1] * 3), (Fraction(1, 10), Fraction(1, 3)), 2)
+    scores = stats.Scores(
+        np.array([int(2 * x) for x in v]), 2, np.array([0] * 10 + [1] * 3), (Fraction(1, 10), Fraction(1, 3)), 2
+    )
     eff = scores.effective()
     mean = (w * v).sum() / w.sum()
     n_kish = w.sum() ** 2 / (w**2).sum()
@@ -151,7 +158,9 @@ def test_weighted_effective_matches_the_sandwich_variance():
     assert eff.n == pytest.approx(n_kish / deff, rel=1e-12)
 
 
-@pytest.mark.parametrize("b,c,n", [(0, 5, 30), (5, 0, 100), (3, 3, 20), (9, 2, 31), (1, 0, 1), (0, 0, 30), (14, 10, 60)])
+@pytest.mark.parametrize(
+    "b,c,n", [(0, 5, 30), (5, 0, 100), (3, 3, 20), (9, 2, 31), (1, 0, 1), (0, 0, 30), (14, 10, 60)]
+)
 def test_few_discordant_questions_get_exact_mcnemar_and_an_interval_that_agrees(b, c, n):
     got = stats.compare_paired(greedy_pairs(b, c, n))
     exact = sm_tables.mcnemar(np.array([[n - b - c, b], [c, 0]]), exact=True).pvalue
@@ -168,9 +177,24 @@ def test_many_discordant_questions_keep_the_score_test():
 def test_clustering_a_question_over_models_counts_it_once():
     """The same 40 greedy outcomes under 3 models: one question each, not 120 problems."""
     outcomes = [(1, 0)] * 9 + [(0, 1)] * 2 + [(1, 1)] * 20 + [(0, 0)] * 9
-    rows = [{"method_spec_id": method, "budget": 64, "task_id": 1, "sample_id": f"q{i}", "model_id": model, "protocol_id": 1,
-             "generation_id": 1, "k": pair[method], "m": 1, "failed": 0, "fired": 0}
-            for i, pair in enumerate(outcomes) for model in (1, 2, 3) for method in (0, 1)]
+    rows = [
+        {
+            "method_spec_id": method,
+            "budget": 64,
+            "task_id": 1,
+            "sample_id": f"q{i}",
+            "model_id": model,
+            "protocol_id": 1,
+            "generation_id": 1,
+            "k": pair[method],
+            "m": 1,
+            "failed": 0,
+            "fired": 0,
+        }
+        for i, pair in enumerate(outcomes)
+        for model in (1, 2, 3)
+        for method in (0, 1)
+    ]
     results = common_set.results_from_rows([tuple(r[c] for c in QUESTION_CELL_COLUMNS) for r in rows])
     clustered = common_set.common_set(results, [0, 1]).compare(0, 1)
     single = stats.compare_paired(greedy_pairs(9, 2, 40))
@@ -202,12 +226,14 @@ def test_rank_intervals_against_pairwise_mcnemar_with_holm():
     scores = {m: [Fraction(int(u < p)) for u in (base + rng.normal(0, 0.1, n)) % 1] for m, p in truth.items()}
     got = ranking.rank_intervals({m: stats.unweighted(v, 1) for m, v in scores.items()})
     names = sorted(truth)
-    pairs = [(i, j) for k, i in enumerate(names) for j in names[k + 1:]]
+    pairs = [(i, j) for k, i in enumerate(names) for j in names[k + 1 :]]
     raw = []
     for i, j in pairs:
         b = sum(1 for x, y in zip(scores[i], scores[j]) if x > y)
         c = sum(1 for x, y in zip(scores[i], scores[j]) if x < y)
-        raw.append(sm_tables.mcnemar(np.array([[0, b], [c, 0]]), exact=False, correction=False).pvalue if b + c else 1.0)
+        raw.append(
+            sm_tables.mcnemar(np.array([[0, b], [c, 0]]), exact=False, correction=False).pvalue if b + c else 1.0
+        )
     reject = sm_multitest.multipletests(raw, method="holm")[0]
     better = {m: 0 for m in names}
     worse = {m: 0 for m in names}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvleague.analysis import stats, tables
 from kvleague.analysis import queries as q
+from kvleague.analysis import stats, tables
 from kvleague.db.seed import Seeder
 from kvleague.db.session import get_engine
 
@@ -25,8 +25,14 @@ def greedy_pairs(b: int, c: int, n: int) -> list[tuple[int, int, int, int, int]]
     return [(1, 1, 0, 1, b), (0, 1, 1, 1, c), (1, 1, 1, 1, n - b - c)]
 
 
-def seed(path: Path, outcomes: dict[tuple[str, str], list], tasks=(("math500", "math"),), models=("m1",), order=None,
-         budget: int = 64) -> str:
+def seed(
+    path: Path,
+    outcomes: dict[tuple[str, str], list],
+    tasks=(("math500", "math"),),
+    models=("m1",),
+    order=None,
+    budget: int = 64,
+) -> str:
     """outcomes[(method, task)] = per-question outcome list (True / False / "failed"), the same under
     every model; greedy, at ``budget``. ``order`` shuffles the rows before writing (with that seed)."""
     url = f"sqlite:///{path}"
@@ -34,17 +40,33 @@ def seed(path: Path, outcomes: dict[tuple[str, str], list], tasks=(("math500", "
     s = Seeder(engine)
     task_ids = {name: s.task(name, domain) for name, domain in tasks}
     model_ids = [s.model(m) for m in models]
-    base = dict(protocol_id=s.protocol(), generation_id=s.generation(), sweep_id=s.sweep("findings"), budget=budget,
-                sample_index=0, seed=0)
+    base = dict(
+        protocol_id=s.protocol(),
+        generation_id=s.generation(),
+        sweep_id=s.sweep("findings"),
+        budget=budget,
+        sample_index=0,
+        seed=0,
+    )
     methods = {}
     rows = []
     for (method, task), outs in outcomes.items():
         methods.setdefault(method, s.method(method))
         for model in model_ids:
             for i, out in enumerate(outs):
-                row = {**base, "model_id": model, "task_id": task_ids[task], "method_spec_id": methods[method],
-                       "sample_id": f"{task}-{i:03d}", "evictions": 0}
-                row.update({"status": "failed", "error": "RuntimeError"} if out == "failed" else {"status": "ok", "correct": out})
+                row = {
+                    **base,
+                    "model_id": model,
+                    "task_id": task_ids[task],
+                    "method_spec_id": methods[method],
+                    "sample_id": f"{task}-{i:03d}",
+                    "evictions": 0,
+                }
+                row.update(
+                    {"status": "failed", "error": "RuntimeError"}
+                    if out == "failed"
+                    else {"status": "ok", "correct": out}
+                )
                 rows.append(row)
     if order is not None:
         random.Random(order).shuffle(rows)
@@ -111,8 +133,12 @@ def test_finding3_row_order_does_not_change_anything():
 
 
 def test_finding3_database_row_order_does_not_change_the_tables(tmp_path):
-    outs = {("full", "math500"): [i % 3 != 0 for i in range(24)], ("h2o", "math500"): [i % 4 != 0 for i in range(24)],
-            ("epikv", "math500"): [i % 5 != 0 for i in range(24)], ("thinkv", "math500"): [i % 2 == 0 for i in range(24)]}
+    outs = {
+        ("full", "math500"): [i % 3 != 0 for i in range(24)],
+        ("h2o", "math500"): [i % 4 != 0 for i in range(24)],
+        ("epikv", "math500"): [i % 5 != 0 for i in range(24)],
+        ("thinkv", "math500"): [i % 2 == 0 for i in range(24)],
+    }
     frames = []
     for order in (None, 1, 2):
         url = seed(tmp_path / f"o{order}.db", outs, order=order)
@@ -188,9 +214,13 @@ def test_finding7_a_question_under_three_models_is_one_question(tmp_path):
 
 def test_finding8_fixed_baselines_holm_and_a_test_of_the_paper_value(tmp_path):
     n = 40
-    outs = {("full", "math500"): [i < 30 for i in range(n)], ("epikv", "math500"): [i < 26 for i in range(n)],
-            ("h2o", "math500"): [i < 20 for i in range(n)], ("thinkv", "math500"): [i < 24 for i in range(n)],
-            ("snapkv", "math500"): [i < 29 for i in range(n)]}  # snapkv is the best baseline on these data
+    outs = {
+        ("full", "math500"): [i < 30 for i in range(n)],
+        ("epikv", "math500"): [i < 26 for i in range(n)],
+        ("h2o", "math500"): [i < 20 for i in range(n)],
+        ("thinkv", "math500"): [i < 24 for i in range(n)],
+        ("snapkv", "math500"): [i < 29 for i in range(n)],
+    }  # snapkv is the best baseline on these data
     engine = get_engine(seed(tmp_path / "s.db", outs, budget=4096))
     card = tables.scorecard(engine, q.Filters())
     claims = tables.paper_claims(engine, q.Filters())
@@ -203,7 +233,9 @@ def test_finding8_fixed_baselines_holm_and_a_test_of_the_paper_value(tmp_path):
     assert set(tested["claim"]) == {f"{w} on math500 at budget 4096" for w in ("EpiKV", "ThinKV", "H2O", "full cache")}
     for who, k, p0 in (("EpiKV", 26, 0.72), ("full cache", 30, 0.75), ("H2O", 20, 0.67), ("ThinKV", 24, 0.71)):
         got = row(claims, claim=f"{who} on math500 at budget 4096")
-        assert got["p vs paper"] == pytest.approx(sm_proportion.proportions_ztest(k, n, value=p0, prop_var=p0)[1], rel=1e-9)
+        assert got["p vs paper"] == pytest.approx(
+            sm_proportion.proportions_ztest(k, n, value=p0, prop_var=p0)[1], rel=1e-9
+        )
     holm = sm_multitest.multipletests(tested["p vs paper"], method="holm")[1]
     assert tested["p vs paper (Holm)"].tolist() == pytest.approx(list(holm), rel=1e-9)
     assert set(tested["verdict"]) <= {"consistent with the paper", "differs from the paper"}
@@ -213,8 +245,11 @@ def test_finding8_fixed_baselines_holm_and_a_test_of_the_paper_value(tmp_path):
 
 
 def test_finding9_ranks_respect_uncertainty_weighting_is_stated_p_is_not_overprinted(tmp_path):
-    outs = {("full", "math500"): [i < 7 for i in range(12)], ("h2o", "math500"): [i < 6 for i in range(12)],
-            ("epikv", "math500"): [i < 5 for i in range(12)]}
+    outs = {
+        ("full", "math500"): [i < 7 for i in range(12)],
+        ("h2o", "math500"): [i < 6 for i in range(12)],
+        ("epikv", "math500"): [i < 5 for i in range(12)],
+    }
     lb = detail(seed(tmp_path / "r.db", outs))
     assert set(lb.by_domain["rank_interval"]) == {"1-3"} and lb.by_domain["tied_best"].all()  # was full alone first
     assert set(lb.wide["rank interval"]) == {"1-3"}

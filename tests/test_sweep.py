@@ -44,16 +44,28 @@ def ray_head(tmp_path_factory):
     """A Ray head started by scripts/ray_head.sh (dashboard + Jobs API on 127.0.0.1); stopped after."""
     state = tmp_path_factory.mktemp("ray-head")
     env = _ray_env()
-    out = subprocess.run(["bash", str(REPO / "scripts" / "ray_head.sh"), "start", str(state)], env=env,
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "ray_head.sh"), "start", str(state)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     try:
         assert out.returncode == 0, out.stderr
-        values = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines() if line.startswith("export "))
+        values = dict(
+            line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines() if line.startswith("export ")
+        )
         assert values["RAY_ADDRESS"].startswith("http://127.0.0.1:")
         yield {"jobs": values["RAY_ADDRESS"], "gcs": values["RAY_GCS"], "env": env}
     finally:
-        subprocess.run(["bash", str(REPO / "scripts" / "ray_head.sh"), "stop", str(state)], env=env,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            ["bash", str(REPO / "scripts" / "ray_head.sh"), "stop", str(state)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +92,15 @@ def small_config(project: Path, db_url: str, **over) -> dict:
         "protocol": {"sink": 4, "recent": 8, "protect_prompt": False},
         "generation": {"max_new_tokens": 6},
         "seeds": [0],
-        "resources": {"cpus_per_worker": 1, "torch_threads": 1, "workers": 2, "batch_size": 4, "flush_seconds": 1,
-                      "max_restarts": 2, "max_task_retries": 1},
+        "resources": {
+            "cpus_per_worker": 1,
+            "torch_threads": 1,
+            "workers": 2,
+            "batch_size": 4,
+            "flush_seconds": 1,
+            "max_restarts": 2,
+            "max_task_retries": 1,
+        },
     }
     cfg.update(over)
     return cfg
@@ -101,8 +120,9 @@ def test_a_head_that_times_out_during_startup_is_started_once_more(tmp_path):
     stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "ray").write_text(
-        f"#!/bin/bash\nif [ \"$1\" = start ] && mkdir {tmp_path / 'once'} 2>/dev/null; then\n"
-        f"  echo 'Exception: The current node timed out during startup.'; exit 1\nfi\nexec {real} \"$@\"\n")
+        f'#!/bin/bash\nif [ "$1" = start ] && mkdir {tmp_path / "once"} 2>/dev/null; then\n'
+        f"  echo 'Exception: The current node timed out during startup.'; exit 1\nfi\nexec {real} \"$@\"\n"
+    )
     (stub / "ray").chmod(0o755)
     env["PATH"] = f"{stub}{os.pathsep}{env['PATH']}"
     script, state = str(REPO / "scripts" / "ray_head.sh"), str(tmp_path / "state")
@@ -112,7 +132,9 @@ def test_a_head_that_times_out_during_startup_is_started_once_more(tmp_path):
         assert "RAY_ADDRESS=http://127.0.0.1:" in out.stdout
     finally:
         subprocess.run(["bash", script, "stop", state], env=env, capture_output=True, text=True, timeout=120)
-    (stub / "ray").write_text(f"#!/bin/bash\n[ \"$1\" = start ] && {{ echo 'Exception: port in use'; exit 1; }}\nexec {real} \"$@\"\n")
+    (stub / "ray").write_text(
+        f'#!/bin/bash\n[ "$1" = start ] && {{ echo \'Exception: port in use\'; exit 1; }}\nexec {real} "$@"\n'
+    )
     out = subprocess.run(["bash", script, "start", state], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 1 and "ray head failed to start" in out.stderr and "once more" not in out.stderr
 
@@ -122,9 +144,27 @@ def test_demo_through_the_ray_jobs_api(ray_head, project, tmp_path):
     db_path = tmp_path / "jobs.db"
     db_url = f"sqlite:///{db_path}"
     runtime_env = {"env_vars": {"KVLEAGUE_PROJECT_DIR": str(project)}}  # where the data and database paths resolve
-    cmd = ["ray", "job", "submit", "--address", ray_head["jobs"], "--working-dir", ".",
-           "--runtime-env-json", json.dumps(runtime_env), "--",
-           "python", "runner/sweep.py", "--config", "sweeps/demo.yaml", "--db", db_url, "--limit", "1", "--no-progress"]
+    cmd = [
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        ray_head["jobs"],
+        "--working-dir",
+        ".",
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+        "--",
+        "python",
+        "runner/sweep.py",
+        "--config",
+        "sweeps/demo.yaml",
+        "--db",
+        db_url,
+        "--limit",
+        "1",
+        "--no-progress",
+    ]
     t0 = time.monotonic()
     try:
         out = subprocess.run(cmd, cwd=REPO, env=ray_head["env"], capture_output=True, text=True, timeout=300)
@@ -136,7 +176,7 @@ def test_demo_through_the_ray_jobs_api(ray_head, project, tmp_path):
     # exactly one row per cell of the demo (the same grid, expanded here)
     os.environ["KVLEAGUE_PROJECT_DIR"] = str(project)
     try:
-        config = load_config(REPO / "sweeps" / "demo.yaml", check=False)
+        config = load_config(REPO / "sweeps" / "demo.yaml")
         for t in config.tasks:
             t.limit = 1
         cells = expand(config).cells
@@ -150,21 +190,32 @@ def test_demo_through_the_ray_jobs_api(ray_head, project, tmp_path):
         sweep = conn.execute(text("SELECT status, ray_job_id, n_ok, git_commit FROM sweeps")).one()
         assert sweep[0] == "finished" and sweep[1].startswith("raysubmit_") and sweep[2] == len(cells)
         assert sweep[3] != ""
-        env = conn.execute(text(
-            "SELECT e.python_version, e.torch_version, e.transformers_version, e.hostname, e.kvleague_version, e.gpu_name, "
-            "e.git_commit FROM sample_results r JOIN environments e ON e.id = r.environment_id LIMIT 1")).one()
+        env = conn.execute(
+            text(
+                "SELECT e.python_version, e.torch_version, e.transformers_version, e.hostname, e.kvleague_version, e.gpu_name, "
+                "e.git_commit FROM sample_results r JOIN environments e ON e.id = r.environment_id LIMIT 1"
+            )
+        ).one()
         assert all(v not in (None, "") for v in env)
         assert env[-1] == sweep[3]  # workers ran the uploaded copy: they report the driver's commit
-        metrics = conn.execute(text(
-            "SELECT MIN(prompt_tokens), MIN(generated_tokens), MAX(evictions), MIN(peak_cache_entries), MIN(peak_kv_bytes), "
-            "MIN(peak_memory_bytes) FROM sample_results")).one()
+        metrics = conn.execute(
+            text(
+                "SELECT MIN(prompt_tokens), MIN(generated_tokens), MAX(evictions), MIN(peak_cache_entries), MIN(peak_kv_bytes), "
+                "MIN(peak_memory_bytes) FROM sample_results"
+            )
+        ).one()
         assert all(v is not None and v >= 0 for v in metrics) and metrics[2] > 0
         # the demo's model and task: SmolLM2-135M (converted by the job's workers) finds the needle with a full cache
-        full = conn.execute(text(
-            "SELECT MIN(CAST(r.correct AS INTEGER)), MIN(r.prompt_tokens), COUNT(*), MIN(m.source), MIN(t.name) FROM sample_results r "
-            "JOIN method_specs s ON s.id = r.method_spec_id JOIN models m ON m.id = r.model_id "
-            "JOIN tasks t ON t.id = r.task_id WHERE s.name = 'full'")).one()
-        assert full[0] == 1 and full[1] > 500 and full[2] == len(config.budgets) and full[3:] == ("smollm2-135m", "niah")
+        full = conn.execute(
+            text(
+                "SELECT MIN(CAST(r.correct AS INTEGER)), MIN(r.prompt_tokens), COUNT(*), MIN(m.source), MIN(t.name) FROM sample_results r "
+                "JOIN method_specs s ON s.id = r.method_spec_id JOIN models m ON m.id = r.model_id "
+                "JOIN tasks t ON t.id = r.task_id WHERE s.name = 'full'"
+            )
+        ).one()
+        assert (
+            full[0] == 1 and full[1] > 500 and full[2] == len(config.budgets) and full[3:] == ("smollm2-135m", "niah")
+        )
     print(f"ray job: {len(cells)} cells in {time.monotonic() - t0:.1f}s")
 
 
@@ -195,8 +246,14 @@ print("RESULT " + json.dumps({"total": s.total, "ran": s.ran, "skipped": s.skipp
 
 def _drive(ray_head, config: dict, failures: list[dict], timeout: int = 240) -> dict:
     """Run a sweep driver in its own process (Ray's process-global state stays out of pytest)."""
-    out = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(config), ray_head["gcs"], json.dumps(failures)],
-                         cwd=REPO, env=ray_head["env"], capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(config), ray_head["gcs"], json.dumps(failures)],
+        cwd=REPO,
+        env=ray_head["env"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line.removeprefix("RESULT "))
@@ -235,8 +292,14 @@ def test_killed_actors_and_a_raising_cell(ray_head, project, tmp_path):
     assert _rows(db_url) == rows
     assert elapsed < 30, elapsed
     with get_engine(db_url).connect() as conn:
-        sweeps = [tuple(r) for r in conn.execute(text("SELECT status, n_cells, n_ok, n_failed, n_skipped FROM sweeps ORDER BY id"))]
-    assert sweeps == [("finished", len(cells), len(cells) - len(doomed), len(doomed), 0), ("finished", len(cells), 0, 0, len(cells))]
+        sweeps = [
+            tuple(r)
+            for r in conn.execute(text("SELECT status, n_cells, n_ok, n_failed, n_skipped FROM sweeps ORDER BY id"))
+        ]
+    assert sweeps == [
+        ("finished", len(cells), len(cells) - len(doomed), len(doomed), 0),
+        ("finished", len(cells), 0, 0, len(cells)),
+    ]
 
 
 def test_retry_failed_from_the_command_line(ray_head, project, tmp_path):
@@ -249,14 +312,21 @@ def test_retry_failed_from_the_command_line(ray_head, project, tmp_path):
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(cfg))
     base = [sys.executable, "runner/sweep.py", "--config", str(path), "--address", ray_head["gcs"], "--no-progress"]
-    out = subprocess.run([*base, "--inject-failure", json.dumps({"method": "knorm", "message": "boom"})], cwd=REPO,
-                         env=ray_head["env"], capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [*base, "--inject-failure", json.dumps({"method": "knorm", "message": "boom"})],
+        cwd=REPO,
+        env=ray_head["env"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     n_knorm = sum(c.method == "knorm" for c in cells)
     assert f"{len(cells) - n_knorm} ok, {n_knorm} failed" in out.stdout, out.stdout[-2000:]
     assert {r[1] for r in _rows(db_url)} == {"ok", "failed"}
-    retry = subprocess.run([*base, "--retry-failed"], cwd=REPO, env=ray_head["env"], capture_output=True, text=True,
-                           timeout=240)
+    retry = subprocess.run(
+        [*base, "--retry-failed"], cwd=REPO, env=ray_head["env"], capture_output=True, text=True, timeout=240
+    )
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert f"{n_knorm} run: {n_knorm} ok, 0 failed" in retry.stdout, retry.stdout[-2000:]
     rows = _rows(db_url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.sweep_config import parse_config
 from kvleague.runner.sweeping.cell import CellWorker
 from kvleague.runner.sweeping.grid import AUTO_BATCH_LIMIT, QUEUED_BATCHES, batches, expand, spread
@@ -79,15 +79,21 @@ def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, t
     group still one batch (it used to run sample by sample), four rows for five samples (the fifth
     takes the first finished row); and episodes (multi-turn, their decodes batched round by round;
     they used to run one by one)."""
-    from kvleague.runner.engine import batch
+    from kvleague.engine import batch
 
-    cells = expand(parse_config(config(tiny_models["llama"], tmp_path, budgets=[budget], tasks=[{"name": task, "limit": 5}]))).cells
+    cells = expand(
+        parse_config(config(tiny_models["llama"], tmp_path, budgets=[budget], tasks=[{"name": task, "limit": 5}]))
+    ).cells
     group = next(g for g in batches(cells, 4) if g[0].method == "h2o")
     assert len(group) == (4 if task == "kv_agent" else 5)
     worker = CellWorker(torch_threads=1)
     batched = []
     inner = batch.DecodeLoop
-    monkeypatch.setattr(batch, "DecodeLoop", lambda engine, sessions, *a, **k: batched.append(len(sessions)) or inner(engine, sessions, *a, **k))
+    monkeypatch.setattr(
+        batch,
+        "DecodeLoop",
+        lambda engine, sessions, *a, **k: batched.append(len(sessions)) or inner(engine, sessions, *a, **k),
+    )
     together = worker.run_group(group, 4)
     assert batched[0] == 4 and (task == "kv_agent" or batched == [4])  # one batch (per round, for episodes)
     alone = [worker.run(c) for c in group]
@@ -95,11 +101,25 @@ def test_a_group_decodes_together_and_equals_its_cells_one_by_one(tiny_models, t
         assert [r["resolved_budget"] for r in alone] == [r["prompt_tokens"] + 8 for r in alone]
         assert len({r["resolved_budget"] for r in alone}) > 1
     for t, a, cell in zip(together, alone, group):
-        assert t["cell_key"] == a["cell_key"] == cell.key and t["status"] == a["status"] == "ok", (t.get("error"), a.get("error"))
+        assert t["cell_key"] == a["cell_key"] == cell.key and t["status"] == a["status"] == "ok", (
+            t.get("error"),
+            a.get("error"),
+        )
         assert t["details"]["batch"] == {"cells": len(group)} and "batch" not in a["details"]
         assert t["details"]["backend"] == a["details"]["backend"] == "hf"
-        for name in ("completion", "score", "correct", "extracted", "stop_reason", "generated_tokens", "prompt_tokens",
-                     "evictions", "evicted_tokens", "peak_cache_entries", "resolved_budget"):
+        for name in (
+            "completion",
+            "score",
+            "correct",
+            "extracted",
+            "stop_reason",
+            "generated_tokens",
+            "prompt_tokens",
+            "evictions",
+            "evicted_tokens",
+            "peak_cache_entries",
+            "resolved_budget",
+        ):
             assert t[name] == a[name], (name, cell.describe())
     assert sum(r["evictions"] for r in together) > 0
 
@@ -115,8 +135,13 @@ def test_an_injected_failure_in_a_group_fails_only_its_cell(tiny_models, tmp_pat
 
 def test_a_samples_fidelity_cells_group_and_equal_their_cells_one_by_one(tiny_models, tmp_path):
     """Fidelity groups are one sample's methods and budgets: one full-cache pass, answers forced together."""
-    cfg = config(tiny_models["llama"], tmp_path, budgets=[16, 24],
-                 tasks=[{"name": "gsm8k", "limit": 2, "measure": "fidelity"}], fidelity={"max_scored_tokens": 20})
+    cfg = config(
+        tiny_models["llama"],
+        tmp_path,
+        budgets=[16, 24],
+        tasks=[{"name": "gsm8k", "limit": 2, "measure": "fidelity"}],
+        fidelity={"max_scored_tokens": 20},
+    )
     cells = expand(parse_config(cfg)).cells
     groups = batches(cells, 8)
     assert sorted(c.key for g in groups for c in g) == sorted(c.key for c in cells)

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvleague.runner.sweep import expand, main as sweep_main
-from kvleague.runner.sweep_config import load_config, parse_config
-from kvleague.runner.sweeping.checks import project_dir
+from kvleague.runner.sweep import expand
+from kvleague.runner.sweep import main as sweep_main
+from kvleague.runner.sweep_config import parse_config
+from kvleague.runner.sweeping.checks import load_checked_config, project_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,17 +71,67 @@ INVALID = [
     ("unknown-nested-field", "protocol.sinkk", 3, "protocol.sinkk: unknown field; allowed: cadence, positions, sink"),
     ("bad-db-backend", "database", "mysql://u@127.0.0.1/x", "database: unsupported backend 'mysql'"),
     ("unparseable-db-url", "database", "not a url", "database: cannot parse 'not a url'"),
-    ("bad-db-driver", "database", "postgresql+asyncpg://u@127.0.0.1/x", "database: unsupported PostgreSQL driver 'asyncpg'"),
-    ("sqlite-dir-missing", "database", "sqlite:////nonexistent-dir-kvl/x.db", "database: directory '/nonexistent-dir-kvl'"),
-    ("unknown-hyperparameter", "methods.1", {"name": "streaming_llm", "params": {"bogus": 1}}, "methods[1]: method streaming_llm: unknown hyperparameter 'bogus'; valid: n_sink"),
-    ("bad-hyperparameter-type", "methods.1", {"name": "streaming_llm", "params": {"n_sink": "many"}}, "methods[1]: method streaming_llm: hyperparameter n_sink='many'"),
-    ("grid-and-params", "methods.1", {"name": "streaming_llm", "params": {"n_sink": 2}, "grid": {"n_sink": [4]}}, "methods[1].grid.n_sink: also set in params"),
-    ("empty-grid", "methods.1", {"name": "streaming_llm", "grid": {"n_sink": []}}, "methods[1].grid.n_sink: needs at least one value"),
+    (
+        "bad-db-driver",
+        "database",
+        "postgresql+asyncpg://u@127.0.0.1/x",
+        "database: unsupported PostgreSQL driver 'asyncpg'",
+    ),
+    (
+        "sqlite-dir-missing",
+        "database",
+        "sqlite:////nonexistent-dir-kvl/x.db",
+        "database: directory '/nonexistent-dir-kvl'",
+    ),
+    (
+        "unknown-hyperparameter",
+        "methods.1",
+        {"name": "streaming_llm", "params": {"bogus": 1}},
+        "methods[1]: method streaming_llm: unknown hyperparameter 'bogus'; valid: n_sink",
+    ),
+    (
+        "bad-hyperparameter-type",
+        "methods.1",
+        {"name": "streaming_llm", "params": {"n_sink": "many"}},
+        "methods[1]: method streaming_llm: hyperparameter n_sink='many'",
+    ),
+    (
+        "grid-and-params",
+        "methods.1",
+        {"name": "streaming_llm", "params": {"n_sink": 2}, "grid": {"n_sink": [4]}},
+        "methods[1].grid.n_sink: also set in params",
+    ),
+    (
+        "empty-grid",
+        "methods.1",
+        {"name": "streaming_llm", "grid": {"n_sink": []}},
+        "methods[1].grid.n_sink: needs at least one value",
+    ),
     ("method-twice", "methods.0", "streaming_llm", "is listed twice"),
-    ("bad-dtype", "models.0.dtype", "float8", "models[0].dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
-    ("bad-attn", "models.0.attn_implementation", "magic", "models[0].attn_implementation: Input should be 'sdpa', 'eager' or 'flash_attention_2'"),
-    ("model-dir-missing", "models.0.source", "./no/such/checkpoint", "models[0].source: no checkpoint directory or .gguf file at"),
-    ("bad-cadence", "protocol.cadence", "sometimes", "protocol.cadence: unknown 'sometimes'; allowed: every_step, buffer=N"),
+    (
+        "bad-dtype",
+        "models.0.dtype",
+        "float8",
+        "models[0].dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'",
+    ),
+    (
+        "bad-attn",
+        "models.0.attn_implementation",
+        "magic",
+        "models[0].attn_implementation: Input should be 'sdpa', 'eager' or 'flash_attention_2'",
+    ),
+    (
+        "model-dir-missing",
+        "models.0.source",
+        "./no/such/checkpoint",
+        "models[0].source: no checkpoint directory or .gguf file at",
+    ),
+    (
+        "bad-cadence",
+        "protocol.cadence",
+        "sometimes",
+        "protocol.cadence: unknown 'sometimes'; allowed: every_step, buffer=N",
+    ),
     ("budget-below-sink-recent", "budgets", [6, 64], "budgets: 6 leaves no evictable slot after sink (2) + recent (4)"),
     ("negative-sink", "protocol.sink", -1, "protocol.sink: Input should be greater than or equal to 0"),
     ("greedy-n-samples", "generation.n_samples", 4, "generation.n_samples: greedy decoding"),
@@ -89,17 +140,51 @@ INVALID = [
     ("empty-budgets", "budgets", [], "budgets: List should have at least 1 item"),
     ("duplicate-budgets", "budgets", [64, 64], "budgets: duplicate budget"),
     ("task-limit-zero", "tasks.0.limit", 0, "tasks[0].limit: Input should be greater than or equal to 1"),
-    ("unknown-task-option", "tasks.0.options", {"n_rooms": 3}, "tasks[0].options: task kv_agent: unknown option 'n_rooms'; valid:"),
+    (
+        "unknown-task-option",
+        "tasks.0.options",
+        {"n_rooms": 3},
+        "tasks[0].options: task kv_agent: unknown option 'n_rooms'; valid:",
+    ),
     ("unknown-domain", "protocol_by_domain", {"chemistry": {"sink": 1}}, "protocol_by_domain.chemistry"),
     ("bad-name", "name", "has spaces", "name: String should match pattern"),
-    ("unset-env-var", "database", "${KVLEAGUE_TEST_SURELY_UNSET_VAR}", "environment variable KVLEAGUE_TEST_SURELY_UNSET_VAR is not set"),
+    (
+        "unset-env-var",
+        "database",
+        "${KVLEAGUE_TEST_SURELY_UNSET_VAR}",
+        "environment variable KVLEAGUE_TEST_SURELY_UNSET_VAR is not set",
+    ),
     ("negative-seed", "seeds", [-1], "seeds: must be >= 0, got -1"),
-    ("bad-resources", "resources", {"gpus_per_worker": -1}, "resources.gpus_per_worker: Input should be greater than or equal to 0"),
-    ("fidelity-without-reference", "tasks.0", {"name": "aime25", "measure": "fidelity"},
-     "tasks[0].measure: aime25 has no reference continuation, so 'fidelity' cannot be measured; allowed for it: generation"),
-    ("both-without-reference", "tasks.0", {"name": "aime25", "measure": "both"}, "tasks[0].measure: aime25 has no reference"),
-    ("unknown-measure", "tasks.0.measure", "accuracy", "tasks[0].measure: Input should be 'generation', 'fidelity' or 'both'"),
-    ("zero-scored-tokens", "fidelity", {"max_scored_tokens": 0}, "fidelity.max_scored_tokens: Input should be greater than or equal to 1"),
+    (
+        "bad-resources",
+        "resources",
+        {"gpus_per_worker": -1},
+        "resources.gpus_per_worker: Input should be greater than or equal to 0",
+    ),
+    (
+        "fidelity-without-reference",
+        "tasks.0",
+        {"name": "aime25", "measure": "fidelity"},
+        "tasks[0].measure: aime25 has no reference continuation, so 'fidelity' cannot be measured; allowed for it: generation",
+    ),
+    (
+        "both-without-reference",
+        "tasks.0",
+        {"name": "aime25", "measure": "both"},
+        "tasks[0].measure: aime25 has no reference",
+    ),
+    (
+        "unknown-measure",
+        "tasks.0.measure",
+        "accuracy",
+        "tasks[0].measure: Input should be 'generation', 'fidelity' or 'both'",
+    ),
+    (
+        "zero-scored-tokens",
+        "fidelity",
+        {"max_scored_tokens": 0},
+        "fidelity.max_scored_tokens: Input should be greater than or equal to 1",
+    ),
 ]
 
 
@@ -159,20 +244,23 @@ def test_script_and_cli_exit_2_in_a_real_process(tmp_path, tiny_llama):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for argv in ([sys.executable, "runner/sweep.py"], [sys.executable, "-m", "kvleague.runner.cli", "sweep"]):
-        out = subprocess.run([*argv, "--config", str(path), "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=120)
+    for argv in ([sys.executable, "runner/sweep.py"], [sys.executable, "-m", "kvleague.cli", "sweep"]):
+        out = subprocess.run(
+            [*argv, "--config", str(path), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 2, out.stderr
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and "methods[0].name: unknown 'no_such_method'" in lines[0], out.stderr
 
 
 def test_shipped_configs_validate():
-    demo = load_config(REPO / "sweeps" / "demo.yaml")  # full semantic check: the default model's wheel is installed
+    demo = load_checked_config(
+        REPO / "sweeps" / "demo.yaml"
+    )  # full semantic check: the default model's wheel is installed
     assert {m.name for m in demo.methods} >= {"full", "streaming_llm", "knorm", "h2o", "snapkv", "tova", "epikv"}
     assert len(demo.budgets) == 2
     assert demo.models[0].source == "smollm2-135m" and [t.name for t in demo.tasks] == ["niah"]
-    rep = load_config(REPO / "sweeps" / "replication.yaml")  # full semantic check: every name is registered
+    rep = load_checked_config(REPO / "sweeps" / "replication.yaml")  # full semantic check: every name is registered
     assert rep.models[0].source.startswith("deepseek-ai/DeepSeek-R1-Distill")
     assert rep.budgets == [512, 1024, 2048, 4096, 8192]
     from kvleague.methods.registry import available_methods
@@ -207,15 +295,23 @@ def test_grid_and_cell_keys_are_deterministic(tiny_llama, tmp_path):
 
 
 def test_n_samples_and_seeds_expand(tiny_llama, tmp_path):
-    cfg = {**base_config(tiny_llama, tmp_path), "methods": ["full"], "budgets": [64], "seeds": [0, 1],
-           "generation": {"temperature": 0.7, "n_samples": 3, "max_new_tokens": 4}}
+    cfg = {
+        **base_config(tiny_llama, tmp_path),
+        "methods": ["full"],
+        "budgets": [64],
+        "seeds": [0, 1],
+        "generation": {"temperature": 0.7, "n_samples": 3, "max_new_tokens": 4},
+    }
     cells = expand(parse_config(cfg)).cells
     assert len(cells) == 2 * 3 * 2  # samples x n_samples x seeds
     assert len({(c.sample_id, c.gen_seed, c.seed) for c in cells}) == len(cells)
 
 
 def test_optional_unregistered_task_is_skipped_with_a_warning(tiny_llama, tmp_path):
-    cfg = {**base_config(tiny_llama, tmp_path), "tasks": [{"name": "kv_agent", "limit": 1}, {"name": "not_yet_written", "optional": True}]}
+    cfg = {
+        **base_config(tiny_llama, tmp_path),
+        "tasks": [{"name": "kv_agent", "limit": 1}, {"name": "not_yet_written", "optional": True}],
+    }
     grid = expand(parse_config(cfg))
     assert any("not_yet_written" in w for w in grid.warnings)
     assert {c.task for c in grid.cells} == {"kv_agent"}
@@ -262,7 +358,9 @@ def test_a_method_that_needs_eager_attention_is_announced(tiny_llama, tmp_path):
     cfg["methods"] = ["full", "h2o", {"name": "h2o", "params": {"recent_ratio": 0.25}}]
     warnings = expand(parse_config(cfg)).warnings
     eager = [w for w in warnings if "eager" in w]
-    assert len(eager) == 1 and eager[0].startswith("method h2o: needs eager attention") and "instead of sdpa" in eager[0]
+    assert (
+        len(eager) == 1 and eager[0].startswith("method h2o: needs eager attention") and "instead of sdpa" in eager[0]
+    )
     cfg["models"][0]["attn_implementation"] = "eager"  # nothing to announce when the run is eager anyway
     assert not [w for w in expand(parse_config(cfg)).warnings if "eager" in w]
 
@@ -272,8 +370,18 @@ def test_summary_keeps_task_specs_of_one_name_apart(capsys):
     from kvleague.runner.sweep import SweepSummary, print_summary
 
     def row(length, score):
-        return {"model": "m", "task": "niah", "task_options": {"context_length": length, "seed": 0}, "method": "full",
-                "params": "{}", "budget": 64, "cells": 2, "ok": 2, "failed": 0, "mean_score": score}
+        return {
+            "model": "m",
+            "task": "niah",
+            "task_options": {"context_length": length, "seed": 0},
+            "method": "full",
+            "params": "{}",
+            "budget": 64,
+            "cells": 2,
+            "ok": 2,
+            "failed": 0,
+            "mean_score": score,
+        }
 
     print_summary(SweepSummary(1, 4, 0, 4, 4, 0, 1.0, rows=[row(512, 1.0), row(1024, 0.5)]))
     lines = capsys.readouterr().out.splitlines()
@@ -304,8 +412,11 @@ def test_fidelity_cells_never_share_a_key_with_generation_cells(tiny_llama, tmp_
     """``measure: both`` adds one fidelity cell per (method, budget, sample, seed) - never n_samples of
     them - whose keys are new; the generation cells keep the keys a generation-only config gives them,
     so a database written before fidelity existed resumes as before."""
-    cfg = {**base_config(tiny_llama, tmp_path), "seeds": [0, 1],
-           "generation": {"temperature": 0.7, "n_samples": 2, "max_new_tokens": 4}}
+    cfg = {
+        **base_config(tiny_llama, tmp_path),
+        "seeds": [0, 1],
+        "generation": {"temperature": 0.7, "n_samples": 2, "max_new_tokens": 4},
+    }
     generation_only = expand(parse_config(cfg)).cells
     both = expand(parse_config(_set(cfg, "tasks.0.measure", "both"))).cells
     fidelity_only = expand(parse_config(_set(cfg, "tasks.0.measure", "fidelity"))).cells
@@ -322,7 +433,9 @@ def test_fidelity_cells_never_share_a_key_with_generation_cells(tiny_llama, tmp_
     order = [c.sample_id for c in fidelity_only]
     assert order == sorted(order, key=order.index)
     # the cap on scored tokens is part of what a fidelity cell computes
-    capped = expand(parse_config({**_set(cfg, "tasks.0.measure", "fidelity"), "fidelity": {"max_scored_tokens": 16}})).cells
+    capped = expand(
+        parse_config({**_set(cfg, "tasks.0.measure", "fidelity"), "fidelity": {"max_scored_tokens": 16}})
+    ).cells
     assert not {c.key for c in capped} & {c.key for c in fidelity_only}
 
 
@@ -332,17 +445,21 @@ def test_a_cells_row_carries_every_engine_metric_to_the_database(tiny_llama, tmp
     not timings equal those of a direct Engine.generate run of the same cell."""
     from sqlalchemy import select
 
-    from kvleague.db.seed import Seeder
     from kvleague.db import store
     from kvleague.db.models import METRIC_COLUMNS, SampleResult
+    from kvleague.db.seed import Seeder
     from kvleague.db.session import get_engine
+    from kvleague.engine.protocol import GenerationSettings
     from kvleague.methods.registry import build_method
-    from kvleague.runner.engine.protocol import GenerationSettings
     from kvleague.runner.sweeping.cell import CellWorker
     from kvleague.tasks.registry import build_task
 
-    cfg = {**base_config(tiny_llama, tmp_path), "methods": ["streaming_llm"], "budgets": [32],
-           "tasks": [{"name": "niah", "limit": 1, "options": {"context_length": 96}}]}
+    cfg = {
+        **base_config(tiny_llama, tmp_path),
+        "methods": ["streaming_llm"],
+        "budgets": [32],
+        "tasks": [{"name": "niah", "limit": 1, "options": {"context_length": 96}}],
+    }
     config = parse_config(cfg)
     grid = expand(config)
     cell = grid.cells[0]
@@ -351,21 +468,47 @@ def test_a_cells_row_carries_every_engine_metric_to_the_database(tiny_llama, tmp
     assert row["status"] == "ok", row.get("error")
     engine = get_engine(config.database)
     seeder = Seeder(engine)  # migrates
-    ids = {f"{dim}_id": store.get_or_create(engine, store.DIMENSIONS[dim], next(iter(rows.values())))
-           for dim, rows in grid.dims.items()}
+    ids = {
+        f"{dim}_id": store.get_or_create(engine, store.DIMENSIONS[dim], next(iter(rows.values())))
+        for dim, rows in grid.dims.items()
+    }
     ids["method_spec_id"] = ids.pop("method_id")
     row.pop("environment"), row.pop("model_revision")
-    store.write_results(engine, [{**row, **ids, "sweep_id": seeder.sweep("t"), "budget": cell.budget,
-                                  "sample_id": cell.sample_id, "sample_index": 0, "seed": 0, "attempts": 1}])
+    store.write_results(
+        engine,
+        [
+            {
+                **row,
+                **ids,
+                "sweep_id": seeder.sweep("t"),
+                "budget": cell.budget,
+                "sample_id": cell.sample_id,
+                "sample_index": 0,
+                "seed": 0,
+                "attempts": 1,
+            }
+        ],
+    )
     with engine.connect() as conn:
         stored = conn.execute(select(*[SampleResult.__table__.c[c] for c in METRIC_COLUMNS])).one()._mapping
     assert dict(stored) == {c: row[c] for c in METRIC_COLUMNS}
     model = worker._engine_for(cell.model)
-    direct = model.generate(task_prompt := build_task(cell.task, cell.task_options).build_prompt(cell.sample, model.tokenizer),
-                            build_method(cell.method, cell.params), cell.budget, cell.protocol,
-                            GenerationSettings(max_new_tokens=cell.generation["max_new_tokens"], stop=tuple(cell.generation["stop"])),
-                            seed=cell.gen_seed)
+    direct = model.generate(
+        task_prompt := build_task(cell.task, cell.task_options).build_prompt(cell.sample, model.tokenizer),
+        build_method(cell.method, cell.params),
+        cell.budget,
+        cell.protocol,
+        GenerationSettings(max_new_tokens=cell.generation["max_new_tokens"], stop=tuple(cell.generation["stop"])),
+        seed=cell.gen_seed,
+    )
     assert len(task_prompt) == stored["prompt_tokens"]
-    for name in ("generated_tokens", "evictions", "evicted_tokens", "peak_cache_entries", "peak_kv_bytes", "attn_implementation"):
+    for name in (
+        "generated_tokens",
+        "evictions",
+        "evicted_tokens",
+        "peak_cache_entries",
+        "peak_kv_bytes",
+        "attn_implementation",
+    ):
         assert stored[name] == getattr(direct, name), name
     assert direct.evictions > 0 and stored["selection_seconds"] > 0

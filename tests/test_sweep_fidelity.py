@@ -71,10 +71,21 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
     cells = expand(parse_config(cfg)).cells
     # full once (at the first budget: it never evicts), the others at both budgets; two samples
     assert len(cells) == (1 + 2 * 2) * 2 and {c.measure for c in cells} == {"fidelity"}
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cfg), "4"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(cfg), "4"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     assert "first run finished" not in out.stdout  # the first run was interrupted
     second = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1].removeprefix("RESULT "))
@@ -83,11 +94,17 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
     assert second["failed"] == 0
 
     with get_engine(db_url).connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(text(
-            "SELECT r.cell_key, r.status, r.measure, r.budget, r.sample_id, r.seed, r.kl_mean, r.delta_nll_mean, "
-            "r.top1_agreement, r.scored_tokens, r.correct, r.details, s.name AS method, g.max_new_tokens "
-            "FROM sample_results r JOIN method_specs s ON s.id = r.method_spec_id "
-            "JOIN generation_settings g ON g.id = r.generation_id"))]
+        rows = [
+            dict(r._mapping)
+            for r in conn.execute(
+                text(
+                    "SELECT r.cell_key, r.status, r.measure, r.budget, r.sample_id, r.seed, r.kl_mean, r.delta_nll_mean, "
+                    "r.top1_agreement, r.scored_tokens, r.correct, r.details, s.name AS method, g.max_new_tokens "
+                    "FROM sample_results r JOIN method_specs s ON s.id = r.method_spec_id "
+                    "JOIN generation_settings g ON g.id = r.generation_id"
+                )
+            )
+        ]
         sweeps = [tuple(r) for r in conn.execute(text("SELECT status, n_ok, n_skipped FROM sweeps ORDER BY id"))]
     assert sorted(r["cell_key"] for r in rows) == sorted(c.key for c in cells)  # one row per cell, none twice
     assert sweeps[0][0] == "interrupted" and sweeps[1] == ("finished", second["ran"], second["skipped"])
@@ -95,9 +112,9 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
     assert all(r["max_new_tokens"] == 12 and r["scored_tokens"] == 12 for r in rows)
 
     # the independent path: the same samples measured here, one full-cache pass each, compared per row
+    from kvleague.engine.protocol import Protocol
     from kvleague.methods.registry import build_method
     from kvleague.runner import fidelity
-    from kvleague.runner.engine.protocol import Protocol
     from kvleague.tasks.registry import build_task
 
     engine = engines["llama"]
@@ -106,7 +123,9 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
     assert {r["sample_id"] for r in rows} == set(samples)
     for r in rows:
         segments = fidelity.truncate(task.fidelity_segments(samples[r["sample_id"]], engine.tokenizer), 12)
-        want = fidelity.measure(engine, segments, build_method(r["method"]), r["budget"], Protocol(sink=2, recent=4), seed=r["seed"])
+        want = fidelity.measure(
+            engine, segments, build_method(r["method"]), r["budget"], Protocol(sink=2, recent=4), seed=r["seed"]
+        )
         assert r["kl_mean"] == pytest.approx(want.kl_mean, rel=1e-5, abs=1e-9), r
         assert r["delta_nll_mean"] == pytest.approx(want.delta_nll_mean, rel=1e-5, abs=1e-7), r
         assert r["top1_agreement"] == want.top1_agreement, r
@@ -115,9 +134,18 @@ def test_a_fidelity_sweep_stores_what_measure_computes_and_resumes(tiny_models, 
         assert details["backend"] == "hf"  # the engine backend that produced the row
         if r["method"] == "full":
             assert r["kl_mean"] <= 1e-6 and r["top1_agreement"] == 1.0
-    by = {(r["method"], r["budget"]): [x["kl_mean"] for x in rows if (x["method"], x["budget"]) == (r["method"], r["budget"])] for r in rows}
+    by = {
+        (r["method"], r["budget"]): [
+            x["kl_mean"] for x in rows if (x["method"], x["budget"]) == (r["method"], r["budget"])
+        ]
+        for r in rows
+    }
     assert sum(by[("streaming_llm", 40)]) > sum(by[("streaming_llm", 64)]) > 0  # the check above is not vacuous
     # one full-cache pass per sample, shared by that sample's later cells in the run that finished it
-    shared = [json.loads(r["details"])["fidelity"]["reference_shared"] if isinstance(r["details"], str)
-              else r["details"]["fidelity"]["reference_shared"] for r in rows]
+    shared = [
+        json.loads(r["details"])["fidelity"]["reference_shared"]
+        if isinstance(r["details"], str)
+        else r["details"]["fidelity"]["reference_shared"]
+        for r in rows
+    ]
     assert shared.count(False) <= 2 + 2  # a pass per sample per run at most (two runs, two samples)

@@ -46,8 +46,9 @@ class FakeRay(types.ModuleType):
     def __init__(self, cells_total):
         super().__init__("ray")
         self.actors, self.cells_total, self.recorded, self.violations = [], cells_total, set(), []
-        self.exceptions = types.SimpleNamespace(RayActorError=type("RayActorError", (Exception,), {}),
-                                                RayTaskError=type("RayTaskError", (Exception,), {}))
+        self.exceptions = types.SimpleNamespace(
+            RayActorError=type("RayActorError", (Exception,), {}), RayTaskError=type("RayTaskError", (Exception,), {})
+        )
 
     def wait(self, refs, num_returns=1, timeout=None):
         ready = [r for r in refs if r.ready]
@@ -82,8 +83,10 @@ class FakeRay(types.ModuleType):
 
 def run_sweep(monkeypatch, steps: list[list[int]], workers: int, in_flight: int):
     """Groups of cells with the given step counts, on ``workers`` simulated actors; (ray, rows recorded)."""
-    groups = [[types.SimpleNamespace(key=f"g{g}c{i}", steps=s, attempts=0, measure="generation") for i, s in enumerate(group)]
-              for g, group in enumerate(steps)]
+    groups = [
+        [types.SimpleNamespace(key=f"g{g}c{i}", steps=s, attempts=0, measure="generation") for i, s in enumerate(group)]
+        for g, group in enumerate(steps)
+    ]
     ray = FakeRay(sum(len(g) for g in groups))
     monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setitem(sys.modules, "ray.exceptions", ray.exceptions)
@@ -125,7 +128,9 @@ def test_no_worker_idles_while_another_has_a_queue(monkeypatch, seed):
     steps = [[rng.choice([1, 1, 2, 8, 20]) for _ in range(rng.randint(1, 3))] for _ in range(11)]
     ray, rows = run_sweep(monkeypatch, steps, workers=3, in_flight=3)
     assert ray.violations == []
-    assert sorted(r["cell_key"] for r in rows) == sorted(f"g{g}c{i}" for g, group in enumerate(steps) for i in range(len(group)))
+    assert sorted(r["cell_key"] for r in rows) == sorted(
+        f"g{g}c{i}" for g, group in enumerate(steps) for i in range(len(group))
+    )
     ran = [key for a in ray.actors for group in a.ran for key in group]
     assert sorted(ran) == sorted(r["cell_key"] for r in rows)  # no group ran twice
 

@@ -48,7 +48,7 @@ def test_humaneval_full_function_in_a_fence_passes(humaneval):
     pairs = []
     for s in chosen:
         code = s.metadata["code_prompt"] + s.reference  # signature + docstring + body, imports included
-        head = code[code.index(f"def {s.metadata['entry_point']}"):]  # drop the prompt's imports and helpers
+        head = code[code.index(f"def {s.metadata['entry_point']}") :]  # drop the prompt's imports and helpers
         pairs.append((s, f"Sure, here it is.\n\n```python\n{head}```\nThis works because..."))
     results = task.score_many(pairs)
     assert [r.sample_id for r in results if not r.correct] == []

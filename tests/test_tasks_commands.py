@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.task_commands import cmd_score, cmd_tasks, register, score_file
 from kvleague.tasks.registry import build_task
 
@@ -30,8 +30,9 @@ def test_register_adds_both_subcommands(tmp_path):
     parser = _parser()
     args = parser.parse_args(["tasks", "--json"])
     assert args.func is cmd_tasks and args.json
-    args = parser.parse_args(["score", "--task", "aime24", "--completions", "c.jsonl", "--data-dir", "d",
-                              "--option", "x=1", "--json"])
+    args = parser.parse_args(
+        ["score", "--task", "aime24", "--completions", "c.jsonl", "--data-dir", "d", "--option", "x=1", "--json"]
+    )
     assert args.func is cmd_score and args.task == "aime24" and args.data_dir == "d" and args.option == ["x=1"]
 
 
@@ -49,10 +50,13 @@ def test_tasks_lists_domain_size_and_source(capsys):
 
 def test_score_gold_and_wrong_completions(tmp_path, capsys):
     samples = build_task("aime25").load(data_dir=DATA_DIR)
-    gold = _write(tmp_path / "gold.jsonl", [{"sample_id": s.sample_id, "completion": f"\\boxed{{{s.reference}}}"}
-                                             for s in samples])
-    args = _parser().parse_args(["score", "--task", "aime25", "--completions", str(gold), "--data-dir", str(DATA_DIR),
-                                 "--json"])
+    gold = _write(
+        tmp_path / "gold.jsonl",
+        [{"sample_id": s.sample_id, "completion": f"\\boxed{{{s.reference}}}"} for s in samples],
+    )
+    args = _parser().parse_args(
+        ["score", "--task", "aime25", "--completions", str(gold), "--data-dir", str(DATA_DIR), "--json"]
+    )
     assert cmd_score(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["metrics"]["accuracy"] == 1.0 and report["metrics"]["n"] == 30
@@ -60,7 +64,9 @@ def test_score_gold_and_wrong_completions(tmp_path, capsys):
     assert row["sample_id"] == "I-1" and row["correct"] is True and row["extracted"] == "70"
     assert row["scorer_version"] == report["scorer_version"] and row["completion"] == "\\boxed{70}"
 
-    wrong = _write(tmp_path / "wrong.jsonl", [{"sample_id": s.sample_id, "completion": "\\boxed{1000}"} for s in samples])
+    wrong = _write(
+        tmp_path / "wrong.jsonl", [{"sample_id": s.sample_id, "completion": "\\boxed{1000}"} for s in samples]
+    )
     args = _parser().parse_args(["score", "--task", "aime25", "--completions", str(wrong), "--data-dir", str(DATA_DIR)])
     assert cmd_score(args) == 0
     out = capsys.readouterr().out
@@ -86,20 +92,38 @@ def test_score_with_task_options(tmp_path):
     task = build_task("niah", {"context_length": 800, "num_depths": 2, "samples_per_depth": 1})
     samples = task.load(data_dir=DATA_DIR)
     rows = [{"sample_id": s.sample_id, "completion": s.reference} for s in samples]
-    args = _parser().parse_args(["score", "--task", "niah", "--completions", str(_write(tmp_path / "n.jsonl", rows)),
-                                 "--data-dir", str(DATA_DIR), "--option", "context_length=800",
-                                 "--option", "num_depths=2", "--option", "samples_per_depth=1"])
-    report = score_file(args.task, args.completions, args.data_dir, {"context_length": 800, "num_depths": 2,
-                                                                        "samples_per_depth": 1})
+    args = _parser().parse_args(
+        [
+            "score",
+            "--task",
+            "niah",
+            "--completions",
+            str(_write(tmp_path / "n.jsonl", rows)),
+            "--data-dir",
+            str(DATA_DIR),
+            "--option",
+            "context_length=800",
+            "--option",
+            "num_depths=2",
+            "--option",
+            "samples_per_depth=1",
+        ]
+    )
+    report = score_file(
+        args.task, args.completions, args.data_dir, {"context_length": 800, "num_depths": 2, "samples_per_depth": 1}
+    )
     assert report["metrics"]["accuracy"] == 1.0 and report["options"]["context_length"] == 800
     assert cmd_score(args) == 0
 
 
-@pytest.mark.parametrize("content,match", [
-    ('{"sample_id": "I-1", "completion": "x"}\nnot json\n', "line 2 is not JSON"),
-    ('{"sample_id": "I-1"}\n', "line 1 must be an object with keys sample_id and completion"),
-    ('{"sample_id": "nope", "completion": "x"}\n', "unknown sample_id 'nope' for task aime25"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ('{"sample_id": "I-1", "completion": "x"}\nnot json\n', "line 2 is not JSON"),
+        ('{"sample_id": "I-1"}\n', "line 1 must be an object with keys sample_id and completion"),
+        ('{"sample_id": "nope", "completion": "x"}\n', "unknown sample_id 'nope' for task aime25"),
+    ],
+)
 def test_score_rejects_bad_files(tmp_path, content, match):
     path = tmp_path / "bad.jsonl"
     path.write_text(content, encoding="utf-8")
@@ -120,10 +144,17 @@ def _unreachable_hub_env(tmp_path: Path) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "KVLEAGUE_DATA_DIR", "HF_HUB_CACHE")}
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{port}",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "KVLEAGUE_DATA_DIR", "HF_HUB_CACHE")
+    }
+    env.update(
+        HF_HOME=str(tmp_path / "hf"),
+        HF_ENDPOINT=f"http://127.0.0.1:{port}",
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+    )
     return env
 
 
@@ -135,14 +166,20 @@ def test_an_unreachable_hub_fails_in_one_line_naming_the_data_dir(tmp_path):
 
     env = _unreachable_hub_env(tmp_path)
     completions = _write(tmp_path / "c.jsonl", [{"sample_id": "HumanEval/0", "completion": "pass"}])
-    out = subprocess.run([sys.executable, "-m", "kvleague.runner.cli", "score", "--task", "humaneval", "--completions", str(completions)],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvleague.cli", "score", "--task", "humaneval", "--completions", str(completions)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     source = build_task("humaneval").source
     assert out.returncode == 2
     assert out.stderr == (
         f"kvleague: error: dataset {source.dataset}: no local copy at <data-dir>/{source.local_path} (set --data-dir or "
         f"KVLEAGUE_DATA_DIR) and Hub id {source.hub_id}@{source.revision} failed (the Hub at {env['HF_ENDPOINT']} is "
-        "unreachable and the Hub cache has no copy)\n")
+        "unreachable and the Hub cache has no copy)\n"
+    )
 
 
 def test_an_unreachable_hub_still_loads_a_copy_in_the_hub_cache(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.longqa import (
     extract_choices,
     longbench_qa_f1,
@@ -21,12 +21,26 @@ from kvleague.tasks.registry import available_tasks, build_task
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 LEVAL_CHOICE = ["leval_quality", "leval_tpo", "leval_coursera"]
-LEVAL_F1 = ["leval_scientific_qa", "leval_multidoc_qa", "leval_natural_question", "leval_financial_qa",
-            "leval_legal_contract_qa"]
-LEVAL_SIZES = {"leval_quality": 202, "leval_tpo": 269, "leval_coursera": 172, "leval_sci_fi": 64,
-               "leval_topic_retrieval": 150, "leval_gsm100": 100, "leval_scientific_qa": 184,
-               "leval_multidoc_qa": 158, "leval_natural_question": 109, "leval_financial_qa": 68,
-               "leval_legal_contract_qa": 154}
+LEVAL_F1 = [
+    "leval_scientific_qa",
+    "leval_multidoc_qa",
+    "leval_natural_question",
+    "leval_financial_qa",
+    "leval_legal_contract_qa",
+]
+LEVAL_SIZES = {
+    "leval_quality": 202,
+    "leval_tpo": 269,
+    "leval_coursera": 172,
+    "leval_sci_fi": 64,
+    "leval_topic_retrieval": 150,
+    "leval_gsm100": 100,
+    "leval_scientific_qa": 184,
+    "leval_multidoc_qa": 158,
+    "leval_natural_question": 109,
+    "leval_financial_qa": 68,
+    "leval_legal_contract_qa": 154,
+}
 
 
 def test_leval_tasks_are_registered_with_sizes():
@@ -106,7 +120,10 @@ def test_leval_sci_fi_and_topic_retrieval_and_gsm100():
     gsm = build_task("leval_gsm100")
     samples = gsm.load(data_dir=DATA_DIR)
     assert gsm.aggregate([gsm.score(s, f"... The answer is {s.reference}") for s in samples])["accuracy"] == 1.0
-    assert gsm.aggregate([gsm.score(s, f"The answer is {int(float(s.reference)) + 1}") for s in samples])["accuracy"] == 0.0
+    assert (
+        gsm.aggregate([gsm.score(s, f"The answer is {int(float(s.reference)) + 1}") for s in samples])["accuracy"]
+        == 0.0
+    )
 
 
 @pytest.mark.parametrize("name,keys", [("kv_retrieval_75", 75), ("kv_retrieval_140", 140)])
@@ -151,9 +168,10 @@ def bpe_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1500, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([corpus[i:i + 4000] for i in range(0, len(corpus), 4000)], trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([corpus[i : i + 4000] for i in range(0, len(corpus), 4000)], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
@@ -172,7 +190,7 @@ def test_niah_needle_depth_and_length_are_token_accurate(bpe_tokenizer, length):
         needle = s.metadata["needle"]
         i = text.index(needle)
         count = lambda t: len(bpe_tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
-        before, after = count(text[:i]), count(text[i + len(needle):])
+        before, after = count(text[:i]), count(text[i + len(needle) :])
         assert abs(before / (before + after) - depth) <= 0.01, (length, depth, before, after)
         assert abs(count(text) - length) <= 0.01 * length
         assert text.count(needle) == 1 and s.reference in needle
@@ -185,15 +203,17 @@ def test_niah_character_mode_and_sweep():
     for s in samples:
         text = _haystack(s.prompt)
         i = text.index(s.metadata["needle"])
-        before, after = len(text[:i]), len(text[i + len(s.metadata["needle"]):])
+        before, after = len(text[:i]), len(text[i + len(s.metadata["needle"]) :])
         assert abs(before / (before + after) - s.metadata["depth"]) <= 0.01
         assert abs(len(text) - 6000) <= 60
 
 
 def test_niah_is_deterministic_for_a_seed():
     def gen(seed):
-        return [(s.sample_id, s.prompt, s.reference)
-                for s in build_task("niah", {"context_length": 2000, "num_depths": 3, "seed": seed}).load(data_dir=DATA_DIR)]
+        return [
+            (s.sample_id, s.prompt, s.reference)
+            for s in build_task("niah", {"context_length": 2000, "num_depths": 3, "seed": seed}).load(data_dir=DATA_DIR)
+        ]
 
     assert gen(3) == gen(3)
     assert gen(3) != gen(4)

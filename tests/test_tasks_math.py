@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from kvleague.tasks.math import MATH_SUFFIX, aime_integer, gsm8k_gold, last_boxed, last_boxed_span, math_equal, parse_number
+from kvleague.tasks.math import (
+    MATH_SUFFIX,
+    aime_integer,
+    gsm8k_gold,
+    last_boxed,
+    last_boxed_span,
+    math_equal,
+    parse_number,
+)
 from kvleague.tasks.registry import build_task
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -111,8 +119,38 @@ def test_aime24_leading_zero_answers():
 
 def test_aime25_known_answer_key():
     # the official 2025 answer keys, independently of the data file
-    key = [70, 588, 16, 117, 279, 504, 821, 77, 62, 81, 259, 510, 204, 60, 735,
-           468, 49, 82, 106, 336, 293, 237, 610, 149, 907, 113, 19, 248, 104, 240]
+    key = [
+        70,
+        588,
+        16,
+        117,
+        279,
+        504,
+        821,
+        77,
+        62,
+        81,
+        259,
+        510,
+        204,
+        60,
+        735,
+        468,
+        49,
+        82,
+        106,
+        336,
+        293,
+        237,
+        610,
+        149,
+        907,
+        113,
+        19,
+        248,
+        104,
+        240,
+    ]
     task = build_task("aime25")
     samples = task.load(data_dir=DATA_DIR)
     assert [s.sample_id for s in samples[:2]] == ["I-1", "I-2"]

@@ -9,9 +9,9 @@ from typing import ClassVar
 
 import pytest
 
-import kvleague.runner.engine.registry as generic
+import kvleague.engine.registry as generic
 import kvleague.tasks.registry as registry
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import DOMAINS, DataSource, Sample, ScoreResult, Task
 from kvleague.tasks.data import DATA_DIR_ENV, resolve_data_dir
 from kvleague.tasks.registry import available_tasks, build_task, register_task, register_task_family, task_class
@@ -19,11 +19,21 @@ from kvleague.tasks.registry import available_tasks, build_task, register_task, 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 MINE = {
-    "math500": ("math", 500), "aime24": ("math", 30), "aime25": ("math", 30), "gsm8k": ("math", 1319),
-    "humaneval": ("code", 164), "mbpp": ("code", 257), "mbpp_full": ("code", 500),
-    "leval_quality": ("longqa", 202), "kv_retrieval_75": ("longqa", 500), "kv_retrieval_140": ("longqa", 500),
-    "niah": ("longqa", 55), "longbench_narrativeqa": ("longqa", 200), "longbench_qasper": ("longqa", 200),
-    "longbench_hotpotqa": ("longqa", 200), "longbench_2wikimqa": ("longqa", 200),
+    "math500": ("math", 500),
+    "aime24": ("math", 30),
+    "aime25": ("math", 30),
+    "gsm8k": ("math", 1319),
+    "humaneval": ("code", 164),
+    "mbpp": ("code", 257),
+    "mbpp_full": ("code", 500),
+    "leval_quality": ("longqa", 202),
+    "kv_retrieval_75": ("longqa", 500),
+    "kv_retrieval_140": ("longqa", 500),
+    "niah": ("longqa", 55),
+    "longbench_narrativeqa": ("longqa", 200),
+    "longbench_qasper": ("longqa", 200),
+    "longbench_hotpotqa": ("longqa", 200),
+    "longbench_2wikimqa": ("longqa", 200),
     "longbench_multifieldqa_en": ("longqa", 150),
 }
 
@@ -103,13 +113,16 @@ def _toy_task_class():
         """A toy task from a plugin."""
 
         domain: ClassVar[str] = "math"
-        source: ClassVar[DataSource] = DataSource(dataset="toy", hub_id=None, revision=None, local_path=None,
-                                                  license="MIT", url="https://example.invalid")
+        source: ClassVar[DataSource] = DataSource(
+            dataset="toy", hub_id=None, revision=None, local_path=None, license="MIT", url="https://example.invalid"
+        )
         size: ClassVar[int] = 3
         n: int = 3
 
         def load_records(self, data_dir):
-            return [Sample(sample_id=f"t{i}", task=self.name, prompt=f"{i}+{i}=", reference=2 * i) for i in range(self.n)]
+            return [
+                Sample(sample_id=f"t{i}", task=self.name, prompt=f"{i}+{i}=", reference=2 * i) for i in range(self.n)
+            ]
 
         def score(self, sample, completion):
             ok = completion.strip() == str(sample.reference)
@@ -197,13 +210,20 @@ def test_data_dir_from_environment(monkeypatch):
         resolve_data_dir(DATA_DIR / "no-such-folder")
 
 
-@pytest.mark.parametrize("name,hub,local", [
-    ("math500", "HuggingFaceH4/MATH-500", "math500/test.jsonl"),
-    ("humaneval", "openai/openai_humaneval", "humaneval/HumanEval.jsonl.gz"),
-    ("leval_quality", "L4NLP/LEval", "leval/Closed-ended-tasks/quality.jsonl"),
-    ("kv_retrieval_75", "not on the Hugging Face Hub", "lost_in_the_middle/kv_retrieval_data/kv-retrieval-75_keys.jsonl.gz"),
-    ("niah", "not on the Hugging Face Hub", "paul_graham_essays/essays"),
-])
+@pytest.mark.parametrize(
+    "name,hub,local",
+    [
+        ("math500", "HuggingFaceH4/MATH-500", "math500/test.jsonl"),
+        ("humaneval", "openai/openai_humaneval", "humaneval/HumanEval.jsonl.gz"),
+        ("leval_quality", "L4NLP/LEval", "leval/Closed-ended-tasks/quality.jsonl"),
+        (
+            "kv_retrieval_75",
+            "not on the Hugging Face Hub",
+            "lost_in_the_middle/kv_retrieval_data/kv-retrieval-75_keys.jsonl.gz",
+        ),
+        ("niah", "not on the Hugging Face Hub", "paul_graham_essays/essays"),
+    ],
+)
 def test_missing_dataset_is_one_line(tmp_path, monkeypatch, name, hub, local):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -231,7 +251,9 @@ class _ToyTokenizer:
         return {"input_ids": ([1] if add_special_tokens else []) + self._ids(text)}
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
-        text = " ".join(f"<{m['role']}> {m['content']}" for m in messages) + (" <assistant>" if add_generation_prompt else "")
+        text = " ".join(f"<{m['role']}> {m['content']}" for m in messages) + (
+            " <assistant>" if add_generation_prompt else ""
+        )
         self.rendered.append(text)
         return {"input_ids": self._ids(text)}
 
@@ -255,30 +277,43 @@ def test_build_prompt_with_a_real_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["Please reason step by step"] * 4, trainers.BpeTrainer(
-        vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["Please reason step by step"] * 4,
+        trainers.BpeTrainer(vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
     task = build_task("gsm8k")
     sample = task.load(limit=1, data_dir=DATA_DIR)[0]
     assert task.build_prompt(sample, fast) == fast(sample.prompt)["input_ids"]
-    fast.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}[assistant]{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     expected = fast(f"[user]{sample.prompt}\n[assistant]", add_special_tokens=False)["input_ids"]
     assert task.build_prompt(sample, fast) == expected
 
 
 def test_chat_message_prompts_pass_through():
     task = build_task("aime24")
-    s = Sample(sample_id="x", task="aime24", prompt=[{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
-               reference="1")
+    s = Sample(
+        sample_id="x",
+        task="aime24",
+        prompt=[{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+        reference="1",
+    )
     assert task.messages(s) == [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     assert task.prompt_text(s) == "S\n\nU"
 
 
 def test_score_result_and_description_are_json_ready():
     r = ScoreResult(correct=True, score=1.0, extracted="4", details={"gold": "4"}, sample_id="s")
-    assert json.loads(json.dumps(r.to_dict())) == {"correct": True, "score": 1.0, "extracted": "4",
-                                                    "details": {"gold": "4"}, "sample_id": "s"}
+    assert json.loads(json.dumps(r.to_dict())) == {
+        "correct": True,
+        "score": 1.0,
+        "extracted": "4",
+        "details": {"gold": "4"},
+        "sample_id": "s",
+    }
     d = available_tasks()["niah"].describe()
     assert d["domain"] == "longqa" and d["metric"] == "accuracy"
     assert {o["name"] for o in d["options"]} >= {"context_length", "depth", "seed", "tokenizer"}

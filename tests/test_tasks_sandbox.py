@@ -16,7 +16,7 @@ import pytest
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox's containment is Linux-specific", allow_module_level=True)
 
-from kvleague.tasks.sandbox import SandboxLimits, isolation_available, run_many, run_python  # noqa: E402
+from kvleague.tasks.sandbox import SandboxLimits, isolation_available, run_many, run_python
 
 TIMEOUT = 2.0
 LIMITS = SandboxLimits(timeout_s=TIMEOUT)
@@ -223,7 +223,9 @@ def test_killing_the_parent_and_the_test_process_fails():
 def test_kill_everything_is_contained():
     probe = _isolation()
     if not (probe["pid_namespace"] or probe["unprivileged_user"] or probe["landlock_abi"] >= 6):
-        pytest.skip("without a PID namespace, a separate uid or Landlock signal scoping, kill(-1) would reach this user's processes")
+        pytest.skip(
+            "without a PID namespace, a separate uid or Landlock signal scoping, kill(-1) would reach this user's processes"
+        )
     code = (
         "import os, signal, time\n"
         "parent = os.getppid()\n"
@@ -253,11 +255,7 @@ def test_network_is_unreachable():
     server.listen(8)
     server.settimeout(0.2)
     port = server.getsockname()[1]
-    code = (
-        "import socket\n"
-        f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-        "s.sendall(b'exfiltrated')\n"
-    )
+    code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'exfiltrated')\n"
     try:
         t = time.monotonic()
         r = run_python(code, LIMITS)
@@ -296,7 +294,9 @@ def test_environment_secrets_are_not_visible(monkeypatch):
 
 def test_output_flood_is_capped():
     t = time.monotonic()
-    r = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", SandboxLimits(timeout_s=TIMEOUT, file_size_mb=1))
+    r = run_python(
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", SandboxLimits(timeout_s=TIMEOUT, file_size_mb=1)
+    )
     _assert_contained(r, t)
     assert len(r.stdout) <= 8192
 

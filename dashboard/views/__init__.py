@@ -3,8 +3,8 @@ the ``?page=`` slugs and the dispatch all read :data:`PAGES`, so a new page is o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvleague.dashboard.data import Context
 from kvleague.dashboard.views import cost, curves, leaderboard, provenance, samples, scorecard, signals
@@ -23,12 +23,15 @@ class Page:
 
 
 #: title -> page, in the sidebar's order
-PAGES = {p.title: p for p in (
-    Page("Leaderboard", leaderboard.render),
-    Page("Budget curves", curves.render),
-    Page("Replication scorecard", scorecard.render),
-    Page("Cost", cost.render),
-    Page("Samples", samples.render),
-    Page("Provenance", provenance.render),
-    Page("Signals", signals.render, results=False),
-)}
+PAGES = {
+    p.title: p
+    for p in (
+        Page("Leaderboard", leaderboard.render),
+        Page("Budget curves", curves.render),
+        Page("Replication scorecard", scorecard.render),
+        Page("Cost", cost.render),
+        Page("Samples", samples.render),
+        Page("Provenance", provenance.render),
+        Page("Signals", signals.render, results=False),
+    )
+}

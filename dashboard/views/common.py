@@ -58,7 +58,9 @@ def styled(df: pd.DataFrame, pct=(), pp=(), p=(), formats: dict[str, str] | None
         sty = sty.format(fmt)
     cols = [c for c in df.columns if c.startswith("verdict")] if verdicts else []
     if cols:
-        sty = sty.map(lambda v: VERDICT_COLOURS.get(v, "color: #666" if str(v).startswith("too few") else ""), subset=cols)
+        sty = sty.map(
+            lambda v: VERDICT_COLOURS.get(v, "color: #666" if str(v).startswith("too few") else ""), subset=cols
+        )
     return sty
 
 
@@ -66,18 +68,27 @@ def style_verdicts(df: pd.DataFrame):
     return styled(df)
 
 
-WEIGHTING_HELP = ("How questions of several tasks are pooled into one number: per problem (each question weighs the "
-                  "same, so math500's 500 questions outweigh aime24's 30) or per task (each task weighs the same).")
+WEIGHTING_HELP = (
+    "How questions of several tasks are pooled into one number: per problem (each question weighs the "
+    "same, so math500's 500 questions outweigh aime24's 30) or per task (each task weighs the same)."
+)
 
 
 def pick_weighting(key: str) -> str:
-    return st.radio("Pool tasks", ("problem", "task"), horizontal=True, key=key, help=WEIGHTING_HELP,
-                    format_func=lambda w: f"per {w}")
+    return st.radio(
+        "Pool tasks",
+        ("problem", "task"),
+        horizontal=True,
+        key=key,
+        help=WEIGHTING_HELP,
+        format_func=lambda w: f"per {w}",
+    )
 
 
 def most_data(counts: dict[tuple, int], among: list) -> int:
     """The index in ``among`` of the value with the most rows in ``counts`` (keyed by 1-tuples or tuples
     matching ``among``'s items); ties go to the first."""
+
     def rows(v):
         return counts.get(v if isinstance(v, tuple) else (v,), 0)
 
@@ -96,9 +107,17 @@ def pick_budget(ctx, label: str, key: str) -> int | None:
     if not budgets:
         st.info("No budget is selected in the filters.")
         return None
-    counts = ctx.data(q.row_counts, ctx.filters) or ctx.data(q.row_counts, replace(ctx.filters, measure=q.MEASURE_FIDELITY))
-    return st.selectbox(label, budgets, index=most_data(counts, budgets), key=key, format_func=lambda b: budget_text(ctx, b),
-                        help="Opens on the budget with the most results.")
+    counts = ctx.data(q.row_counts, ctx.filters) or ctx.data(
+        q.row_counts, replace(ctx.filters, measure=q.MEASURE_FIDELITY)
+    )
+    return st.selectbox(
+        label,
+        budgets,
+        index=most_data(counts, budgets),
+        key=key,
+        format_func=lambda b: budget_text(ctx, b),
+        help="Opens on the budget with the most results.",
+    )
 
 
 def empty(message: str = "No results match the filters.") -> None:
@@ -117,10 +136,14 @@ def pick_slice(ctx, key: str, measure: str = q.MEASURE_GENERATION) -> tuple[q.Fi
         chosen = options[0]
         st.caption(f"Slice: {chosen['label']}.")
     else:
-        picked = st.selectbox("Slice (model · protocol · generation)", list(by_key), key=key,
-                              format_func=lambda k: f"{by_key[k]['label']} ({by_key[k]['rows']:,} results)",
-                              help="A line joins points of one model, protocol and generation setting only; the "
-                                   "slice with the most results comes first.")
+        picked = st.selectbox(
+            "Slice (model · protocol · generation)",
+            list(by_key),
+            key=key,
+            format_func=lambda k: f"{by_key[k]['label']} ({by_key[k]['rows']:,} results)",
+            help="A line joins points of one model, protocol and generation setting only; the "
+            "slice with the most results comes first.",
+        )
         chosen = by_key[picked]
     return replace(q.in_slice(ctx.filters, chosen), measure=measure), chosen
 
@@ -144,9 +167,20 @@ def method_colour(methods, title: str = "method") -> alt.Color:
     """Every method its own colour (20 before any repeats) and a legend that lists every one of them
     below the chart, in columns, with full-strength swatches (a layer of pale interval bands that uses
     this same legend does not make them pale)."""
-    return alt.Color("method:N", title=title, scale=_method_scale(methods),
-                     legend=alt.Legend(orient="bottom", columns=LEGEND_COLUMNS, symbolLimit=0, symbolOpacity=1,
-                                       symbolType="stroke", symbolStrokeWidth=3, labelLimit=0))
+    return alt.Color(
+        "method:N",
+        title=title,
+        scale=_method_scale(methods),
+        legend=alt.Legend(
+            orient="bottom",
+            columns=LEGEND_COLUMNS,
+            symbolLimit=0,
+            symbolOpacity=1,
+            symbolType="stroke",
+            symbolStrokeWidth=3,
+            labelLimit=0,
+        ),
+    )
 
 
 #: legend columns under a chart half the page wide, and the height of one legend row

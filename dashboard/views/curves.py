@@ -6,11 +6,17 @@ from __future__ import annotations
 import altair as alt
 import streamlit as st
 
+from kvleague.analysis import fidelity_tables, tables
 from kvleague.analysis import queries as q
-from kvleague.analysis import fidelity_tables
-from kvleague.analysis import tables
-from kvleague.dashboard.views.common import (PCT, coinciding_note, empty, height_with_legend, method_colour,
-                                    pick_slice, pick_weighting)
+from kvleague.dashboard.views.common import (
+    PCT,
+    coinciding_note,
+    empty,
+    height_with_legend,
+    method_colour,
+    pick_slice,
+    pick_weighting,
+)
 
 PLOT_HEIGHT = 320
 SLICE_DETAIL = [alt.Detail(f"{c}:N") for c in q.SLICE_COLUMNS]
@@ -18,8 +24,12 @@ SLICE_DETAIL = [alt.Detail(f"{c}:N") for c in q.SLICE_COLUMNS]
 
 def _x(data) -> alt.X:
     budgets = sorted(data["budget"].unique().tolist())
-    return alt.X("budget:Q", title="budget (KV entries)", scale=alt.Scale(type="log", base=2),
-                 axis=alt.Axis(values=budgets, format="d", labelOverlap=False))
+    return alt.X(
+        "budget:Q",
+        title="budget (KV entries)",
+        scale=alt.Scale(type="log", base=2),
+        axis=alt.Axis(values=budgets, format="d", labelOverlap=False),
+    )
 
 
 def _base(data, methods) -> alt.Chart:
@@ -42,22 +52,37 @@ def chart(curves, full, domain: str) -> alt.LayerChart:
     band = _band(data, curves["method"]).encode(y="acc_lo:Q", y2="acc_hi:Q")
     line = base.mark_line(point=True).encode(
         y=alt.Y("accuracy:Q", title="accuracy %"),
-        tooltip=["method", "budget", alt.Tooltip("accuracy:Q", format=".1f"), alt.Tooltip("acc_lo:Q", format=".1f"),
-                 alt.Tooltip("acc_hi:Q", format=".1f"), "problems", "interval_method"],
+        tooltip=[
+            "method",
+            "budget",
+            alt.Tooltip("accuracy:Q", format=".1f"),
+            alt.Tooltip("acc_lo:Q", format=".1f"),
+            alt.Tooltip("acc_hi:Q", format=".1f"),
+            "problems",
+            "interval_method",
+        ],
     )
     layers = [band, line]
     ref = full[full["domain"] == domain]
     if not ref.empty:
-        layers.append(alt.Chart(ref).mark_rule(strokeDash=[6, 4], color="#444", size=2).encode(
-            y="accuracy:Q", tooltip=[alt.Tooltip("accuracy:Q", title="full cache %", format=".1f"), "problems"]))
-        layers.append(alt.Chart(ref).mark_text(align="left", dx=4, dy=-7, color="#444").encode(
-            y="accuracy:Q", x=alt.value(0), text=alt.value("full cache")))
+        layers.append(
+            alt.Chart(ref)
+            .mark_rule(strokeDash=[6, 4], color="#444", size=2)
+            .encode(y="accuracy:Q", tooltip=[alt.Tooltip("accuracy:Q", title="full cache %", format=".1f"), "problems"])
+        )
+        layers.append(
+            alt.Chart(ref)
+            .mark_text(align="left", dx=4, dy=-7, color="#444")
+            .encode(y="accuracy:Q", x=alt.value(0), text=alt.value("full cache"))
+        )
     return alt.layer(*layers).properties(title=domain, height=height_with_legend(PLOT_HEIGHT, curves["method"]))
 
 
 #: what a fidelity curve plots: (column, its interval's columns, axis title)
-FIDELITY_MEASURES = {"KL to full cache": ("KL", "KL lo", "KL hi", "mean KL(full || method), nats/token"),
-                     "top-1 agreement": ("top-1 %", "top-1 lo", "top-1 hi", "top-1 agreement with full cache %")}
+FIDELITY_MEASURES = {
+    "KL to full cache": ("KL", "KL lo", "KL hi", "mean KL(full || method), nats/token"),
+    "top-1 agreement": ("top-1 %", "top-1 lo", "top-1 hi", "top-1 agreement with full cache %"),
+}
 
 
 def fidelity_chart(curves, domain: str, measure: str) -> alt.LayerChart:
@@ -67,16 +92,27 @@ def fidelity_chart(curves, domain: str, measure: str) -> alt.LayerChart:
     band = _band(data, curves["method"]).encode(y=f"{lo}:Q", y2=f"{hi}:Q")
     line = base.mark_line(point=True).encode(
         y=alt.Y(f"{y}:Q", title=title),
-        tooltip=["method", "budget", alt.Tooltip(f"{y}:Q", format=".4f"), alt.Tooltip(f"{lo}:Q", format=".4f"),
-                 alt.Tooltip(f"{hi}:Q", format=".4f"), "samples"],
+        tooltip=[
+            "method",
+            "budget",
+            alt.Tooltip(f"{y}:Q", format=".4f"),
+            alt.Tooltip(f"{lo}:Q", format=".4f"),
+            alt.Tooltip(f"{hi}:Q", format=".4f"),
+            "samples",
+        ],
     )
     return alt.layer(band, line).properties(title=domain, height=height_with_legend(PLOT_HEIGHT, curves["method"]))
 
 
 def render(ctx) -> None:
     st.title("Budget curves")
-    measure = st.radio("Plot", ("accuracy", *FIDELITY_MEASURES), horizontal=True, key="bc_measure",
-                       help="accuracy of the generations, or fidelity to the full cache (teacher-forced, runner/fidelity.py)")
+    measure = st.radio(
+        "Plot",
+        ("accuracy", *FIDELITY_MEASURES),
+        horizontal=True,
+        key="bc_measure",
+        help="accuracy of the generations, or fidelity to the full cache (teacher-forced, runner/fidelity.py)",
+    )
     if measure != "accuracy":
         render_fidelity(ctx, measure)
         return
@@ -92,17 +128,21 @@ def render(ctx) -> None:
         return
     curves = with_slice(curves, chosen)
     coinciding_note(ctx, filters)
-    st.caption("Accuracy (%) against the KV budget (log scale), with 95% Wilson score bands (design effect when a question "
-               "has several samples or cells); failed samples count as wrong. At each budget the methods of a domain share "
-               f"the problem cells all of them have; tasks are pooled per {weighting}. The dashed line is full cache on its "
-               "own problems at the budget where it has the most samples.")
+    st.caption(
+        "Accuracy (%) against the KV budget (log scale), with 95% Wilson score bands (design effect when a question "
+        "has several samples or cells); failed samples count as wrong. At each budget the methods of a domain share "
+        f"the problem cells all of them have; tasks are pooled per {weighting}. The dashed line is full cache on its "
+        "own problems at the budget where it has the most samples."
+    )
     domains = sorted(curves["domain"].unique())
     cols = st.columns(2)
     for i, d in enumerate(domains):
         with cols[i % 2]:
             st.altair_chart(chart(curves, full, d), width="stretch")
     with st.expander("Data"):
-        st.dataframe(curves, hide_index=True, placeholder="—", column_config={"accuracy": PCT, "acc_lo": PCT, "acc_hi": PCT})
+        st.dataframe(
+            curves, hide_index=True, placeholder="—", column_config={"accuracy": PCT, "acc_lo": PCT, "acc_hi": PCT}
+        )
         st.dataframe(full.rename(columns={"accuracy": "full cache %"}), hide_index=True, placeholder="—")
 
 
@@ -119,10 +159,12 @@ def render_fidelity(ctx, measure: str) -> None:
         return
     curves = with_slice(curves, chosen)
     coinciding_note(ctx, filters)
-    st.caption(f"{measure.capitalize()} against the KV budget (log scale), per domain: the mean over samples of each "
-               "sample's mean over its scored tokens, with 95% percentile bootstrap bands over samples. At each budget the "
-               "methods of a domain share the samples all of them have. Full cache is left out: its KL is 0 and its "
-               "top-1 agreement 100% by construction.")
+    st.caption(
+        f"{measure.capitalize()} against the KV budget (log scale), per domain: the mean over samples of each "
+        "sample's mean over its scored tokens, with 95% percentile bootstrap bands over samples. At each budget the "
+        "methods of a domain share the samples all of them have. Full cache is left out: its KL is 0 and its "
+        "top-1 agreement 100% by construction."
+    )
     cols = st.columns(2)
     for i, d in enumerate(sorted(curves["domain"].unique())):
         with cols[i % 2]:

@@ -32,19 +32,36 @@ def section(ctx, budget: int) -> bool:
         "(the unit; a sample's cells averaged), 95% percentile bootstrap intervals over samples (2,000 resamples). Each "
         "table uses the samples every method in it has. Lowest KL first." + note
     )
-    st.dataframe(_formats(board.by_domain[BOARD_SHOWN]), hide_index=True, placeholder="—",
-                 column_config={"samples": INT, "tokens": INT}, key="fid_domain")
+    st.dataframe(
+        _formats(board.by_domain[BOARD_SHOWN]),
+        hide_index=True,
+        placeholder="—",
+        column_config={"samples": INT, "tokens": INT},
+        key="fid_domain",
+    )
     pairs = ctx.data(fidelity_tables.fidelity_pairs, ctx.filters, budget)
     if not pairs.empty:
         st.markdown("**Paired differences between methods**")
-        st.caption("Each pair on the samples of the domain's table above, per domain: mean difference A − B of per-sample "
-                   "KL and of top-1 agreement with 95% bootstrap intervals (samples resampled, pairs kept); **tied**: "
-                   "samples whose KLs differ by float32 rounding only, left out of **p (Wilcoxon)**, the two-sided "
-                   "signed-rank test of the KL differences, whose direction is **signed ranks**; **p (Holm)**: adjusted "
-                   "over every pair in this table.")
-        st.dataframe(_formats(pairs.drop(columns=["Δ KL lo", "Δ KL hi", "sign"])), hide_index=True, placeholder="—",
-                     column_config={"samples": INT}, key="fid_pairs")
+        st.caption(
+            "Each pair on the samples of the domain's table above, per domain: mean difference A − B of per-sample "
+            "KL and of top-1 agreement with 95% bootstrap intervals (samples resampled, pairs kept); **tied**: "
+            "samples whose KLs differ by float32 rounding only, left out of **p (Wilcoxon)**, the two-sided "
+            "signed-rank test of the KL differences, whose direction is **signed ranks**; **p (Holm)**: adjusted "
+            "over every pair in this table."
+        )
+        st.dataframe(
+            _formats(pairs.drop(columns=["Δ KL lo", "Δ KL hi", "sign"])),
+            hide_index=True,
+            placeholder="—",
+            column_config={"samples": INT},
+            key="fid_pairs",
+        )
     with st.expander("Fidelity per method and task"):
-        st.dataframe(_formats(board.by_task[["method", "domain", "task", *BOARD_SHOWN[2:]]]), hide_index=True,
-                     placeholder="—", column_config={"samples": INT, "tokens": INT}, key="fid_task")
+        st.dataframe(
+            _formats(board.by_task[["method", "domain", "task", *BOARD_SHOWN[2:]]]),
+            hide_index=True,
+            placeholder="—",
+            column_config={"samples": INT, "tokens": INT},
+            key="fid_task",
+        )
     return True

@@ -20,6 +20,9 @@ def section(ctx, budget: int) -> None:
         "the score test; **Δ lo** / **Δ hi** its interval. **p (Holm)** adjusts over all pairs in this table. Sorted by p."
     )
     st.dataframe(
-        styled(pairs, pct=["A %", "B %"], pp=["Δ A−B (pts)", "Δ lo", "Δ hi"], p=["p", "p (Holm)"]), hide_index=True, placeholder="—",
-        column_config={c: INT for c in ("problems", "both right", "A only", "B only", "both wrong")}, key="h2h",
+        styled(pairs, pct=["A %", "B %"], pp=["Δ A−B (pts)", "Δ lo", "Δ hi"], p=["p", "p (Holm)"]),
+        hide_index=True,
+        placeholder="—",
+        column_config={c: INT for c in ("problems", "both right", "A only", "B only", "both wrong")},
+        key="h2h",
     )

@@ -6,15 +6,27 @@ import math
 
 import streamlit as st
 
-from kvleague.analysis import stats
-from kvleague.analysis import tables
+from kvleague.analysis import stats, tables
 from kvleague.dashboard.views import fidelity, head_to_head
 from kvleague.dashboard.views.common import INT, budget_text, empty, pick_budget, pick_weighting, styled
 
 DETAIL_COLUMNS = {
-    "rank": "rank", "rank_interval": "rank interval", "tied_best": "tied with best", "method": "method", "domain": "domain", "accuracy": "accuracy %", "interval": "95% CI",
-    "interval_method": "interval", "delta_full": "Δ vs full (pts)", "delta_ci": "Δ 95% CI", "p_value": "p",
-    "test": "test", "evicted_share": "eviction fired %", "problems": "problems", "samples": "samples", "failed": "failed",
+    "rank": "rank",
+    "rank_interval": "rank interval",
+    "tied_best": "tied with best",
+    "method": "method",
+    "domain": "domain",
+    "accuracy": "accuracy %",
+    "interval": "95% CI",
+    "interval_method": "interval",
+    "delta_full": "Δ vs full (pts)",
+    "delta_ci": "Δ 95% CI",
+    "p_value": "p",
+    "test": "test",
+    "evicted_share": "eviction fired %",
+    "problems": "problems",
+    "samples": "samples",
+    "failed": "failed",
     "note": "note",
 }
 
@@ -28,7 +40,9 @@ def _detail(df, with_task: bool = False):
     if with_task:
         cols.insert(3, "task")
     out = out[cols].rename(columns=DETAIL_COLUMNS)
-    return out.sort_values(["domain", "rank", "method"] if not with_task else ["domain", "task", "rank", "method"]).reset_index(drop=True)
+    return out.sort_values(
+        ["domain", "rank", "method"] if not with_task else ["domain", "task", "rank", "method"]
+    ).reset_index(drop=True)
 
 
 CONFIG = {"rank": INT, "problems": INT, "samples": INT, "failed": INT}
@@ -68,23 +82,40 @@ def render(ctx) -> None:
     wide = lb.wide
     st.subheader(f"Methods x domains at budget {budget:,}")
     st.dataframe(
-        styled(wide, pct=["mean accuracy", "evicted %", *[f"{d} %" for d in lb.domains]], pp=[f"{d} Δ full" for d in lb.domains]),
-        hide_index=True, placeholder="—", column_config=CONFIG, key="lb_wide",
+        styled(
+            wide,
+            pct=["mean accuracy", "evicted %", *[f"{d} %" for d in lb.domains]],
+            pp=[f"{d} Δ full" for d in lb.domains],
+        ),
+        hide_index=True,
+        placeholder="—",
+        column_config=CONFIG,
+        key="lb_wide",
     )
 
     st.subheader("Per method and domain")
     detail = _detail(lb.by_domain)
-    st.dataframe(styled(detail, **DETAIL_FORMATS), hide_index=True, placeholder="—", column_config=CONFIG, key="lb_detail")
+    st.dataframe(
+        styled(detail, **DETAIL_FORMATS), hide_index=True, placeholder="—", column_config=CONFIG, key="lb_detail"
+    )
     st.download_button(
-        "Download CSV", detail.to_csv(index=False).encode(), file_name=f"kvleague-leaderboard-budget{budget}.csv",
-        mime="text/csv", key="lb_csv",
+        "Download CSV",
+        detail.to_csv(index=False).encode(),
+        file_name=f"kvleague-leaderboard-budget{budget}.csv",
+        mime="text/csv",
+        key="lb_csv",
     )
     head_to_head.section(ctx, budget)
     fidelity.section(ctx, budget)
     with st.expander("Per method and task"):
         by_task = _detail(lb.by_task, with_task=True)
-        st.dataframe(styled(by_task, **DETAIL_FORMATS), hide_index=True, placeholder="—", column_config=CONFIG, key="lb_task")
+        st.dataframe(
+            styled(by_task, **DETAIL_FORMATS), hide_index=True, placeholder="—", column_config=CONFIG, key="lb_task"
+        )
         st.download_button(
-            "Download CSV (tasks)", by_task.to_csv(index=False).encode(),
-            file_name=f"kvleague-leaderboard-tasks-budget{budget}.csv", mime="text/csv", key="lb_task_csv",
+            "Download CSV (tasks)",
+            by_task.to_csv(index=False).encode(),
+            file_name=f"kvleague-leaderboard-tasks-budget{budget}.csv",
+            mime="text/csv",
+            key="lb_task_csv",
         )

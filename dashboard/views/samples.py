@@ -25,15 +25,27 @@ def render(ctx) -> None:
         per_task[(task,)] = per_task.get((task,), 0) + n
     c1, c2, c3 = st.columns([2, 2, 1])
     with c1:
-        task_id = st.selectbox("Task", list(names), index=most_data(per_task, list(names)), format_func=lambda i: names[i],
-                               key="sm_task", help="Opens on the task with the most generations.")
+        task_id = st.selectbox(
+            "Task",
+            list(names),
+            index=most_data(per_task, list(names)),
+            format_func=lambda i: names[i],
+            key="sm_task",
+            help="Opens on the task with the most generations.",
+        )
     budgets = list(ctx.filters.budgets or ctx.opts.budgets)
     if not budgets:
         empty("No budget is selected in the filters.")
         return
     with c2:
-        budget = st.selectbox("Budget", budgets, index=most_data(counts, [(task_id, b) for b in budgets]), key="sm_budget",
-                              format_func=lambda b: budget_text(ctx, b), help="Opens on the task's budget with the most generations.")
+        budget = st.selectbox(
+            "Budget",
+            budgets,
+            index=most_data(counts, [(task_id, b) for b in budgets]),
+            key="sm_budget",
+            format_func=lambda b: budget_text(ctx, b),
+            help="Opens on the task's budget with the most generations.",
+        )
     with c3:
         disagree = st.checkbox("only problems where methods disagree", value=False, key="sm_disagree")
     ids = ctx.data(q.problem_ids, ctx.filters, task_id, budget, disagree)
@@ -45,7 +57,9 @@ def render(ctx) -> None:
     if df.empty:
         empty()
         return
-    st.caption("flag: failed (the cell raised), empty (no text), loop (most 4-grams repeat), truncated (hit the token limit).")
+    st.caption(
+        "flag: failed (the cell raised), empty (no text), loop (most 4-grams repeat), truncated (hit the token limit)."
+    )
     st.dataframe(df.drop(columns=["completion", "error"]), hide_index=True, placeholder="—", key="sm_table")
     per_row = 3
     records = df.to_dict("records")
@@ -54,10 +68,16 @@ def render(ctx) -> None:
         for col, r in zip(cols, records[start : start + per_row]):
             with col:
                 tag = MARK.get(r["correct"] if r["correct"] in (True, False) else None, "-")
-                extra = f" · sample {r['sample_index']}, seed {r['seed']}" if df["sample_index"].nunique() > 1 or df["seed"].nunique() > 1 else ""
+                extra = (
+                    f" · sample {r['sample_index']}, seed {r['seed']}"
+                    if df["sample_index"].nunique() > 1 or df["seed"].nunique() > 1
+                    else ""
+                )
                 st.markdown(f"**{r['method']}** · {tag}{extra}" + (f" · :red[{r['flag']}]" if r["flag"] else ""))
-                st.caption(f"extracted: {r['extracted']!s} · {r['generated_tokens']} tokens · {r['evictions']} evictions "
-                           f"({r['evicted_tokens']} tokens evicted)")
+                st.caption(
+                    f"extracted: {r['extracted']!s} · {r['generated_tokens']} tokens · {r['evictions']} evictions "
+                    f"({r['evicted_tokens']} tokens evicted)"
+                )
                 if r["status"] != "ok":
                     st.code(str(r["error"]), language=None, wrap_lines=True)
                 else:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvleague.analysis import paper, stats
-from kvleague.analysis import fidelity_tables
-from kvleague.analysis import tables
+from kvleague.analysis import fidelity_tables, paper, stats, tables
 from kvleague.dashboard.views.common import empty, pick_weighting, styled
 
 
@@ -25,29 +23,51 @@ def render(ctx) -> None:
     )
     c1, c2 = st.columns(2)
     with c1:
-        margin = st.number_input("Margin for 'close to full cache' (points)", min_value=0.0, max_value=50.0, value=5.0,
-                                 step=0.5, key="sc_margin")
+        margin = st.number_input(
+            "Margin for 'close to full cache' (points)",
+            min_value=0.0,
+            max_value=50.0,
+            value=5.0,
+            step=0.5,
+            key="sc_margin",
+        )
     with c2:
         weighting = pick_weighting("sc_weighting")
     st.subheader("The paper's claims and kvleague's measurements")
     claims = ctx.data(tables.paper_claims, ctx.filters)
     # the measured value names its method, task and budget: wide enough to read whole
-    st.dataframe(styled(claims, p=("p vs paper", "p vs paper (Holm)")), hide_index=True, placeholder="—", key="sc_claims",
-                 column_config={"kvleague": st.column_config.TextColumn(width="large")})
-    st.caption("Measured on the same task and budget, under the model, protocol and decoding filters, for the method "
-               "named (the spec with the most samples), failed samples counted as wrong. p vs paper: two-sided score "
-               "test of kvleague's accuracy = the paper's value (the test dual to the Wilson interval shown, design effect "
-               "for several samples per question), Holm-adjusted over the accuracy claims. 'consistent with the paper' "
-               "means the data do not reject the paper's value, not that they confirm it.")
+    st.dataframe(
+        styled(claims, p=("p vs paper", "p vs paper (Holm)")),
+        hide_index=True,
+        placeholder="—",
+        key="sc_claims",
+        column_config={"kvleague": st.column_config.TextColumn(width="large")},
+    )
+    st.caption(
+        "Measured on the same task and budget, under the model, protocol and decoding filters, for the method "
+        "named (the spec with the most samples), failed samples counted as wrong. p vs paper: two-sided score "
+        "test of kvleague's accuracy = the paper's value (the test dual to the Wilson interval shown, design effect "
+        "for several samples per question), Holm-adjusted over the accuracy claims. 'consistent with the paper' "
+        "means the data do not reject the paper's value, not that they confirm it."
+    )
     st.subheader("Per domain and budget")
     card = ctx.data(tables.scorecard, ctx.filters, float(margin), None, weighting)
     if card.empty:
         empty("No EpiKV-family accuracy results match the filters.")
     else:
-        st.dataframe(styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (Holm)")),
-                     hide_index=True, placeholder="—", key="sc_card")
-        st.download_button("Download CSV", card.to_csv(index=False).encode(), file_name="kvleague-scorecard.csv",
-                           mime="text/csv", key="sc_csv")
+        st.dataframe(
+            styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (Holm)")),
+            hide_index=True,
+            placeholder="—",
+            key="sc_card",
+        )
+        st.download_button(
+            "Download CSV",
+            card.to_csv(index=False).encode(),
+            file_name="kvleague-scorecard.csv",
+            mime="text/csv",
+            key="sc_csv",
+        )
     fidelity_claims(ctx)
     protocol_ablations(ctx)
 
@@ -65,9 +85,16 @@ def protocol_ablations(ctx) -> None:
         "differences (float32-rounding ties left out: **tied**) and its Holm adjustment over this table. It shows what "
         "the protocol, not the method, decides."
     )
-    st.dataframe(styled(table.drop(columns=["Δ KL lo", "Δ KL hi", "sign"]), p=("p (Wilcoxon)", "p (Holm)"),
-                        formats={"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"}),
-                 hide_index=True, placeholder="—", key="sc_ablations")
+    st.dataframe(
+        styled(
+            table.drop(columns=["Δ KL lo", "Δ KL hi", "sign"]),
+            p=("p (Wilcoxon)", "p (Holm)"),
+            formats={"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"},
+        ),
+        hide_index=True,
+        placeholder="—",
+        key="sc_ablations",
+    )
 
 
 def fidelity_claims(ctx) -> None:
@@ -85,5 +112,9 @@ def fidelity_claims(ctx) -> None:
         "when p (Holm) < 0.05 with lower KL, does not replicate when p (Holm) < 0.05 with higher KL, else inconclusive; "
         f"fewer than {stats.MIN_PROBLEMS} samples: no verdict."
     )
-    st.dataframe(styled(card, p=("p", "p (Holm)"), formats={"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
-                 hide_index=True, placeholder="—", key="sc_fidelity")
+    st.dataframe(
+        styled(card, p=("p", "p (Holm)"), formats={"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
+        hide_index=True,
+        placeholder="—",
+        key="sc_fidelity",
+    )

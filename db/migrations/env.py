@@ -16,8 +16,12 @@ target_metadata = Base.metadata
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=target_metadata, literal_binds=True,
-                      render_as_batch=True)
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url"),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -25,8 +29,9 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     engine = config.attributes.get("engine") or create_engine(config.get_main_option("sqlalchemy.url"))
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True,
-                          compare_type=True)
+        context.configure(
+            connection=connection, target_metadata=target_metadata, render_as_batch=True, compare_type=True
+        )
         with context.begin_transaction():
             context.run_migrations()
         connection.commit()

@@ -12,7 +12,7 @@ SAMPLER=$!
 run() {  # task, extra options
   local task=$1; shift
   echo "=== $task start $(date -u +%H:%M:%S) commit $(git rev-parse --short HEAD)" >> $OUT/run.log
-  nice -n 5 /usr/bin/time -v /work/main/.venv/bin/python -m runner.cli signals --model smollm2-135m --task $task "$@" \
+  nice -n 5 /usr/bin/time -v /work/main/.venv/bin/python -m kvleague.cli signals --model smollm2-135m --task $task "$@" \
     --limit 30 --stride 32 --window 32 --threads 1 --db $DB --json $OUT/smollm2_$task.json \
     > $OUT/smollm2_$task.log 2>&1
   echo "=== $task end $(date -u +%H:%M:%S) rc=$?" >> $OUT/run.log

@@ -46,25 +46,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def time_engine(engine, prompts: list[list[int]], method: str, budget: int, new_tokens: int) -> dict:
+    from kvleague.engine.protocol import GenerationSettings, Protocol
     from kvleague.methods import build_method
-    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
     results = engine.generate_batch(
-        prompts, [build_method(method) for _ in prompts], budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens),
+        prompts,
+        [build_method(method) for _ in prompts],
+        budget,
+        Protocol(),
+        GenerationSettings(max_new_tokens=new_tokens),
         batch_size=len(prompts),
     )
     # every sequence saw the same step times (they decode together); the first step only samples
     decode = results[0].decode_seconds_mean * results[0].generated_tokens
-    return {"decode_tps": len(prompts) * (new_tokens - 1) / decode, "evictions": results[0].evictions,
-            "tokens": [r.token_ids for r in results]}
+    return {
+        "decode_tps": len(prompts) * (new_tokens - 1) / decode,
+        "evictions": results[0].evictions,
+        "tokens": [r.token_ids for r in results],
+    }
 
 
 def time_single(engine, prompt: list[int], method: str, budget: int, new_tokens: int) -> dict:
     """``Engine.generate`` (the single-sequence path), for the batch-1 comparison."""
+    from kvleague.engine.protocol import GenerationSettings, Protocol
     from kvleague.methods import build_method
-    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
-    result = engine.generate(prompt, build_method(method), budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens))
+    result = engine.generate(
+        prompt, build_method(method), budget, Protocol(), GenerationSettings(max_new_tokens=new_tokens)
+    )
     decode = result.decode_seconds_mean * result.generated_tokens
     return {"decode_tps": (new_tokens - 1) / decode, "evictions": result.evictions, "tokens": [result.token_ids]}
 
@@ -91,8 +100,11 @@ def run_one(args) -> dict:
     engine.clock = clock.now  # the engine's step times on the clock that times model.generate
     prompts = [h.random_prompt(prompt_tokens, seed=i) for i in range(max(sizes))]
     env = h.environment()
-    print(f"batched decoding: {label}; prompts of {prompt_tokens}, {new_tokens} new tokens, budget {budget}, batch sizes "
-          f"{sizes}, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
+    print(
+        f"batched decoding: {label}; prompts of {prompt_tokens}, {new_tokens} new tokens, budget {budget}, batch sizes "
+        f"{sizes}, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}",
+        flush=True,
+    )
     runs = {(f"{m}/single", 1): (lambda m=m: time_single(engine, prompts[0], m, budget, new_tokens)) for m in methods}
     for b in sizes:
         for m in methods:
@@ -102,9 +114,13 @@ def run_one(args) -> dict:
     if args.static_anchor:
         for b in sizes:
             static_run, anchors[b] = static_anchor(
-                engine, lambda b=b: time_generate_batch(engine, prompts[:b], new_tokens, clock, cache_implementation="static"), clock)
+                engine,
+                lambda b=b: time_generate_batch(engine, prompts[:b], new_tokens, clock, cache_implementation="static"),
+                clock,
+            )
             if static_run is not None:
                 runs[("generate_static", b)] = static_run
+
     def announced(key, run):
         def call():
             out = run()
@@ -118,46 +134,110 @@ def run_one(args) -> dict:
     tps = {}
     for (m, b), out in results.items():
         tps[(m, b)] = h.median(r["decode_tps"] for r in out)
-        rows.append({"method": m, "batch_size": b, "decode_tokens_per_second": tps[(m, b)],
-                     "speedup_vs_batch_1": h.ratio(tps[(m, b)], tps.get((m, sizes[0]))) if sizes[0] == 1 else None,
-                     "evictions": out[0].get("evictions"), "per_round_tps": [r["decode_tps"] for r in out]})
+        rows.append(
+            {
+                "method": m,
+                "batch_size": b,
+                "decode_tokens_per_second": tps[(m, b)],
+                "speedup_vs_batch_1": h.ratio(tps[(m, b)], tps.get((m, sizes[0]))) if sizes[0] == 1 else None,
+                "evictions": out[0].get("evictions"),
+                "per_round_tps": [r["decode_tps"] for r in out],
+            }
+        )
     for row in rows:  # batch 1 may come after the others in the dict
         row["speedup_vs_batch_1"] = h.ratio(row["decode_tokens_per_second"], tps.get((row["method"], 1)))
     common = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens, budget=budget)
-    figures = [h.figure("decode_tokens_per_second", row["decode_tokens_per_second"], "tokens/s", method=row["method"],
-                        batch_size=row["batch_size"], **common) for row in rows]
+    figures = [
+        h.figure(
+            "decode_tokens_per_second",
+            row["decode_tokens_per_second"],
+            "tokens/s",
+            method=row["method"],
+            batch_size=row["batch_size"],
+            **common,
+        )
+        for row in rows
+    ]
     summary: dict = {"speedup_batch_8": {}, "engine_over_generate": {}, "batch_1_over_single": {}}
     for m in methods:
         value = h.ratio(tps.get((m, 1)), tps.get((f"{m}/single", 1)))
         summary["batch_1_over_single"][m] = value
-        figures.append(h.figure("batch_1_over_single", value, "x", method=m, batch_size=1, reference="Engine.generate", **common))
+        figures.append(
+            h.figure("batch_1_over_single", value, "x", method=m, batch_size=1, reference="Engine.generate", **common)
+        )
     for m in methods + ["generate"]:
         value = h.ratio(tps.get((m, 8)), tps.get((m, 1)))
         summary["speedup_batch_8"][m] = value
         if value is not None:
-            figures.append(h.figure("batch_speedup", value, "x", method=m, batch_size=8, reference="batch_1",
-                                    target=SPEEDUP_TARGETS.get(m), **common))
+            figures.append(
+                h.figure(
+                    "batch_speedup",
+                    value,
+                    "x",
+                    method=m,
+                    batch_size=8,
+                    reference="batch_1",
+                    target=SPEEDUP_TARGETS.get(m),
+                    **common,
+                )
+            )
     if "full" in methods:
         for b in sizes:
             value = h.ratio(tps.get(("full", b)), tps.get(("generate", b)))
             same = results[("full", b)][0]["tokens"] == results[("generate", b)][0]["tokens"]
             summary["engine_over_generate"][b] = value
-            figures.append(h.figure("speed_ratio", value, "x", method="engine", reference="generate", batch_size=b,
-                                    target=GENERATE_TARGET, same_tokens=same, **common))
+            figures.append(
+                h.figure(
+                    "speed_ratio",
+                    value,
+                    "x",
+                    method="engine",
+                    reference="generate",
+                    batch_size=b,
+                    target=GENERATE_TARGET,
+                    same_tokens=same,
+                    **common,
+                )
+            )
             if b in anchors and "error" in anchors[b]:
                 summary.setdefault("engine_over_static", {})[b] = {**anchors[b], "ratio": None, "same_tokens": None}
             elif b in anchors:
                 value = h.ratio(tps.get(("full", b)), tps.get(("generate_static", b)))
                 same = results[("full", b)][0]["tokens"] == results[("generate_static", b)][0]["tokens"]
                 summary.setdefault("engine_over_static", {})[b] = {**anchors[b], "ratio": value, "same_tokens": same}
-                figures.append(h.figure("speed_ratio", value, "x", method="engine", reference="generate_static", batch_size=b,
-                                        target=GENERATE_TARGET, same_tokens=same, compiled=anchors[b]["compiled"], **common))
+                figures.append(
+                    h.figure(
+                        "speed_ratio",
+                        value,
+                        "x",
+                        method="engine",
+                        reference="generate_static",
+                        batch_size=b,
+                        target=GENERATE_TARGET,
+                        same_tokens=same,
+                        compiled=anchors[b]["compiled"],
+                        **common,
+                    )
+                )
     summary["targets"] = {"speedup_batch_8": SPEEDUP_TARGETS, "engine_over_generate": GENERATE_TARGET}
     summary["engine"] = engine.describe()  # which paths the decode steps took (slab: captured or eager)
-    config = {"model": source, "model_label": label, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-              "budget": budget, "batch_sizes": sizes, "methods": methods, "rounds": args.rounds, "clock": args.clock,
-              "threads": threads, "quick": args.quick, "static_anchor": args.static_anchor}
-    report = h.make_report("batch", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
+    config = {
+        "model": source,
+        "model_label": label,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "budget": budget,
+        "batch_sizes": sizes,
+        "methods": methods,
+        "rounds": args.rounds,
+        "clock": args.clock,
+        "threads": threads,
+        "quick": args.quick,
+        "static_anchor": args.static_anchor,
+    }
+    report = h.make_report(
+        "batch", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started
+    )
     print_report(report)
     return report
 
@@ -166,8 +246,17 @@ def print_report(report: dict) -> None:
     from kvleague.runner.bench import harness as h
 
     print("\nbatched decoding, decode only (tokens/s summed over the batch)")
-    print(h.table(report["rows"], [("method", "runner", ""), ("batch_size", "batch", "d"),
-                                   ("decode_tokens_per_second", "tok/s", ".2f"), ("speedup_vs_batch_1", "x batch 1", ".2f")]))
+    print(
+        h.table(
+            report["rows"],
+            [
+                ("method", "runner", ""),
+                ("batch_size", "batch", "d"),
+                ("decode_tokens_per_second", "tok/s", ".2f"),
+                ("speedup_vs_batch_1", "x batch 1", ".2f"),
+            ],
+        )
+    )
     s = report["summary"]
     for m, v in s["speedup_batch_8"].items():
         target = SPEEDUP_TARGETS.get(m)
@@ -183,9 +272,11 @@ def print_report(report: dict) -> None:
         if "error" in a:
             print(f"model.generate with the static cache at batch {b}: failed ({a['error']})")
         elif a["ratio"] is not None:
-            print(f"engine (full) / model.generate with the static cache ({'compiled' if a['compiled'] else 'not compiled'}; "
-                  f"first call {a['first_call_seconds']:.1f} s) at batch {b}: {a['ratio']:.3f} (target >= {GENERATE_TARGET}); "
-                  f"same tokens: {a['same_tokens']}")
+            print(
+                f"engine (full) / model.generate with the static cache ({'compiled' if a['compiled'] else 'not compiled'}; "
+                f"first call {a['first_call_seconds']:.1f} s) at batch {b}: {a['ratio']:.3f} (target >= {GENERATE_TARGET}); "
+                f"same tokens: {a['same_tokens']}"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict:

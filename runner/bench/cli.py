@@ -6,24 +6,32 @@ import argparse
 import sys
 from types import ModuleType
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory or HF id (default: a 41M-parameter random-weight llama built offline)")
+    p.add_argument(
+        "--model", help="checkpoint directory or HF id (default: a 41M-parameter random-weight llama built offline)"
+    )
     p.add_argument("--quick", action="store_true", help="a smaller run (a few minutes on 2 CPU cores)")
     p.add_argument("--json", metavar="OUT", help="write the report (figures + environment) here")
     p.add_argument("--store", action="store_true", help="write the figures into the results database")
-    p.add_argument("--db", metavar="URL", help="database URL for --store (default: $KVLEAGUE_DB or sqlite:///kvleague.db)")
+    p.add_argument(
+        "--db", metavar="URL", help="database URL for --store (default: $KVLEAGUE_DB or sqlite:///kvleague.db)"
+    )
 
 
 def add_backend(p: argparse.ArgumentParser) -> None:
     """``--backend NAME`` (repeatable): the engine backends a benchmark runs, side by side in one run."""
-    from kvleague.runner.engine import BACKENDS
+    from kvleague.engine import BACKENDS
 
-    p.add_argument("--backend", action="append", choices=BACKENDS,
-                   help=f"engine backend ({', '.join(BACKENDS)}; default hf); repeat it to run each in turn in one run, "
-                        "every figure tagged with its backend, and report the later backends' tokens/s over the first's")
+    p.add_argument(
+        "--backend",
+        action="append",
+        choices=BACKENDS,
+        help=f"engine backend ({', '.join(BACKENDS)}; default hf); repeat it to run each in turn in one run, "
+        "every figure tagged with its backend, and report the later backends' tokens/s over the first's",
+    )
 
 
 def common_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvleague.analysis import queries as q  # noqa: E402
-from kvleague.analysis import tables  # noqa: E402
-from kvleague.db.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows  # noqa: E402
+from kvleague.analysis import queries as q
+from kvleague.analysis import tables
+from kvleague.db.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows
 
 TARGET_S = 2.0
 BUDGETS = (1024, 2048, 4096, 8192)
@@ -44,15 +44,22 @@ def spec_for(rows: int, n_samples: int, completion_chars: int) -> RealisticSpec:
         left -= n
         tasks.append((name, domain, n, acc, typical))
     return RealisticSpec(
-        methods=methods, budgets=BUDGETS, tasks=tuple(tasks), n_samples=n_samples,
-        temperature=0.6 if n_samples > 1 else 0.0, completion_chars=completion_chars, sweep="load-benchmark",
+        methods=methods,
+        budgets=BUDGETS,
+        tasks=tuple(tasks),
+        n_samples=n_samples,
+        temperature=0.6 if n_samples > 1 else 0.0,
+        completion_chars=completion_chars,
+        sweep="load-benchmark",
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=200_000)
-    p.add_argument("--n-samples", type=int, default=1, help="samples per problem (>1: sampled decoding, design-effect path)")
+    p.add_argument(
+        "--n-samples", type=int, default=1, help="samples per problem (>1: sampled decoding, design-effect path)"
+    )
     p.add_argument("--completion-chars", type=int, default=300)
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         t = time.perf_counter()
         q.fingerprint(reader)
-        opts = q.options(reader)
+        q.options(reader)
         t1 = time.perf_counter()
         lb = tables.leaderboard(reader, q.Filters(), args.budget)
         t2 = time.perf_counter()
@@ -91,16 +98,29 @@ def main(argv: list[str] | None = None) -> int:
         lb_t.append(t2 - t1)
         timings.append(t2 - t)
     best, median = min(timings), statistics.median(timings)
-    print(f"leaderboard page data (budget {args.budget}, {len(lb.by_domain)} method x domain cells, "
-          f"{int(lb.by_domain['problems'].sum()):,} problem results): best {best:.3f}s, median {median:.3f}s "
-          f"(options {min(opt_t):.3f}s + leaderboard {min(lb_t):.3f}s); target < {TARGET_S:.1f}s: "
-          f"{'met' if best < TARGET_S else 'NOT met'}")
+    print(
+        f"leaderboard page data (budget {args.budget}, {len(lb.by_domain)} method x domain cells, "
+        f"{int(lb.by_domain['problems'].sum()):,} problem results): best {best:.3f}s, median {median:.3f}s "
+        f"(options {min(opt_t):.3f}s + leaderboard {min(lb_t):.3f}s); target < {TARGET_S:.1f}s: "
+        f"{'met' if best < TARGET_S else 'NOT met'}"
+    )
     print(f"methods x domains at budget {args.budget}:")
     print(lb.wide[["rank", "method", "mean accuracy"]].to_string(index=False))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": n, "seed_seconds": seed_s, "best_seconds": best, "median_seconds": median,
-                                               "options_seconds": min(opt_t), "leaderboard_seconds": min(lb_t),
-                                               "target_seconds": TARGET_S}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "rows": n,
+                    "seed_seconds": seed_s,
+                    "best_seconds": best,
+                    "median_seconds": median,
+                    "options_seconds": min(opt_t),
+                    "leaderboard_seconds": min(lb_t),
+                    "target_seconds": TARGET_S,
+                },
+                indent=2,
+            )
+        )
     writer.dispose()
     reader.dispose()
     if tmp is not None:

@@ -34,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_backend(p)
     p.add_argument("--budgets", type=int, nargs="+", help="default 256 1024 4096 (quick: 256 1024)")
     p.add_argument("--methods", nargs="+", help=f"default {' '.join(DEFAULT_METHODS)} (full is always added)")
-    p.add_argument("--gen-factor", type=float, default=4.0, help="decode this many times the budget (>= 4 for the issue's claim)")
+    p.add_argument(
+        "--gen-factor", type=float, default=4.0, help="decode this many times the budget (>= 4 for the issue's claim)"
+    )
     p.add_argument("--cadence", default="every_step", help="every_step (default) or buffer=N")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--rounds", type=int, default=1)
@@ -43,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def measure(engine, name: str, budget: int, prompt: list[int], steps: int, protocol, clock) -> dict:
+    from kvleague.engine.protocol import GenerationSettings
     from kvleague.methods import build_method
-    from kvleague.runner.engine.protocol import GenerationSettings
 
     method = build_method(name)
     cache_budget = budget if not method.never_evicts else 1 << 40
@@ -93,8 +95,8 @@ def run(args) -> dict:
 
 
 def run_one(args) -> dict:
+    from kvleague.engine.protocol import Protocol
     from kvleague.runner.bench import harness as h
-    from kvleague.runner.engine.protocol import Protocol
 
     started = time.perf_counter()
     clock = h.Clock(args.clock)
@@ -105,8 +107,11 @@ def run_one(args) -> dict:
     source, engine, label = h.bench_engine(args)
     protocol = Protocol(cadence=args.cadence, prefill_chunk=args.prefill_chunk)
     env = h.environment()
-    print(f"decode speed: {label}; budgets {budgets}; {args.gen_factor:g}x the budget decoded; cadence {args.cadence}; "
-          f"clock {args.clock}, {threads} torch thread(s)\n{h.describe_environment(env)}", flush=True)
+    print(
+        f"decode speed: {label}; budgets {budgets}; {args.gen_factor:g}x the budget decoded; cadence {args.cadence}; "
+        f"clock {args.clock}, {threads} torch thread(s)\n{h.describe_environment(env)}",
+        flush=True,
+    )
     rows = []
     for budget in budgets:
         prompt = h.random_prompt(budget, seed=budget)
@@ -114,17 +119,28 @@ def run_one(args) -> dict:
         measure(engine, "full", min(budget, 64), prompt[:64], 8, protocol, clock)  # warm-up
         per_round: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 out = measure(engine, name, budget, prompt, steps, protocol, clock)
                 per_round[name].append(out)
-                print(f"  B={budget:5d} {name:14s} {out['tokens_per_second']:8.2f} tok/s  {out['ms_per_token']:7.2f} ms/token  "
-                      f"flat {out['flat']:.3f}", flush=True)
+                print(
+                    f"  B={budget:5d} {name:14s} {out['tokens_per_second']:8.2f} tok/s  {out['ms_per_token']:7.2f} ms/token  "
+                    f"flat {out['flat']:.3f}",
+                    flush=True,
+                )
         for name in names:
             runs = per_round[name]
             row = dict(runs[0])
-            for key in ("tokens_per_second", "ms_per_token", "tps_first_quarter", "tps_last_quarter", "flat",
-                        "method_ms_per_token", "selection_ms_per_token", "method_share"):
+            for key in (
+                "tokens_per_second",
+                "ms_per_token",
+                "tps_first_quarter",
+                "tps_last_quarter",
+                "flat",
+                "method_ms_per_token",
+                "selection_ms_per_token",
+                "method_share",
+            ):
                 row[key] = h.median(x[key] for x in runs)
             row["rounds"] = len(runs)
             rows.append(row)
@@ -133,18 +149,38 @@ def run_one(args) -> dict:
         r["speed_vs_full"] = h.ratio(r["tokens_per_second"], full[r["budget"]]["tokens_per_second"])
     figures, ratios = [], []
     for r in rows:
-        common = dict(method=r["method"], budget=r["budget"], clock=args.clock, threads=threads, steps=r["steps"],
-                      cadence=args.cadence, attn_implementation=r["attn_implementation"])
+        common = dict(
+            method=r["method"],
+            budget=r["budget"],
+            clock=args.clock,
+            threads=threads,
+            steps=r["steps"],
+            cadence=args.cadence,
+            attn_implementation=r["attn_implementation"],
+        )
         figures += [
             h.figure("tokens_per_second", r["tokens_per_second"], "tokens/s", **common),
             h.figure("ms_per_token", r["ms_per_token"], "ms", **common),
             h.figure("flatness_last_over_first_quarter", r["flat"], "x", **common),
-            h.figure("method_share_of_step", r["method_share"], "fraction", clock_of_value="wall",
-                     **{k: v for k, v in common.items() if k != "clock"}),
+            h.figure(
+                "method_share_of_step",
+                r["method_share"],
+                "fraction",
+                clock_of_value="wall",
+                **{k: v for k, v in common.items() if k != "clock"},
+            ),
         ]
         if r["method"] != "full":
-            figures.append(h.figure("speed_ratio", r["speed_vs_full"], "x", reference="full",
-                                    paper_claim=paper.SPEEDUP_VS_FULL if r["method"] == paper.REFERENCE_METHOD else None, **common))
+            figures.append(
+                h.figure(
+                    "speed_ratio",
+                    r["speed_vs_full"],
+                    "x",
+                    reference="full",
+                    paper_claim=paper.SPEEDUP_VS_FULL if r["method"] == paper.REFERENCE_METHOD else None,
+                    **common,
+                )
+            )
     by_key = {(r["method"], r["budget"]): r for r in rows}
     for budget in budgets:
         for a, b in (("epikv", "h2o"), ("epikv", "full")):
@@ -152,12 +188,32 @@ def run_one(args) -> dict:
                 value = h.ratio(by_key[a, budget]["tokens_per_second"], by_key[b, budget]["tokens_per_second"])
                 ratios.append({"numerator": a, "denominator": b, "budget": budget, "ratio": value})
                 if b != "full":  # (epikv / full is already a speed_ratio figure)
-                    figures.append(h.figure("speed_ratio", value, "x", method=a, budget=budget, reference=b, clock=args.clock))
-    config = {"model": source, "model_label": label, "budgets": budgets, "methods": names, "gen_factor": args.gen_factor,
-              "cadence": args.cadence, "prefill_chunk": args.prefill_chunk, "rounds": args.rounds, "clock": args.clock,
-              "threads": threads, "segments": SEGMENTS, "quick": args.quick}
-    report = h.make_report("decode_speed", config=config, rows=rows, figures=figures,
-                           summary={"ratios": ratios, "paper_claim_speedup": paper.SPEEDUP_VS_FULL, "engine": engine.describe()}, env=env, started=started)
+                    figures.append(
+                        h.figure("speed_ratio", value, "x", method=a, budget=budget, reference=b, clock=args.clock)
+                    )
+    config = {
+        "model": source,
+        "model_label": label,
+        "budgets": budgets,
+        "methods": names,
+        "gen_factor": args.gen_factor,
+        "cadence": args.cadence,
+        "prefill_chunk": args.prefill_chunk,
+        "rounds": args.rounds,
+        "clock": args.clock,
+        "threads": threads,
+        "segments": SEGMENTS,
+        "quick": args.quick,
+    }
+    report = h.make_report(
+        "decode_speed",
+        config=config,
+        rows=rows,
+        figures=figures,
+        summary={"ratios": ratios, "paper_claim_speedup": paper.SPEEDUP_VS_FULL, "engine": engine.describe()},
+        env=env,
+        started=started,
+    )
     print_report(report)
     return report
 
@@ -165,13 +221,27 @@ def run_one(args) -> dict:
 def print_report(report: dict) -> None:
     from kvleague.runner.bench import harness as h
 
-    print(f"\ndecode speed ({report['config']['clock']} clock; {report['config']['gen_factor']:g}x the budget decoded after a full cache)")
-    print(h.table(report["rows"], [
-        ("method", "method", ""), ("budget", "B", "d"), ("tokens_per_second", "tok/s", ".2f"), ("ms_per_token", "ms/token", ".2f"),
-        ("speed_vs_full", "x full", ".3f"), ("tps_first_quarter", "tok/s Q1", ".2f"), ("tps_last_quarter", "tok/s Q4", ".2f"),
-        ("flat", "Q4/Q1", ".3f"), ("method_ms_per_token", "method ms", ".3f"), ("selection_ms_per_token", "select ms", ".3f"),
-        ("method_share", "method %", ".2%"),
-    ]))
+    print(
+        f"\ndecode speed ({report['config']['clock']} clock; {report['config']['gen_factor']:g}x the budget decoded after a full cache)"
+    )
+    print(
+        h.table(
+            report["rows"],
+            [
+                ("method", "method", ""),
+                ("budget", "B", "d"),
+                ("tokens_per_second", "tok/s", ".2f"),
+                ("ms_per_token", "ms/token", ".2f"),
+                ("speed_vs_full", "x full", ".3f"),
+                ("tps_first_quarter", "tok/s Q1", ".2f"),
+                ("tps_last_quarter", "tok/s Q4", ".2f"),
+                ("flat", "Q4/Q1", ".3f"),
+                ("method_ms_per_token", "method ms", ".3f"),
+                ("selection_ms_per_token", "select ms", ".3f"),
+                ("method_share", "method %", ".2%"),
+            ],
+        )
+    )
     for q in report["summary"]["ratios"]:
         value = f"{q['ratio']:.3f}x" if q["ratio"] is not None else "-"
         print(f"  B={q['budget']:5d} {q['numerator']} / {q['denominator']}: {value}")

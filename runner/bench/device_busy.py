@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from kvleague.runner.bench.cli import add_backend
 
@@ -48,7 +48,7 @@ def marked_steps(prof, start_at: int) -> Iterator[list[int]]:
     unprofiled. Yields the count of steps run."""
     from torch.profiler import record_function
 
-    from kvleague.runner.engine.decode import DecodeLoop
+    from kvleague.engine.decode import DecodeLoop
 
     step, count = DecodeLoop.step, [0]
 
@@ -89,32 +89,47 @@ def analyse(events, batch: int, warmup: int) -> dict:
     start, end = measured[0][0], measured[-1][1]
     inside = [e for e in events if start <= e.time_range.start and e.time_range.end <= end]
     device = [(e.time_range.start, e.time_range.end) for e in inside if e.device_type == DeviceType.CUDA]
-    host_ops = [e for e in inside if e.device_type == DeviceType.CPU and e.name.startswith("aten::")
-                and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
+    host_ops = [
+        e
+        for e in inside
+        if e.device_type == DeviceType.CPU
+        and e.name.startswith("aten::")
+        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+    ]
     n = len(measured)
     cuda = any(e.device_type == DeviceType.CUDA for e in events)
-    return {"steps": n, "device_busy": union_length(device) / (end - start) if cuda else None,
-            "kernels_per_token": len(device) / (n * batch) if cuda else None,
-            "host_ops_per_step": len(host_ops) / n, "step_ms": (end - start) / n / 1e3}
+    return {
+        "steps": n,
+        "device_busy": union_length(device) / (end - start) if cuda else None,
+        "kernels_per_token": len(device) / (n * batch) if cuda else None,
+        "host_ops_per_step": len(host_ops) / n,
+        "step_ms": (end - start) / n / 1e3,
+    }
 
 
 def measure(engine, method: str, batch: int, budget: int, prompt_tokens: int, steps: int, warmup: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from kvleague.engine.protocol import GenerationSettings, Protocol
     from kvleague.methods import build_method
     from kvleague.runner.bench import harness as h
-    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     prompts = [h.random_prompt(prompt_tokens, seed=i) for i in range(batch)]
     settings = GenerationSettings(max_new_tokens=warmup + steps + 1)  # the first token comes from the prefill
     prof = profile(activities=activities)
     with marked_steps(prof, warmup) as count:
-        engine.generate_batch(prompts, [build_method(method) for _ in prompts], budget, Protocol(), settings, batch_size=batch)
+        engine.generate_batch(
+            prompts, [build_method(method) for _ in prompts], budget, Protocol(), settings, batch_size=batch
+        )
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
-    return {"method": method, "batch_size": batch, **(analyse(prof.events(), batch, 0) if count[0] > warmup else {"steps": 0})}
+    return {
+        "method": method,
+        "batch_size": batch,
+        **(analyse(prof.events(), batch, 0) if count[0] > warmup else {"steps": 0}),
+    }
 
 
 def run(args) -> dict:
@@ -129,27 +144,70 @@ def run_one(args) -> dict:
 
     started = time.perf_counter()
     quick = getattr(args, "quick", False)
-    for name, default, small in (("batch_sizes", "1,32", "1,4"), ("prompt_tokens", 400, 64), ("budget", 200, 32), ("steps", 32, 8)):
+    for name, default, small in (
+        ("batch_sizes", "1,32", "1,4"),
+        ("prompt_tokens", 400, 64),
+        ("budget", 200, 32),
+        ("steps", 32, 8),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else default)
     methods = [m for m in args.methods.split(",") if m]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     source, engine, label = h.bench_engine(args)
     env = h.environment()
-    print(f"device busy: {label}; prompt {args.prompt_tokens}, B = {args.budget}, {args.steps} steps after {args.warmup}, "
-          f"batch sizes {sizes}, methods {methods}\n{h.describe_environment(env)}", flush=True)
-    rows = [measure(engine, m, b, args.budget, args.prompt_tokens, args.steps, args.warmup) for m in methods for b in sizes]
+    print(
+        f"device busy: {label}; prompt {args.prompt_tokens}, B = {args.budget}, {args.steps} steps after {args.warmup}, "
+        f"batch sizes {sizes}, methods {methods}\n{h.describe_environment(env)}",
+        flush=True,
+    )
+    rows = [
+        measure(engine, m, b, args.budget, args.prompt_tokens, args.steps, args.warmup) for m in methods for b in sizes
+    ]
     common = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.steps, budget=args.budget)
-    figures = [h.figure(metric, row[metric], unit, method=row["method"], batch_size=row["batch_size"], **common)
-               for row in rows for metric, unit in (("device_busy", "fraction"), ("kernels_per_token", "kernels"),
-                                                    ("host_ops_per_step", "ops"), ("step_ms", "ms"))]
-    config = {"model": source, "model_label": label, "prompt_tokens": args.prompt_tokens, "budget": args.budget,
-              "steps": args.steps, "warmup": args.warmup, "batch_sizes": sizes, "methods": methods, "quick": quick}
-    report = h.make_report("device_busy", config=config, rows=rows, figures=figures,
-                           summary={"engine": engine.describe()}, env=env, started=started)
-    print(h.table(rows, [("method", "method", ""), ("batch_size", "batch", "d"), ("device_busy", "device busy", ".3f"),
-                         ("kernels_per_token", "kernels/token", ".1f"), ("host_ops_per_step", "host ops/step", ".1f"),
-                         ("step_ms", "ms/step", ".2f")]))
+    figures = [
+        h.figure(metric, row[metric], unit, method=row["method"], batch_size=row["batch_size"], **common)
+        for row in rows
+        for metric, unit in (
+            ("device_busy", "fraction"),
+            ("kernels_per_token", "kernels"),
+            ("host_ops_per_step", "ops"),
+            ("step_ms", "ms"),
+        )
+    ]
+    config = {
+        "model": source,
+        "model_label": label,
+        "prompt_tokens": args.prompt_tokens,
+        "budget": args.budget,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_sizes": sizes,
+        "methods": methods,
+        "quick": quick,
+    }
+    report = h.make_report(
+        "device_busy",
+        config=config,
+        rows=rows,
+        figures=figures,
+        summary={"engine": engine.describe()},
+        env=env,
+        started=started,
+    )
+    print(
+        h.table(
+            rows,
+            [
+                ("method", "method", ""),
+                ("batch_size", "batch", "d"),
+                ("device_busy", "device busy", ".3f"),
+                ("kernels_per_token", "kernels/token", ".1f"),
+                ("host_ops_per_step", "host ops/step", ".1f"),
+                ("step_ms", "ms/step", ".2f"),
+            ],
+        )
+    )
     return report
 
 

@@ -31,21 +31,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _play(engine, task, samples, method: str, budget: int, settings, clock, together: bool) -> dict:
+    from kvleague.engine.protocol import Protocol
     from kvleague.methods import build_method
-    from kvleague.runner.engine.protocol import Protocol
     from kvleague.runner.sample import run_sample, run_samples
 
     protocol, seeds = Protocol(), [0] * len(samples)
     start = clock.now()
     if together:
-        runs = run_samples(engine, task, samples, [build_method(method) for _ in samples], budget, protocol, settings, seeds)
+        runs = run_samples(
+            engine, task, samples, [build_method(method) for _ in samples], budget, protocol, settings, seeds
+        )
     else:
         runs = [run_sample(engine, task, s, build_method(method), budget, protocol, settings, 0) for s in samples]
     seconds = clock.now() - start
-    return {"seconds": seconds, "generated": sum(r.generation.generated_tokens for r in runs),
-            "steps": sum(r.details["episode"]["steps"] for r in runs),
-            "outcome": [(r.completion, r.generation.kept_positions, r.generation.evictions, r.generation.prompt_tokens)
-                        for r in runs]}
+    return {
+        "seconds": seconds,
+        "generated": sum(r.generation.generated_tokens for r in runs),
+        "steps": sum(r.details["episode"]["steps"] for r in runs),
+        "outcome": [
+            (r.completion, r.generation.kept_positions, r.generation.evictions, r.generation.prompt_tokens)
+            for r in runs
+        ],
+    }
 
 
 def run(args) -> dict:
@@ -56,9 +63,9 @@ def run(args) -> dict:
 
 
 def run_one(args) -> dict:
+    from kvleague.engine.errors import KvleagueError
+    from kvleague.engine.protocol import GenerationSettings
     from kvleague.runner.bench import harness as h
-    from kvleague.runner.engine.errors import KvleagueError
-    from kvleague.runner.engine.protocol import GenerationSettings
     from kvleague.tasks.episode import EpisodicTask
     from kvleague.tasks.registry import build_task
 
@@ -71,16 +78,24 @@ def run_one(args) -> dict:
     methods = [m for m in args.methods.split(",") if m]
     task = build_task(args.task)
     if not isinstance(task, EpisodicTask):
-        raise KvleagueError(f"task: {args.task!r} is not episodic; allowed: an agentic task such as kv_agent or bfcl_multi_turn")
+        raise KvleagueError(
+            f"task: {args.task!r} is not episodic; allowed: an agentic task such as kv_agent or bfcl_multi_turn"
+        )
     samples = task.load()[:n]
     source, engine, label = h.bench_engine(args)
     engine.clock = clock.now
     settings = GenerationSettings(max_new_tokens=new_tokens)
     env = h.environment()
-    print(f"episodes together: {label}; task {args.task}, {len(samples)} episodes, budget {budget}, at most {new_tokens} "
-          f"tokens per step, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
-    runs = {(m, way): (lambda m=m, way=way: _play(engine, task, samples, m, budget, settings, clock, way == "together"))
-            for m in methods for way in ("alone", "together")}
+    print(
+        f"episodes together: {label}; task {args.task}, {len(samples)} episodes, budget {budget}, at most {new_tokens} "
+        f"tokens per step, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}",
+        flush=True,
+    )
+    runs = {
+        (m, way): (lambda m=m, way=way: _play(engine, task, samples, m, budget, settings, clock, way == "together"))
+        for m in methods
+        for way in ("alone", "together")
+    }
     results = h.alternate(runs, args.rounds, warmup=0)
     rows, figures = [], []
     common = dict(clock=args.clock, threads=threads, task=args.task, episodes=len(samples), new_tokens=new_tokens)
@@ -90,22 +105,70 @@ def run_one(args) -> dict:
         tps = {way: h.median(r["generated"] / r["seconds"] for r in results[(m, way)]) for way in ("alone", "together")}
         eps = {way: h.median(len(samples) / r["seconds"] for r in results[(m, way)]) for way in ("alone", "together")}
         speedup = h.ratio(tps["together"], tps["alone"])
-        rows.append({"method": m, "episodes_per_second_alone": eps["alone"], "episodes_per_second_together": eps["together"],
-                     "tokens_per_second_alone": tps["alone"], "tokens_per_second_together": tps["together"],
-                     "speedup": speedup, "same_episodes": same, "model_steps": alone[0]["steps"],
-                     "generated_tokens": alone[0]["generated"]})
+        rows.append(
+            {
+                "method": m,
+                "episodes_per_second_alone": eps["alone"],
+                "episodes_per_second_together": eps["together"],
+                "tokens_per_second_alone": tps["alone"],
+                "tokens_per_second_together": tps["together"],
+                "speedup": speedup,
+                "same_episodes": same,
+                "model_steps": alone[0]["steps"],
+                "generated_tokens": alone[0]["generated"],
+            }
+        )
         for way in ("alone", "together"):
-            figures.append(h.figure("episode_tokens_per_second", tps[way], "tokens/s", method=m, budget=budget, runner=way, **common))
-        figures.append(h.figure("episodes_together_speedup", speedup, "x", method=m, budget=budget, reference="alone",
-                                same_episodes=same, **common))
-    config = {"model": source, "model_label": label, "task": args.task, "episodes": len(samples), "budget": budget,
-              "new_tokens": new_tokens, "methods": methods, "rounds": args.rounds, "clock": args.clock, "threads": threads,
-              "quick": args.quick}
-    summary = {"speedup": {r["method"]: r["speedup"] for r in rows}, "same_episodes": {r["method"]: r["same_episodes"] for r in rows},
-               "engine": engine.describe()}
-    report = h.make_report("episodes", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started)
+            figures.append(
+                h.figure(
+                    "episode_tokens_per_second", tps[way], "tokens/s", method=m, budget=budget, runner=way, **common
+                )
+            )
+        figures.append(
+            h.figure(
+                "episodes_together_speedup",
+                speedup,
+                "x",
+                method=m,
+                budget=budget,
+                reference="alone",
+                same_episodes=same,
+                **common,
+            )
+        )
+    config = {
+        "model": source,
+        "model_label": label,
+        "task": args.task,
+        "episodes": len(samples),
+        "budget": budget,
+        "new_tokens": new_tokens,
+        "methods": methods,
+        "rounds": args.rounds,
+        "clock": args.clock,
+        "threads": threads,
+        "quick": args.quick,
+    }
+    summary = {
+        "speedup": {r["method"]: r["speedup"] for r in rows},
+        "same_episodes": {r["method"]: r["same_episodes"] for r in rows},
+        "engine": engine.describe(),
+    }
+    report = h.make_report(
+        "episodes", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started
+    )
     print("\nepisodes one by one and together (generated tokens/s over whole episodes: prefill, decode, tools)")
-    print(h.table(rows, [("method", "method", ""), ("model_steps", "steps", "d"), ("tokens_per_second_alone", "alone tok/s", ".2f"),
-                         ("tokens_per_second_together", "together tok/s", ".2f"), ("speedup", "x", ".2f"),
-                         ("same_episodes", "same", "")]))
+    print(
+        h.table(
+            rows,
+            [
+                ("method", "method", ""),
+                ("model_steps", "steps", "d"),
+                ("tokens_per_second_alone", "alone tok/s", ".2f"),
+                ("tokens_per_second_together", "together tok/s", ".2f"),
+                ("speedup", "x", ".2f"),
+                ("same_episodes", "same", ""),
+            ],
+        )
+    )
     return report

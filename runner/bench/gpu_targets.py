@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 #: the reports ``scripts/gpu_check.sh`` writes that the targets read, by step
 REPORTS = ("generate", "batch", "batch-attention", "static32")
@@ -52,24 +52,93 @@ class Target:
 GENERATE = (("prompt_tokens", 1024), ("new_tokens", 256))
 BATCH = (("prompt_tokens", 400), ("new_tokens", 64), ("budget", 200))
 TARGETS = (
-    Target("batch 1, `full`, prompt 1024, 256 new (tok/s)", "generate", "decode_tokens_per_second", "engine", 400,
-           decode_batch=1, settings=GENERATE),
-    Target("batch 1, `epikv`, B = 200 (tok/s)", "batch", "decode_tokens_per_second", "epikv", 400,
-           batch_size=1, decode_batch=1, settings=BATCH),
-    Target("batch 32, `full`, prompt 400, B = 200 (tok/s)", "batch", "decode_tokens_per_second", "full", 4000,
-           batch_size=32, decode_batch=32, settings=BATCH),
-    Target("batch 32, `epikv` (tok/s)", "batch", "decode_tokens_per_second", "epikv", 4000,
-           batch_size=32, decode_batch=32, settings=BATCH),
-    Target("batch 32, `snapkv` (tok/s)", "batch-attention", "decode_tokens_per_second", "snapkv", 1500,
-           batch_size=32, decode_batch=32, settings=BATCH),
-    Target("batch 32, `h2o` (tok/s)", "batch-attention", "decode_tokens_per_second", "h2o", 1500,
-           batch_size=32, decode_batch=32, settings=BATCH),
-    Target("`full` / `model.generate` (static cache + compile), batch 1", "generate", "speed_ratio", "engine", 0.9,
-           reference="generate_static", settings=GENERATE),
-    Target("`full` / `model.generate` (static cache + compile), batch 32", "static32", "speed_ratio", "engine", 0.9,
-           batch_size=32, reference="generate_static", settings=BATCH),
-    Target("first pass over new KV lengths / second pass", "generate", "first_pass_ratio", "engine", 0.95,
-           reference="second pass", settings=GENERATE),
+    Target(
+        "batch 1, `full`, prompt 1024, 256 new (tok/s)",
+        "generate",
+        "decode_tokens_per_second",
+        "engine",
+        400,
+        decode_batch=1,
+        settings=GENERATE,
+    ),
+    Target(
+        "batch 1, `epikv`, B = 200 (tok/s)",
+        "batch",
+        "decode_tokens_per_second",
+        "epikv",
+        400,
+        batch_size=1,
+        decode_batch=1,
+        settings=BATCH,
+    ),
+    Target(
+        "batch 32, `full`, prompt 400, B = 200 (tok/s)",
+        "batch",
+        "decode_tokens_per_second",
+        "full",
+        4000,
+        batch_size=32,
+        decode_batch=32,
+        settings=BATCH,
+    ),
+    Target(
+        "batch 32, `epikv` (tok/s)",
+        "batch",
+        "decode_tokens_per_second",
+        "epikv",
+        4000,
+        batch_size=32,
+        decode_batch=32,
+        settings=BATCH,
+    ),
+    Target(
+        "batch 32, `snapkv` (tok/s)",
+        "batch-attention",
+        "decode_tokens_per_second",
+        "snapkv",
+        1500,
+        batch_size=32,
+        decode_batch=32,
+        settings=BATCH,
+    ),
+    Target(
+        "batch 32, `h2o` (tok/s)",
+        "batch-attention",
+        "decode_tokens_per_second",
+        "h2o",
+        1500,
+        batch_size=32,
+        decode_batch=32,
+        settings=BATCH,
+    ),
+    Target(
+        "`full` / `model.generate` (static cache + compile), batch 1",
+        "generate",
+        "speed_ratio",
+        "engine",
+        0.9,
+        reference="generate_static",
+        settings=GENERATE,
+    ),
+    Target(
+        "`full` / `model.generate` (static cache + compile), batch 32",
+        "static32",
+        "speed_ratio",
+        "engine",
+        0.9,
+        batch_size=32,
+        reference="generate_static",
+        settings=BATCH,
+    ),
+    Target(
+        "first pass over new KV lengths / second pass",
+        "generate",
+        "first_pass_ratio",
+        "engine",
+        0.95,
+        reference="second pass",
+        settings=GENERATE,
+    ),
 )
 BACKENDS = ("hf", "slab")
 
@@ -136,8 +205,13 @@ def weight_bytes(reports: dict[str, dict | None]) -> int | None:
 def _figure(report: dict, t: Target, backend: str) -> dict | None:
     for fig in report["figures"]:
         d = fig["details"]
-        if (fig["metric"] == t.metric and fig["method"] == t.method and fig["reference"] == t.reference
-                and d.get("batch_size") == t.batch_size and d.get("backend", report["config"].get("backend")) == backend):
+        if (
+            fig["metric"] == t.metric
+            and fig["method"] == t.method
+            and fig["reference"] == t.reference
+            and d.get("batch_size") == t.batch_size
+            and d.get("backend", report["config"].get("backend")) == backend
+        ):
             return fig
     return None
 
@@ -159,7 +233,9 @@ def _cell(report: dict | None, t: Target, backend: str, bound: float | None) -> 
     if fig["details"].get("compiled") is False:  # the target's anchor is compiled; an eager one is easier to beat
         return Cell(value, None, None, "anchor not compiled, not the target's anchor")
     share = value / (bound * t.decode_batch) if bound and t.decode_batch else None
-    return Cell(value, value >= t.target, share, "different tokens" if fig["details"].get("same_tokens") is False else "")
+    return Cell(
+        value, value >= t.target, share, "different tokens" if fig["details"].get("same_tokens") is False else ""
+    )
 
 
 def _why_missing(report: dict, t: Target, backend: str) -> str:
@@ -175,8 +251,9 @@ def _why_missing(report: dict, t: Target, backend: str) -> str:
     return "figure missing"
 
 
-def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_source: str | None,
-                 bandwidth_gpu: str | None = None) -> dict[str, Any]:
+def read_targets(
+    folder: str | Path, *, bandwidth: float | None, bandwidth_source: str | None, bandwidth_gpu: str | None = None
+) -> dict[str, Any]:
     """Every target's cell per backend, with where each figure came from (device, commit, clock).
     A bandwidth measured on another GPU than the reports' sizes no bound."""
     folder = Path(folder)
@@ -190,10 +267,20 @@ def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_sourc
         if reports[stem] is not None:
             env, config = reports[stem]["environment"], reports[stem]["config"]
             summary = reports[stem]["summary"]
-            engines = {b: s["engine"] for b, s in summary.get("by_backend", {config.get("backend"): summary}).items() if "engine" in s}
-            sources[stem] = {"gpu": env.get("gpu_name"), "torch": env.get("torch_version"), "git_commit": env.get("git_commit"),
-                             "git_dirty": env.get("git_dirty"), "clock": config.get("clock"), "created_at": reports[stem]["created_at"],
-                             "engines": engines}
+            engines = {
+                b: s["engine"]
+                for b, s in summary.get("by_backend", {config.get("backend"): summary}).items()
+                if "engine" in s
+            }
+            sources[stem] = {
+                "gpu": env.get("gpu_name"),
+                "torch": env.get("torch_version"),
+                "git_commit": env.get("git_commit"),
+                "git_dirty": env.get("git_dirty"),
+                "clock": config.get("clock"),
+                "created_at": reports[stem]["created_at"],
+                "engines": engines,
+            }
     gpus = sorted({s["gpu"] for s in sources.values() if s["gpu"]})
     if bandwidth_gpu is not None and gpus != [bandwidth_gpu]:
         bandwidth, bandwidth_source = None, f"measured on {bandwidth_gpu}, not the reports' GPU"
@@ -208,9 +295,17 @@ def read_targets(folder: str | Path, *, bandwidth: float | None, bandwidth_sourc
         report = read_report(folder / f"{BUSY}.json")
         gpu = report["environment"].get("gpu_name")
         busy = {"gpu": gpu if report["environment"].get("gpu_count", 0) >= 1 else "no GPU", "rows": report["rows"]}
-    return {"folder": str(folder), "gpus": gpus, "sources": sources, "busy": busy, "bandwidth_bytes_per_second": bandwidth,
-            "bandwidth_source": bandwidth_source,
-            "weight_bytes": weights, "bound_tokens_per_second_batch_1": bound, "rows": rows}
+    return {
+        "folder": str(folder),
+        "gpus": gpus,
+        "sources": sources,
+        "busy": busy,
+        "bandwidth_bytes_per_second": bandwidth,
+        "bandwidth_source": bandwidth_source,
+        "weight_bytes": weights,
+        "bound_tokens_per_second_batch_1": bound,
+        "rows": rows,
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -230,33 +325,50 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         t = row["target"]
         ratio = t["decode_batch"] is None
-        lines.append(f"| {t['label']} | {shown(row['cells']['hf'], ratio)} | {shown(row['cells']['slab'], ratio)} | "
-                     f">= {t['target']:g}{'x' if ratio else ''} |")
-    bw, wb, bound = result["bandwidth_bytes_per_second"], result["weight_bytes"], result["bound_tokens_per_second_batch_1"]
+        lines.append(
+            f"| {t['label']} | {shown(row['cells']['hf'], ratio)} | {shown(row['cells']['slab'], ratio)} | "
+            f">= {t['target']:g}{'x' if ratio else ''} |"
+        )
+    bw, wb, bound = (
+        result["bandwidth_bytes_per_second"],
+        result["weight_bytes"],
+        result["bound_tokens_per_second_batch_1"],
+    )
     gpus = [g for g in result["gpus"] if g != "none"]
     head = [f"Reports from: {', '.join(gpus) if gpus else 'no GPU (CPU runs: no figure here is a GPU figure)'}."]
     if bound:
-        head.append(f"Bound: {bw / 1e12:.2f} TB/s (device-to-device copy, read + write; {result['bandwidth_source']}) / "
-                    f"{wb / 1e9:.3g} GB of weights = {bound:,.0f} tokens/s at batch 1 (x batch size at larger batches).")
+        head.append(
+            f"Bound: {bw / 1e12:.2f} TB/s (device-to-device copy, read + write; {result['bandwidth_source']}) / "
+            f"{wb / 1e9:.3g} GB of weights = {bound:,.0f} tokens/s at batch 1 (x batch size at larger batches)."
+        )
     else:
         why = result["bandwidth_source"] or "no bandwidth.json in the folder and no CUDA device here"
         head.append(f"Bound: not measured ({why}; or the reports name no one model and dtype).")
     for stem, s in result["sources"].items():
-        paths = "".join(f"; {backend}: {_paths(about)}" for backend, about in s["engines"].items() if "decode_steps" in about)
-        head.append(f"- `{stem}.json`: {s['gpu']}, torch {s['torch']}, git {str(s['git_commit'])[:12]}"
-                    f"{'+dirty' if s['git_dirty'] else ''}, clock {s['clock']}, {s['created_at']}{paths}")
+        paths = "".join(
+            f"; {backend}: {_paths(about)}" for backend, about in s["engines"].items() if "decode_steps" in about
+        )
+        head.append(
+            f"- `{stem}.json`: {s['gpu']}, torch {s['torch']}, git {str(s['git_commit'])[:12]}"
+            f"{'+dirty' if s['git_dirty'] else ''}, clock {s['clock']}, {s['created_at']}{paths}"
+        )
     text = "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
     if result["busy"]:
+
         def cell(value, spec):
             return "not measured" if value is None else format(value, spec)
 
-        text += (f"\nDecode steps under the profiler (`{BUSY}.json`, {result['busy']['gpu']}; not a target):\n\n"
-                 "| backend | method | batch | device busy | kernels / token | host ops / step | ms / step |\n"
-                 "|---|---|---|---|---|---|---|\n")
+        text += (
+            f"\nDecode steps under the profiler (`{BUSY}.json`, {result['busy']['gpu']}; not a target):\n\n"
+            "| backend | method | batch | device busy | kernels / token | host ops / step | ms / step |\n"
+            "|---|---|---|---|---|---|---|\n"
+        )
         for r in result["busy"]["rows"]:
-            text += (f"| {r.get('backend', '-')} | {r['method']} | {r['batch_size']} | {cell(r.get('device_busy'), '.1%')} | "
-                     f"{cell(r.get('kernels_per_token'), '.1f')} | {cell(r.get('host_ops_per_step'), '.1f')} | "
-                     f"{cell(r.get('step_ms'), '.2f')} |\n")
+            text += (
+                f"| {r.get('backend', '-')} | {r['method']} | {r['batch_size']} | {cell(r.get('device_busy'), '.1%')} | "
+                f"{cell(r.get('kernels_per_token'), '.1f')} | {cell(r.get('host_ops_per_step'), '.1f')} | "
+                f"{cell(r.get('step_ms'), '.2f')} |\n"
+            )
     return text
 
 
@@ -265,13 +377,18 @@ def _paths(about: dict) -> str:
     steps = ", ".join(f"{n} {path}" for path, n in about["decode_steps"].items() if n)
     captures = about.get("graph_captures")
     return f"decode steps {steps or 'none'}" + (
-        f", {captures} captures taking {about['graph_capture_seconds']:.2f} s" if captures else "")
+        f", {captures} captures taking {about['graph_capture_seconds']:.2f} s" if captures else ""
+    )
 
 
 def add_arguments(p) -> None:
     p.add_argument("folder", metavar="DIR", help="the folder scripts/gpu_check.sh wrote")
-    p.add_argument("--bandwidth-gbs", type=float, metavar="GB/S",
-                   help="device-to-device copy bandwidth (read + write) instead of DIR/bandwidth.json or measuring it here")
+    p.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        metavar="GB/S",
+        help="device-to-device copy bandwidth (read + write) instead of DIR/bandwidth.json or measuring it here",
+    )
 
 
 def run(args) -> dict[str, Any]:
@@ -285,7 +402,11 @@ def run(args) -> dict[str, Any]:
         bandwidth, source, gpu = args.bandwidth_gbs * 1e9, "given (--bandwidth-gbs)", None
     elif recorded.is_file() or record_bandwidth(folder) is not None:
         record = json.loads(recorded.read_text())
-        bandwidth, source, gpu = record["bytes_per_second"], f"measured on {record['gpu']} (bandwidth.json)", record["gpu"]
+        bandwidth, source, gpu = (
+            record["bytes_per_second"],
+            f"measured on {record['gpu']} (bandwidth.json)",
+            record["gpu"],
+        )
     else:
         bandwidth, source, gpu = None, None, None
     result = read_targets(folder, bandwidth=bandwidth, bandwidth_source=source, bandwidth_gpu=gpu)

@@ -25,22 +25,54 @@ import platform
 import statistics
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 SCHEMA_VERSION = 1
-BENCHMARKS = ("feasible_context", "decode_speed", "vs_kvpress", "engine_vs_generate", "batch", "refill", "episodes", "device_busy")
-ENVIRONMENT_KEYS = (
-    "cpu_model", "cpu_count", "cpu_affinity", "torch_threads", "gpu_name", "gpu_count", "cuda_version",
-    "python_version", "torch_version", "transformers_version", "kvpress_version", "kvleague_version",
-    "git_commit", "git_dirty", "platform", "hostname", "load_average", "spec_hash",
+BENCHMARKS = (
+    "feasible_context",
+    "decode_speed",
+    "vs_kvpress",
+    "engine_vs_generate",
+    "batch",
+    "refill",
+    "episodes",
+    "device_busy",
 )
-FIGURE_KEYS = {"metric": str, "value": (int, float, type(None)), "unit": str, "method": (str, type(None)),
-               "budget": (int, type(None)), "reference": (str, type(None)), "details": dict}
+ENVIRONMENT_KEYS = (
+    "cpu_model",
+    "cpu_count",
+    "cpu_affinity",
+    "torch_threads",
+    "gpu_name",
+    "gpu_count",
+    "cuda_version",
+    "python_version",
+    "torch_version",
+    "transformers_version",
+    "kvpress_version",
+    "kvleague_version",
+    "git_commit",
+    "git_dirty",
+    "platform",
+    "hostname",
+    "load_average",
+    "spec_hash",
+)
+FIGURE_KEYS = {
+    "metric": str,
+    "value": (int, float, type(None)),
+    "unit": str,
+    "method": (str, type(None)),
+    "budget": (int, type(None)),
+    "reference": (str, type(None)),
+    "details": dict,
+}
 
 #: the default CPU model: 8 layers, hidden 768, 12 query / 4 KV heads of 64 (41M parameters)
 DEFAULT_ARCH = dict(arch="llama", layers=8, hidden=768, heads=12, kv_heads=4)
@@ -119,7 +151,7 @@ class Clock:
         if kind == "cpu":
             self.now = time.process_time
         else:  # the engine's own clock: one definition of "wait for the device, then read"
-            from kvleague.runner.engine.resources import device_clock
+            from kvleague.engine.resources import device_clock
 
             self.now = device_clock(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -251,8 +283,15 @@ def figure(
     """One stored number. ``reference``: what a ratio is relative to; ``details``: anything else."""
     if isinstance(value, float) and math.isnan(value):
         value = None
-    return {"metric": metric, "value": value, "unit": unit, "method": method, "budget": budget,
-            "reference": reference, "details": details}
+    return {
+        "metric": metric,
+        "value": value,
+        "unit": unit,
+        "method": method,
+        "budget": budget,
+        "reference": reference,
+        "details": details,
+    }
 
 
 def make_report(
@@ -307,7 +346,13 @@ def across_backends(args, run_one: Callable[[Any], dict[str, Any]]) -> dict[str,
 
     def key(fig: dict) -> tuple:
         details = {k: v for k, v in fig["details"].items() if k != "backend"}
-        return fig["metric"], fig["method"], fig["budget"], fig["reference"], json.dumps(details, sort_keys=True, default=str)
+        return (
+            fig["metric"],
+            fig["method"],
+            fig["budget"],
+            fig["reference"],
+            json.dumps(details, sort_keys=True, default=str),
+        )
 
     reference = {key(f): f for f in first["figures"] if f["unit"] == "tokens/s"}
     ratios, extra = [], []
@@ -318,24 +363,57 @@ def across_backends(args, run_one: Callable[[Any], dict[str, Any]]) -> dict[str,
                 continue
             value = ratio(fig["value"], base["value"])
             which = ", ".join(f"{k} {v}" for k, v in fig["details"].items() if k in ("runner", "batch_size"))
-            ratios.append({"backend": backend, "reference": backends[0], "metric": fig["metric"], "method": fig["method"],
-                           "budget": fig["budget"], "which": which, "ratio": value})
-            extra.append(figure("backend_speed_ratio", value, "x", method=fig["method"], budget=fig["budget"],
-                                reference=f"backend {backends[0]}", of=fig["metric"],
-                                **{k: v for k, v in fig["details"].items()}))
+            ratios.append(
+                {
+                    "backend": backend,
+                    "reference": backends[0],
+                    "metric": fig["metric"],
+                    "method": fig["method"],
+                    "budget": fig["budget"],
+                    "which": which,
+                    "ratio": value,
+                }
+            )
+            extra.append(
+                figure(
+                    "backend_speed_ratio",
+                    value,
+                    "x",
+                    method=fig["method"],
+                    budget=fig["budget"],
+                    reference=f"backend {backends[0]}",
+                    of=fig["metric"],
+                    **{k: v for k, v in fig["details"].items()},
+                )
+            )
     config = {**first["config"], "backend": None, "backends": backends}
     merged = make_report(
-        first["benchmark"], config=config,
+        first["benchmark"],
+        config=config,
         rows=[row for r in reports for row in r["rows"]],
         figures=[f for r in reports for f in r["figures"]] + extra,
-        summary={"backends": backends, "by_backend": {b: r["summary"] for b, r in zip(backends, reports)},
-                 "backend_ratios": ratios},
+        summary={
+            "backends": backends,
+            "by_backend": {b: r["summary"] for b, r in zip(backends, reports)},
+            "backend_ratios": ratios,
+        },
         env=first["environment"],
     )
     merged["elapsed_seconds"] = sum(r["elapsed_seconds"] or 0 for r in reports)
     print(f"\nbackends side by side: tokens/s of {', '.join(backends[1:])} over {backends[0]}")
-    print(table(ratios, [("backend", "backend", ""), ("metric", "figure", ""), ("method", "method", ""),
-                         ("budget", "budget", ""), ("which", "", ""), ("ratio", "ratio", ".3f")]))
+    print(
+        table(
+            ratios,
+            [
+                ("backend", "backend", ""),
+                ("metric", "figure", ""),
+                ("method", "method", ""),
+                ("budget", "budget", ""),
+                ("which", "", ""),
+                ("ratio", "ratio", ".3f"),
+            ],
+        )
+    )
     return merged
 
 
@@ -344,8 +422,17 @@ def validate_report(report: Any) -> None:
     problems: list[str] = []
     if not isinstance(report, dict):
         raise ValueError("report: not a JSON object")
-    expected = {"schema_version": int, "benchmark": str, "run_id": str, "created_at": str, "environment": dict,
-                "config": dict, "rows": list, "figures": list, "summary": dict}
+    expected = {
+        "schema_version": int,
+        "benchmark": str,
+        "run_id": str,
+        "created_at": str,
+        "environment": dict,
+        "config": dict,
+        "rows": list,
+        "figures": list,
+        "summary": dict,
+    }
     for key, kind in expected.items():
         if not isinstance(report.get(key), kind):
             problems.append(f"{key}: expected {kind.__name__}, got {type(report.get(key)).__name__}")
@@ -421,9 +508,11 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> st
 
 def describe_environment(env: dict[str, Any]) -> str:
     gpu = f", GPU {env['gpu_name']}" if env.get("gpu_count") else ", no GPU"
-    return (f"{env['cpu_model']} ({env['cpu_affinity']} of {env['cpu_count']} cores usable{gpu}), torch {env['torch_version']}, "
-            f"transformers {env['transformers_version']}, git {str(env['git_commit'])[:12]}{'+dirty' if env.get('git_dirty') else ''}, "
-            f"load average {', '.join(f'{x:.1f}' for x in env.get('load_average') or [])}")
+    return (
+        f"{env['cpu_model']} ({env['cpu_affinity']} of {env['cpu_count']} cores usable{gpu}), torch {env['torch_version']}, "
+        f"transformers {env['transformers_version']}, git {str(env['git_commit'])[:12]}{'+dirty' if env.get('git_dirty') else ''}, "
+        f"load average {', '.join(f'{x:.1f}' for x in env.get('load_average') or [])}"
+    )
 
 
 # -- the default model -----------------------------------------------------------------------------
@@ -436,13 +525,21 @@ def default_model(root: str | os.PathLike[str] | None = None, **overrides: Any) 
     from kvleague.runner.models.tiny import make_tiny_model
 
     spec = {**DEFAULT_ARCH, **overrides}
-    root = Path(root or os.environ.get("KVLEAGUE_BENCH_MODELS") or Path(tempfile.gettempdir()) / "kvleague-bench-models")
+    root = Path(
+        root or os.environ.get("KVLEAGUE_BENCH_MODELS") or Path(tempfile.gettempdir()) / "kvleague-bench-models"
+    )
     name = f"{spec['arch']}-l{spec['layers']}-h{spec['hidden']}-q{spec['heads']}-kv{spec['kv_heads']}"
     path = root / name
     if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
         tmp = root / f".{name}.{os.getpid()}"
-        make_tiny_model(spec["arch"], tmp, layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
-                        kv_heads=spec["kv_heads"])
+        make_tiny_model(
+            spec["arch"],
+            tmp,
+            layers=spec["layers"],
+            hidden=spec["hidden"],
+            heads=spec["heads"],
+            kv_heads=spec["kv_heads"],
+        )
         try:
             tmp.rename(path)
         except OSError:  # another process built it first
@@ -482,8 +579,10 @@ def bench_engine(args) -> tuple[str, Any, str]:
 def model_label(engine, source: str | None) -> str:
     about = engine.describe()
     params = about["parameters"]
-    shape = (f"{about['model_type']}, {engine.n_layers} layers, hidden {engine.backend.hidden_size}, "
-             f"{engine.n_heads}/{engine.n_kv_heads} heads, {params / 1e6:.1f}M params")
+    shape = (
+        f"{about['model_type']}, {engine.n_layers} layers, hidden {engine.backend.hidden_size}, "
+        f"{engine.n_heads}/{engine.n_kv_heads} heads, {params / 1e6:.1f}M params"
+    )
     return f"{source} ({shape})" if source else f"random-weight {shape}"
 
 

@@ -40,14 +40,14 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-from kvleague.methods import available_methods, build_method  # noqa: E402
-from kvleague.runner.engine import Engine  # noqa: E402
-from kvleague.runner.models import load_engine  # noqa: E402
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol  # noqa: E402
-from kvleague.runner.models.tiny import make_tiny_model  # noqa: E402
+from kvleague.engine import Engine
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import available_methods, build_method
+from kvleague.runner.models import load_engine
+from kvleague.runner.models.tiny import make_tiny_model
 
 #: the paper cadence of methods that compress every N steps rather than every step
 BUFFERED = {"snapkv": 128, "rkv": 128}
@@ -133,14 +133,23 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or (16 if args.quick else 32)
     names = [n for n in (args.methods or available_methods()) if n != "full"]
     model = args.model or str(
-        make_tiny_model(args.arch, tempfile.mkdtemp(), layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
+        make_tiny_model(
+            args.arch,
+            tempfile.mkdtemp(),
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+        )
     )
     engine = load_engine(model)
     engine.eos_ids = set()  # every run decodes exactly its number of steps
     params = engine.describe()["parameters"]
     generator = torch.Generator().manual_seed(0)
-    print(f"model: {args.arch} {params / 1e6:.1f}M params ({engine.n_layers} layers, hidden {engine.backend.hidden_size}, "
-          f"{engine.n_heads} heads / {engine.n_kv_heads} KV heads), torch threads {torch.get_num_threads()}, clock {args.clock}")
+    print(
+        f"model: {args.arch} {params / 1e6:.1f}M params ({engine.n_layers} layers, hidden {engine.backend.hidden_size}, "
+        f"{engine.n_heads} heads / {engine.n_kv_heads} KV heads), torch threads {torch.get_num_threads()}, clock {args.clock}"
+    )
 
     rows = []
     for budget in budgets:
@@ -162,10 +171,21 @@ def main(argv: list[str] | None = None) -> dict:
             r["overhead"] = r["method_ms"] / full_ms
             r["step_ratio"] = r["decode_ms"] / full_ms
         rows.extend(results)
-        rows.append({**baseline[0], "method": "full", "decode_ms": full_ms, "full_decode_ms": full_ms, "overhead": 0.0, "step_ratio": 1.0})
+        rows.append(
+            {
+                **baseline[0],
+                "method": "full",
+                "decode_ms": full_ms,
+                "full_decode_ms": full_ms,
+                "overhead": 0.0,
+                "step_ratio": 1.0,
+            }
+        )
 
     header = f"{'method':14s} {'B':>5s} {'cadence':>10s} {'observe':>8s} {'score':>8s} {'select':>8s} {'method':>8s} {'decode':>8s} {'overhead':>9s} {'step x':>7s}"
-    print(f"\nper fed decode step, milliseconds ({args.clock} clock); overhead = method / full decode step at the same B")
+    print(
+        f"\nper fed decode step, milliseconds ({args.clock} clock); overhead = method / full decode step at the same B"
+    )
     print(header)
     print("-" * len(header))
     for r in sorted(rows, key=lambda r: (r["method"], r["budget"])):
@@ -175,7 +195,12 @@ def main(argv: list[str] | None = None) -> dict:
         )
     figures = {
         "model": model if args.model else f"random-weight {args.arch}, {params / 1e6:.1f}M params",
-        "config": {"layers": engine.n_layers, "hidden": engine.backend.hidden_size, "heads": engine.n_heads, "kv_heads": engine.n_kv_heads},
+        "config": {
+            "layers": engine.n_layers,
+            "hidden": engine.backend.hidden_size,
+            "heads": engine.n_heads,
+            "kv_heads": engine.n_kv_heads,
+        },
         "budgets": budgets,
         "steps": steps,
         "quick": args.quick,

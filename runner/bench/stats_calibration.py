@@ -28,11 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in SAMPLES:
         for n in NS:
-            rows += [calibration.paired(n, m, args.reps, 0.0, args.seed),
-                     calibration.paired(n, m, args.reps, calibration.ALTERNATIVE_SHIFT, args.seed + 1),
-                     calibration.accuracy(n, m, args.reps, args.seed + 2)]
+            rows += [
+                calibration.paired(n, m, args.reps, 0.0, args.seed),
+                calibration.paired(n, m, args.reps, calibration.ALTERNATIVE_SHIFT, args.seed + 1),
+                calibration.accuracy(n, m, args.reps, args.seed + 2),
+            ]
     rows.sort(key=lambda r: (r.procedure, r.samples, r.n))
-    print(f"{args.reps} replicates per row; solve rates ~ Beta{calibration.SHAPE}; nominal: 5.0% rejection, 95.0% coverage")
+    print(
+        f"{args.reps} replicates per row; solve rates ~ Beta{calibration.SHAPE}; nominal: 5.0% rejection, 95.0% coverage"
+    )
     print("| procedure | samples/question | n | rejection of the true value (%) | coverage (%) |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -43,8 +43,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #: tensor methods that copy a tensor to the host (on a GPU; a CPU dispatches nothing for them)
 TO_HOST = frozenset({"tolist", "cpu"})
 #: ATen ops that read a tensor's value on the host (or size an output by it)
-HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "nonzero", "equal", "masked_select", "unique",
-                        "_unique", "_unique2", "unique_consecutive", "unique_dim", "bincount"})
+HOST_READS = frozenset(
+    {
+        "item",
+        "_local_scalar_dense",
+        "is_nonzero",
+        "nonzero",
+        "equal",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "bincount",
+    }
+)
 
 
 def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: int) -> dict:
@@ -52,10 +66,10 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from kvleague.engine.decode import DecodeLoop
+    from kvleague.engine.protocol import GenerationSettings, Protocol
+    from kvleague.engine.slab import GraphedStep
     from kvleague.methods import build_method
-    from kvleague.runner.engine.decode import DecodeLoop
-    from kvleague.runner.engine.protocol import GenerationSettings, Protocol
-    from kvleague.runner.engine.slab import GraphedStep
 
     class Counter(TorchDispatchMode):
         def __init__(self):
@@ -96,9 +110,14 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
             DecodeLoop(engine, sessions, GenerationSettings(max_new_tokens=steps + 1)).run()
     finally:
         GraphedStep._body = body
-    return {"method": name, "batch_size": batch, "ops_per_step": counter.ops / steps,
-            "host_reads_per_step": counter.reads / steps, "to_host_per_step": counter.to_host / steps,
-            "evictions": sessions[0].evictions}
+    return {
+        "method": name,
+        "batch_size": batch,
+        "ops_per_step": counter.ops / steps,
+        "host_reads_per_step": counter.reads / steps,
+        "to_host_per_step": counter.to_host / steps,
+        "evictions": sessions[0].evictions,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -124,14 +143,29 @@ def main(argv: list[str] | None = None) -> dict:
         engine.eos_ids = set()
         engine.backend.graphs = True  # the captured body's path, run eagerly off CUDA
         prompt = h.random_prompt(args.prompt_tokens, seed=1)
-        rows = [count(engine, m, b, args.budget, prompt, args.steps)
-                for m in args.methods.split(",") for b in (int(x) for x in args.batch_sizes.split(","))]
+        rows = [
+            count(engine, m, b, args.budget, prompt, args.steps)
+            for m in args.methods.split(",")
+            for b in (int(x) for x in args.batch_sizes.split(","))
+        ]
         label = h.model_label(engine, args.model)
-    print(f"host work per decode step outside the captured step: {label}; prompt {args.prompt_tokens}, "
-          f"B = {args.budget}, {args.steps} steps")
-    print(h.table(rows, [("method", "method", ""), ("batch_size", "batch", "d"), ("ops_per_step", "ops/step", ".1f"),
-                         ("host_reads_per_step", "host reads/step", ".1f"), ("to_host_per_step", "to host/step", ".1f"),
-                         ("evictions", "evictions", "d")]))
+    print(
+        f"host work per decode step outside the captured step: {label}; prompt {args.prompt_tokens}, "
+        f"B = {args.budget}, {args.steps} steps"
+    )
+    print(
+        h.table(
+            rows,
+            [
+                ("method", "method", ""),
+                ("batch_size", "batch", "d"),
+                ("ops_per_step", "ops/step", ".1f"),
+                ("host_reads_per_step", "host reads/step", ".1f"),
+                ("to_host_per_step", "to host/step", ".1f"),
+                ("evictions", "evictions", "d"),
+            ],
+        )
+    )
     report = {"config": vars(args), "model_label": label, "environment": h.environment(), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from kvleague.runner.bench.harness import validate_report
 from kvleague.db.spec_hash import spec_hash
+from kvleague.runner.bench.harness import validate_report
 
 
 def _insert(engine, table):
@@ -23,7 +23,15 @@ def _insert(engine, table):
 
 
 def row_key(report: dict[str, Any], fig: dict[str, Any]) -> str:
-    body = [report["run_id"], report["benchmark"], fig["method"], fig["budget"], fig["metric"], fig["reference"], fig["details"]]
+    body = [
+        report["run_id"],
+        report["benchmark"],
+        fig["method"],
+        fig["budget"],
+        fig["metric"],
+        fig["reference"],
+        fig["details"],
+    ]
     return spec_hash(body, spaced=True)
 
 
@@ -49,7 +57,12 @@ def check_storable(report: dict[str, Any]) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or not -(2**31) <= value < 2**31:
                 raise ValueError(f"{where}: expected an integer from {-(2**31)} to {2**31 - 1}")
         elif isinstance(kind, Float):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or abs(value) >= 2**63 or not math.isfinite(value):
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or abs(value) >= 2**63
+                or not math.isfinite(value)
+            ):
                 raise ValueError(f"{where}: expected a finite number below 2**63 in size")
         elif isinstance(kind, String):
             if not isinstance(value, str) or (kind.length and len(value) > kind.length):
@@ -87,9 +100,22 @@ def store_report(report: dict[str, Any], url: str | None = None) -> int:
     model = str(config.get("model_label") or config.get("model") or "")
     created = datetime.fromisoformat(report["created_at"])
     rows = [
-        {"row_key": row_key(report, f), "run_id": report["run_id"], "benchmark": report["benchmark"], "environment_id": env_id,
-         "model": model, "method": f["method"], "budget": f["budget"], "metric": f["metric"], "value": f["value"],
-         "unit": f["unit"], "reference": f["reference"], "details": f["details"], "config": config, "created_at": created}
+        {
+            "row_key": row_key(report, f),
+            "run_id": report["run_id"],
+            "benchmark": report["benchmark"],
+            "environment_id": env_id,
+            "model": model,
+            "method": f["method"],
+            "budget": f["budget"],
+            "metric": f["metric"],
+            "value": f["value"],
+            "unit": f["unit"],
+            "reference": f["reference"],
+            "details": f["details"],
+            "config": config,
+            "created_at": created,
+        }
         for f in report["figures"]
     ]
     if not rows:
@@ -105,7 +131,9 @@ def store_report(report: dict[str, Any], url: str | None = None) -> int:
         return int(conn.execute(count).scalar_one() - before)
 
 
-def read_figures(url: str | None = None, *, run_id: str | None = None, benchmark: str | None = None) -> list[dict[str, Any]]:
+def read_figures(
+    url: str | None = None, *, run_id: str | None = None, benchmark: str | None = None
+) -> list[dict[str, Any]]:
     """Stored figures (oldest first), optionally of one run or one benchmark."""
     from sqlalchemy import select
 

@@ -46,7 +46,9 @@ def kvpress_press(name: str, budget: int):
     base = getattr(kvpress, METHODS[name])()
     if name == "streaming_llm":
         base.n_sink = 4  # the same as the engine's default n_sink
-    return kvpress.DecodingPress(base_press=base, compression_interval=1, target_size=budget, hidden_states_buffer_size=0)
+    return kvpress.DecodingPress(
+        base_press=base, compression_interval=1, target_size=budget, hidden_states_buffer_size=0
+    )
 
 
 def time_kvpress(engine, name: str, budget: int, prompt: list[int], new_tokens: int, clock) -> dict:
@@ -65,9 +67,9 @@ def run(args) -> dict:
 def run_one(args) -> dict:
     import logging
 
+    from kvleague.engine.anchors import kvpress_reference_tokens
     from kvleague.runner.bench import harness as h
     from kvleague.runner.bench.engine_vs_generate import time_engine
-    from kvleague.runner.engine.anchors import kvpress_reference_tokens
 
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # "compression_ratio will be overridden" on every press
     started = time.perf_counter()
@@ -80,37 +82,81 @@ def run_one(args) -> dict:
     names = args.methods or list(METHODS)
     source, engine, label = h.bench_engine(args)
     env = h.environment()
-    print(f"engine vs kvpress DecodingPress: {label}; budgets {budgets}; {new_tokens} decode steps; {rounds} alternating rounds; "
-          f"clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}", flush=True)
+    print(
+        f"engine vs kvpress DecodingPress: {label}; budgets {budgets}; {new_tokens} decode steps; {rounds} alternating rounds; "
+        f"clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}",
+        flush=True,
+    )
     rows, figures, ratios = [], [], []
     for budget in budgets:
         prompt = h.random_prompt(budget, seed=2)
         runs = {}
         for name in names:
-            runs[f"engine:{name}"] = lambda name=name: time_engine(engine, prompt, new_tokens, clock, method=name, budget=budget)
-            runs[f"kvpress:{name}"] = lambda name=name: time_kvpress(engine, name, budget, prompt, new_tokens, clock)
+            runs[f"engine:{name}"] = lambda name=name, prompt=prompt, budget=budget: time_engine(
+                engine,
+                prompt,
+                new_tokens,
+                clock,
+                method=name,
+                budget=budget,
+            )
+            runs[f"kvpress:{name}"] = lambda name=name, prompt=prompt, budget=budget: time_kvpress(
+                engine, name, budget, prompt, new_tokens, clock
+            )
         results = h.alternate(runs, rounds)
         for name in names:
             eng, kvp = results[f"engine:{name}"], results[f"kvpress:{name}"]
             e_tps, k_tps = h.median(r["decode_tps"] for r in eng), h.median(r["decode_tps"] for r in kvp)
             corrected = kvpress_reference_tokens(engine, kvpress_press(name, budget), prompt, new_tokens)
             agree = _agreeing_prefix(eng[0]["tokens"], corrected)
-            row = {"method": name, "budget": budget, "engine_tokens_per_second": e_tps, "kvpress_tokens_per_second": k_tps,
-                   "ratio": h.ratio(e_tps, k_tps), "same_tokens_prefix": agree,
-                   "same_tokens_prefix_kvpress_as_is": _agreeing_prefix(eng[0]["tokens"], kvp[0]["tokens"]),
-                   "new_tokens": new_tokens, "rounds": rounds}
+            row = {
+                "method": name,
+                "budget": budget,
+                "engine_tokens_per_second": e_tps,
+                "kvpress_tokens_per_second": k_tps,
+                "ratio": h.ratio(e_tps, k_tps),
+                "same_tokens_prefix": agree,
+                "same_tokens_prefix_kvpress_as_is": _agreeing_prefix(eng[0]["tokens"], kvp[0]["tokens"]),
+                "new_tokens": new_tokens,
+                "rounds": rounds,
+            }
             rows.append(row)
             ratios.append({"method": name, "budget": budget, "ratio": row["ratio"]})
             common = dict(method=name, budget=budget, clock=args.clock, threads=threads, new_tokens=new_tokens)
             figures += [
                 h.figure("decode_tokens_per_second", e_tps, "tokens/s", runner="engine", **common),
-                h.figure("decode_tokens_per_second", k_tps, "tokens/s", runner="kvpress", press=f"DecodingPress({METHODS[name]})", **common),
+                h.figure(
+                    "decode_tokens_per_second",
+                    k_tps,
+                    "tokens/s",
+                    runner="kvpress",
+                    press=f"DecodingPress({METHODS[name]})",
+                    **common,
+                ),
                 h.figure("speed_ratio", row["ratio"], "x", reference="kvpress", target=TARGET, **common),
             ]
-    config = {"model": source, "model_label": label, "budgets": budgets, "new_tokens": new_tokens, "rounds": rounds, "methods": names,
-              "clock": args.clock, "threads": threads, "compression_interval": 1, "cadence": "every_step", "quick": args.quick}
-    report = h.make_report("vs_kvpress", config=config, rows=rows, figures=figures, summary={"ratios": ratios, "target": TARGET, "engine": engine.describe()},
-                           env=env, started=started)
+    config = {
+        "model": source,
+        "model_label": label,
+        "budgets": budgets,
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "methods": names,
+        "clock": args.clock,
+        "threads": threads,
+        "compression_interval": 1,
+        "cadence": "every_step",
+        "quick": args.quick,
+    }
+    report = h.make_report(
+        "vs_kvpress",
+        config=config,
+        rows=rows,
+        figures=figures,
+        summary={"ratios": ratios, "target": TARGET, "engine": engine.describe()},
+        env=env,
+        started=started,
+    )
     print_report(report)
     return report
 
@@ -128,10 +174,20 @@ def print_report(report: dict) -> None:
     from kvleague.runner.bench import harness as h
 
     print("\nengine vs kvpress (DecodingPress, compression every step), decode tokens/s")
-    print(h.table(report["rows"], [("method", "method", ""), ("budget", "B", "d"), ("engine_tokens_per_second", "engine", ".2f"),
-                                   ("kvpress_tokens_per_second", "kvpress", ".2f"), ("ratio", "engine/kvpress", ".3f"),
-                                   ("same_tokens_prefix", "same tokens", "d"),
-                                   ("same_tokens_prefix_kvpress_as_is", "same tokens (kvpress as is)", "d")]))
+    print(
+        h.table(
+            report["rows"],
+            [
+                ("method", "method", ""),
+                ("budget", "B", "d"),
+                ("engine_tokens_per_second", "engine", ".2f"),
+                ("kvpress_tokens_per_second", "kvpress", ".2f"),
+                ("ratio", "engine/kvpress", ".3f"),
+                ("same_tokens_prefix", "same tokens", "d"),
+                ("same_tokens_prefix_kvpress_as_is", "same tokens (kvpress as is)", "d"),
+            ],
+        )
+    )
     print(f"target: engine / kvpress >= {report['summary']['target']}")
 
 

@@ -1,4 +1,4 @@
-"""Loading a model spec into an :class:`~runner.engine.Engine`.
+"""Loading a model spec into an :class:`~engine.Engine`.
 
 The one path for tiny test models and real ones: the spec is resolved to a local checkpoint
 (``runner.models.source``), then loaded with the requested dtype, device and attention kernel.
@@ -10,9 +10,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvleague.runner.engine import Engine, check_backend
-from kvleague.runner.engine.errors import KvleagueError, first_line
-from kvleague.runner.engine.probe import INNER_IMPLEMENTATIONS
+from kvleague.engine import Engine, check_backend
+from kvleague.engine.errors import KvleagueError, first_line
+from kvleague.engine.probe import INNER_IMPLEMENTATIONS
 from kvleague.runner.models.source import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,7 +31,9 @@ def load_engine(
     (``BACKENDS``: Hugging Face's forward pass, ``hf``, or the same model over fixed KV slabs, ``slab``)."""
     check_backend(backend)
     if attn_implementation not in INNER_IMPLEMENTATIONS:
-        raise KvleagueError(f"attn_implementation: unknown {attn_implementation!r}; allowed: {', '.join(INNER_IMPLEMENTATIONS)}")
+        raise KvleagueError(
+            f"attn_implementation: unknown {attn_implementation!r}; allowed: {', '.join(INNER_IMPLEMENTATIONS)}"
+        )
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if attn_implementation == "flash_attention_2":
@@ -48,7 +50,9 @@ def load_engine(
             source, dtype=DTYPES[dtype], attn_implementation=attn_implementation
         ).to(device)
     except OSError as exc:
-        raise KvleagueError(f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}") from None
+        raise KvleagueError(
+            f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}"
+        ) from None
     return Engine.on(hf_model, tokenizer, attn_implementation, backend)
 
 
@@ -56,6 +60,10 @@ def _require_flash_attention(device: str) -> None:
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        raise KvleagueError("attn_implementation: flash_attention_2 needs the flash-attn package (pip install 'kvleague[gpu]'); allowed here: sdpa, eager") from None
+        raise KvleagueError(
+            "attn_implementation: flash_attention_2 needs the flash-attn package (pip install 'kvleague[gpu]'); allowed here: sdpa, eager"
+        ) from None
     if not device.startswith("cuda"):
-        raise KvleagueError(f"attn_implementation: flash_attention_2 needs a CUDA device, got device={device!r}; allowed here: sdpa, eager")
+        raise KvleagueError(
+            f"attn_implementation: flash_attention_2 needs a CUDA device, got device={device!r}; allowed here: sdpa, eager"
+        )

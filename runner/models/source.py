@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvleague.runner.engine.errors import KvleagueError, first_line
+from kvleague.engine.errors import KvleagueError, first_line
 
 MARKER = "kvleague-source.json"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -111,7 +111,9 @@ def check_spec(spec: str) -> None:
             raise KvleagueError(f"model: {spec!r} holds neither config.json nor exactly one .gguf file")
         return
     if looks_like_path(spec):
-        raise KvleagueError(f"model: no checkpoint directory or .gguf file at {spec!r} (known names: {', '.join(KNOWN_MODELS)})")
+        raise KvleagueError(
+            f"model: no checkpoint directory or .gguf file at {spec!r} (known names: {', '.join(KNOWN_MODELS)})"
+        )
     if not _HUB_ID.fullmatch(spec):
         raise KvleagueError(
             f"model: {spec!r} is not a checkpoint directory, a .gguf file, a known name ({', '.join(KNOWN_MODELS)}) "
@@ -195,21 +197,36 @@ def _convert_into(gguf_file: Path, out: Path) -> None:
         # one parse and one map per architecture serve them all (both are only read).
         # The GGUF dequantizer draws its own tqdm bar, which ignores transformers' switch above.
         parse = gguf.GGUFReader
-        with mock.patch("gguf.GGUFReader", lambda path, *a, **k: reader if Path(path) == gguf_file else parse(path, *a, **k)), \
-             mock.patch("gguf.get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)), \
-             mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items):
+        with (
+            mock.patch(
+                "gguf.GGUFReader", lambda path, *a, **k: reader if Path(path) == gguf_file else parse(path, *a, **k)
+            ),
+            mock.patch("gguf.get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)),
+            mock.patch("transformers.modeling_gguf_pytorch_utils.tqdm", lambda items, **_: items),
+        ):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-            model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a bad file, said in one line
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+            )
+    except Exception as exc:
         raise KvleagueError(f"model: {gguf_file}: transformers could not convert it: {first_line(exc)}") from None
     model.save_pretrained(out)
     chat_tokenizer_from_gguf(tokenizer, meta).save_pretrained(out)
     import importlib.metadata as md
 
-    (out / MARKER).write_text(json.dumps({
-        "gguf_file": str(gguf_file), "gguf_bytes": gguf_file.stat().st_size, "gguf_name": meta.get("general.name"),
-        "transformers": md.version("transformers"), "gguf": md.version("gguf"), "dtype": "float32",
-    }, indent=2))
+    (out / MARKER).write_text(
+        json.dumps(
+            {
+                "gguf_file": str(gguf_file),
+                "gguf_bytes": gguf_file.stat().st_size,
+                "gguf_name": meta.get("general.name"),
+                "transformers": md.version("transformers"),
+                "gguf": md.version("gguf"),
+                "dtype": "float32",
+            },
+            indent=2,
+        )
+    )
 
 
 def read_gguf(gguf_file: Path):
@@ -222,8 +239,10 @@ def read_gguf(gguf_file: Path):
         from gguf import GGUFReader
 
         return GGUFReader(str(gguf_file))
-    except Exception as exc:  # noqa: BLE001
-        raise KvleagueError(f"model: {gguf_file}: not a readable GGUF file (corrupt or truncated?): {first_line(exc)}") from None
+    except Exception as exc:
+        raise KvleagueError(
+            f"model: {gguf_file}: not a readable GGUF file (corrupt or truncated?): {first_line(exc)}"
+        ) from None
 
 
 def gguf_metadata(reader) -> dict:
@@ -248,11 +267,17 @@ def chat_tokenizer_from_gguf(tokenizer, meta: dict):
     if byte_level:  # GPT-2 style BPE: plain byte-level decoding (the converter adds SentencePiece steps)
         backend.decoder = decoders.ByteLevel()
     if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                               special_tokens=[(bos, backend.token_to_id(bos))])
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))]
+        )
     else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False) if byte_level else None
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad or eos,
-        chat_template=tokenizer.chat_template, add_prefix_space=bool(meta.get("tokenizer.ggml.add_space_prefix")),
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=unk,
+        pad_token=pad or eos,
+        chat_template=tokenizer.chat_template,
+        add_prefix_space=bool(meta.get("tokenizer.ggml.add_space_prefix")),
     )

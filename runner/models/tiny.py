@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoModelForCausalLM,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
-    AutoModelForCausalLM,
 )
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
@@ -59,7 +59,9 @@ def tiny_config(arch: str, *, vocab_size: int, layers: int, hidden: int, heads: 
     if arch not in ARCHS:
         raise KvleagueError(f"arch: unknown {arch!r}; allowed: {', '.join(ARCHS)}")
     if hidden % heads or heads % kv_heads:
-        raise KvleagueError(f"heads: hidden ({hidden}) must divide by heads ({heads}) and heads by kv-heads ({kv_heads})")
+        raise KvleagueError(
+            f"heads: hidden ({hidden}) must divide by heads ({heads}) and heads by kv-heads ({kv_heads})"
+        )
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,

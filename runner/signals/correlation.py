@@ -100,8 +100,9 @@ def partial_from_rhos(r_xy, r_xz, r_yz):
         return (r_xy - r_xz * r_yz) / np.sqrt((1 - r_xz**2) * (1 - r_yz**2))
 
 
-def pooled_partial_spearman(signal: list[np.ndarray], label: list[np.ndarray],
-                            control: list[np.ndarray]) -> tuple[float, float, int]:
+def pooled_partial_spearman(
+    signal: list[np.ndarray], label: list[np.ndarray], control: list[np.ndarray]
+) -> tuple[float, float, int]:
     """(rho, p, pairs): the rank partial correlation of signal and label given control, pooled over every
     token of every sample (tokens with a non-finite value dropped); p from the t test with pairs - 3
     degrees of freedom, as nominal as ``spearmanr``'s (tokens of one sample are not independent)."""
@@ -167,7 +168,14 @@ class SampleBootstrap:
             np.add.at(m, (np.arange(idx.shape[0])[:, None], idx), 1.0)
             return rho_of_multiplicities(m)
 
-        res = stats.bootstrap((np.arange(n),), statistic, vectorized=True, n_resamples=self.n_resamples,
-                              batch=100, method="percentile", random_state=np.random.default_rng(self.seed))
+        res = stats.bootstrap(
+            (np.arange(n),),
+            statistic,
+            vectorized=True,
+            n_resamples=self.n_resamples,
+            batch=100,
+            method="percentile",
+            random_state=np.random.default_rng(self.seed),
+        )
         lo, hi = res.confidence_interval
         return float(lo), float(hi)

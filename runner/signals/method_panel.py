@@ -10,10 +10,10 @@ weights (equal to the rows computed from q and K, up to float rounding).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
-from kvleague.runner.engine.contract import EvictionMethod, Needs, Observation, SequenceInfo
+from kvleague.engine.contract import EvictionMethod, Needs, Observation, SequenceInfo
 
 
 def union_needs(methods: Sequence[EvictionMethod]) -> Needs:

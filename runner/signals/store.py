@@ -45,19 +45,34 @@ def store_correlations(report: dict[str, Any], url: str | None = None) -> int:
     rows = []
     for c in report["correlations"]:
         family, layer = signal_family(c["signal"])
-        rows.append({
-            "row_key": row_key(report["run_id"], c["label"], c["signal"]), "run_id": report["run_id"],
-            "environment_id": env_id, "model": config["model"], "task": config["task"], "domain": config["domain"],
-            "label": c["label"], "signal": c["signal"], "family": family, "layer": layer,
-            "n_layers": config["n_layers"], "rho": _finite(c["rho"]), "rho_lo": _finite(c["lo"]),
-            "rho_hi": _finite(c["hi"]), "p_value": _finite(c["p_value"]), "n_samples": c["n_samples"],
-            "n_pairs": c["n_pairs"], "config": config, "control": c.get("control"),
-            "partial_rho": _finite(c.get("partial_rho", float("nan"))),
-            "partial_lo": _finite(c.get("partial_lo", float("nan"))),
-            "partial_hi": _finite(c.get("partial_hi", float("nan"))),
-            "partial_p_value": _finite(c.get("partial_p_value", float("nan"))),
-            "occluded": config.get("options", {}).get("occluded", "context"),
-        })
+        rows.append(
+            {
+                "row_key": row_key(report["run_id"], c["label"], c["signal"]),
+                "run_id": report["run_id"],
+                "environment_id": env_id,
+                "model": config["model"],
+                "task": config["task"],
+                "domain": config["domain"],
+                "label": c["label"],
+                "signal": c["signal"],
+                "family": family,
+                "layer": layer,
+                "n_layers": config["n_layers"],
+                "rho": _finite(c["rho"]),
+                "rho_lo": _finite(c["lo"]),
+                "rho_hi": _finite(c["hi"]),
+                "p_value": _finite(c["p_value"]),
+                "n_samples": c["n_samples"],
+                "n_pairs": c["n_pairs"],
+                "config": config,
+                "control": c.get("control"),
+                "partial_rho": _finite(c.get("partial_rho", float("nan"))),
+                "partial_lo": _finite(c.get("partial_lo", float("nan"))),
+                "partial_hi": _finite(c.get("partial_hi", float("nan"))),
+                "partial_p_value": _finite(c.get("partial_p_value", float("nan"))),
+                "occluded": config.get("options", {}).get("occluded", "context"),
+            }
+        )
     if not rows:
         return 0
     table = SignalCorrelation.__table__

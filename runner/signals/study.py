@@ -74,16 +74,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvleague.runner.engine import Engine
-from kvleague.runner.engine.backend import Analysis, Prefix
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine import Engine
+from kvleague.engine.backend import Analysis, Prefix
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import Protocol
 from kvleague.runner.fidelity import Segment, prompt_ids, self_traces, truncate
-from kvleague.runner.signals.method_panel import MethodPanel
-from kvleague.runner.engine.protocol import Protocol
 from kvleague.runner.reference_tasks import OCCLUDED, TRACES
+from kvleague.runner.signals.method_panel import MethodPanel
 
 #: per-layer signal families, in display order
-LAYER_FAMILIES = ("hs_l2_diff_rolling64", "hs_l2_diff", "key_norm", "key_var", "value_norm", "value_var", "h2o", "attn_entropy")
+LAYER_FAMILIES = (
+    "hs_l2_diff_rolling64",
+    "hs_l2_diff",
+    "key_norm",
+    "key_var",
+    "value_norm",
+    "value_var",
+    "h2o",
+    "attn_entropy",
+)
 #: families that also get an all-layer mean (the authors' kv and attention signals are all-layer means)
 MEAN_FAMILIES = ("key_norm", "key_var", "value_norm", "value_var", "h2o", "attn_entropy")
 LABELS = ("occlusion_nll", "answer_flip")
@@ -113,8 +122,10 @@ class SignalOptions:
         if self.occluded == "trace" and self.flip_label:
             raise KvleagueError("flip-label: the answer-flip label needs windows over the context (--occlude context)")
         if self.occluded == "trace" and self.max_tokens <= self.window:
-            raise KvleagueError(f"max-tokens: windows over the trace need a trace longer than a window ({self.window}), "
-                                f"got {self.max_tokens}")
+            raise KvleagueError(
+                f"max-tokens: windows over the trace need a trace longer than a window ({self.window}), "
+                f"got {self.max_tokens}"
+            )
         if not 0.0 < self.score_budget_fraction <= 1.0:
             raise KvleagueError(f"score-budget-fraction: must be in (0, 1], got {self.score_budget_fraction}")
 
@@ -148,10 +159,16 @@ class SampleSignals:
 
     def to_dict(self) -> dict[str, Any]:
         out = {
-            "sample_id": self.sample_id, "context_tokens": self.context_tokens, "answer_tokens": self.answer_tokens,
-            "windows": self.windows, "answer_nll": self.answer_nll, "window_delta_nll": self.window_delta_nll,
-            "full_correct": self.full_correct, "window_flips": self.window_flips,
-            "method_errors": self.method_errors, "seconds": self.seconds,
+            "sample_id": self.sample_id,
+            "context_tokens": self.context_tokens,
+            "answer_tokens": self.answer_tokens,
+            "windows": self.windows,
+            "answer_nll": self.answer_nll,
+            "window_delta_nll": self.window_delta_nll,
+            "full_correct": self.full_correct,
+            "window_flips": self.window_flips,
+            "method_errors": self.method_errors,
+            "seconds": self.seconds,
         }
         if self.occluded != "context":
             out.update(occluded=self.occluded, span_start=self.span_start, studied_tokens=self.studied_tokens)
@@ -260,9 +277,12 @@ def model_signals(analysis: Analysis, rolling: int) -> dict[str, np.ndarray]:
         attn = analysis.attentions[layer].double()  # [H_q, T, T]
         row = attn.clamp(min=1e-10)
         layer_signals = {
-            "key_norm": keys.norm(dim=-1).mean(0), "key_var": keys.var(dim=-1).mean(0),
-            "value_norm": values.norm(dim=-1).mean(0), "value_var": values.var(dim=-1).mean(0),
-            "h2o": attn.sum(dim=1).mean(0), "attn_entropy": -(row * row.log()).sum(dim=-1).mean(0),
+            "key_norm": keys.norm(dim=-1).mean(0),
+            "key_var": keys.var(dim=-1).mean(0),
+            "value_norm": values.norm(dim=-1).mean(0),
+            "value_var": values.var(dim=-1).mean(0),
+            "h2o": attn.sum(dim=1).mean(0),
+            "attn_entropy": -(row * row.log()).sum(dim=-1).mean(0),
         }
         for family, value in layer_signals.items():
             signals[f"{family}_l{layer}"] = value.numpy()
@@ -273,8 +293,9 @@ def model_signals(analysis: Analysis, rolling: int) -> dict[str, np.ndarray]:
     return signals
 
 
-def method_scores(engine: Engine, methods: dict, context: list[int], answer: list[int], fraction: float,
-                  seed: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def method_scores(
+    engine: Engine, methods: dict, context: list[int], answer: list[int], fraction: float, seed: int
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Each method's score of every position, read once at the end of the trace on the full cache."""
     panel = MethodPanel(members=methods)
     budget = len(context) + len(answer) + 1  # above the sequence: the engine never evicts
@@ -317,8 +338,9 @@ def _per_position(raw: torch.Tensor, positions: np.ndarray, view) -> np.ndarray:
 # -- one sample --------------------------------------------------------------------------------
 
 
-def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOptions,
-                 trace: list[int] | None = None) -> SampleSignals:
+def study_sample(
+    engine: Engine, task, sample, methods: dict, options: SignalOptions, trace: list[int] | None = None
+) -> SampleSignals:
     """Labels and signals of one sample (see the module docstring). ``trace``: the sample's self trace
     when the caller generated it already (``self_traces`` decodes many prompts together); under
     ``trace="self"`` it is generated here otherwise."""
@@ -329,8 +351,10 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
         context = prompt_ids(segments)
         answer = list(trace) if trace is not None else self_traces(engine, [context], options.max_tokens)[0]
         if len(answer) != options.max_tokens:
-            raise KvleagueError(f"signals: sample {sample.sample_id}: a self trace of {len(answer)} tokens, "
-                                f"not --max-tokens {options.max_tokens}")
+            raise KvleagueError(
+                f"signals: sample {sample.sample_id}: a self trace of {len(answer)} tokens, "
+                f"not --max-tokens {options.max_tokens}"
+            )
     else:
         context, answer = split_context_answer(segments, options.max_tokens)
     if options.trace == "greedy":
@@ -368,7 +392,7 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
             later = ids[end:]
             with torch.inference_mode():
                 logits, _ = cache.continue_with(start, occluded, len(later) + 1)
-            delta.append(float(_token_nll(logits, later).mean() - base_token_nll[end - n:].mean()))
+            delta.append(float(_token_nll(logits, later).mean() - base_token_nll[end - n :].mean()))
             continue
         with torch.inference_mode():
             logits, _ = cache.continue_with(start, occluded, len(answer) + 1)
@@ -396,12 +420,28 @@ def study_sample(engine: Engine, task, sample, methods: dict, options: SignalOpt
     for name, values in scores.items():
         signals[f"method:{name}"] = values[lo:hi]
     seconds["methods"] = time.perf_counter() - t0
-    return SampleSignals(sample.sample_id, n, len(answer), windows, base_nll, delta, full_correct, flips, labels,
-                         signals, errors, seconds, options.occluded, lo,
-                         answer if options.trace == "self" else None)
+    return SampleSignals(
+        sample.sample_id,
+        n,
+        len(answer),
+        windows,
+        base_nll,
+        delta,
+        full_correct,
+        flips,
+        labels,
+        signals,
+        errors,
+        seconds,
+        options.occluded,
+        lo,
+        answer if options.trace == "self" else None,
+    )
 
 
-def _answer_correct(engine: Engine, task, sample, cache: Prefix, start: int, context: list[int], options: SignalOptions) -> bool:
+def _answer_correct(
+    engine: Engine, task, sample, cache: Prefix, start: int, context: list[int], options: SignalOptions
+) -> bool:
     tokens = _greedy(engine, cache, start, context, options.flip_tokens)
     text = _cut_at_stop(engine.tokenizer.decode(tokens, skip_special_tokens=True), tuple(task.stop))
     return bool(task.score(sample, text).correct)

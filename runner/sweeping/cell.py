@@ -21,14 +21,21 @@ from typing import Any
 from kvleague.db.spec_hash import canonical_json, spec_hash
 from kvleague.runner.sweeping.grid import Cell
 
-
 #: keys of an injected-failure rule that say what happens (the others select cells)
 INJECTED_ACTIONS = ("message", "hang_seconds", "allocate_mb")
 
 
 def _matches(cell: Cell, rule: dict[str, Any]) -> bool:
-    values = {"method": cell.method, "budget": cell.budget, "task": cell.task, "sample_id": cell.sample_id,
-              "seed": cell.seed, "sample_index": cell.sample_index, "model": cell.model["name"], "key": cell.key}
+    values = {
+        "method": cell.method,
+        "budget": cell.budget,
+        "task": cell.task,
+        "sample_id": cell.sample_id,
+        "seed": cell.seed,
+        "sample_index": cell.sample_index,
+        "model": cell.model["name"],
+        "key": cell.key,
+    }
     return all(k in INJECTED_ACTIONS or values.get(k) == v for k, v in rule.items())
 
 
@@ -64,8 +71,12 @@ def error_text(exc: BaseException) -> str:
 class CellWorker:
     """Loads a model once (per model spec) and runs cells on it."""
 
-    def __init__(self, torch_threads: int | None = None, inject_failures: list[dict[str, Any]] | None = None,
-                 memory_limit_gb: float | None = None):
+    def __init__(
+        self,
+        torch_threads: int | None = None,
+        inject_failures: list[dict[str, Any]] | None = None,
+        memory_limit_gb: float | None = None,
+    ):
         import torch
 
         from kvleague.runner.provenance import collect_environment
@@ -101,8 +112,12 @@ class CellWorker:
             self._engine_key = None
             self._reference = None
             free_accelerator_memory()
-            self._engine = load_engine(model["resolved"], attn_implementation=model["attn_implementation"], dtype=model["dtype"],
-                                       backend=model.get("backend", "hf"))
+            self._engine = load_engine(
+                model["resolved"],
+                attn_implementation=model["attn_implementation"],
+                dtype=model["dtype"],
+                backend=model.get("backend", "hf"),
+            )
             self._engine_key = key
         return self._engine
 
@@ -125,7 +140,7 @@ class CellWorker:
                     self._inject(cell, rule)
             row.update(self._run(cell))
             row["status"] = "ok"
-        except Exception as exc:  # noqa: BLE001 - a failed cell is data, not a crash
+        except Exception as exc:
             oom = is_out_of_memory(exc)
             row.update(status="failed", error=("out of memory: " if oom else "") + error_text(exc))
         if oom:  # here, not in the except block, whose traceback still holds the failed cell's tensors
@@ -143,7 +158,7 @@ class CellWorker:
         start = time.perf_counter()
         try:
             rows = self._run_batch(cells, batch_size)
-        except Exception:  # noqa: BLE001 - retried cell by cell, where each failure is recorded alone
+        except Exception:
             free_accelerator_memory()
             return [self.run(c) for c in cells]
         share = (time.perf_counter() - start) / len(cells)  # the batch's wall time, split evenly
@@ -162,12 +177,24 @@ class CellWorker:
         engine = self._engine_for(first.model)
         if first.measure == "fidelity":
             return self._run_fidelity_batch(cells, engine)
-        runs = run_samples(engine, self._task(first.task, first.task_options), [c.sample for c in cells],
-                           [build_method(c.method, c.params) for c in cells], first.budget,
-                           first.protocol, _settings(first), [c.gen_seed for c in cells],
-                           rows=None if batch_size == "auto" else int(batch_size), max_rows=AUTO_BATCH_LIMIT)
-        return [_generation_row(run.score, run.generation, run.completion, {**run.details, "batch": {"cells": len(cells)}}, engine)
-                for run in runs]
+        runs = run_samples(
+            engine,
+            self._task(first.task, first.task_options),
+            [c.sample for c in cells],
+            [build_method(c.method, c.params) for c in cells],
+            first.budget,
+            first.protocol,
+            _settings(first),
+            [c.gen_seed for c in cells],
+            rows=None if batch_size == "auto" else int(batch_size),
+            max_rows=AUTO_BATCH_LIMIT,
+        )
+        return [
+            _generation_row(
+                run.score, run.generation, run.completion, {**run.details, "batch": {"cells": len(cells)}}, engine
+            )
+            for run in runs
+        ]
 
     def _inject(self, cell: Cell, rule: dict[str, Any]) -> None:
         """Test hooks (``--inject-failure``): hang, allocate (on the model's device), or raise."""
@@ -219,11 +246,18 @@ class CellWorker:
             if c.sample_id in per_sample:  # a later cell of the sample: its pass is shared
                 per_cell.append((*per_sample[c.sample_id][:3], True))
             else:
-                per_sample[c.sample_id] = self._fidelity_reference(c, engine, self._task(c.task, c.task_options), keep_previous=True)
+                per_sample[c.sample_id] = self._fidelity_reference(
+                    c, engine, self._task(c.task, c.task_options), keep_previous=True
+                )
                 per_cell.append(per_sample[c.sample_id])
         results = fidelity.measure_batch(
-            engine, [p[0] for p in per_cell], [build_method(c.method, c.params) for c in cells], [c.budget for c in cells],
-            first.protocol, [c.gen_seed for c in cells], [p[1] for p in per_cell],
+            engine,
+            [p[0] for p in per_cell],
+            [build_method(c.method, c.params) for c in cells],
+            [c.budget for c in cells],
+            first.protocol,
+            [c.gen_seed for c in cells],
+            [p[1] for p in per_cell],
         )
         rows = []
         for c, r, (segments, _, reference_seconds, shared) in zip(cells, results, per_cell):
@@ -234,7 +268,9 @@ class CellWorker:
         return rows
 
     def _trace_key(self, cell: Cell) -> str:
-        return canonical_json([self._engine_key, cell.task, cell.task_options, cell.sample_id, cell.generation["max_new_tokens"]])
+        return canonical_json(
+            [self._engine_key, cell.task, cell.task_options, cell.sample_id, cell.generation["max_new_tokens"]]
+        )
 
     def _trace_seconds(self, cell: Cell, shared: bool) -> float | None:
         if cell.fidelity_reference != "self":
@@ -269,7 +305,9 @@ class CellWorker:
             prompts[key] = prompt
         if prompts:
             start = time.perf_counter()
-            traces = fidelity.self_traces(engine, list(prompts.values()), next(iter(todo.values())).generation["max_new_tokens"])
+            traces = fidelity.self_traces(
+                engine, list(prompts.values()), next(iter(todo.values())).generation["max_new_tokens"]
+            )
             seconds = (time.perf_counter() - start) / len(traces)
             for key, trace in zip(prompts, traces):
                 self._traces[key] = (trace, seconds)
@@ -304,14 +342,20 @@ class CellWorker:
 
 
 def _settings(cell: Cell):
-    from kvleague.runner.engine.protocol import GenerationSettings
+    from kvleague.engine.protocol import GenerationSettings
 
     gen = cell.generation
-    return GenerationSettings(max_new_tokens=gen["max_new_tokens"], temperature=gen["temperature"], top_p=gen["top_p"],
-                              stop=tuple(gen["stop"]))
+    return GenerationSettings(
+        max_new_tokens=gen["max_new_tokens"],
+        temperature=gen["temperature"],
+        top_p=gen["top_p"],
+        stop=tuple(gen["stop"]),
+    )
 
 
-def _fidelity_row(r, segments, reference_seconds: float, shared: bool, engine, trace_seconds: float | None = None) -> dict[str, Any]:
+def _fidelity_row(
+    r, segments, reference_seconds: float, shared: bool, engine, trace_seconds: float | None = None
+) -> dict[str, Any]:
     """A fidelity cell's stored fields: KL, delta NLL and top-1 agreement, cost and cache figures;
     the scored tokens' hash, so an audit can check every method and budget saw the same ones."""
     from kvleague.runner import fidelity
@@ -325,13 +369,21 @@ def _fidelity_row(r, segments, reference_seconds: float, shared: bool, engine, t
         "scored_tokens": r.tokens,
         **_instrumentation(r.generation, engine),
         "resolved_budget": r.generation.budget,
-        "details": {"backend": engine.describe()["backend"], "fidelity": {
-            "kl_max": r.kl_max, "nll_full_mean": r.nll_full_mean, "nll_method_mean": r.nll_method_mean,
-            "fed_tokens": sum(len(ids) for ids, _ in segments), "teacher_forced_seconds": r.seconds,
-            # the full-cache pass: its time, and whether an earlier cell of this sample paid it
-            "reference_seconds": reference_seconds, "reference_shared": shared,
-            "scored_sha256": fidelity.trace_hash(segments), **trace,
-        }},
+        "details": {
+            "backend": engine.describe()["backend"],
+            "fidelity": {
+                "kl_max": r.kl_max,
+                "nll_full_mean": r.nll_full_mean,
+                "nll_method_mean": r.nll_method_mean,
+                "fed_tokens": sum(len(ids) for ids, _ in segments),
+                "teacher_forced_seconds": r.seconds,
+                # the full-cache pass: its time, and whether an earlier cell of this sample paid it
+                "reference_seconds": reference_seconds,
+                "reference_shared": shared,
+                "scored_sha256": fidelity.trace_hash(segments),
+                **trace,
+            },
+        },
     }
 
 
@@ -366,5 +418,5 @@ def free_accelerator_memory() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass

@@ -2,8 +2,8 @@
 budgets against the protocol), made with the same registries and constructors the runner uses so a
 config that passes can run; and where a config's relative paths resolve (the project directory).
 
-A config is checked once, at the edge (``load_config``, the command line, or ``expand`` for a config
-built in code): the result is kept on the config while it is unchanged.
+A config is checked once, at the edge (``load_checked_config``, the command line, or ``expand`` for a
+config built in code): the result is kept on the config while it is unchanged.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
 from kvleague.db.spec_hash import spec_hash
-
-if TYPE_CHECKING:  # a type only: load_config (runner/sweep_config.py) calls check_config
-    from kvleague.runner.sweep_config import SweepConfig
+from kvleague.engine.errors import KvleagueError
+from kvleague.runner.sweep_config import SweepConfig, clip, load_config
 
 PROJECT_DIR_ENV = "KVLEAGUE_PROJECT_DIR"
 
@@ -43,7 +41,6 @@ def project_dir() -> Path:
 def editable_checkout() -> Path | None:
     """The source directory of an editable ``pip install -e`` of kvleague, if that is how it is installed."""
     from importlib import metadata
-
     from urllib.parse import unquote, urlparse
 
     # several may be found (a source tree's *.egg-info when it is on sys.path): the installed one
@@ -81,6 +78,16 @@ def resolve_data_dir(config: SweepConfig, base_dir: Path | None = None) -> str |
     return str(path)
 
 
+def load_checked_config(path: str | os.PathLike[str], base_dir: Path | None = None) -> SweepConfig:
+    """Read, validate and semantically check a sweep YAML file (bad input: one line naming the file)."""
+    config = load_config(path)
+    try:
+        check_config(config, base_dir=base_dir)
+    except KvleagueError as exc:
+        raise KvleagueError(clip(f"config {Path(path)}: {exc}")) from None
+    return config
+
+
 def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]:
     """Semantic checks; returns warnings (skipped optional tasks). Raises KvleagueError. A config
     already checked, unchanged since, against the same project directory is not checked again."""
@@ -93,9 +100,9 @@ def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]
 
 def _check(config: SweepConfig, base: Path) -> list[str]:
     from kvleague.db.session import parse_url
+    from kvleague.engine.protocol import Protocol
     from kvleague.methods.registry import available_methods, build_method
     from kvleague.runner.models.source import check_spec
-    from kvleague.runner.engine.protocol import Protocol
     from kvleague.tasks.episode import EpisodicTask
     from kvleague.tasks.registry import build_task, task_class
 
@@ -123,7 +130,9 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
                 raise KvleagueError(f"methods[{i}]: {exc}") from None
             key = method_key(method.name, built.params())
             if key in seen_methods:
-                raise KvleagueError(f"methods[{i}]: {method.name} with {json.dumps(built.params(), sort_keys=True)} is listed twice")
+                raise KvleagueError(
+                    f"methods[{i}]: {method.name} with {json.dumps(built.params(), sort_keys=True)} is listed twice"
+                )
             seen_methods.add(key)
 
     seen_tasks: set[str] = set()
@@ -142,16 +151,25 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
         except KvleagueError as exc:
             raise KvleagueError(f"tasks[{i}].options: {exc}") from None
         if entry.measure == "both" and config.fidelity.reference == "self":
-            raise KvleagueError(f"tasks[{i}].measure: with fidelity.reference self a task is scored against the model's "
-                                "own trace, a different task from its generation; allowed: generation or fidelity "
-                                "(two sweeps for both)")
-        if entry.measure != "fidelity" and issubclass(cls, EpisodicTask) and (
-                config.protocol_for(cls.domain, cls.protect_prompt).budget_base != "none"):
-            raise KvleagueError(f"tasks[{i}].measure: {entry.name} is episodic, so a budget relative to the prompt "
-                                "(budget_base: prompt) cannot be resolved before it runs; allowed for it: fidelity")
+            raise KvleagueError(
+                f"tasks[{i}].measure: with fidelity.reference self a task is scored against the model's "
+                "own trace, a different task from its generation; allowed: generation or fidelity "
+                "(two sweeps for both)"
+            )
+        if (
+            entry.measure != "fidelity"
+            and issubclass(cls, EpisodicTask)
+            and (config.protocol_for(cls.domain, cls.protect_prompt).budget_base != "none")
+        ):
+            raise KvleagueError(
+                f"tasks[{i}].measure: {entry.name} is episodic, so a budget relative to the prompt "
+                "(budget_base: prompt) cannot be resolved before it runs; allowed for it: fidelity"
+            )
         if entry.measure != "generation" and not cls.has_reference():
-            raise KvleagueError(f"tasks[{i}].measure: {entry.name} has no reference continuation, so {entry.measure!r} "
-                                "cannot be measured; allowed for it: generation")
+            raise KvleagueError(
+                f"tasks[{i}].measure: {entry.name} has no reference continuation, so {entry.measure!r} "
+                "cannot be measured; allowed for it: generation"
+            )
         key = json.dumps([entry.name, task.option_values()], sort_keys=True, default=str)
         if key in seen_tasks:
             raise KvleagueError(f"tasks[{i}]: {entry.name} with the same options is listed twice")
@@ -164,7 +182,9 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
                 try:
                     protocol.check_budget(budget)
                 except KvleagueError as exc:
-                    raise KvleagueError(f"budgets: {str(exc).removeprefix('budget: ')} (protocol for {cls.domain})") from None
+                    raise KvleagueError(
+                        f"budgets: {str(exc).removeprefix('budget: ')} (protocol for {cls.domain})"
+                    ) from None
     if n_tasks == 0:
         raise KvleagueError("tasks: none of the listed tasks is registered")
     # the base protocol must fit the budgets even when every domain overrides it

@@ -10,11 +10,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.sweep_config import SweepConfig
 from kvleague.runner.sweeping.checks import project_dir
 from kvleague.runner.sweeping.grid import Cell, batches, expand
@@ -59,7 +60,7 @@ class SweepRunner:
         ray_address: str | None = None,
         retry_failed: bool = False,
         inject_failures: list[dict[str, Any]] | None = None,
-        on_result: Callable[["SweepRunner", dict[str, Any]], None] | None = None,
+        on_result: Callable[[SweepRunner, dict[str, Any]], None] | None = None,
         progress: bool = True,
         base_dir: Path | None = None,
         workers: int | None = None,
@@ -72,8 +73,9 @@ class SweepRunner:
         self.retry_failed = retry_failed
         self.on_result = on_result
         self.show_progress = progress
-        self.scheduler = Scheduler(config.resources, ray_address=ray_address, workers=workers,
-                                   inject_failures=inject_failures or [])
+        self.scheduler = Scheduler(
+            config.resources, ray_address=ray_address, workers=workers, inject_failures=inject_failures or []
+        )
 
     @property
     def actors(self) -> list[Any]:
@@ -106,27 +108,38 @@ class SweepRunner:
 
         dim_ids: dict[str, dict[str, int]] = {}
         for dim, rows in grid.dims.items():
-            dim_ids[dim] = db(lambda: {h: store.get_or_create(engine, store.DIMENSIONS[dim], values) for h, values in rows.items()},
-                              f"recording the {dim} rows")
+            dim_ids[dim] = db(
+                lambda: {h: store.get_or_create(engine, store.DIMENSIONS[dim], values) for h, values in rows.items()},  # noqa: B023 - called before the loop moves on
+                f"recording the {dim} rows",
+            )
         # an uploaded Ray working dir has no .git: then the checkout it came from tells
         commit, dirty = resolved_git_state(self.base_dir)
         self.scheduler.git = (commit, dirty)
         driver_env = collect_environment(git=(commit, dirty))
         driver_env_id = db(lambda: store.environment_id(engine, driver_env), "recording the environment")
-        sweep_id = db(lambda: store.start_sweep(
-            engine,
-            {
-                "name": self.config.name, "config": {**self.config.canonical(), "database": display(engine)},
-                "config_hash": self.config.config_hash(),
-                "config_path": self.config_path, "git_commit": commit, "git_dirty": dirty,
-                "environment_id": driver_env_id, "ray_address": self.ray_address or os.environ.get("RAY_ADDRESS"),
-                "ray_job_id": ray_job_submission_id(),
-                "n_cells": len(grid.cells),
-            },
-        ), "recording the sweep")
+        sweep_id = db(
+            lambda: store.start_sweep(
+                engine,
+                {
+                    "name": self.config.name,
+                    "config": {**self.config.canonical(), "database": display(engine)},
+                    "config_hash": self.config.config_hash(),
+                    "config_path": self.config_path,
+                    "git_commit": commit,
+                    "git_dirty": dirty,
+                    "environment_id": driver_env_id,
+                    "ray_address": self.ray_address or os.environ.get("RAY_ADDRESS"),
+                    "ray_job_id": ray_job_submission_id(),
+                    "n_cells": len(grid.cells),
+                },
+            ),
+            "recording the sweep",
+        )
         keys = [c.key for c in grid.cells]
         existing = db(lambda: store.existing_status(engine, keys), "reading which cells are done")
-        pending = [c for c in grid.cells if c.key not in existing or (self.retry_failed and existing[c.key] == "failed")]
+        pending = [
+            c for c in grid.cells if c.key not in existing or (self.retry_failed and existing[c.key] == "failed")
+        ]
         skipped = len(grid.cells) - len(pending)
         print(
             f"sweep {self.config.name} (#{sweep_id}): {len(grid.cells)} cells, {skipped} already in "
@@ -144,19 +157,31 @@ class SweepRunner:
             raise
         finally:
             try:
-                retrying(engine, lambda: store.finish_sweep(engine, sweep_id, status, n_skipped=skipped, n_ok=ok, n_failed=failed),
-                         f"marking sweep #{sweep_id} {status}", min(30.0, self.config.resources.db_retry_seconds))
+                retrying(
+                    engine,
+                    lambda: store.finish_sweep(engine, sweep_id, status, n_skipped=skipped, n_ok=ok, n_failed=failed),
+                    f"marking sweep #{sweep_id} {status}",
+                    min(30.0, self.config.resources.db_retry_seconds),
+                )
             except KvleagueError as exc:  # the results are what matters; they are written (or said not to be)
                 print(f"warning: {exc}", file=sys.stderr, flush=True)
             self.scheduler.shutdown()
         summary = SweepSummary(
-            sweep_id=sweep_id, total=len(grid.cells), skipped=skipped, ran=len(pending), ok=ok, failed=failed,
-            seconds=time.monotonic() - t0, keys=keys,
+            sweep_id=sweep_id,
+            total=len(grid.cells),
+            skipped=skipped,
+            ran=len(pending),
+            ok=ok,
+            failed=failed,
+            seconds=time.monotonic() - t0,
+            keys=keys,
         )
         summary.rows = db(lambda: store.summary(engine, keys), "reading the summary")
         return summary
 
-    def _run_cells(self, engine, sweep_id: int, pending: list[Cell], dim_ids: dict[str, dict[str, int]]) -> tuple[int, int]:
+    def _run_cells(
+        self, engine, sweep_id: int, pending: list[Cell], dim_ids: dict[str, dict[str, int]]
+    ) -> tuple[int, int]:
         """Run ``pending`` on the scheduler, each row to the writer; (ok, failed)."""
         writer = ResultWriter(engine, self.config.resources, replace_failed=self.retry_failed)
         progress = Progress(len(pending), self.config.name, bar=self.show_progress)
@@ -164,8 +189,13 @@ class SweepRunner:
 
         def record(cell: Cell, row: dict[str, Any]) -> None:
             row.update(
-                sweep_id=sweep_id, budget=cell.budget, sample_id=cell.sample_id, sample_index=cell.sample_index,
-                seed=cell.seed, attempts=cell.attempts, measure=cell.measure,
+                sweep_id=sweep_id,
+                budget=cell.budget,
+                sample_id=cell.sample_id,
+                sample_index=cell.sample_index,
+                seed=cell.seed,
+                attempts=cell.attempts,
+                measure=cell.measure,
                 **{f"{dim}_id": dim_ids[dim][h] for dim, h in cell.dims.items() if dim != "method"},
                 method_spec_id=dim_ids["method"][cell.dims["method"]],
             )
@@ -195,7 +225,9 @@ def print_summary(summary: SweepSummary, file=None) -> None:
     )
     if not summary.rows:
         return
-    header = f"{'model':<18} {'task':<28} {'method':<16} {'budget':>7} {'cells':>6} {'ok':>5} {'failed':>6} {'score':>7}"
+    header = (
+        f"{'model':<18} {'task':<28} {'method':<16} {'budget':>7} {'cells':>6} {'ok':>5} {'failed':>6} {'score':>7}"
+    )
     print(header, file=out)
     variants: dict[str, set] = collections.defaultdict(set)
     task_options: dict[str, list[dict]] = collections.defaultdict(list)
@@ -208,8 +240,13 @@ def print_summary(summary: SweepSummary, file=None) -> None:
         method = r["method"] if len(variants[r["method"]]) == 1 else f"{r['method']}{r['params']}"
         task = r["task"] + _distinguishing(r["task_options"], task_options[r["task"]])
         # a fidelity row has no score: its mean KL to the full cache and top-1 agreement instead
-        fidelity = "" if r.get("mean_kl") is None else f"  fidelity: KL {r['mean_kl']:.4f}, top-1 {100 * r['mean_top1']:.1f}%"
-        print(f"{r['model'][:18]:<18} {task[:28]:<28} {method[:16]:<16} {r['budget']:>7} {r['cells']:>6} {r['ok']:>5} {r['failed']:>6} {score:>7}{fidelity}", file=out)
+        fidelity = (
+            "" if r.get("mean_kl") is None else f"  fidelity: KL {r['mean_kl']:.4f}, top-1 {100 * r['mean_top1']:.1f}%"
+        )
+        print(
+            f"{r['model'][:18]:<18} {task[:28]:<28} {method[:16]:<16} {r['budget']:>7} {r['cells']:>6} {r['ok']:>5} {r['failed']:>6} {score:>7}{fidelity}",
+            file=out,
+        )
 
 
 def _distinguishing(options: dict, siblings: list[dict]) -> str:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError, first_line
-from kvleague.runner.engine.protocol import Protocol
 from kvleague.db.spec_hash import canonical_json, spec_hash
+from kvleague.engine.errors import KvleagueError, first_line
+from kvleague.engine.protocol import Protocol
 from kvleague.runner.sweep_config import SweepConfig
 from kvleague.runner.sweeping.checks import check_config, project_dir, resolve_data_dir, resolve_model_source
 
@@ -90,13 +90,20 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
             built = build_method(entry.name, point)
             params = built.params()
             h = spec_hash({"name": entry.name, "params": params})
-            dims["method"][h] = {"spec_hash": h, "name": entry.name, "params": params, "params_json": canonical_json(params)}
+            dims["method"][h] = {
+                "spec_hash": h,
+                "name": entry.name,
+                "params": params,
+                "params_json": canonical_json(params),
+            }
             # teacher forcing under a method that never evicts is the same at every budget: measured once
             methods.append((entry.name, params, h, config.budgets[:1] if built.never_evicts else config.budgets))
         non_eager = sorted({m.attn_implementation for m in config.models} - {"eager"})
         if built.needs.eager and non_eager and not any(f"method {entry.name}:" in w for w in warnings):
-            warnings.append(f"method {entry.name}: needs eager attention (full attention columns), so its cells run "
-                            f"eager instead of {'/'.join(non_eager)}: slower, and attn_implementation says so per result")
+            warnings.append(
+                f"method {entry.name}: needs eager attention (full attention columns), so its cells run "
+                f"eager instead of {'/'.join(non_eager)}: slower, and attn_implementation says so per result"
+            )
 
     def plan_task(entry, tokenizer, model_source: str | None):
         """(entry, task, samples, protocol, generation, task hash, protocol hash, generation hash)"""
@@ -113,9 +120,14 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         options = task.option_values()
         source = cls.source
         t_spec = {
-            "name": entry.name, "domain": cls.domain, "options": options, "dataset": source.dataset,
-            "source": source.hub_id or source.url, "revision": source.revision,
-            "scorer_version": str(cls.scorer_version), "metric": cls.metric,
+            "name": entry.name,
+            "domain": cls.domain,
+            "options": options,
+            "dataset": source.dataset,
+            "source": source.hub_id or source.url,
+            "revision": source.revision,
+            "scorer_version": str(cls.scorer_version),
+            "metric": cls.metric,
         }
         if model_source is not None:  # lengths in this model's tokens: a different task per model
             t_spec["options"] = {**options, "length_unit": f"tokens of {model_source}"}
@@ -140,7 +152,15 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         f_hash = spec_hash(fid)
         if "fidelity" in entry.measures:
             dims["generation"][f_hash] = {"spec_hash": f_hash, **fid}
-        return (entry, task, samples, protocol, {"generation": (gen, g_hash), "fidelity": (fid, f_hash)}, t_hash, p_hash)
+        return (
+            entry,
+            task,
+            samples,
+            protocol,
+            {"generation": (gen, g_hash), "fidelity": (fid, f_hash)},
+            t_hash,
+            p_hash,
+        )
 
     entries = []
     for entry in config.tasks:
@@ -167,8 +187,10 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
         tokenizer = None
         if any(per_model for _, per_model in entries):
             tokenizer = load_tokenizer(model["resolved"])
-        tasks = [shared[i] if i in shared else plan_task(entry, tokenizer, model_cfg.source)
-                 for i, (entry, _) in enumerate(entries)]
+        tasks = [
+            shared[i] if i in shared else plan_task(entry, tokenizer, model_cfg.source)
+            for i, (entry, _) in enumerate(entries)
+        ]
         for entry, task, samples, protocol, settings, t_hash, p_hash in tasks:
             p_spec = protocol.spec()
             for sample in samples:
@@ -178,11 +200,17 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
                     for index in range(config.generation.n_samples if measure == "generation" else 1):
                         for seed in config.seeds:
                             for name, params, meth_hash, fidelity_budgets in methods:
-                                for budget in (config.budgets if measure == "generation" else fidelity_budgets):
+                                for budget in config.budgets if measure == "generation" else fidelity_budgets:
                                     spec = {
-                                        "model": m_spec, "method": name, "params": params, "budget": budget,
-                                        "task": entry.name, "task_options": task.option_values(),
-                                        "sample_id": sample.sample_id, "protocol": p_spec, "seed": seed,
+                                        "model": m_spec,
+                                        "method": name,
+                                        "params": params,
+                                        "budget": budget,
+                                        "task": entry.name,
+                                        "task_options": task.option_values(),
+                                        "sample_id": sample.sample_id,
+                                        "protocol": p_spec,
+                                        "seed": seed,
                                     }
                                     if measure == "generation":  # the spec generation cells always had
                                         spec.update(sample_index=index, generation=gen)
@@ -192,13 +220,29 @@ def expand(config: SweepConfig, base_dir: Path | None = None) -> Grid:
                                             spec.update(reference=config.fidelity.reference)
                                     cells.append(
                                         Cell(
-                                            key=spec_hash(spec), model=model, method=name, params=params, budget=budget,
-                                            task=entry.name, task_options=task.option_values(), domain=task.domain,
-                                            sample=sample, sample_index=index, seed=seed,
-                                            gen_seed=derived_seed(seed, index), protocol=protocol, generation=gen,
-                                            dims={"model": m_hash, "method": meth_hash, "task": t_hash,
-                                                  "protocol": p_hash, "generation": g_hash},
-                                            measure=measure, fidelity_reference=config.fidelity.reference,
+                                            key=spec_hash(spec),
+                                            model=model,
+                                            method=name,
+                                            params=params,
+                                            budget=budget,
+                                            task=entry.name,
+                                            task_options=task.option_values(),
+                                            domain=task.domain,
+                                            sample=sample,
+                                            sample_index=index,
+                                            seed=seed,
+                                            gen_seed=derived_seed(seed, index),
+                                            protocol=protocol,
+                                            generation=gen,
+                                            dims={
+                                                "model": m_hash,
+                                                "method": meth_hash,
+                                                "task": t_hash,
+                                                "protocol": p_hash,
+                                                "generation": g_hash,
+                                            },
+                                            measure=measure,
+                                            fidelity_reference=config.fidelity.reference,
                                         )
                                     )
     keys = [c.key for c in cells]
@@ -239,7 +283,11 @@ def spread(groups: list[list[Cell]], batch_size: int | str, workers: int) -> lis
     limit = batch_rows(batch_size)
     groups = list(groups)
     while len(groups) < workers:
-        at = max(range(len(groups)), key=lambda i: len(groups[i]) if groups[i][0].measure == "generation" else 0, default=None)
+        at = max(
+            range(len(groups)),
+            key=lambda i: len(groups[i]) if groups[i][0].measure == "generation" else 0,
+            default=None,
+        )
         if at is None or groups[at][0].measure != "generation" or len(groups[at]) <= limit:
             break
         group = groups[at]
@@ -282,11 +330,32 @@ def batches(cells: list[Cell], batch_size: int | str) -> list[list[Cell]]:
             # one sample's methods and budgets; scored on self-generated traces, whole samples together
             # (their traces decode as one batch), a sample never split across groups
             sample = [] if self_trace else [cell.sample_id]
-            key = canonical_json(["fidelity", cell.model, cell.task, cell.task_options, *sample, cell.dims["protocol"],
-                                  cell.generation, cell.seed])
+            key = canonical_json(
+                [
+                    "fidelity",
+                    cell.model,
+                    cell.task,
+                    cell.task_options,
+                    *sample,
+                    cell.dims["protocol"],
+                    cell.generation,
+                    cell.seed,
+                ]
+            )
         else:
-            key = canonical_json([cell.model, cell.method, cell.params, cell.budget, cell.task, cell.task_options,
-                                  cell.dims["protocol"], cell.generation, cell.seed])
+            key = canonical_json(
+                [
+                    cell.model,
+                    cell.method,
+                    cell.params,
+                    cell.budget,
+                    cell.task,
+                    cell.task_options,
+                    cell.dims["protocol"],
+                    cell.generation,
+                    cell.seed,
+                ]
+            )
         most = limit * QUEUED_BATCHES if cell.measure != "fidelity" and not episodic[cell.task] else limit
         group = open_groups.get(key)
         if group is None or (len(group) >= most and not (self_trace and group[-1].sample_id == cell.sample_id)):

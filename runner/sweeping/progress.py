@@ -18,11 +18,22 @@ class Progress:
         self.last_line = self.start
         self.bar = None
         if bar and sys.stdout.isatty() and total:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import (
+                Progress as RichProgress,
+            )
 
             self.bar = RichProgress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("failed {task.fields[failed]}"), TimeRemainingColumn(),
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("failed {task.fields[failed]}"),
+                TimeRemainingColumn(),
             )
             self.bar.start()
             self.task_id = self.bar.add_task(label, total=total, failed=0)

@@ -21,15 +21,22 @@ import collections
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner.sweeping.cell import CellWorker, error_text
 from kvleague.runner.sweeping.grid import Cell, spread
 
 #: environment variables a worker gets from the driver (offline mode, caches, data)
-FORWARDED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "KVLEAGUE_DATA_DIR",
-                 "TOKENIZERS_PARALLELISM")
+FORWARDED_ENV = (
+    "HF_HUB_OFFLINE",
+    "HF_HOME",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "KVLEAGUE_DATA_DIR",
+    "TOKENIZERS_PARALLELISM",
+)
 LOCAL_OBJECT_STORE_BYTES = 300 * 1024**2
 
 
@@ -53,8 +60,16 @@ def ray_exceptions():
     import ray.exceptions as rex
 
     died = tuple(
-        getattr(rex, name) for name in ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
-                                        "NodeDiedError", "ObjectLostError", "OwnerDiedError")
+        getattr(rex, name)
+        for name in (
+            "RayActorError",
+            "ActorDiedError",
+            "ActorUnavailableError",
+            "WorkerCrashedError",
+            "NodeDiedError",
+            "ObjectLostError",
+            "OwnerDiedError",
+        )
         if hasattr(rex, name)
     )
     return died, rex.RayTaskError
@@ -63,8 +78,15 @@ def ray_exceptions():
 class Scheduler:
     """Starts (or joins) Ray, keeps a pool of cell actors busy, and hands every finished row to ``record``."""
 
-    def __init__(self, resources, *, ray_address: str | None = None, workers: int | None = None,
-                 inject_failures: list[dict[str, Any]] | None = None, git: tuple[str, bool | None] = ("unknown", None)):
+    def __init__(
+        self,
+        resources,
+        *,
+        ray_address: str | None = None,
+        workers: int | None = None,
+        inject_failures: list[dict[str, Any]] | None = None,
+        git: tuple[str, bool | None] = ("unknown", None),
+    ):
         self.res = resources
         self.ray_address = ray_address
         self.workers_override = workers
@@ -92,10 +114,18 @@ class Scheduler:
             try:
                 ray.init(address=address, **quiet)
             except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise KvleagueError(f"ray: cannot connect to {address!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+                raise KvleagueError(
+                    f"ray: cannot connect to {address!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                ) from None
         else:
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                     include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count() or 1,
+                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                **quiet,
+            )
         self.started_ray = True
 
     def plan_workers(self, pending: int) -> tuple[int, float, float]:
@@ -108,7 +138,9 @@ class Scheduler:
         cpus = float(resources.get("CPU", 1))
         gpus_per = res.gpus_per_worker if res.gpus_per_worker is not None else (1.0 if gpus >= 1 else 0.0)
         if gpus_per > 0 and gpus < gpus_per:
-            raise KvleagueError(f"resources.gpus_per_worker: {gpus_per} but the cluster has {gpus:g} GPUs; use 0 to run on CPUs")
+            raise KvleagueError(
+                f"resources.gpus_per_worker: {gpus_per} but the cluster has {gpus:g} GPUs; use 0 to run on CPUs"
+            )
         cpus_per = res.cpus_per_worker
         if cpus_per > cpus:
             raise KvleagueError(f"resources.cpus_per_worker: {cpus_per:g} but the cluster has {cpus:g} CPUs")
@@ -127,8 +159,13 @@ class Scheduler:
             env["KVLEAGUE_GIT_COMMIT"] = commit
             if dirty is not None:
                 env["KVLEAGUE_GIT_DIRTY"] = "1" if dirty else "0"
-        options = {"num_cpus": cpus_per, "num_gpus": gpus_per, "max_restarts": self.res.max_restarts,
-                   "max_task_retries": self.res.max_task_retries, "runtime_env": {"env_vars": env} if env else None}
+        options = {
+            "num_cpus": cpus_per,
+            "num_gpus": gpus_per,
+            "max_restarts": self.res.max_restarts,
+            "max_task_retries": self.res.max_task_retries,
+            "runtime_env": {"env_vars": env} if env else None,
+        }
         return {k: v for k, v in options.items() if v is not None}
 
     def new_actor(self):
@@ -145,7 +182,7 @@ class Scheduler:
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         self.actors = []
         if self.started_ray and ray.is_initialized():
@@ -154,8 +191,13 @@ class Scheduler:
 
     # -- run ------------------------------------------------------------------------------------
 
-    def run(self, groups: list[list[Cell]], record: Callable[[Cell, dict[str, Any]], None], tick: Callable[[], None],
-            batch_size: int | str = "auto") -> None:
+    def run(
+        self,
+        groups: list[list[Cell]],
+        record: Callable[[Cell, dict[str, Any]], None],
+        tick: Callable[[], None],
+        batch_size: int | str = "auto",
+    ) -> None:
         """Run every group of cells (``grid.batches``: cells that decode together, ``batch_size`` rows
         at a time) on one actor;
         ``record(cell, row)`` for each result, ``tick()`` about once a second. A group whose actor died
@@ -174,8 +216,12 @@ class Scheduler:
         starting: list[Any] = [actor.ping.remote() for actor in self.actors]
         print(f"workers: {n_workers} actor(s), {self.cpus_per:g} CPU / {gpus_per:g} GPU each", flush=True)
         if res.memory_limit_gb and gpus_per:
-            print("warning: resources.memory_limit_gb applies to CPU workers only; GPU workers run without it "
-                  "(CUDA out of memory is still a failed row)", file=sys.stderr, flush=True)
+            print(
+                "warning: resources.memory_limit_gb applies to CPU workers only; GPU workers run without it "
+                "(CUDA out of memory is still a failed row)",
+                file=sys.stderr,
+                flush=True,
+            )
 
         queue: collections.deque[list[Cell]] = collections.deque(groups)
         inflight: dict[Any, tuple[int, list[Cell]]] = {}  # ref -> (actor slot, group)
@@ -189,7 +235,7 @@ class Scheduler:
             """A fresh actor for the slot; the groups queued behind ``group`` on the old one go back to the queue."""
             try:
                 ray.kill(self.actors[slot], no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:
                 pass
             for ref in [r for r, (s, _) in inflight.items() if s == slot]:
                 other = inflight.pop(ref)[1]
@@ -243,14 +289,22 @@ class Scheduler:
                     for cell in reversed(group):
                         cell.attempts += 1
                         if cell.attempts >= res.max_cell_attempts:
-                            failed(cell, f"worker died {cell.attempts} times running this cell; last: {error_text(exc)}")
+                            failed(
+                                cell, f"worker died {cell.attempts} times running this cell; last: {error_text(exc)}"
+                            )
                         else:
                             queue.appendleft([cell])
                     if self.replacements >= max_replacements:
-                        raise KvleagueError(f"ray: workers keep dying ({self.replacements} replaced); last: {error_text(exc)}") from None
+                        raise KvleagueError(
+                            f"ray: workers keep dying ({self.replacements} replaced); last: {error_text(exc)}"
+                        ) from None
                     self.replacements += 1
                     replace(slot, group)
-                    print(f"worker {slot} died; replaced it ({self.replacements}/{max_replacements})", file=sys.stderr, flush=True)
+                    print(
+                        f"worker {slot} died; replaced it ({self.replacements}/{max_replacements})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
                 except task_error as exc:  # run() catches cell errors, so this is the worker itself
                     for cell in group:
@@ -274,11 +328,22 @@ class Scheduler:
                         for cell in reversed(group):
                             cell.attempts += 1
                             if len(group) == 1:
-                                failed(cell, f"timed out after {res.cell_timeout_seconds:g}s (resources.cell_timeout_seconds); "
-                                             "its worker was replaced")
+                                failed(
+                                    cell,
+                                    f"timed out after {res.cell_timeout_seconds:g}s (resources.cell_timeout_seconds); "
+                                    "its worker was replaced",
+                                )
                             else:
                                 queue.appendleft([cell])
                         replace(slot, group)
-                        what = group[0].describe() if len(group) == 1 else f"a batch of {len(group)} cells (requeued one by one)"
-                        print(f"worker {slot}: {what} timed out after {limit:g}s; replaced the worker", file=sys.stderr, flush=True)
+                        what = (
+                            group[0].describe()
+                            if len(group) == 1
+                            else f"a batch of {len(group)} cells (requeued one by one)"
+                        )
+                        print(
+                            f"worker {slot}: {what} timed out after {limit:g}s; replaced the worker",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             tick()

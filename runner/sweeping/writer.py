@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 
 def display(engine) -> str:
@@ -66,12 +66,18 @@ class ResultWriter:
 
         res, buffer = self.res, self.buffer
         now = time.monotonic()
-        if not buffer or not force and (now < self.retry_at or len(buffer) < res.batch_size and now - self.last_flush < res.flush_seconds):
+        if (
+            not buffer
+            or not force
+            and (now < self.retry_at or len(buffer) < res.batch_size and now - self.last_flush < res.flush_seconds)
+        ):
             return
         if force:
             left = res.db_retry_seconds - (now - self.lost_since if self.lost_since is not None else 0.0)
             try:
-                retrying(self.engine, lambda: self._write(buffer), f"writing {len(buffer)} finished results", max(left, 1.0))
+                retrying(
+                    self.engine, lambda: self._write(buffer), f"writing {len(buffer)} finished results", max(left, 1.0)
+                )
             except KvleagueError as exc:
                 raise KvleagueError(f"{exc}; run the same command again to resume") from None
         else:
@@ -86,13 +92,21 @@ class ResultWriter:
                     buffer.clear()  # said below; the forced flush on the way out must not wait again
                     raise KvleagueError(
                         f"database: {display(self.engine)} lost for {now - self.lost_since:.0f}s ({error_reason(exc)}); "
-                        f"{lost} finished results not written: run the same command again to resume") from None
-                print(f"database: cannot write {len(buffer)} finished results ({error_reason(exc)}); keeping them, "
-                      f"retrying in {self.backoff:g}s", file=sys.stderr, flush=True)
+                        f"{lost} finished results not written: run the same command again to resume"
+                    ) from None
+                print(
+                    f"database: cannot write {len(buffer)} finished results ({error_reason(exc)}); keeping them, "
+                    f"retrying in {self.backoff:g}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.retry_at, self.backoff = now + self.backoff, min(2 * self.backoff, 30.0)
                 return
         if self.lost_since is not None:
-            print(f"database: back after {time.monotonic() - self.lost_since:.0f}s; wrote {len(buffer)} results",
-                  file=sys.stderr, flush=True)
+            print(
+                f"database: back after {time.monotonic() - self.lost_since:.0f}s; wrote {len(buffer)} results",
+                file=sys.stderr,
+                flush=True,
+            )
         buffer.clear()
         self.last_flush, self.lost_since, self.retry_at, self.backoff = time.monotonic(), None, 0.0, 0.5

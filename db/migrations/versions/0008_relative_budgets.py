@@ -18,23 +18,23 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0008'
-down_revision = '0007'
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('protocols', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('budget_base', sa.String(length=16), nullable=True))
-    with op.batch_alter_table('sample_results', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('resolved_budget', sa.Integer(), nullable=True))
-        batch_op.add_column(sa.Column('ranked_evictions', sa.Integer(), nullable=True))
+    with op.batch_alter_table("protocols", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("budget_base", sa.String(length=16), nullable=True))
+    with op.batch_alter_table("sample_results", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("resolved_budget", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("ranked_evictions", sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('sample_results', schema=None) as batch_op:
-        batch_op.drop_column('ranked_evictions')
-        batch_op.drop_column('resolved_budget')
-    with op.batch_alter_table('protocols', schema=None) as batch_op:
-        batch_op.drop_column('budget_base')
+    with op.batch_alter_table("sample_results", schema=None) as batch_op:
+        batch_op.drop_column("ranked_evictions")
+        batch_op.drop_column("resolved_budget")
+    with op.batch_alter_table("protocols", schema=None) as batch_op:
+        batch_op.drop_column("budget_base")

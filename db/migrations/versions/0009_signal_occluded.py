@@ -13,17 +13,17 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0009'
-down_revision = '0008'
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('signal_correlations', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('occluded', sa.String(length=16), nullable=False, server_default='context'))
+    with op.batch_alter_table("signal_correlations", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("occluded", sa.String(length=16), nullable=False, server_default="context"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('signal_correlations', schema=None) as batch_op:
-        batch_op.drop_column('occluded')
+    with op.batch_alter_table("signal_correlations", schema=None) as batch_op:
+        batch_op.drop_column("occluded")

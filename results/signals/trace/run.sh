@@ -16,7 +16,7 @@ one() {  # task, extra options
   local task=$1; shift
   local budget=$(( DEADLINE - $(date -u +%s) ))
   echo "=== $task start $(date -u +%H:%M:%S) commit $(git rev-parse --short HEAD) max-seconds $budget" >> $OUT/run.log
-  /usr/bin/time -v python -m kvleague.runner.cli signals --model smollm2-135m --task $task "$@" \
+  /usr/bin/time -v python -m kvleague.cli signals --model smollm2-135m --task $task "$@" \
     --limit 30 --trace self --max-tokens 256 --occlude trace --trace-batch 10 --stride 32 --window 32 --threads 1 \
     --max-seconds $budget --db $DB --json $OUT/smollm2_$task.json > $OUT/smollm2_$task.log 2>&1
   echo "=== $task end $(date -u +%H:%M:%S) rc=$?" >> $OUT/run.log

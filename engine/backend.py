@@ -13,14 +13,15 @@ CUDA graphs) implements the same methods.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from kvleague.runner.engine.cache import BudgetedCache
-from kvleague.runner.engine.decode import BatchSlabLayer
-from kvleague.runner.engine.probe import wrapper_name
+from kvleague.engine.cache import BudgetedCache
+from kvleague.engine.decode import BatchSlabLayer
+from kvleague.engine.probe import wrapper_name
 
 
 class HFBackend:
@@ -47,8 +48,11 @@ class HFBackend:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
         self.layers = model.get_decoder().layers
-        self.eos_ids = {e for e in {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))}
-                        if e is not None}
+        self.eos_ids = {
+            e
+            for e in {tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))}
+            if e is not None
+        }
         model.set_attn_implementation(wrapper_name(attn_implementation))
         if self.device.type == "cuda":
             # SDPA's cuDNN kernel plans per shape, and the cache meets a new length at every decode step
@@ -89,16 +93,28 @@ class HFBackend:
         """One layer of the batched cache over slabs ``keys`` / ``values`` ``[N, H, capacity, d]`` (``decode.py``)."""
         return BatchSlabLayer(keys, values, rows)
 
-    def forward(self, token_ids: torch.Tensor, rope_positions: torch.Tensor, cache, start_slot: int,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        rope_positions: torch.Tensor,
+        cache,
+        start_slot: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run ``token_ids`` ``[N, C]`` with RoPE positions ``rope_positions`` ``[N, C]`` over ``cache`` (its
         raw cache object), writing at storage slots ``start_slot`` .. ``start_slot + C - 1`` (so the causal
         mask is right for a shrunken cache); ``attention_mask`` ``[N, S]`` hides padded slots. Returns
         the last position's logits ``[N, V]``."""
         return self.model_step(token_ids, rope_positions, cache, start_slot, attention_mask)
 
-    def model_step(self, token_ids: torch.Tensor, rope_positions: torch.Tensor, cache, start_slot: int,
-                   attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def model_step(
+        self,
+        token_ids: torch.Tensor,
+        rope_positions: torch.Tensor,
+        cache,
+        start_slot: int,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The model's own forward over ``cache`` at storage slots from ``start_slot``, under the mask
         given (a backend with its own KV layout builds a different one): the last position's logits."""
         out = self.model(
@@ -125,7 +141,11 @@ class HFBackend:
                 stack.callback(model.set_attn_implementation, previous)
             for layer in hidden_layers:
                 module = self.layers[layer] if layer < self.n_layers else model.get_decoder().norm
-                hook = (lambda l: lambda module, args, output: on_hidden(l, output[0] if isinstance(output, tuple) else output))(layer)
+                hook = (
+                    lambda l: (
+                        lambda module, args, output: on_hidden(l, output[0] if isinstance(output, tuple) else output)
+                    )
+                )(layer)
                 stack.callback(module.register_forward_hook(hook).remove)
             yield
 
@@ -133,19 +153,28 @@ class HFBackend:
 
     def sequence_logits(self, ids: list[int], predicting: list[int]) -> torch.Tensor:
         """Logits ``[len(predicting), V]`` at positions ``predicting`` of one full-cache pass over ``ids``."""
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False,
-                         logits_to_keep=torch.tensor(predicting, device=self.device))
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(predicting, device=self.device),
+        )
         return out.logits[0]
 
-    def analysis_pass(self, ids: list[int], keep: int) -> "Analysis":
+    def analysis_pass(self, ids: list[int], keep: int) -> Analysis:
         """One eager pass over ``ids``: every layer's hidden states and attention weights, the cache it
         leaves (reusable as a prefix), and the last ``keep`` positions' logits."""
         from transformers import DynamicCache
 
         with self.observing("eager", [], None):
             cache = DynamicCache(config=self.model.config)
-            out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True,
-                             output_hidden_states=True, output_attentions=True, logits_to_keep=keep)
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+                output_attentions=True,
+                logits_to_keep=keep,
+            )
         return Analysis(
             logits=out.logits[0],
             hidden_states=[h[0] for h in out.hidden_states],
@@ -155,7 +184,7 @@ class HFBackend:
             prefix=Prefix(self, cache),
         )
 
-    def empty_prefix(self) -> "Prefix":
+    def empty_prefix(self) -> Prefix:
         from transformers import DynamicCache
 
         return Prefix(self, DynamicCache(config=self.model.config))
@@ -167,19 +196,24 @@ class Prefix:
     def __init__(self, backend: HFBackend, cache):
         self.backend, self.cache = backend, cache
 
-    def continue_with(self, start: int, ids: list[int], keep: int) -> tuple[torch.Tensor, "Prefix"]:
+    def continue_with(self, start: int, ids: list[int], keep: int) -> tuple[torch.Tensor, Prefix]:
         """Logits of the last ``keep`` positions of ``ids`` when ``ids[start:]`` follows this cache cut to
         ``start`` tokens (a copy: this prefix is unchanged), and the continued cache."""
         prefix = copy.deepcopy(self.cache)
         prefix.crop(start)
-        out = self.backend.model(input_ids=torch.tensor([ids[start:]], device=self.backend.device),
-                                 past_key_values=prefix, use_cache=True, logits_to_keep=keep)
+        out = self.backend.model(
+            input_ids=torch.tensor([ids[start:]], device=self.backend.device),
+            past_key_values=prefix,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
         return out.logits[0], Prefix(self.backend, prefix)
 
     def step(self, token: int) -> torch.Tensor:
         """Append one token (in place); the logits ``[V]`` that follow it."""
-        out = self.backend.model(input_ids=torch.tensor([[token]], device=self.backend.device), past_key_values=self.cache,
-                                 use_cache=True)
+        out = self.backend.model(
+            input_ids=torch.tensor([[token]], device=self.backend.device), past_key_values=self.cache, use_cache=True
+        )
         return out.logits[0, -1]
 
 

@@ -5,7 +5,7 @@ it imports nothing from them. Its modules, one job each:
 
 * ``contract``  what a method is and sees (:class:`EvictionMethod`, :class:`Needs`, observations);
 * ``generation``  :class:`Engine`: sessions over one backend, ``generate`` and ``generate_batch``;
-* ``backend``  the seam to a model runtime (:class:`~runner.engine.backend.HFBackend`: Hugging Face's forward);
+* ``backend``  the seam to a model runtime (:class:`~engine.backend.HFBackend`: Hugging Face's forward);
 * ``slab``  the slab backend: fixed-size KV slabs compacted in place, decode steps capturable as CUDA graphs;
 * ``session``  :class:`Session`: one sequence's cache, prefill, decode and teacher forcing;
 * ``decode``  the one decode loop: a step (forward, track, observe, evict) for any number of sequences;
@@ -18,8 +18,8 @@ it imports nothing from them. Its modules, one job each:
 * ``errors``  :class:`KvleagueError`, the one-line input error every layer raises.
 """
 
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
 
 #: the engine backends a model can run on (``backend.py``: ``HFBackend.name``; ``slab.py``: fixed KV slabs,
 #: CUDA-graph decode steps), as sweeps and
@@ -32,8 +32,9 @@ def check_backend(name: str) -> None:
     if name not in BACKENDS:
         raise KvleagueError(f"backend: unknown {name!r}; allowed: {', '.join(BACKENDS)}")
 
+
 # ``generation`` and ``session`` import torch and transformers (seconds); loaded on first use so that
-# importing ``runner.engine.errors`` (every CLI command does) stays cheap
+# importing ``engine.errors`` (every CLI command does) stays cheap
 _LAZY = {"DecodeOutput": "decode", "Engine": "generation", "GenerationResult": "session", "Session": "session"}
 
 
@@ -41,8 +42,18 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f"kvleague.runner.engine.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'kvleague.runner.engine' has no attribute {name!r}")
+        return getattr(importlib.import_module(f"kvleague.engine.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'kvleague.engine' has no attribute {name!r}")
 
 
-__all__ = ["BACKENDS", "check_backend", "DecodeOutput", "Engine", "GenerationResult", "GenerationSettings", "KvleagueError", "Protocol", "Session"]
+__all__ = [
+    "BACKENDS",
+    "check_backend",
+    "DecodeOutput",
+    "Engine",
+    "GenerationResult",
+    "GenerationSettings",
+    "KvleagueError",
+    "Protocol",
+    "Session",
+]

@@ -5,13 +5,14 @@ and carried as that object through grid expansion and the cell worker to its dat
 from __future__ import annotations
 
 import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import core_schema
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 POSITION_MODES = ("absolute", "compact")
 PROMPT_OVER_BUDGET = ("error", "keep")
@@ -26,6 +27,7 @@ def parse_bool(value: Any) -> bool:
 
 def parse_optional(parse):
     """``parse``, with the spellings of "not set" (empty, None, null) mapping to None."""
+
     def parsed(value: Any) -> Any:
         return None if value in (None, "", "None", "none", "null") else parse(value)
 
@@ -44,7 +46,7 @@ class Cadence:
     ALLOWED: ClassVar[str] = "every_step, buffer=N"
 
     @classmethod
-    def parse(cls, value: Any) -> "Cadence":
+    def parse(cls, value: Any) -> Cadence:
         """``every_step`` or ``buffer=N`` (N >= 1); raises ValueError saying what is allowed."""
         if isinstance(value, Cadence):
             return value
@@ -67,7 +69,8 @@ class Cadence:
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
         """In a pydantic model: parsed from its text (or taken as is), dumped as its text."""
         return core_schema.no_info_plain_validator_function(
-            cls.parse, serialization=core_schema.plain_serializer_function_ser_schema(str))
+            cls.parse, serialization=core_schema.plain_serializer_function_ser_schema(str)
+        )
 
 
 class Protocol(BaseModel):
@@ -98,7 +101,7 @@ class Protocol(BaseModel):
       sink and recent window share what the prompt leaves (most recent first), and a prompt >= B
       leaves nothing, so every generated token is dropped right after its own forward pass.
 
-    On equal scores the engine keeps the more recent position (``runner/engine/cache.py``); the
+    On equal scores the engine keeps the more recent position (``engine/cache.py``); the
     protected tiers rank prompt > sink / recent window > any method score.
 
     Named presets (:data:`PRESETS`, ``protocol: <name>`` in a sweep YAML, ``--protocol <name>`` on the
@@ -120,12 +123,18 @@ class Protocol(BaseModel):
     sink: int = Field(default=0, ge=0, description="first tokens never evicted")
     recent: int = Field(default=0, ge=0, description="last tokens never evicted")
     protect_prompt: bool = Field(default=False, description="never evict prompt tokens")
-    prefill_chunk: int | None = Field(default=None, ge=1, description="prefill in chunks of this many tokens (default: the whole prompt)")
-    recent_max_fraction: float | None = Field(default=None, ge=0, le=1, description="cap the recent window at this fraction of the budget")
+    prefill_chunk: int | None = Field(
+        default=None, ge=1, description="prefill in chunks of this many tokens (default: the whole prompt)"
+    )
+    recent_max_fraction: float | None = Field(
+        default=None, ge=0, le=1, description="cap the recent window at this fraction of the budget"
+    )
     prompt_over_budget: Literal["error", "keep"] = Field(
-        default="error", description="with protect_prompt, a prompt over the budget: error or keep")
+        default="error", description="with protect_prompt, a prompt over the budget: error or keep"
+    )
     budget_base: Literal["none", "prompt"] = Field(
-        default="none", description="none (B cache entries) or prompt (B entries on top of the prompt)")
+        default="none", description="none (B cache entries) or prompt (B entries on top of the prompt)"
+    )
 
     #: Fields added after results were stored (with the presets, issue 14). A protocol whose value of
     #: one is the field's default leaves it out of its spec (hashed, and stored with NULL in its
@@ -147,24 +156,32 @@ class Protocol(BaseModel):
     def spec(self) -> dict[str, Any]:
         """The protocol as hashed (cell keys, the protocol's ``spec_hash``) and stored (its row):
         every field as JSON, those of :attr:`ADDED_LATER` left out at their defaults."""
-        return {name: value for name, value in self.model_dump(mode="json").items()
-                if not (name in self.ADDED_LATER and getattr(self, name) == type(self).model_fields[name].default)}
+        return {
+            name: value
+            for name, value in self.model_dump(mode="json").items()
+            if not (name in self.ADDED_LATER and getattr(self, name) == type(self).model_fields[name].default)
+        }
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> "Protocol":
+    def from_spec(cls, spec: Mapping[str, Any]) -> Protocol:
         """The protocol of a spec or a stored row (other keys such as ``id`` ignored; a field of
         :attr:`ADDED_LATER` missing or NULL is at its default)."""
-        return cls(**{name: spec[name] for name in cls.model_fields
-                      if name in spec and not (name in cls.ADDED_LATER and spec[name] is None)})
+        return cls(
+            **{
+                name: spec[name]
+                for name in cls.model_fields
+                if name in spec and not (name in cls.ADDED_LATER and spec[name] is None)
+            }
+        )
 
     @classmethod
-    def from_text(cls, values: dict[str, Any]) -> "Protocol":
+    def from_text(cls, values: dict[str, Any]) -> Protocol:
         """A protocol from values given as text (lm-eval ``model_args``), each parsed by its field."""
         parsers = {f.name: f.parse for f in protocol_fields()}
         return cls(**{k: parsers[k](v) if k in parsers else v for k, v in values.items()})
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "Protocol":
+    def preset(cls, name: str, **overrides) -> Protocol:
         """The protocol of preset ``name`` (see :data:`PRESETS`), with ``overrides`` on top."""
         if name not in PRESETS:
             raise KvleagueError(f"protocol: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
@@ -176,16 +193,21 @@ class Protocol(BaseModel):
             return self.recent
         return min(self.recent, int(budget * self.recent_max_fraction))
 
-    def for_prompt(self, budget: int, prompt_tokens: int) -> tuple["Protocol", int]:
+    def for_prompt(self, budget: int, prompt_tokens: int) -> tuple[Protocol, int]:
         """``(protocol, budget)`` the engine runs for one sample whose prompt has ``prompt_tokens``
         tokens: unchanged under ``budget_base: none``; under ``prompt``, an absolute protocol whose
         recent window is the one of room ``budget`` and the budget ``prompt_tokens + budget``."""
         if self.budget_base == "none":
             return self, budget
-        fields = {**self.model_dump(), "budget_base": "none", "recent": self.recent_for(budget), "recent_max_fraction": None}
+        fields = {
+            **self.model_dump(),
+            "budget_base": "none",
+            "recent": self.recent_for(budget),
+            "recent_max_fraction": None,
+        }
         return type(self)(**fields), prompt_tokens + budget
 
-    def for_prompts(self, budget: int, prompt_tokens: Sequence[int]) -> tuple["Protocol", list[int]]:
+    def for_prompts(self, budget: int, prompt_tokens: Sequence[int]) -> tuple[Protocol, list[int]]:
         """:meth:`for_prompt` of prompts decoded together: the one protocol they share (under
         ``prompt``, it depends on the room alone) and each prompt's budget."""
         return self.for_prompt(budget, 0)[0], [self.for_prompt(budget, n)[1] for n in prompt_tokens]
@@ -241,9 +263,13 @@ def _text_parser(annotation: Any) -> Callable[[Any], Any]:
 def protocol_fields() -> tuple[ProtocolField, ...]:
     """The fields of :class:`Protocol`, in order, with their text parsers derived from their types."""
     return tuple(
-        ProtocolField(name=name, help=f.description or "", parse=_text_parser(f.annotation),
-                      choices=get_args(f.annotation) if get_origin(f.annotation) is Literal else None,
-                      switch=f.annotation is bool)
+        ProtocolField(
+            name=name,
+            help=f.description or "",
+            parse=_text_parser(f.annotation),
+            choices=get_args(f.annotation) if get_origin(f.annotation) is Literal else None,
+            switch=f.annotation is bool,
+        )
         for name, f in Protocol.model_fields.items()
     )
 

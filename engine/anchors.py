@@ -6,8 +6,8 @@ read its cache directly, which nothing above the engine does; the benchmarks and
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -49,8 +49,13 @@ def kvpress_reference_tokens(engine, decoding, prompt: list[int], new_tokens: in
             tokens.append(token)
             length = cache.layers[0].keys.shape[2]
             position = len(prompt) + step
-            out = model(torch.tensor([[token]], device=engine.device), position_ids=torch.tensor([[position]], device=engine.device),
-                        cache_position=torch.tensor([length], device=engine.device), past_key_values=cache, use_cache=True)
+            out = model(
+                torch.tensor([[token]], device=engine.device),
+                position_ids=torch.tensor([[position]], device=engine.device),
+                cache_position=torch.tensor([length], device=engine.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
             for i, layer in enumerate(cache.layers):
                 pos = torch.cat([positions[i], torch.full((n_kv, 1), position)], dim=1)
                 k_len = layer.keys.shape[2]
@@ -59,7 +64,9 @@ def kvpress_reference_tokens(engine, decoding, prompt: list[int], new_tokens: in
                     scores = press.score(layers[i].self_attn, None, layer.keys, layer.values, None, {})[0].cpu()
                     n_kept = int(k_len * (1 - press.compression_ratio))
                     by_recency = torch.argsort(pos, dim=-1, descending=True, stable=True)
-                    ranked = by_recency.gather(1, torch.argsort(scores.gather(1, by_recency), dim=-1, descending=True, stable=True))
+                    ranked = by_recency.gather(
+                        1, torch.argsort(scores.gather(1, by_recency), dim=-1, descending=True, stable=True)
+                    )
                     keep = ranked[:, :n_kept].sort(dim=-1).values  # position order (slots are in position order)
                     index = keep.to(layer.keys.device)[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
                     layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)

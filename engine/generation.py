@@ -1,9 +1,9 @@
-"""The engine: generation under a hard KV budget over one backend (``runner/engine/backend.py``).
+"""The engine: generation under a hard KV budget over one backend (``engine/backend.py``).
 
-``Engine.session`` opens one sequence with one KV cache (``runner/engine/session.py``);
+``Engine.session`` opens one sequence with one KV cache (``engine/session.py``);
 ``Engine.generate`` is feed-then-decode for a single prompt; ``Engine.generate_batch``
-(``runner/engine/batch.py``) decodes many such sequences together through the same decode loop
-(``runner/engine/decode.py``).
+(``engine/batch.py``) decodes many such sequences together through the same decode loop
+(``engine/decode.py``).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from kvleague.runner.engine.backend import HFBackend
-from kvleague.runner.engine.contract import EvictionMethod
-from kvleague.runner.engine.decode import DecodeOutput
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
-from kvleague.runner.engine.resources import device_clock
-from kvleague.runner.engine.session import GenerationResult, Session
+from kvleague.engine.backend import HFBackend
+from kvleague.engine.contract import EvictionMethod
+from kvleague.engine.decode import DecodeOutput
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.engine.resources import device_clock
+from kvleague.engine.session import GenerationResult, Session
 
 __all__ = ["DecodeOutput", "Engine", "GenerationResult", "Session"]
 
@@ -44,7 +44,7 @@ class Engine:
 
     def mark(self):
         """A point in time inside a decode step (the method's observe / score / selection), read later
-        through :class:`~runner.engine.resources.Spans`: on CUDA an event recorded on the stream (the
+        through :class:`~engine.resources.Spans`: on CUDA an event recorded on the stream (the
         host does not wait for the device), elsewhere a reading of :attr:`clock`."""
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
@@ -53,18 +53,18 @@ class Engine:
         return self.clock()
 
     @classmethod
-    def on(cls, model, tokenizer, attn_implementation: str, backend: str) -> "Engine":
+    def on(cls, model, tokenizer, attn_implementation: str, backend: str) -> Engine:
         """A loaded Hugging Face ``model`` behind ``backend`` (``BACKENDS``)."""
-        from kvleague.runner.engine import check_backend
+        from kvleague.engine import check_backend
 
         check_backend(backend)
         if backend == "slab":
-            from kvleague.runner.engine.slab import SlabBackend
+            from kvleague.engine.slab import SlabBackend
 
             return cls(backend=SlabBackend(model, tokenizer, attn_implementation))
         return cls(model, tokenizer, attn_implementation)
 
-    def with_backend(self, backend: str) -> "Engine":
+    def with_backend(self, backend: str) -> Engine:
         """This engine's model behind ``backend``: one model object (and whatever was compiled for it)
         shared by both engines."""
         return Engine.on(self.backend.model, self.tokenizer, self.attn_implementation, backend)
@@ -104,11 +104,12 @@ class Engine:
         taken by the next prompt. ``methods[i]`` is prompt i's own instance, ``seeds[i]`` its seed
         (default 0), ``budget`` one for all or ``budget[i]`` prompt i's; ``on_result(i, result)`` is
         called as prompt i finishes. Result i equals ``generate(prompts[i], methods[i], budget[i],
-        protocol, settings, seeds[i])`` in tokens and kept positions; see ``runner/engine/batch.py``."""
-        from kvleague.runner.engine.batch import generate_batch  # batch.py builds on this module's sessions
+        protocol, settings, seeds[i])`` in tokens and kept positions; see ``engine/batch.py``."""
+        from kvleague.engine.batch import generate_batch  # batch.py builds on this module's sessions
 
-        return generate_batch(self, prompts, methods, budget, protocol, settings, seeds, batch_size, on_result,
-                              max_batch_size)
+        return generate_batch(
+            self, prompts, methods, budget, protocol, settings, seeds, batch_size, on_result, max_batch_size
+        )
 
     # -- for users above the engine: what the backend is, and whole-sequence passes -----------------
 

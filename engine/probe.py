@@ -19,11 +19,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from kvleague.runner.engine.attention import attention_rows
-from kvleague.runner.engine.contract import over_chunks
+from kvleague.engine.attention import attention_rows
+from kvleague.engine.contract import over_chunks
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-_ACTIVE: contextvars.ContextVar["AttentionRecorder | None"] = contextvars.ContextVar("kvleague_recorder", default=None)
+_ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar("kvleague_recorder", default=None)
 
 
 def wrapper_name(inner: str) -> str:
@@ -75,7 +75,7 @@ class AttentionRecorder:
 
 
 class BatchAttentionRecorder(AttentionRecorder):
-    """The recorder of a batched decode step (one new token per row; runner/engine/decode.py).
+    """The recorder of a batched decode step (one new token per row; engine/decode.py).
 
     Row i's cache holds ``lengths[i]`` slots after the step appended its token at slot
     ``lengths[i] - 1``; the slots beyond are padding. :meth:`row` cuts row i's observations out of
@@ -127,8 +127,10 @@ class BatchAttentionRecorder(AttentionRecorder):
             k0 = self.raw[0][1]
             rows = torch.arange(len(self.lengths), device=k0.device)
             slots = torch.tensor([n - 1 for n in self.lengths], device=k0.device)
-            self._stacked_new = tuple(torch.stack([x[rows, :, slots] for x in per_layer], dim=1).unsqueeze(-2)
-                                      for per_layer in ([k for _, k, _, _, _ in self.raw], [v for _, _, v, _, _ in self.raw]))
+            self._stacked_new = tuple(
+                torch.stack([x[rows, :, slots] for x in per_layer], dim=1).unsqueeze(-2)
+                for per_layer in ([k for _, k, _, _, _ in self.raw], [v for _, _, v, _, _ in self.raw])
+            )
         return self._stacked_new
 
     def _queries(self) -> torch.Tensor:
@@ -148,13 +150,17 @@ class BatchAttentionRecorder(AttentionRecorder):
         if new_keys_values:
             out["new_keys"], out["new_values"] = (x[i] for x in self._new_keys_values())
         if attention:
-            if all(w is not None for _, _, _, w, _ in self.raw):  # the eager kernel's weights, every layer's in one tensor
+            if all(
+                w is not None for _, _, _, w, _ in self.raw
+            ):  # the eager kernel's weights, every layer's in one tensor
                 out["attention"] = self._all_weights()[i, ..., :n]
             elif all(w is None for _, _, _, w, _ in self.raw) and i in self.wanted:
                 out["attention"] = self._computed_rows()[i]
             else:
                 out["attention"] = [
-                    self._weights(layer)[i, :, :, :n] if w is not None else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
+                    self._weights(layer)[i, :, :, :n]
+                    if w is not None
+                    else attention_rows(q[i, :, -1:], k[i, :, :n], scaling)
                     for layer, (q, k, _, w, scaling) in enumerate(self.raw)
                 ]
         return out
@@ -171,7 +177,9 @@ class BatchAttentionRecorder(AttentionRecorder):
                 by_length.setdefault(self.lengths[i], []).append(i)
             keys = self._stacked_keys()
             for n, rows in by_length.items():
-                index = None if rows == list(range(len(self.lengths))) else torch.tensor(rows, device=self.raw[0][0].device)
+                index = (
+                    None if rows == list(range(len(self.lengths))) else torch.tensor(rows, device=self.raw[0][0].device)
+                )
                 scaling = self.raw[0][4]
                 if keys is not None:
                     q, k = self._queries()[:, :, :, -1:], keys[:, :, :, :n]  # [N, L, H_q, 1, d], [L, N, H, n, d]
@@ -180,8 +188,12 @@ class BatchAttentionRecorder(AttentionRecorder):
                     m, n_layers, h_q, _, d = q.shape
                     # contiguous: a matmul over a strided view of several layers takes another GEMM
                     # path, whose float32 bits differ from one layer's alone
-                    stacked = over_chunks(lambda part: attention_rows(q[:, part], k[part].transpose(0, 1).contiguous(), scaling),
-                                          n_layers, 4 * m * n * (k.shape[2] * d + 2 * h_q), dim=1)  # [m, L, H_q, 1, n]
+                    stacked = over_chunks(
+                        lambda part: attention_rows(q[:, part], k[part].transpose(0, 1).contiguous(), scaling),  # noqa: B023 - called before the loop moves on
+                        n_layers,
+                        4 * m * n * (k.shape[2] * d + 2 * h_q),
+                        dim=1,
+                    )  # [m, L, H_q, 1, n]
                 else:
                     per_layer = []
                     for q, k, _, _, scaling in self.raw:
@@ -200,8 +212,12 @@ class BatchAttentionRecorder(AttentionRecorder):
         if keys is None or len({scaling for *_, scaling in self.raw}) != 1:
             return None
         step = keys.stride(0) * keys.element_size()
-        if any(k.data_ptr() != keys.data_ptr() + l * step or k.shape[:2] != keys.shape[1:3] or k.stride() != keys.stride()[1:]
-               for l, (_, k, _, _, _) in enumerate(self.raw)):
+        if any(
+            k.data_ptr() != keys.data_ptr() + l * step
+            or k.shape[:2] != keys.shape[1:3]
+            or k.stride() != keys.stride()[1:]
+            for l, (_, k, _, _, _) in enumerate(self.raw)
+        ):
             return None
         return keys
 

@@ -9,7 +9,7 @@ built-in modules and a fresh clone that is not pip-installed still sees them all
 construction from plain dicts (CLI flags, sweep YAML) raise one-line :class:`KvleagueError`\\ s.
 
 The class lives in the ground floor because ``methods`` may import from ``runner`` only through
-``runner.engine``, and both ``methods`` and ``tasks`` need it.
+``engine``, and both ``methods`` and ``tasks`` need it.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import dataclasses
 import importlib
 import pkgutil
 import typing
+from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.engine.errors import KvleagueError
 
 C = TypeVar("C", bound=type)
 
@@ -104,7 +105,9 @@ class Registry(Generic[C]):
             try:
                 cls = ep.load()
             except Exception as exc:  # a broken plugin is one line, and must not hide the built-ins' names
-                raise KvleagueError(f"entry point {ep.name}={ep.value} in group {self.group} failed to load: {exc}") from exc
+                raise KvleagueError(
+                    f"entry point {ep.name}={ep.value} in group {self.group} failed to load: {exc}"
+                ) from exc
             self.check(cls, ep.name)
             if not cls.__dict__.get("name"):
                 cls.name = ep.name

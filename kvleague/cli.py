@@ -10,14 +10,22 @@ import sys
 
 from kvleague.dashboard import commands as dashboard_commands
 from kvleague.db import commands as db_commands
+from kvleague.engine.errors import KvleagueError
 from kvleague.runner import bench_commands, fidelity_commands, generate_commands, sweep, task_commands
-from kvleague.runner.signals import commands as signals_commands
 from kvleague.runner.cli_args import OneLineParser, add_protocol_arguments, protocol_from_args  # noqa: F401 - importable from here
-from kvleague.runner.engine.errors import KvleagueError
+from kvleague.runner.signals import commands as signals_commands
 
 #: the command groups, in the order ``kvleague --help`` lists them
-COMMAND_GROUPS = (generate_commands, task_commands, sweep, db_commands, dashboard_commands, bench_commands,
-                  fidelity_commands, signals_commands)
+COMMAND_GROUPS = (
+    generate_commands,
+    task_commands,
+    sweep,
+    db_commands,
+    dashboard_commands,
+    bench_commands,
+    fidelity_commands,
+    signals_commands,
+)
 
 
 def build_parser() -> OneLineParser:

@@ -1,7 +1,7 @@
 """The slab backend: fixed-size KV slabs compacted in place, attention over the whole slab under a
 validity mask, and decode steps that can be captured as CUDA graphs (``BACKENDS``: ``"slab"``).
 
-It runs the same Hugging Face model as :class:`~runner.engine.backend.HFBackend` and the same engine
+It runs the same Hugging Face model as :class:`~engine.backend.HFBackend` and the same engine
 loops (``session.py``, ``decode.py``: track, observe, score, select); what differs is the KV store
 and the forward pass:
 
@@ -40,19 +40,20 @@ slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvleague.runner.engine.backend import HFBackend
-from kvleague.runner.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _row_order, gather_slots
-from kvleague.runner.engine.decode import BatchSlabLayer
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.probe import active_recorder, recording
-from kvleague.runner.engine.resources import device_clock
+from kvleague.engine.backend import HFBackend
+from kvleague.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _row_order, gather_slots
+from kvleague.engine.decode import BatchSlabLayer
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.probe import active_recorder, recording
+from kvleague.engine.resources import device_clock
 
 
 class FixedSlabLayer(SlabLayer):
@@ -126,7 +127,9 @@ class SlabStore(BudgetedCache):
         super().__init__(config, n_layers, n_kv_heads, device, reserve)
         cache = DynamicCache(config=config)
         if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            raise KvleagueError("backend slab: every layer must be a full-attention layer (no sliding-window cache); use backend hf")
+            raise KvleagueError(
+                "backend slab: every layer must be a full-attention layer (no sliding-window cache); use backend hf"
+            )
         limit = getattr(config, "max_position_embeddings", None)
         if reserve is not None and limit is not None and reserve > limit:
             reserve = None  # a budget past the model's context (no eviction): the slab grows as it fills
@@ -142,8 +145,10 @@ class SlabStore(BudgetedCache):
         hold; False (nothing done) where a layer's shape differs from ``like``'s (``[1, H, *, d]``)."""
         layers = self.cache.layers
         shape = (*like.shape[:-2], like.shape[-1])
-        if any(layer._k is not None and layer._k.dim() == 4 and (*layer._k.shape[:-2], layer._k.shape[-1]) != shape
-               for layer in layers):
+        if any(
+            layer._k is not None and layer._k.dim() == 4 and (*layer._k.shape[:-2], layer._k.shape[-1]) != shape
+            for layer in layers
+        ):
             return False
         kv = like.new_zeros((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
         for l, layer in enumerate(layers):
@@ -207,7 +212,9 @@ class SlabBackend(HFBackend):
 
     def __init__(self, model, tokenizer, attn_implementation: str = "sdpa", graphs: bool | None = None):
         if attn_implementation not in ("sdpa", "eager"):
-            raise KvleagueError(f"backend slab: attn_implementation {attn_implementation!r} takes no 4D mask; allowed: sdpa, eager")
+            raise KvleagueError(
+                f"backend slab: attn_implementation {attn_implementation!r} takes no 4D mask; allowed: sdpa, eager"
+            )
         super().__init__(model, tokenizer, attn_implementation)
         #: capture decode steps as CUDA graphs (default: on CUDA only; True on the CPU runs the captured
         #: body eagerly, so its static-buffer writes and mask are checked without a GPU)
@@ -231,9 +238,13 @@ class SlabBackend(HFBackend):
         return self.graphs
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "decode_steps": dict(self.steps),
-                "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off",
-                "graph_captures": self.captures, "graph_capture_seconds": round(self.capture_seconds, 6)}
+        return {
+            **super().describe(),
+            "decode_steps": dict(self.steps),
+            "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off",
+            "graph_captures": self.captures,
+            "graph_capture_seconds": round(self.capture_seconds, 6),
+        }
 
     def new_cache(self, reserve: int) -> SlabStore:
         return SlabStore(self.model.config, self.n_layers, self.n_kv_heads, self.device, reserve=reserve)
@@ -245,6 +256,7 @@ class SlabBackend(HFBackend):
     def observing(self, kernel: str, hidden_layers: list[int], on_hidden) -> Iterator[None]:
         """As the HF backend's; inside a captured step's body the hooks leave their outputs on the tap,
         and :meth:`_deliver` hands copies to ``on_hidden`` after each replay."""
+
         def hook(layer: int, output: torch.Tensor) -> None:
             if self._tap is not None:
                 self._tap.hidden[layer] = output
@@ -259,7 +271,7 @@ class SlabBackend(HFBackend):
             finally:
                 self._observers.remove(entry)
 
-    def _deliver(self, tap: "_Tap", cache) -> None:
+    def _deliver(self, tap: _Tap, cache) -> None:
         """What a captured step observed, as an eager step would have handed it over: each hidden
         state to the callbacks that hooked its layer, each attention call to the active recorder
         (its keys and values: ``cache``'s slabs, which the kernel saw). Copies: the tapped tensors
@@ -279,8 +291,14 @@ class SlabBackend(HFBackend):
 
     # -- one forward pass over the slabs ------------------------------------------------------------
 
-    def forward(self, token_ids: torch.Tensor, rope_positions: torch.Tensor, cache, start_slot: int,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        rope_positions: torch.Tensor,
+        cache,
+        start_slot: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As :meth:`HFBackend.forward`, attending over the whole slab: ``attention_mask`` ``[N, S]``
         (valid slots of a ragged batch) is widened to the slab's capacity and made causal here."""
         n, c = token_ids.shape
@@ -302,21 +320,27 @@ class SlabBackend(HFBackend):
             return self._graph_step(token_ids, rope_positions, cache, start_slot, attention_mask, capacity)
         if c == 1:
             self.steps["eager"] += 1
-        return self.model_step(token_ids, rope_positions, cache, start_slot, self.slab_mask(n, c, capacity, start_slot, attention_mask))
+        return self.model_step(
+            token_ids, rope_positions, cache, start_slot, self.slab_mask(n, c, capacity, start_slot, attention_mask)
+        )
 
     def slab_mask(self, n: int, c: int, capacity: int, start_slot: int, valid: torch.Tensor | None) -> torch.Tensor:
         """``[N, 1, c, capacity]``: query j (at slot ``start_slot + j``) sees slot s iff s <= its slot
         and s is valid (``valid[:, s]``, True beyond nothing: slots past ``valid``'s width are free).
         Boolean for SDPA; additive (0 / the dtype's min, as HF builds it) for eager."""
         slots = torch.arange(capacity, device=self.device)
-        visible = slots[None, None, :] <= (start_slot + torch.arange(c, device=self.device))[None, :, None]  # [1, c, cap]
+        visible = (
+            slots[None, None, :] <= (start_slot + torch.arange(c, device=self.device))[None, :, None]
+        )  # [1, c, cap]
         if valid is not None:
             wide = torch.zeros((n, capacity), dtype=torch.bool, device=self.device)
             wide[:, : valid.shape[-1]] = valid
             visible = visible & wide[:, None, :]
         visible = visible.expand(n, c, capacity)[:, None]
         if self.model.config._attn_implementation.endswith("eager"):
-            return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, torch.finfo(self.dtype).min)
+            return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~visible, torch.finfo(self.dtype).min
+            )
         return visible
 
     # -- CUDA graphs (taken on CUDA only) -----------------------------------------------------------
@@ -325,7 +349,11 @@ class SlabBackend(HFBackend):
         n = token_ids.shape[0]
         layers = cache.layers
         if isinstance(layers[0], BatchSlabLayer):
-            slots = (attention_mask.sum(dim=-1) - 1) if attention_mask is not None else torch.full((n,), start_slot, device=self.device)
+            slots = (
+                (attention_mask.sum(dim=-1) - 1)
+                if attention_mask is not None
+                else torch.full((n,), start_slot, device=self.device)
+            )
         else:
             slots = torch.full((1,), start_slot, device=self.device)
         # the hooked layers shape the body (each leaves its output on the tap); attention calls are
@@ -333,14 +361,25 @@ class SlabBackend(HFBackend):
         hooked = tuple(sorted({l for layers, _ in self._observers for l in layers}))
         # the graph reads and writes the slabs by address: a step replays it only over the buffers it
         # was captured over (a new session whose slabs the allocator placed at the same addresses too)
-        key = (n, capacity, self.model.config._attn_implementation, hooked,
-               *(b.data_ptr() for layer in layers for b in _slabs(layer)))
+        key = (
+            n,
+            capacity,
+            self.model.config._attn_implementation,
+            hooked,
+            *(b.data_ptr() for layer in layers for b in _slabs(layer)),
+        )
         step = self._graphed.get(key)
         if step is None:
             self._graphed = {key: GraphedStep(self, n, capacity)}  # one live graph (its private memory freed with it)
             step = self._graphed[key]
-        logits = step.run(cache, token_ids, rope_positions, slots, self.slab_mask(n, 1, capacity, start_slot, attention_mask),
-                          start_slot)
+        logits = step.run(
+            cache,
+            token_ids,
+            rope_positions,
+            slots,
+            self.slab_mask(n, 1, capacity, start_slot, attention_mask),
+            start_slot,
+        )
         if not isinstance(layers[0], BatchSlabLayer):
             for layer in layers:  # the replay wrote the slot; the host-side length follows
                 layer.set_length(start_slot + 1)
@@ -373,7 +412,7 @@ class _Tap:
     def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
         self.attention[layer] = (query, weights, scaling)
 
-    def rewrite(self, fresh: "_Tap") -> None:
+    def rewrite(self, fresh: _Tap) -> None:
         """Copy ``fresh``'s tensors into this tap's, in place, as a replay rewrites a graph's memory."""
         for layer, out in fresh.hidden.items():
             self.hidden[layer].copy_(out)
@@ -411,9 +450,15 @@ class GraphedStep:
         backend._tap = tap
         try:
             with recording(tap):
-                out = backend.model(input_ids=self.tokens, position_ids=self.rope, attention_mask=self.mask,
-                                    cache_position=self.cache_position, past_key_values=cache, use_cache=True,
-                                    logits_to_keep=1)
+                out = backend.model(
+                    input_ids=self.tokens,
+                    position_ids=self.rope,
+                    attention_mask=self.mask,
+                    cache_position=self.cache_position,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         finally:
             backend._tap = None
             for layer in cache.layers:

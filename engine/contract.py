@@ -41,7 +41,7 @@ Slot indices are not stable across evictions: a method that keeps per-token stat
 **absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a
 ``CacheView`` are valid during the ``score`` call only.
 
-**Batches** (``Engine.generate_batch``; the decode loop, ``runner/engine/decode.py``). Every sequence of a batch has
+**Batches** (``Engine.generate_batch``; the decode loop, ``engine/decode.py``). Every sequence of a batch has
 its own method instance, reset with its own :class:`SequenceInfo`; the engine calls the classmethods
 :meth:`EvictionMethod.observe_batch` and :meth:`EvictionMethod.score_batch` once per method class
 with the instances of the sequences concerned. Their defaults call ``observe`` / ``score`` of each
@@ -53,9 +53,9 @@ for that sequence alone (``tests/test_batch.py`` checks every built-in method th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:  # tensors are only annotations here: the registries and the CLI import this without torch
     import torch
@@ -171,7 +171,9 @@ class PerLayer(tuple):
     as ``[L, H, T]`` with no op (a broadcast view where every layer shares one ``[H, T]``, ``n_layers``
     given), so a batched method reads it without stacking the layers again."""
 
-    def __new__(cls, table: torch.Tensor, n_layers: int | None = None, layers: Sequence[torch.Tensor] | None = None) -> "PerLayer":
+    def __new__(
+        cls, table: torch.Tensor, n_layers: int | None = None, layers: Sequence[torch.Tensor] | None = None
+    ) -> PerLayer:
         """``layers``: ``table``'s layers cut already (a batch's, cut for every row at once)."""
         if layers is None:
             layers = table.unbind(0) if n_layers is None else (table,) * n_layers
@@ -183,7 +185,7 @@ class PerLayer(tuple):
         return PerLayer, (self._table, self._n_layers)
 
     @classmethod
-    def of(cls, per_layer: Sequence[torch.Tensor]) -> "PerLayer":
+    def of(cls, per_layer: Sequence[torch.Tensor]) -> PerLayer:
         """``per_layer`` itself when it is one, else its tensors stacked (a list a test or a caller made)."""
         import torch
 
@@ -244,12 +246,19 @@ class CacheView:
     that scores from positions or its own state (EpiKV) costs no per-layer slicing of the cache, one
     that scores from keys (Knorm) none of its values or bookkeeping."""
 
-    def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None, *,
-                 positions: Sequence[torch.Tensor] | Callable[[], PerLayer],
-                 is_prompt: Sequence[torch.Tensor] | Callable[[], PerLayer], budget: int, phase: Phase,
-                 current_position: int,
-                 layers: Callable[[int], list[torch.Tensor]] | None = None,
-                 length: int | None = None):
+    def __init__(
+        self,
+        keys: list[torch.Tensor] | None = None,
+        values: list[torch.Tensor] | None = None,
+        *,
+        positions: Sequence[torch.Tensor] | Callable[[], PerLayer],
+        is_prompt: Sequence[torch.Tensor] | Callable[[], PerLayer],
+        budget: int,
+        phase: Phase,
+        current_position: int,
+        layers: Callable[[int], list[torch.Tensor]] | None = None,
+        length: int | None = None,
+    ):
         self._kv, self._layers = [keys, values], layers
         self._bookkeeping = [positions, is_prompt]
         self._length = length
@@ -432,13 +441,13 @@ class EvictionMethod:
     # -- batches: one instance per sequence; override to vectorise (see the module docstring) --
 
     @classmethod
-    def observe_batch(cls, methods: Sequence["EvictionMethod"], observations: Sequence[Observation]) -> None:
+    def observe_batch(cls, methods: Sequence[EvictionMethod], observations: Sequence[Observation]) -> None:
         """``methods[i].observe(observations[i])`` for every sequence of a batch."""
         for method, obs in zip(methods, observations):
             method.observe(obs)
 
     @classmethod
-    def score_batch(cls, methods: Sequence["EvictionMethod"], caches: BatchCacheView) -> list[torch.Tensor]:
+    def score_batch(cls, methods: Sequence[EvictionMethod], caches: BatchCacheView) -> list[torch.Tensor]:
         """``methods[i].score(caches.views[i])`` for every sequence of a batch that evicts now."""
         return [method.score(view) for method, view in zip(methods, caches.views)]
 

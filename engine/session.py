@@ -5,8 +5,8 @@ in turn 1 affects turn 5). Each prefill chunk goes in with explicit RoPE positio
 or cache-length positions under ``positions: compact``) and storage slots after the cached ones (so
 the causal mask is right for a shrunken cache); the method observes what it declared in ``Needs``;
 then, when the budget says so, the method scores the cache and the engine keeps the best slots among
-the evictable ones, moving the cache entries in place (``runner/engine/cache.py``). Decode steps run
-the same track / observe / evict sequence in :class:`~runner.engine.decode.DecodeLoop`, as a batch
+the evictable ones, moving the cache entries in place (``engine/cache.py``). Decode steps run
+the same track / observe / evict sequence in :class:`~engine.decode.DecodeLoop`, as a batch
 of one.
 """
 
@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvleague.runner.engine.contract import EvictionMethod, Observation, SequenceInfo
-from kvleague.runner.engine.decode import DecodeLoop, DecodeOutput, suppressed
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.probe import AttentionRecorder, recording
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
-from kvleague.runner.engine.resources import PeakMemory, Spans
+from kvleague.engine.contract import EvictionMethod, Observation, SequenceInfo
+from kvleague.engine.decode import DecodeLoop, DecodeOutput, suppressed
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.probe import AttentionRecorder, recording
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.engine.resources import PeakMemory, Spans
 
 
 @dataclass
@@ -69,8 +69,10 @@ class Session:
 
     def __init__(self, engine, method: EvictionMethod, budget: int, protocol: Protocol, seed: int):
         if protocol.budget_base != "none":
-            raise KvleagueError(f"budget_base: {protocol.budget_base!r} is resolved per prompt before a session starts "
-                                "(Protocol.for_prompt); a session takes an absolute budget, allowed: none")
+            raise KvleagueError(
+                f"budget_base: {protocol.budget_base!r} is resolved per prompt before a session starts "
+                "(Protocol.for_prompt); a session takes an absolute budget, allowed: none"
+            )
         protocol.check_budget(budget)
         self.engine, self.method, self.budget, self.protocol, self.seed = engine, method, budget, protocol, seed
         needs = method.needs
@@ -131,8 +133,10 @@ class Session:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def __enter__(self) -> "Session":
-        self._stack.enter_context(self.engine.backend.observing(self.attn_implementation, self.hidden_layers, self._on_hidden))
+    def __enter__(self) -> Session:
+        self._stack.enter_context(
+            self.engine.backend.observing(self.attn_implementation, self.hidden_layers, self._on_hidden)
+        )
         self._stack.enter_context(recording(self.recorder))
         self._stack.enter_context(torch.inference_mode())
         self.memory.start()
@@ -183,7 +187,9 @@ class Session:
         if not token_ids:
             return
         self.flush_pending()
-        DecodeLoop(self.engine, [self], GenerationSettings(max_new_tokens=len(token_ids)), [(token_ids, on_logits)]).run()
+        DecodeLoop(
+            self.engine, [self], GenerationSettings(max_new_tokens=len(token_ids)), [(token_ids, on_logits)]
+        ).run()
 
     def flush_pending(self) -> None:
         """Feed the previous decode's last token, which sampling produced but no forward pass saw."""
@@ -239,7 +245,9 @@ class Session:
     def apply_scores(self, scores: torch.Tensor, scoring: tuple) -> None:
         """Keep the best slots by ``scores`` (the engine's selection and moves), and book the time."""
         start = self.engine.mark()
-        dropped = self.cache.evict(scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots)
+        dropped = self.cache.evict(
+            scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots
+        )
         self.book_eviction(dropped, scoring, (start, self.engine.mark(), 1.0))
 
     def book_eviction(self, dropped: int, scoring: tuple, selection: tuple) -> None:
@@ -257,10 +265,16 @@ class Session:
         c = len(token_ids)
         length = cache.length
         positions = torch.arange(self.next_position, self.next_position + c, device=engine.device)
-        rope = positions if self.protocol.positions == "absolute" else torch.arange(length, length + c, device=engine.device)
+        rope = (
+            positions
+            if self.protocol.positions == "absolute"
+            else torch.arange(length, length + c, device=engine.device)
+        )
         if self.recorder is not None:
             self.recorder.start(c)
-        self.logits = engine.backend.forward(torch.tensor([token_ids], device=engine.device), rope[None], cache.cache, length)[0]
+        self.logits = engine.backend.forward(
+            torch.tensor([token_ids], device=engine.device), rope[None], cache.cache, length
+        )[0]
         self.after_forward(positions, prompt=True)
         if self.method.never_evicts:
             return
@@ -272,7 +286,9 @@ class Session:
                 new_positions=positions,
                 new_token_ids=torch.tensor(token_ids),
                 cache_positions=cache.positions,  # immutable: an eviction makes new bookkeeping
-                hidden_states={layer: self.hidden[layer] for layer in self.hidden_layers} if self.hidden_layers else None,
+                hidden_states={layer: self.hidden[layer] for layer in self.hidden_layers}
+                if self.hidden_layers
+                else None,
                 new_keys=rec.k_new if rec and rec.new_keys_values else None,
                 new_values=rec.v_new if rec and rec.new_keys_values else None,
                 queries=rec.q if rec and rec.queries else None,

@@ -4,7 +4,7 @@
 :func:`teacher_force_batch` the batched ``Session.teacher_force`` that fidelity uses. Prefill is per
 sequence (``Session.feed``: chunked prefill and prefill-time eviction; a prompt chunk is already a
 matrix product, so batching it buys little); decoding runs the one decode loop
-(``runner/engine/decode.py``) over ``batch_size`` rows, each sequence exactly as it would run alone.
+(``engine/decode.py``) over ``batch_size`` rows, each sequence exactly as it would run alone.
 Batching is continuous: when a sequence ends (EOS, a stop string), the next prompt waiting is fed and
 takes its row, so a batch is not held to its longest sequence.
 Sequences whose methods need eager attention (``Needs.eager``) and the others run as separate
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from kvleague.runner.engine.contract import EvictionMethod
-from kvleague.runner.engine.decode import DecodeLoop
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import GenerationSettings, Protocol
-from kvleague.runner.engine.session import GenerationResult, Session
+from kvleague.engine.contract import EvictionMethod
+from kvleague.engine.decode import DecodeLoop
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.engine.session import GenerationResult, Session
 
 #: the most sequences the automatic batch size puts in one batch
 MAX_AUTO_BATCH = 64
@@ -102,16 +102,26 @@ def generate_batch(
         groups[m.needs.eager].append(i)
     for members in groups.values():
         size = batch_size or auto_batch_size(
-            engine, [len(ids[i]) for i in members], settings.max_new_tokens, max(budgets[i] for i in members), protocol,
-            never_evicts=all(methods[i].never_evicts for i in members), limit=max_batch_size or MAX_AUTO_BATCH,
+            engine,
+            [len(ids[i]) for i in members],
+            settings.max_new_tokens,
+            max(budgets[i] for i in members),
+            protocol,
+            never_evicts=all(methods[i].never_evicts for i in members),
+            limit=max_batch_size or MAX_AUTO_BATCH,
         )
         if min(size, len(members)) == 1:
             for i in members:
                 DecodeLoop(engine, [fed(i)], settings, on_done=done).run()
         else:  # continuous batching: a finished sequence's row goes to the next prompt waiting
             waiting = iter(members[size:])
-            DecodeLoop(engine, [fed(i) for i in members[:size]], settings, on_done=done,
-                       refill=lambda: None if (i := next(waiting, None)) is None else fed(i)).run()
+            DecodeLoop(
+                engine,
+                [fed(i) for i in members[:size]],
+                settings,
+                on_done=done,
+                refill=lambda: None if (i := next(waiting, None)) is None else fed(i),  # noqa: B023 - called before the loop moves on
+            ).run()
     return results
 
 
@@ -119,7 +129,9 @@ def check_batch_arguments(methods: Sequence[EvictionMethod], batch_size: int | N
     """What every batched entry point requires: one method instance per sequence (each holds its
     sequence's state) and a positive ``batch_size`` or ``None``."""
     if len({id(m) for m in methods}) != len(methods):
-        raise KvleagueError("methods: the same instance appears twice; give each sequence its own instance (it holds per-sequence state)")
+        raise KvleagueError(
+            "methods: the same instance appears twice; give each sequence its own instance (it holds per-sequence state)"
+        )
     if batch_size is not None and batch_size < 1:
         raise KvleagueError(f"batch_size: must be a positive integer or None (automatic), got {batch_size}")
 
@@ -135,8 +147,10 @@ def teacher_force_batch(
     must have been fed (and be outside its ``with`` block); sessions whose methods need eager
     attention and the others are forced as separate batches, as in :func:`generate_batch`."""
     if not (len(sessions) == len(token_ids) == len(on_logits)):
-        raise KvleagueError(f"teacher_force_batch: {len(sessions)} sessions, {len(token_ids)} token lists and "
-                            f"{len(on_logits)} callbacks; give one of each per sequence")
+        raise KvleagueError(
+            f"teacher_force_batch: {len(sessions)} sessions, {len(token_ids)} token lists and "
+            f"{len(on_logits)} callbacks; give one of each per sequence"
+        )
     groups: dict[bool, list[int]] = defaultdict(list)
     for i, s in enumerate(sessions):
         if s.logits is None:
@@ -178,7 +192,11 @@ def auto_batch_size(
     longest = max(prompt_tokens)
     slots = longest + max_new_tokens if never_evicts else max(budget + protocol.buffer + 1, longest)
     kv = 2 * engine.n_layers * engine.n_kv_heads * engine.head_dim * element * slots
-    activations = 4 * backend.vocab_size + 4 * element * (backend.hidden_size + backend.intermediate_size) + 4 * engine.n_heads * slots
+    activations = (
+        4 * backend.vocab_size
+        + 4 * element * (backend.hidden_size + backend.intermediate_size)
+        + 4 * engine.n_heads * slots
+    )
     if available_bytes is None:
         available_bytes = _free_memory(engine.device)
     fit = int(0.8 * available_bytes) // max(1, kv + activations)
@@ -234,7 +252,9 @@ def drive_sessions(engine, sessions: Sequence[Session], drivers: Sequence[Callab
     values in order. The first exception of a driver or of a batched decode is raised here, after
     every driver has stopped."""
     if len(sessions) != len(drivers):
-        raise KvleagueError(f"drive_sessions: {len(sessions)} sessions and {len(drivers)} drivers; give one driver per session")
+        raise KvleagueError(
+            f"drive_sessions: {len(sessions)} sessions and {len(drivers)} drivers; give one driver per session"
+        )
     requests: queue.SimpleQueue = queue.SimpleQueue()
     handles = [SessionHandle(i, requests) for i in range(len(sessions))]
     values: list[Any] = [None] * len(sessions)
@@ -242,10 +262,12 @@ def drive_sessions(engine, sessions: Sequence[Session], drivers: Sequence[Callab
     def run(i: int) -> None:
         try:
             requests.put((i, "done", drivers[i](handles[i])))
-        except BaseException as exc:  # noqa: BLE001 - carried to the driving thread
+        except BaseException as exc:
             requests.put((i, "failed", exc))
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"kvleague-driver-{i}") for i in range(len(sessions))]
+    threads = [
+        threading.Thread(target=run, args=(i,), daemon=True, name=f"kvleague-driver-{i}") for i in range(len(sessions))
+    ]
     live, waiting = set(range(len(sessions))), {}
     failure: BaseException | None = None
     for thread in threads:
@@ -302,7 +324,7 @@ def _carry_out(engine, sessions: Sequence[Session], waiting: dict[int, tuple[str
                 raise KvleagueError("decode: feed a prompt first")
             else:
                 decodes[(argument, session.method.needs.eager)].append(i)
-        except Exception as exc:  # noqa: BLE001 - the driver's own request failed: it decides
+        except Exception as exc:
             replies[i] = (True, exc)
     for (settings, _), members in decodes.items():
         group = [sessions[i] for i in members]

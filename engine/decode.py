@@ -1,7 +1,7 @@
 """The one decode loop: a step (forward, track, observe, evict) that any number of sequences run
 together, a single sequence being a batch of one.
 
-:class:`DecodeLoop` decodes prefilled sessions (``runner/engine/session.py``) until each stops (EOS,
+:class:`DecodeLoop` decodes prefilled sessions (``engine/session.py``) until each stops (EOS,
 a stop string, ``max_new_tokens``; under teacher forcing, the end of its script). Every sequence
 keeps what it has alone: its own method instance, seed and sampling generator, budgeted cache with
 its kept positions and prompt flags, protected tokens, stop condition and instrumentation.
@@ -24,7 +24,7 @@ prompts wait, and keeps its shapes (a captured step replays).
 **Observe and evict.** After the forward pass, the methods observe and, where a cache is above B
 (+ the cadence's buffer), score: a method class serving one sequence through ``observe`` /
 ``score``, several through ``EvictionMethod.observe_batch`` / ``score_batch``
-(``runner/engine/contract.py``), which loop over the instances unless the class vectorises.
+(``engine/contract.py``), which loop over the instances unless the class vectorises.
 Selection and moving the entries run for the whole group at once where its rows share a protocol,
 slot contract and score shape (``cache.evict_rows``: one top-k over the stacked scores, each row
 with its own length and budget, one gather for every layer's slabs, one host read whatever the batch size),
@@ -42,20 +42,45 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol as TypingProtocol
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvleague.runner.engine.cache import SlabLayer, evict_rows, track_rows
-from kvleague.runner.engine.contract import BatchCacheView, Observation, RowHidden
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.probe import BatchAttentionRecorder, recording
-from kvleague.runner.engine.protocol import GenerationSettings
-from kvleague.runner.engine.resources import current_rss
+from kvleague.engine.cache import BudgetedCache, SlabLayer, evict_rows, track_rows
+from kvleague.engine.contract import BatchCacheView, EvictionMethod, Observation, RowHidden
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.probe import BatchAttentionRecorder, recording
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.engine.resources import current_rss
 
-if TYPE_CHECKING:
-    from kvleague.runner.engine.session import Session
+
+class Sequence(TypingProtocol):
+    """What the loop needs of one sequence (``engine.session.Session`` is the one implementation): the
+    loop drives sequences through this surface and never names their class, so a session may use the
+    loop without the two modules depending on each other."""
+
+    method: EvictionMethod
+    budget: int
+    protocol: Protocol
+    cache: BudgetedCache
+    attn_implementation: str
+    hidden_layers: list[int]
+    ordered_slots: bool
+    next_position: int
+    pending: list[int]
+    generated: list[int]
+    logits: torch.Tensor | None
+    on_token: Callable[[int], None] | None
+    outputs: list[DecodeOutput]
+    step_seconds: list[float]
+
+    def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> int: ...
+    def apply_scores(self, scores: torch.Tensor, scoring: tuple) -> None: ...
+    def over_budget(self, phase: str) -> bool: ...
+    def after_forward(self, positions: torch.Tensor, prompt: bool, rss: int | None = None) -> None: ...
+    def count_appended(self, n: int, rss: int | None = None) -> None: ...
+    def book_eviction(self, dropped: int, scoring: tuple, selection: tuple) -> None: ...
 
 
 @dataclass
@@ -126,13 +151,19 @@ class DecodeLoop:
     ``scripts``: teacher forcing, one :data:`Script` per session (a script ends only where it ends:
     no EOS or stop string). Every session must run under the same attention kernel."""
 
-    def __init__(self, engine, sessions: list["Session"], settings: GenerationSettings,
-                 scripts: list[Script] | None = None, refill: Callable[[], "Session | None"] | None = None,
-                 on_done: Callable[["Session"], None] | None = None):
+    def __init__(
+        self,
+        engine,
+        sessions: list[Sequence],
+        settings: GenerationSettings,
+        scripts: list[Script] | None = None,
+        refill: Callable[[], Sequence | None] | None = None,
+        on_done: Callable[[Sequence], None] | None = None,
+    ):
         self.engine, self.backend, self.settings = engine, engine.backend, settings
         #: every session the loop has decoded, by index (``active`` maps rows to them); one whose row a
         #: refill took is None
-        self.sessions: list["Session | None"] = list(sessions)
+        self.sessions: list[Sequence | None] = list(sessions)
         self.scripts = scripts
         #: continuous batching (``generate_batch``): called between steps, outside the batch's hooks,
         #: for the next fed session to take a finished sequence's row (None: none is left). A sequence
@@ -163,7 +194,7 @@ class DecodeLoop:
         self._watch()
         self.stop_window = 4 * max((len(x) for x in settings.stop), default=0) + 8
 
-    def _check_joins(self, session: "Session") -> None:
+    def _check_joins(self, session: Sequence) -> None:
         if session.logits is None:
             raise KvleagueError("decode: every session of a batch must be fed a prompt first")
         if session.attn_implementation != self.attn:
@@ -182,7 +213,7 @@ class DecodeLoop:
 
     # -- the batched slabs ------------------------------------------------------------------------
 
-    def _capacity_for(self, sessions: list["Session"]) -> int:
+    def _capacity_for(self, sessions: list[Sequence]) -> int:
         """Slots per row: what the longest of ``sessions`` can reach (evicting: B + buffer + the step's
         token; otherwise every new token), so the slabs never grow in the usual case."""
         longest = max(s.cache.length for s in sessions)
@@ -201,7 +232,9 @@ class DecodeLoop:
         for r in range(n):
             self._copy_in(r)
         self.cache = self.backend.empty_batch_cache()
-        self.cache.layers = [self.backend.batch_layer(self.kv[l, 0], self.kv[l, 1], self.rows) for l in range(self.kv.shape[0])]
+        self.cache.layers = [
+            self.backend.batch_layer(self.kv[l, 0], self.kv[l, 1], self.rows) for l in range(self.kv.shape[0])
+        ]
         self._bind_rows()
 
     def _copy_in(self, r: int) -> None:
@@ -219,13 +252,18 @@ class DecodeLoop:
 
     def _bind_rows(self, rows: list[int] | None = None) -> None:
         for r in range(len(self.active)) if rows is None else rows:
-            self.sessions[self.active[r]].cache.adopt([(layer.slab_k[r : r + 1], layer.slab_v[r : r + 1]) for layer in self.cache.layers])
+            self.sessions[self.active[r]].cache.adopt(
+                [(layer.slab_k[r : r + 1], layer.slab_v[r : r + 1]) for layer in self.cache.layers]
+            )
 
     def _reslab(self, keep_rows: list[int] | None = None, capacity: int | None = None) -> None:
         """Drop the rows not in ``keep_rows`` and/or move to a larger capacity (one copy of the slabs)."""
         capacity = capacity or self.capacity
         index = torch.tensor(keep_rows, device=self.device) if keep_rows is not None else None
-        longest = max(self.sessions[self.active[r]].cache.length for r in (keep_rows if keep_rows is not None else range(len(self.active))))
+        longest = max(
+            self.sessions[self.active[r]].cache.length
+            for r in (keep_rows if keep_rows is not None else range(len(self.active)))
+        )
         kv = self.kv if index is None else self.kv.index_select(2, index)
         if capacity != kv.shape[-2]:
             grown = kv.new_zeros((*kv.shape[:-2], capacity, kv.shape[-1]))
@@ -404,7 +442,9 @@ class DecodeLoop:
         sessions = [self.sessions[i] for i in self.active]
         lengths = [s.cache.length for s in sessions]
         # the tokens, absolute positions and cache lengths of every row: one copy to the device
-        tokens, positions, lengths_t = torch.tensor([token_ids, [s.next_position for s in sessions], lengths], device=self.device)
+        tokens, positions, lengths_t = torch.tensor(
+            [token_ids, [s.next_position for s in sessions], lengths], device=self.device
+        )
         rope = positions if sessions[0].protocol.positions == "absolute" else lengths_t
         mask = None
         if self.shared:
@@ -419,9 +459,15 @@ class DecodeLoop:
             cache, start_slot = sessions[0].cache.cache, lengths[0]
         if self.recorder is not None:
             slabs = self.kv if self.shared else sessions[0].cache.slabs()  # every layer's keys, one tensor
-            self.recorder.start_batch([n + 1 for n in lengths], frozenset(
-                r for r, s in enumerate(sessions) if r not in self.dead and s.method.needs.attention and not s.method.never_evicts),
-                None if slabs is None else slabs[:, 0])
+            self.recorder.start_batch(
+                [n + 1 for n in lengths],
+                frozenset(
+                    r
+                    for r, s in enumerate(sessions)
+                    if r not in self.dead and s.method.needs.attention and not s.method.never_evicts
+                ),
+                None if slabs is None else slabs[:, 0],
+            )
         self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask)
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
@@ -440,7 +486,7 @@ class DecodeLoop:
         self._observe(live, new_positions, token_ids)
         self._evict(live)
 
-    def _observe(self, sessions: dict[int, "Session"], new_positions: torch.Tensor, token_ids: list[int]) -> None:
+    def _observe(self, sessions: dict[int, Sequence], new_positions: torch.Tensor, token_ids: list[int]) -> None:
         groups: dict[type, list[int]] = defaultdict(list)
         for r, s in sessions.items():
             if not s.method.never_evicts:
@@ -458,10 +504,12 @@ class DecodeLoop:
             for r in members:
                 sessions[r].method_time.add(start, end, 1 / len(members))
 
-    def _observation(self, r: int, s: "Session", new_positions: torch.Tensor, token: torch.Tensor) -> Observation:
+    def _observation(self, r: int, s: Sequence, new_positions: torch.Tensor, token: torch.Tensor) -> Observation:
         needs = s.method.needs
         recorded = (
-            self.recorder.row(r, needs.queries, needs.new_keys_values, needs.attention) if self.recorder is not None else {}
+            self.recorder.row(r, needs.queries, needs.new_keys_values, needs.attention)
+            if self.recorder is not None
+            else {}
         )
         return Observation(
             phase="decode",
@@ -472,7 +520,7 @@ class DecodeLoop:
             **recorded,
         )
 
-    def _evict(self, sessions: dict[int, "Session"]) -> None:
+    def _evict(self, sessions: dict[int, Sequence]) -> None:
         groups: dict[type, list[int]] = defaultdict(list)
         for r, s in sessions.items():
             if s.over_budget("decode"):
@@ -491,17 +539,24 @@ class DecodeLoop:
             for s, score in zip(group, scores):
                 s.apply_scores(score, scoring)
 
-    def _evict_together(self, group: list["Session"], members: list[int], scores, scoring: tuple) -> bool:
+    def _evict_together(self, group: list[Sequence], members: list[int], scores, scoring: tuple) -> bool:
         """Evict rows ``members`` of the slabs in one selection and one gather
         (``cache.evict_rows``) when their sessions share a protocol and slot contract (budgets and
         lengths may differ); False when they cannot (nothing changed: each evicts alone)."""
         s0 = group[0]
-        if (not self.shared
-                or any(s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group)):
+        if not self.shared or any(s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group):
             return False
         start = self.engine.mark()
-        dropped = evict_rows([s.cache for s in group], scores, [s.budget for s in group], s0.protocol,
-                             [s.next_position - 1 for s in group], s0.ordered_slots, self.kv, members)
+        dropped = evict_rows(
+            [s.cache for s in group],
+            scores,
+            [s.budget for s in group],
+            s0.protocol,
+            [s.next_position - 1 for s in group],
+            s0.ordered_slots,
+            self.kv,
+            members,
+        )
         if dropped is None:
             return False
         selection = (start, self.engine.mark(), 1 / len(group))
@@ -516,7 +571,11 @@ class DecodeLoop:
             longest = max(v.length for v in views)
             contiguous = members == list(range(members[0], members[0] + len(members)))
             slab = self.kv[:, which, :, :, :longest]
-            return slab[:, members[0] : members[-1] + 1] if contiguous else slab.index_select(1, torch.tensor(members, device=self.device))
+            return (
+                slab[:, members[0] : members[-1] + 1]
+                if contiguous
+                else slab.index_select(1, torch.tensor(members, device=self.device))
+            )
 
         return build
 

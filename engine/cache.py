@@ -31,9 +31,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvleague.runner.engine.contract import CacheView, PerLayer, Phase
-from kvleague.runner.engine.errors import KvleagueError
-from kvleague.runner.engine.protocol import Protocol
+from kvleague.engine.contract import CacheView, PerLayer, Phase
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import Protocol
 
 #: growth factor of a slab that must grow past its reserve (amortised O(1) appends without a budget)
 _GROWTH = 1.5
@@ -193,7 +193,7 @@ class BudgetedCache:
         self._scratch: torch.Tensor | None = None
         self._scratch_last: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last view of it, by shape
         self.bytes_per_slot = 0
-        #: the slabs are rows of a batched slab (runner/engine/decode.py): never reallocate them
+        #: the slabs are rows of a batched slab (engine/decode.py): never reallocate them
         self.pinned = False
         #: whether the last :meth:`evict` was decided by the method's ranking (not by the protocol alone)
         self.ranked = False
@@ -217,7 +217,9 @@ class BudgetedCache:
             self._views[1] = PerLayer(self._prompt, self.n_layers if self.uniform else None)
         return self._views[1]
 
-    def _set(self, pos: torch.Tensor, prompt: torch.Tensor, uniform: bool, layers: Sequence[torch.Tensor] | None = None) -> None:
+    def _set(
+        self, pos: torch.Tensor, prompt: torch.Tensor, uniform: bool, layers: Sequence[torch.Tensor] | None = None
+    ) -> None:
         """New bookkeeping; ``layers``: ``pos``'s per-layer tensors cut already (``positions``)."""
         self._pos, self._prompt, self.uniform, self._views = pos, prompt, uniform, [None, None]
         if layers is not None:
@@ -244,7 +246,8 @@ class BudgetedCache:
         """Bytes of the K/V entries held (slots x layers x heads x head dim x 2 x element size)."""
         if not self.bytes_per_slot:
             self.bytes_per_slot = sum(
-                layer.keys.nbytes // max(1, layer.keys.shape[-2]) + layer.values.nbytes // max(1, layer.values.shape[-2])
+                layer.keys.nbytes // max(1, layer.keys.shape[-2])
+                + layer.values.nbytes // max(1, layer.values.shape[-2])
                 for layer in self.cache.layers
                 if layer.is_initialized and layer.keys is not None and layer.keys.dim() >= 2 and layer.keys.shape[-2]
             )
@@ -286,7 +289,9 @@ class BudgetedCache:
     def _protected(
         self, pos: torch.Tensor, prompt: torch.Tensor, protocol: Protocol, current_position: int, budget: int
     ) -> torch.Tensor:
-        return _window(pos, protocol, current_position, protocol.recent_for(budget)) | (prompt if protocol.protect_prompt else False)
+        return _window(pos, protocol, current_position, protocol.recent_for(budget)) | (
+            prompt if protocol.protect_prompt else False
+        )
 
     def protected(self, protocol: Protocol, current_position: int, budget: int) -> list[torch.Tensor]:
         """Per layer ``[H, T]``: slots the protocol forbids evicting."""
@@ -318,9 +323,15 @@ class BudgetedCache:
         keepable = (ranked != float("-inf")).sum(dim=-1)
         # prompt slots, protected slots (most over layers and heads), fewest and most keepable, and
         # whether a score is NaN: one host read
-        n_prompt, n_protected, fewest, most, nan = torch.stack([
-            prompt_tier.sum(dim=-1).max(), (window | prompt_tier).sum(dim=-1).max(), keepable.min(), keepable.max(),
-            torch.isnan(scores).any().long()]).tolist()
+        n_prompt, n_protected, fewest, most, nan = torch.stack(
+            [
+                prompt_tier.sum(dim=-1).max(),
+                (window | prompt_tier).sum(dim=-1).max(),
+                keepable.min(),
+                keepable.max(),
+                torch.isnan(scores).any().long(),
+            ]
+        ).tolist()
         if nan:
             raise KvleagueError("score: the method returned NaN scores")
         _check_protected(n_protected, budget, protocol)
@@ -363,8 +374,14 @@ class BudgetedCache:
         pos, prompt = self._per_layer()
         return (pos[:, 0], prompt[:, 0]) if dim == 2 else (pos, prompt)
 
-    def _finish(self, pos: torch.Tensor, prompt: torch.Tensor, heads_same: bool, layers_same: bool,
-                first_layer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _finish(
+        self,
+        pos: torch.Tensor,
+        prompt: torch.Tensor,
+        heads_same: bool,
+        layers_same: bool,
+        first_layer: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Store per-layer ``[L, H, B]`` bookkeeping after an eviction whose keep masks were equal
         across each layer's heads (``heads_same``) and across the layers (``layers_same``; see
         :func:`_agreement`). Layers (heads) that held the same slots still do when their masks were
@@ -391,7 +408,7 @@ class BudgetedCache:
             self._evict_layer(layer, _Plan(keep[i], budget, ordered))
         return _row_order(keep, budget, budget, ordered)
 
-    def _evict_layer(self, layer, plan: "_Plan") -> None:
+    def _evict_layer(self, layer, plan: _Plan) -> None:
         """Physically drop the slots ``plan`` drops from one layer's K/V."""
         budget = plan.budget
         if not isinstance(layer, SlabLayer):  # a layer kind we do not manage: rebuild its tensors
@@ -411,7 +428,7 @@ class BudgetedCache:
             self._compact(layer.buffers, plan)
         layer.truncate(budget)
 
-    def _compact(self, buffers, plan: "_Plan") -> None:
+    def _compact(self, buffers, plan: _Plan) -> None:
         """Ordered removal via a scratch buffer: the kept slots after the first hole, gathered, written back."""
         first, tail = plan.tail()
         if tail is None:
@@ -476,12 +493,16 @@ def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[
             caches[i].track(positions[rows[i] : rows[i] + 1], prompt=False)
             continue
         at = [rows[i] for i in members]
-        new = positions if at == list(range(positions.shape[0])) else positions[torch.tensor(at, device=positions.device)]
+        new = (
+            positions if at == list(range(positions.shape[0])) else positions[torch.tensor(at, device=positions.device)]
+        )
         pos = torch.stack([caches[i]._pos for i in members])  # [m, (L,) H, T]
         prompt = torch.stack([caches[i]._prompt for i in members])
         new = new.to(pos.device).view(-1, *(1,) * (pos.dim() - 1)).expand(*pos.shape[:-1], 1)
         pos = torch.cat([pos, new], dim=-1)
-        prompt = torch.cat([prompt, torch.zeros((*prompt.shape[:-1], 1), dtype=torch.bool, device=prompt.device)], dim=-1)
+        prompt = torch.cat(
+            [prompt, torch.zeros((*prompt.shape[:-1], 1), dtype=torch.bool, device=prompt.device)], dim=-1
+        )
         # per-layer bookkeeping: every row's layers cut at once (this step's observation reads them)
         layers = [None] * len(members)
         if pos.dim() == 4:
@@ -491,8 +512,16 @@ def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[
             caches[i]._set(row_pos, row_prompt, caches[i].uniform, row_layers)
 
 
-def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets: list[int], protocol: Protocol,
-               current_positions: list[int], ordered: bool, kv: torch.Tensor, rows: list[int]) -> list[int] | None:
+def evict_rows(
+    caches: list[BudgetedCache],
+    scores: list[torch.Tensor],
+    budgets: list[int],
+    protocol: Protocol,
+    current_positions: list[int],
+    ordered: bool,
+    kv: torch.Tensor,
+    rows: list[int],
+) -> list[int] | None:
     """:meth:`BudgetedCache.evict` for several caches at once, each the row ``rows[i]`` of the batched
     slabs ``kv`` (every layer's keys and values, ``[L, 2, N, H, capacity, d]``; ``decode.py``), each with
     its own length and budget: one selection over the stacked (padded) scores and one gather for all
@@ -522,7 +551,10 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
 
     stacked = padded(scores, float("-inf")).to(first.device)  # [N, (L, (H,)) t]: one copy to the device
     if all(c.uniform for c in caches):  # every cache's positions broadcast over its layers, for the batch at once
-        base_pos, base_prompt = padded([c._pos for c in caches], -1), padded([c._prompt for c in caches], False)  # [N, H, t]
+        base_pos, base_prompt = (
+            padded([c._pos for c in caches], -1),
+            padded([c._prompt for c in caches], False),
+        )  # [N, H, t]
         if dim == 1:
             pos, prompt = base_pos[:, 0], base_prompt[:, 0]
         else:
@@ -530,7 +562,10 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
             full_pos, full_prompt = base_pos[:, None].expand(shape), base_prompt[:, None].expand(shape)
     else:  # per-layer bookkeeping (dim 2 or 3): every layer's and head's, stacked once for the batch
         per_layer = [c._per_layer() for c in caches]
-        full_pos, full_prompt = padded([p for p, _ in per_layer], -1), padded([f for _, f in per_layer], False)  # [N, L, H, t]
+        full_pos, full_prompt = (
+            padded([p for p, _ in per_layer], -1),
+            padded([f for _, f in per_layer], False),
+        )  # [N, L, H, t]
     if dim > 1:  # the ranking's layout: each layer's first head for [L, T] scores
         pos, prompt = (full_pos[:, :, 0], full_prompt[:, :, 0]) if dim == 2 else (full_pos, full_prompt)
     device = pos.device
@@ -544,10 +579,14 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
     ranked = _tiers(stacked, window, prompt_tier)
     # per row: prompt slots, protected slots (most over layers and heads), fewest keepable, and whether
     # a score is NaN: the one host read
-    counts = torch.stack([prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values,
-                          (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values,
-                          ((ranked != float("-inf")) & valid).sum(dim=-1).reshape(n, -1).min(dim=1).values,
-                          torch.isnan(stacked).reshape(n, -1).any(dim=1).long()]).tolist()
+    counts = torch.stack(
+        [
+            prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values,
+            (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values,
+            ((ranked != float("-inf")) & valid).sum(dim=-1).reshape(n, -1).min(dim=1).values,
+            torch.isnan(stacked).reshape(n, -1).any(dim=1).long(),
+        ]
+    ).tolist()
     if any(counts[3]):
         raise KvleagueError("score: the method returned NaN scores")
     n_prompt = counts[0] if protocol.protect_prompt else [0] * n
@@ -587,9 +626,10 @@ def evict_rows(caches: list[BudgetedCache], scores: list[torch.Tensor], budgets:
         heads_same, layers_same = _agreement(keep).tolist()
         # a row that stays uniform keeps a copy of its first layer's: cut for the batch at once
         stays = any(c.uniform and h and l for c, h, l in zip(caches, heads_same, layers_same))
-        firsts = (zip(_rows(new_pos[:, 0].clone(), kept), _rows(new_prompt[:, 0].clone(), kept)) if stays
-                  else [None] * n)
-        for r, (c, row_pos, row_prompt, first_layer) in enumerate(zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept), firsts)):
+        firsts = zip(_rows(new_pos[:, 0].clone(), kept), _rows(new_prompt[:, 0].clone(), kept)) if stays else [None] * n
+        for r, (c, row_pos, row_prompt, first_layer) in enumerate(
+            zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept), firsts)
+        ):
             c._finish(row_pos, row_prompt, heads_same[r], layers_same[r], first_layer)
     for c, k in zip(caches, kept):
         for layer in c.cache.layers:
@@ -693,8 +733,13 @@ def _row_order(keep: torch.Tensor, kept, k_max: int, ordered: bool) -> torch.Ten
     return order[..., :k_max]
 
 
-def gather_slots(kv: torch.Tensor, order: torch.Tensor, start: int, length: int,
-                 scratch: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
+def gather_slots(
+    kv: torch.Tensor,
+    order: torch.Tensor,
+    start: int,
+    length: int,
+    scratch: Callable[[tuple[int, ...]], torch.Tensor] | None = None,
+) -> None:
     """Every layer's K and V at once: in ``kv`` (``[L, 2, N, H, capacity, d]``), slots ``start`` ..
     ``start + w`` of each row take the slots (below ``length``) that ``order`` names: ``[N, w]`` (every
     layer and head alike), ``[N, L, w]`` or ``[N, L, H, w]``. One gather for all layers, or a few

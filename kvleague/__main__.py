@@ -1,0 +1,7 @@
+"""``python -m kvleague``: the command line."""
+
+import sys
+
+from kvleague.cli import main
+
+sys.exit(main())
