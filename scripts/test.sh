@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), install/start what the tests need, run the whole suite offline.
+# The test command: set up (idempotent), lint and format checks, install/start what the tests need, run
+# the whole suite offline.
 # Debian chromium (dashboard browser test) and a throwaway PostgreSQL on 127.0.0.1 (DB tests on a real
 # server) need root on a fresh machine; without them those tests skip, except under CI, where a failed
 # install fails the run.
@@ -9,6 +10,9 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export KVLEAGUE_DATA_DIR=${KVLEAGUE_DATA_DIR:-$(cd .. && pwd)/shared/data}
+
+# lint and format first: seconds, and a finding fails the run before the suite's minutes
+ruff check . && ruff format --check . >/dev/null || { echo "scripts/test.sh: ruff found the above (ruff check --fix . && ruff format .)" >&2; exit 1; }
 
 bash scripts/chromium.sh || [ -z "${CI:-}" ]
 pg_dir=$(mktemp -d /tmp/kvleague-pg-test.XXXXXX)
