@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Self
 
 if TYPE_CHECKING:  # tensors are only annotations here: the registries and the CLI import this without torch
     import torch
@@ -441,13 +441,13 @@ class EvictionMethod:
     # -- batches: one instance per sequence; override to vectorise (see the module docstring) --
 
     @classmethod
-    def observe_batch(cls, methods: Sequence[EvictionMethod], observations: Sequence[Observation]) -> None:
+    def observe_batch(cls, methods: Sequence[Self], observations: Sequence[Observation]) -> None:
         """``methods[i].observe(observations[i])`` for every sequence of a batch."""
         for method, obs in zip(methods, observations):
             method.observe(obs)
 
     @classmethod
-    def score_batch(cls, methods: Sequence[EvictionMethod], caches: BatchCacheView) -> list[torch.Tensor]:
+    def score_batch(cls, methods: Sequence[Self], caches: BatchCacheView) -> list[torch.Tensor]:
         """``methods[i].score(caches.views[i])`` for every sequence of a batch that evicts now."""
         return [method.score(view) for method, view in zip(methods, caches.views)]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -96,6 +96,7 @@ def value_range(cache: CacheView) -> torch.Tensor:
     for v in cache.values:
         r = (v.amax(dim=-1) - v.amin(dim=-1)).float().mean(dim=0)
         total = r if total is None else total + r
+    assert total is not None, "a cache has at least one layer"
     return total / len(cache.values)
 
 
@@ -179,7 +180,7 @@ class EpiKVFamily(EvictionMethod):
         self.z_a, self.z_b = _RollingZ(self.window, reference), _RollingZ(self.window, reference)
         self.table = PositionTable(fill=float("inf") if self.series == "generated" else 0.0)
 
-    def _change(self, layers: list[int], hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _change(self, layers: list[int], hidden: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """Mean over ``layers`` of d_t^l for the new tokens, float64 CPU ``[C]``."""
         n = self.info.n_layers
         if self.arithmetic == "reference":
@@ -198,6 +199,7 @@ class EpiKVFamily(EvictionMethod):
             start = h[:1] if prev is None else prev[None].float()
             d = torch.linalg.vector_norm(torch.diff(torch.cat([start, h]), dim=0), dim=-1)
             total = d if total is None else total + d
+        assert total is not None, "at least one layer is observed"
         return (total / len(layers)).double().cpu()
 
     def observe(self, obs: Observation) -> None:
@@ -205,6 +207,7 @@ class EpiKVFamily(EvictionMethod):
             EpiKVFamily._observe_decode([self], [obs])
             return
         hidden = obs.hidden_states
+        assert hidden is not None, "needs.hidden_states is declared"
         if self.series == "all" or obs.phase == "decode":
             self._push(obs.new_positions, self._change(self.group_a, hidden), self._change(self.group_b, hidden))
         self._remember(hidden)
@@ -227,7 +230,7 @@ class EpiKVFamily(EvictionMethod):
             score = float(np.float32(score))  # the authors' float32 score tensor
         self.table.write_one(position, score)
 
-    def _remember(self, hidden: dict[int, torch.Tensor]) -> None:
+    def _remember(self, hidden: Mapping[int, torch.Tensor]) -> None:
         n = self.info.n_layers
         for layer in set(self.group_a) | set(self.group_b):
             self.previous[layer] = hidden[self._hook(layer, n)][-1]
@@ -282,6 +285,7 @@ class EpiKVFamily(EvictionMethod):
             total = None
             for layer in group:
                 total = distance[layer] if total is None else total + distance[layer]
+            assert total is not None, "a layer group is never empty"
             return total / len(group)
 
         # reference: every layer's d (a Python sum in layer order below); else each group's mean. With

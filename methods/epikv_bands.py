@@ -53,7 +53,7 @@ class EpiKVBands(EpiKVFamily):
             lo, hi = getattr(self, name)
             if not 0.0 <= lo <= hi <= 1.0:
                 raise ValueError(f"{name} must be (lo, hi) with 0 <= lo <= hi <= 1, got {getattr(self, name)}")
-        self.band_a, self.band_b = tuple(self.band_a), tuple(self.band_b)
+        self.band_a, self.band_b = tuple(self.band_a), tuple(self.band_b)  # type: ignore[assignment]  # YAML lists
         for name in ("layers_a", "layers_b"):
             value = getattr(self, name)
             if value is not None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,12 +23,13 @@ from kvleague.methods.registry import register_method
 TIER_RECENT, TIER_QUOTA, TIER_FILL = 2.0, 1.0, 0.0
 
 
-def key_variance(new_keys: list[torch.Tensor]) -> torch.Tensor:
+def key_variance(new_keys: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     """``[C]``: variance over head_dim (population) of each new key, averaged over KV heads and layers."""
     total = None
     for k in new_keys:
         v = k.float().var(dim=-1, unbiased=False).mean(dim=0)
         total = v if total is None else total + v
+    assert total is not None, "a pass has at least one layer"
     return total / len(new_keys)
 
 
@@ -93,7 +95,7 @@ class EpiKVSeg(EpiKV):
         super().__post_init__()
         if self.segment < 1:
             raise ValueError(f"segment must be >= 1, got {self.segment}")
-        self.quotas = tuple(self.quotas)
+        self.quotas = tuple(self.quotas)  # type: ignore[assignment]  # a YAML list becomes the declared tuple
         if any(q < 0 or q > self.segment for q in self.quotas):
             raise ValueError(f"quotas must lie in [0, segment={self.segment}], got {self.quotas}")
         if self.recent_window is not None and self.recent_window < 0:
@@ -122,6 +124,7 @@ class EpiKVSeg(EpiKV):
 
     def _observe_variance(self, obs: Observation) -> None:
         if self.selection == "fill":  # the authors' selection reads the variances from the cache instead
+            assert obs.new_keys is not None, "needs.new_keys_values is declared"
             self.key_var.write(obs.new_positions, key_variance(obs.new_keys))
 
     def _recent(self, budget: int) -> int:

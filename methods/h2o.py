@@ -72,6 +72,7 @@ class H2O(EvictionMethod):
     def observe(self, obs: Observation) -> None:
         # every layer's rows summed over the pass's queries (a prefill's layer by layer: C x T each)
         attention = obs.attention
+        assert attention is not None, "needs.attention is declared"
         rows = (
             attention.sum(dim=2)
             if isinstance(attention, torch.Tensor)
@@ -80,6 +81,7 @@ class H2O(EvictionMethod):
         received = rows.view(rows.shape[0], self.info.n_kv_heads, -1, rows.shape[-1]).mean(dim=2)  # [L, H_kv, T]
         positions = obs.cache_positions.stacked
         if self.acc is not None:
+            assert self.acc_positions is not None  # set together with acc
             received = received + carry(self.acc, self.acc_positions, positions)
         self.acc, self.acc_positions = received, positions
 
@@ -116,6 +118,7 @@ class H2O(EvictionMethod):
 
     def accumulated(self, cache: CacheView) -> torch.Tensor:
         """``[L, H_kv, T]`` accumulated attention of the cached slots."""
+        assert self.acc is not None and self.acc_positions is not None, "score() follows an observed pass"
         return carry(self.acc, self.acc_positions, cache.positions.stacked)
 
     def n_recent(self, cache: CacheView) -> int:
@@ -137,7 +140,7 @@ class H2O(EvictionMethod):
         if cls.score is not H2O.score or cls.accumulated is not H2O.accumulated:
             return super().score_batch(methods, caches)
         keys = [(view.length, m.acc.shape[-1]) for m, view in zip(methods, caches.views)]
-        out: list[torch.Tensor | None] = [None] * len(methods)
+        out: list = [None] * len(methods)
         for members in groups_by(keys):
             if len(members) == 1:
                 out[members[0]] = methods[members[0]].score(caches.views[members[0]])

@@ -135,14 +135,21 @@ class QueryWindow:
         self.queries: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(queries, positions)`` once a pass has been pushed."""
+        assert self.queries is not None and self.positions is not None, "no pass observed yet"
+        return self.queries, self.positions
+
     def push(self, obs: Observation) -> None:
         w = self.window
         queries = obs.queries
+        assert queries is not None, "needs.queries is declared"
         new = queries[:, :, -w:] if isinstance(queries, torch.Tensor) else torch.stack([q[:, -w:] for q in queries])
         pos = obs.new_positions[-w:]
         if self.queries is None or pos.shape[0] >= w:
             self.queries, self.positions = new, pos
         else:
+            assert self.positions is not None  # set together with queries
             self.queries = torch.cat([self.queries, new], dim=2)[:, :, -w:]
             self.positions = torch.cat([self.positions, pos])[-w:]
 
@@ -165,17 +172,17 @@ class QueryWindow:
             if len(members) == 1:
                 windows[members[0]].push(observations[members[0]])
                 continue
-            old = torch.stack([windows[i].queries for i in members])  # [n, L, H_q, w, d]
+            old = torch.stack([windows[i].filled()[0] for i in members])  # [n, L, H_q, w, d]
             new = torch.stack([stacked_layers(observations[i].queries)[:, :, -1:] for i in members])
             queries = torch.cat([old[:, :, :, 1:], new], dim=3).unbind(0)
-            old_pos = torch.stack([windows[i].positions for i in members])
+            old_pos = torch.stack([windows[i].filled()[1] for i in members])
             new_pos = torch.stack([observations[i].new_positions for i in members]).to(old_pos.device)
             positions = torch.cat([old_pos[:, 1:], new_pos], dim=1).unbind(0)
             for i, q, p in zip(members, queries, positions):
                 windows[i].queries, windows[i].positions = q, p
 
 
-class ObservesQueryWindow:
+class ObservesQueryWindow(EvictionMethod):
     """Mixin of a method that scores with its most recent post-RoPE queries (SnapKV's observation
     window; it declares ``Needs(queries=True)`` and the field named by ``window_field`` holding how
     many): kept in a :class:`QueryWindow` for the whole sequence."""
@@ -196,7 +203,7 @@ class ObservesQueryWindow:
         QueryWindow.push_all([m.queries for m in methods], observations)
 
 
-class ObservesTogether:
+class ObservesTogether(EvictionMethod):
     """Mixin of a method whose ``observe`` is :meth:`observe_together` of one sequence: a batch's
     sequences are observed by one call of it (unless a subclass overrides ``observe``), so a sequence
     gets the same arithmetic alone and batched."""
@@ -216,7 +223,7 @@ class ObservesTogether:
         raise NotImplementedError
 
 
-class ScoresOnHost:
+class ScoresOnHost(EvictionMethod):
     """Mixin of a method that scores from its cache's token positions on the host and its own state
     there (:meth:`score_on_host`): a sequence alone copies its positions to the host, a batch's rows of
     equal length copy theirs in one copy (:func:`positions_on_host`)."""
@@ -384,9 +391,9 @@ def _window_attention(
     layer's keys, for the chunks' size (the keys in float32, the scores and their softmax). Causal by
     absolute position: a query at position p sees the cached keys at positions <= p; a query whose
     every earlier key was evicted sees none, and its row is all zeros (not NaN)."""
-    queries = torch.stack([w.queries for w in windows])  # [n, L, H_q, w, d]
+    queries = torch.stack([w.filled()[0] for w in windows])  # [n, L, H_q, w, d]
     n, _, h_q, w, _ = queries.shape
-    query_pos = torch.stack([w.positions for w in windows]).to(key_pos.device)  # [n, w]
+    query_pos = torch.stack([w.filled()[1] for w in windows]).to(key_pos.device)  # [n, w]
     t = key_pos.shape[-1]
     for part in chunks(n_layers, 4 * (key_elements + 2 * n * h_q * w * t)):
         pos = key_pos[:, part]

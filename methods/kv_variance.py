@@ -54,6 +54,7 @@ class RollingVariance(EvictionMethod):
             RollingVariance._observe_decode([self], [obs])
             return
         tensors = obs.new_keys if self.tensor == "keys" else obs.new_values
+        assert tensors is not None, "needs.new_keys_values is declared"
         for i in range(obs.new_positions.shape[0]):
             per_layer = [x[:, i, :].var(dim=-1).mean().item() for x in tensors]
             self.series.append(sum(per_layer) / len(per_layer))

@@ -91,6 +91,7 @@ class LagKV(EvictionMethod):
             else:
                 s = lag_std(_layer_mean(tensors), self.lag, self.eps).mean(dim=-2)
             total = s if total is None else total + s
+        assert total is not None
         return total
 
     @classmethod

@@ -48,6 +48,7 @@ class LongFlowAuthors(ObservesTogether, EvictionMethod):
                 methods[i].row = torch.from_numpy(attention[j]).float()
 
     def score(self, cache: CacheView) -> torch.Tensor:
+        assert self.row is not None, "score() follows an observed pass"
         return self.row * value_l1([v[None] for v in cache.values])[0].cpu()
 
     @classmethod

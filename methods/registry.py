@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvleague.engine.contract import EvictionMethod
 from kvleague.engine.registry import Registry
@@ -29,7 +29,8 @@ M = TypeVar("M", bound=type[EvictionMethod])
 
 def register_method(name: str) -> Callable[[M], M]:
     """Class decorator: register an ``EvictionMethod`` dataclass under ``name``."""
-    return METHODS.register(name)
+    # the registry holds type[EvictionMethod]; the decorator hands back the very class it was given
+    return cast("Callable[[M], M]", METHODS.register(name))
 
 
 def available_methods() -> dict[str, type[EvictionMethod]]:

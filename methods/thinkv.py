@@ -92,7 +92,7 @@ class ThinKV(ScoresOnHost, ObservesTogether, EvictionMethod):
         if self.segment < 1:
             raise ValueError(f"segment must be >= 1, got {self.segment}")
         self.keep_schedule = tuple(self.keep_schedule)
-        self.thresholds = tuple(self.thresholds)
+        self.thresholds = tuple(self.thresholds)  # type: ignore[assignment]  # a YAML list becomes the declared tuple
         if not self.keep_schedule or any(not 0 <= q <= self.segment for q in self.keep_schedule):
             raise ValueError(
                 f"keep_schedule must be non-empty, each in [0, segment={self.segment}], got {self.keep_schedule}"
@@ -151,6 +151,7 @@ class ThinKV(ScoresOnHost, ObservesTogether, EvictionMethod):
         acc = self.acc.read_host(positions, top)
         tier = torch.zeros(positions.shape[0], dtype=torch.float64)
         if self.gen_start is not None:
+            assert prompt is not None  # prompt_on_host
             generated = ~prompt
             rel = positions - self.gen_start
             n_complete = (cache.current_position - self.gen_start + 1) // self.segment

@@ -78,7 +78,7 @@ class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     def __post_init__(self) -> None:
         if self.segment < 1:
             raise ValueError(f"segment must be >= 1, got {self.segment}")
-        self.quotas = tuple(self.quotas)
+        self.quotas = tuple(self.quotas)  # type: ignore[assignment]  # a YAML list; its length is checked next
         if len(self.quotas) != 3 or any(q < 0 for q in self.quotas):
             raise ValueError(f"quotas must be three counts >= 0 (R, E, T), got {self.quotas}")
         if self.classifier_layers < 1 or self.recent < 0:
@@ -108,6 +108,7 @@ class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     def score_on_host(
         self, positions: torch.Tensor, cache: CacheView, top: int | None, prompt: torch.Tensor | None = None
     ) -> torch.Tensor:
+        assert self.entropy_row is not None and self.rank_row is not None, "score() follows an observed pass"
         budget, length = cache.budget, positions.shape[0]
         recent = min(self.recent, budget // 4)
         classify = length - recent

@@ -7,6 +7,7 @@ Tests and the demo use these instead of Hub downloads; they load through the sam
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -62,7 +63,7 @@ def tiny_config(arch: str, *, vocab_size: int, layers: int, hidden: int, heads: 
         raise KvleagueError(
             f"heads: hidden ({hidden}) must divide by heads ({heads}) and heads by kv-heads ({kv_heads})"
         )
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
