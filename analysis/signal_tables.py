@@ -422,7 +422,7 @@ def markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
 def main(argv: list[str] | None = None) -> int:
     from kvleague.db.session import get_engine
 
-    p = argparse.ArgumentParser(prog="python -m analysis.signal_tables", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.signal_tables", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--db", required=True, metavar="URL")
     p.add_argument("--label", action="append", default=None, help="importance label(s) (default: every label stored)")
     args = p.parse_args(argv)

@@ -22,9 +22,13 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvleague.dashboard.commands import streamlit_command
 from kvleague.engine.errors import KvleagueError
+
+if TYPE_CHECKING:
+    from playwright.sync_api import ViewportSize
 
 #: the ``?page=`` slugs, in the app's page order (dashboard.views.PAGES; not imported: that loads Streamlit)
 PAGE_SLUGS = ("leaderboard", "budget-curves", "replication-scorecard", "cost", "samples", "provenance", "signals")
@@ -42,7 +46,7 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
     "--disable-dev-shm-usage",
 )
-VIEWPORT = {"width": 1920, "height": 1250}
+VIEWPORT: ViewportSize = {"width": 1920, "height": 1250}
 
 
 def find_chromium() -> str | None:

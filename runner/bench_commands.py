@@ -60,7 +60,7 @@ def register(subparsers) -> None:
     p = sub.add_parser(
         "targets",
         help="the fast GPU backend's targets table from a scripts/gpu_check.sh folder",
-        description=gpu_targets.__doc__.strip().splitlines()[0],
+        description=(gpu_targets.__doc__ or "").strip().splitlines()[0],
     )
     gpu_targets.add_arguments(p)
     p.set_defaults(func=cmd_targets)

@@ -49,7 +49,7 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
                 default=None,
                 type=f.parse,
                 help=f.help,
-                **({"choices": list(f.choices)} if f.choices else {}),
+                choices=list(f.choices) if f.choices else None,
             )
 
 

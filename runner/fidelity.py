@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import torch
 
@@ -263,7 +264,7 @@ def measure_batch(
     resolved = [protocol.for_prompt(budgets[i], prompt_tokens(samples[i])) for i in range(n)]
     seeds = [0] * n if seeds is None else list(seeds)
     results: list[FidelityResult | None] = [None] * n
-    comparisons: list[_Comparison | None] = [None] * n
+    comparisons: dict[int, _Comparison] = {}
     reference_seconds = [0.0] * n
     batched: list[int] = []
     for i, segments in enumerate(samples):
@@ -275,8 +276,9 @@ def measure_batch(
             comparisons[i] = _Comparison(reference)
             batched.append(i)
         else:
-            results[i] = measure(engine, segments, methods[i], budgets[i], protocol, seeds[i], reference, per_token)
-            results[i].reference_seconds = reference_seconds[i]
+            result = measure(engine, segments, methods[i], budgets[i], protocol, seeds[i], reference, per_token)
+            result.reference_seconds = reference_seconds[i]
+            results[i] = result
     size = batch_size or auto_batch_size(
         engine,
         [sum(len(ids) for ids, _ in samples[i]) for i in batched],
@@ -302,4 +304,5 @@ def measure_batch(
         share = (time.perf_counter() - start) / len(chunk)
         for session, i, feed_seconds in zip(sessions, chunk, fed):
             results[i] = comparisons[i].result(feed_seconds + share, reference_seconds[i], session.result(), per_token)
-    return results
+    assert all(r is not None for r in results)  # every sample was measured alone or in a batch
+    return cast("list[FidelityResult]", results)

@@ -153,6 +153,7 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
+    assert stream is not None  # not --json
     stream.finish(result.completion)
     print("---", file=sys.stderr)
     for key, value in result.to_dict().items():

@@ -40,7 +40,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.data import DataSource, resolve_data_dir
@@ -49,8 +49,8 @@ __all__ = ["DOMAINS", "DataSource", "Domain", "Sample", "ScoreResult", "Task"]
 
 #: the domains, in display order: a new domain is one edit here (the sweep config's ``protocol_by_domain``
 #: keys and the task registry's check read them)
-DOMAINS = ("math", "code", "agentic", "longqa")
-Domain = Literal[DOMAINS]
+Domain = Literal["math", "code", "agentic", "longqa"]
+DOMAINS: tuple[Domain, ...] = get_args(Domain)
 
 
 @dataclass

@@ -156,7 +156,7 @@ def hub_offline():
     flags they keep are switched (a copy in the Hub cache loads; nothing is requested or retried)."""
     from huggingface_hub import constants
 
-    modules = [constants] + [m for m in (sys.modules.get("datasets.config"),) if m is not None]
+    modules: list[Any] = [constants] + [m for m in (sys.modules.get("datasets.config"),) if m is not None]
     saved = [m.HF_HUB_OFFLINE for m in modules]
     for m in modules:
         m.HF_HUB_OFFLINE = True
@@ -172,6 +172,8 @@ def _load_from_hub(source: DataSource, data_dir: Path | None) -> list[dict[str, 
     # not answer is treated as offline mode, rather than five retries with backoff (~25 s) per request.
     from huggingface_hub import constants, hf_hub_download
 
+    hub_id = source.hub_id
+    assert hub_id is not None  # the caller has no local copy and checked that there is a Hub id
     if source.hub_file is None:
         try:
             import datasets
@@ -184,11 +186,9 @@ def _load_from_hub(source: DataSource, data_dir: Path | None) -> list[dict[str, 
     try:
         with hub_offline() if unreachable else contextlib.nullcontext():
             if source.hub_file is not None:
-                path = hf_hub_download(source.hub_id, filename, repo_type="dataset", revision=source.revision)
+                path = hf_hub_download(hub_id, filename, repo_type="dataset", revision=source.revision)
             else:
-                ds = datasets.load_dataset(
-                    source.hub_id, source.hub_config, split=source.hub_split, revision=source.revision
-                )
+                ds = datasets.load_dataset(hub_id, source.hub_config, split=source.hub_split, revision=source.revision)
     except Exception as exc:  # network errors, missing configs, offline mode...
         if unreachable:
             why = f"the Hub at {constants.ENDPOINT} is unreachable and the Hub cache has no copy"

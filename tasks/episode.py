@@ -92,7 +92,10 @@ class Transcript:
             isinstance(t, list) and all(isinstance(s, str) for s in t) for t in turns
         ):
             raise KvleagueError("completion: transcript 'turns' must be a list of lists of step texts")
-        return cls(turns=[list(t) for t in turns], terminated=obj.get("terminated"))
+        terminated = obj.get("terminated") if isinstance(obj, dict) else None
+        if terminated is not None and not isinstance(terminated, str):
+            raise KvleagueError("completion: transcript 'terminated' must be a string or null")
+        return cls(turns=[list(t) for t in turns], terminated=terminated)
 
     def calls(self) -> list[list[list[ToolCall]]]:
         """Parsed calls per turn, per step (steps without a valid call are kept as empty lists)."""
@@ -109,6 +112,7 @@ class Environment(Protocol):
 
     def execute(self, call: ToolCall) -> str:
         """Run one call and return the observation text (errors are observations too)."""
+        ...
 
     def state(self) -> Any:
         """A JSON-ready snapshot of the environment state."""
@@ -336,10 +340,11 @@ class _ReferenceSettings:
 
 def _decode_settings(settings: Any, extra_stops: tuple[str, ...]) -> Any:
     stops = tuple(dict.fromkeys((*tuple(getattr(settings, "stop", ()) or ()), *extra_stops)))
-    if dataclasses.is_dataclass(settings):
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
         return dataclasses.replace(settings, stop=stops)
-    settings.stop = stops  # a duck-typed settings object
-    return settings
+    duck: Any = settings  # a duck-typed settings object
+    duck.stop = stops
+    return duck
 
 
 def run_episode(task: EpisodicTask, sample: Sample, session: Any, tokenizer: Any, settings: Any) -> EpisodeResult:

@@ -52,7 +52,7 @@ def _manager(include: str | None, defaults: bool):
 
     key = (include, defaults)
     if key not in _MANAGERS:
-        paths = [p for p in include.split(os.pathsep) if p] if include else None
+        paths: list[str | Path] | None = [p for p in include.split(os.pathsep) if p] if include else None
         _MANAGERS[key] = TaskManager(include_path=paths, include_defaults=defaults)
     return _MANAGERS[key]
 

@@ -104,8 +104,8 @@ def math_equal(gold: str, pred: str) -> bool:
 
     # math-verify's timeouts use SIGALRM, which only works in the main thread.
     timeout = 5 if _in_main_thread() else None
-    g = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout)
-    p = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)
+    g = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout)  # pyright: ignore[reportArgumentType]  # None: no alarm
+    p = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)  # pyright: ignore[reportArgumentType]
     if not g or not p:
         return False
     return bool(verify(g, p, timeout_seconds=timeout))

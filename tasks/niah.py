@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import DataSource, Sample, ScoreResult, Task
@@ -182,7 +182,8 @@ class Niah(Task):
             if isinstance(measure, _Chars):
                 ends = [i + 1 for i, ch in enumerate(corpus) if ch in ".?!" and corpus[i + 1 : i + 2] in (" ", "\n")]
             else:
-                ends = [i + 1 for i, t in enumerate(units) if measure.piece(t).rstrip().endswith((".", "?", "!"))]
+                ids = cast("list[int]", units)  # a tokenizer's measure encodes to token ids
+                ends = [i + 1 for i, t in enumerate(ids) if measure.piece(t).rstrip().endswith((".", "?", "!"))]
             _CORPUS_CACHE.clear()
             _CORPUS_CACHE[key] = (units, ends)
         return _CORPUS_CACHE[key]

@@ -17,7 +17,7 @@ Public API::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.registry import Registry
@@ -41,7 +41,8 @@ T = TypeVar("T", bound=type[Task])
 
 def register_task(name: str) -> Callable[[T], T]:
     """Class decorator: register a ``Task`` dataclass under ``name``."""
-    return TASKS.register(name)
+    # the registry holds type[Task]; the decorator hands back the very class it was given
+    return cast("Callable[[T], T]", TASKS.register(name))
 
 
 def register_task_family(prefix: str, resolve: Callable[[str], type[Task]]) -> None:

@@ -72,7 +72,7 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
         call, error = _tool_call_from_obj(obj)
         if error:
             errors.append(error)
-        else:
+        elif call is not None:
             calls.append(call)
     return calls, errors
 

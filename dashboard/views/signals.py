@@ -31,7 +31,7 @@ def _rows(url: str) -> pd.DataFrame:
     return sig.read_correlations(engine_for(url))
 
 
-def depth_chart(depth: pd.DataFrame, reference: pd.DataFrame) -> alt.LayerChart:
+def depth_chart(depth: pd.DataFrame, reference: pd.DataFrame) -> alt.LayerChart | alt.FacetChart:
     """One line per domain (with its interval band), the authors' series dashed, the paper's bands shaded."""
     bands = pd.DataFrame(
         [

@@ -55,7 +55,7 @@ def spec_for(rows: int, n_samples: int, completion_chars: int) -> RealisticSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument(
         "--n-samples", type=int, default=1, help="samples per problem (>1: sampled decoding, design-effect path)"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from kvleague.analysis import paper
 from kvleague.runner.bench.cli import add_backend
@@ -149,7 +150,7 @@ def run_one(args) -> dict:
         r["speed_vs_full"] = h.ratio(r["tokens_per_second"], full[r["budget"]]["tokens_per_second"])
     figures, ratios = [], []
     for r in rows:
-        common = dict(
+        common: dict[str, Any] = dict(
             method=r["method"],
             budget=r["budget"],
             clock=args.clock,

@@ -80,7 +80,7 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 def analyse(events, batch: int, warmup: int) -> dict:
     """The window's figures from the profiler's events (see the module docstring)."""
-    from torch.autograd import DeviceType
+    from torch.profiler import DeviceType
 
     steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == MARK)
     measured = steps[warmup:]

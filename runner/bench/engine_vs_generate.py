@@ -24,6 +24,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvleague.runner.bench.cli import add_backend
 
@@ -210,7 +211,7 @@ def run_one(args) -> dict:
     value = h.ratio(eng["decode_tokens_per_second"], gen["decode_tokens_per_second"])
     same = results["engine"][0]["tokens"] == results["generate"][0]["tokens"]
     first_over_second = h.ratio(first_pass["decode_tps"], second_pass["decode_tps"])
-    common = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
+    common: dict[str, Any] = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
     figures = [
         h.figure("decode_tokens_per_second", gen["decode_tokens_per_second"], "tokens/s", method="generate", **common),
         h.figure("decode_tokens_per_second", eng["decode_tokens_per_second"], "tokens/s", method="engine", **common),
@@ -237,6 +238,7 @@ def run_one(args) -> dict:
         ),
     ]
     if "generate_static" in results:
+        assert anchor is not None  # the static run exists only with its anchor
         static = rows[2]
         same_static = results["engine"][0]["tokens"] == results["generate_static"][0]["tokens"]
         figures += [

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from kvleague.runner.bench.cli import add_backend
 
@@ -98,7 +99,9 @@ def run_one(args) -> dict:
     }
     results = h.alternate(runs, args.rounds, warmup=0)
     rows, figures = [], []
-    common = dict(clock=args.clock, threads=threads, task=args.task, episodes=len(samples), new_tokens=new_tokens)
+    common: dict[str, Any] = dict(
+        clock=args.clock, threads=threads, task=args.task, episodes=len(samples), new_tokens=new_tokens
+    )
     for m in methods:
         alone, together = results[(m, "alone")], results[(m, "together")]
         same = all(a["outcome"] == t["outcome"] for a, t in zip(alone, together))

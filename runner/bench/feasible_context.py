@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from kvleague.analysis import paper
 
@@ -173,7 +174,7 @@ def measure_in_subprocess(spec: dict, cap_bytes: int, timeout: float, poll: floa
         lines = [l for l in out_file.read().splitlines() if l.startswith(PROBE_MARK)]
         err_file.seek(0)
         stderr_tail = err_file.read()[-800:]
-    report = json.loads(lines[-1][len(PROBE_MARK) :]) if lines else {"ok": False}
+    report: dict[str, Any] = json.loads(lines[-1][len(PROBE_MARK) :]) if lines else {"ok": False}
     report["peak_rss_bytes"] = max(usage.ru_maxrss * 1024, peak_seen)  # ru_maxrss is in KiB on Linux
     report["wall_seconds"] = time.perf_counter() - start
     report["exit_code"] = proc.returncode

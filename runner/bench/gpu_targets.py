@@ -263,10 +263,10 @@ def read_targets(
     sources = {}
     for stem in REPORTS:
         path = folder / f"{stem}.json"
-        reports[stem] = read_report(path) if path.is_file() else None
-        if reports[stem] is not None:
-            env, config = reports[stem]["environment"], reports[stem]["config"]
-            summary = reports[stem]["summary"]
+        report = reports[stem] = read_report(path) if path.is_file() else None
+        if report is not None:
+            env, config = report["environment"], report["config"]
+            summary = report["summary"]
             engines = {
                 b: s["engine"]
                 for b, s in summary.get("by_backend", {config.get("backend"): summary}).items()
@@ -278,7 +278,7 @@ def read_targets(
                 "git_commit": env.get("git_commit"),
                 "git_dirty": env.get("git_dirty"),
                 "clock": config.get("clock"),
-                "created_at": reports[stem]["created_at"],
+                "created_at": report["created_at"],
                 "engines": engines,
             }
     gpus = sorted({s["gpu"] for s in sources.values() if s["gpu"]})

@@ -25,13 +25,15 @@ import platform
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvleague.engine.errors import KvleagueError
+
+K = TypeVar("K", bound=Hashable)
 
 SCHEMA_VERSION = 1
 BENCHMARKS = (
@@ -165,7 +167,7 @@ def set_threads(clock: Clock, threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def alternate(runs: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[Any]]:
+def alternate(runs: Mapping[K, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[K, list[Any]]:
     """Call every run once per round, round-robin, the starting run rotating; return results per run.
 
     ``warmup`` rounds run first and are discarded (allocator, kernels, caches)."""
@@ -173,7 +175,7 @@ def alternate(runs: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) 
     for _ in range(warmup):
         for name in names:
             runs[name]()
-    out: dict[str, list[Any]] = {name: [] for name in names}
+    out: dict[K, list[Any]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             out[name].append(runs[name]())

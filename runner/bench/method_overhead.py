@@ -105,7 +105,7 @@ def measure(engine: Engine, name: str, budget: int, prompt: list[int], steps: in
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="budgets 256 1024, 16 steps, buffer methods at buffer=16")
     parser.add_argument("--budgets", type=int, nargs="+")
     parser.add_argument("--methods", nargs="+", help="default: every registered method")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from kvleague.runner.bench.cli import add_backend
 
@@ -168,7 +169,7 @@ def run_one(args) -> dict:
     }
     results = h.alternate(runs, args.rounds, warmup=0)
     table, figures = [], []
-    common = dict(
+    common: dict[str, Any] = dict(
         clock=args.clock, threads=threads, task=args.task, prompts=len(prompts), rows=rows, new_tokens=new_tokens
     )
     for m in methods:

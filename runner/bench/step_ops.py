@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     from kvleague.runner.models import load_engine
     from kvleague.runner.models.tiny import make_tiny_model
 
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
     p.add_argument("--methods", default="full,epikv,h2o,snapkv")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--budget", type=int, default=32)

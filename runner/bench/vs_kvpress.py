@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from kvleague.runner.bench.cli import add_backend
 
@@ -122,7 +123,9 @@ def run_one(args) -> dict:
             }
             rows.append(row)
             ratios.append({"method": name, "budget": budget, "ratio": row["ratio"]})
-            common = dict(method=name, budget=budget, clock=args.clock, threads=threads, new_tokens=new_tokens)
+            common: dict[str, Any] = dict(
+                method=name, budget=budget, clock=args.clock, threads=threads, new_tokens=new_tokens
+            )
             figures += [
                 h.figure("decode_tokens_per_second", e_tps, "tokens/s", runner="engine", **common),
                 h.figure(

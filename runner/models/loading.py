@@ -48,7 +48,9 @@ def load_engine(
         tokenizer = AutoTokenizer.from_pretrained(source)
         hf_model = AutoModelForCausalLM.from_pretrained(
             source, dtype=DTYPES[dtype], attn_implementation=attn_implementation
-        ).to(device)
+        )
+        # a module moves in place; transformers wraps ``to`` in a decorator pyright reads as unbound
+        hf_model.to(device)  # pyright: ignore[reportArgumentType]
     except OSError as exc:
         raise KvleagueError(
             f"model: cannot load {model!r} (not a local checkpoint, and not on a reachable Hub): {first_line(exc)}"
@@ -58,7 +60,7 @@ def load_engine(
 
 def _require_flash_attention(device: str) -> None:
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn  # noqa: F401  # pyright: ignore[reportMissingImports]  # an optional GPU extra
     except ImportError:
         raise KvleagueError(
             "attn_implementation: flash_attention_2 needs the flash-attn package (pip install 'kvleague[gpu]'); allowed here: sdpa, eager"

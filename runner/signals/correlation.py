@@ -29,6 +29,7 @@ niah, whose contexts all have one length).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from scipy import stats
@@ -50,8 +51,8 @@ def pooled_spearman(signal: list[np.ndarray], label: list[np.ndarray]) -> tuple[
     keep = np.isfinite(x) & np.isfinite(y)
     if keep.sum() < 3 or np.ptp(x[keep]) == 0 or np.ptp(y[keep]) == 0:
         return float("nan"), float("nan"), int(keep.sum())
-    res = stats.spearmanr(x[keep], y[keep])
-    return float(res.statistic), float(res.pvalue), int(keep.sum())
+    rho, p = cast("tuple[float, float]", stats.spearmanr(x[keep], y[keep]))
+    return float(rho), float(p), int(keep.sum())
 
 
 def _rank_counts(values: np.ndarray, owner: np.ndarray, n_samples: int) -> np.ndarray:
@@ -175,7 +176,7 @@ class SampleBootstrap:
             n_resamples=self.n_resamples,
             batch=100,
             method="percentile",
-            random_state=np.random.default_rng(self.seed),
+            rng=np.random.default_rng(self.seed),
         )
         lo, hi = res.confidence_interval
         return float(lo), float(hi)

@@ -39,7 +39,8 @@ class MethodPanel(EvictionMethod):
     name = "method_panel"
 
     def __post_init__(self) -> None:
-        self.needs = union_needs(list(self.members.values()))  # an instance attribute: the engine reads method.needs
+        # an instance attribute over the ClassVar: the engine reads method.needs, which a panel has per instance
+        self.needs = union_needs(list(self.members.values()))  # pyright: ignore[reportAttributeAccessIssue]
 
     def hidden_layers(self, n_layers: int) -> Sequence[int]:
         layers: set[int] = set()

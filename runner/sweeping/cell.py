@@ -119,6 +119,7 @@ class CellWorker:
                 backend=model.get("backend", "hf"),
             )
             self._engine_key = key
+        assert self._engine is not None
         return self._engine
 
     def _task(self, name: str, options: dict[str, Any]):
@@ -203,8 +204,7 @@ class CellWorker:
         if "allocate_mb" in rule:
             import torch
 
-            engine = self._engine_for(cell.model)
-            device = engine.device
+            device = self._engine_for(cell.model).device
             block = torch.empty(int(rule["allocate_mb"]) * 1024**2, dtype=torch.uint8, device=device)
             del block
         if "message" in rule or ("allocate_mb" not in rule and "hang_seconds" not in rule):
@@ -337,6 +337,7 @@ class CellWorker:
             start = time.perf_counter()
             reference = fidelity.full_cache_logprobs(engine, segments)
             self._reference = (key, reference, time.perf_counter() - start)
+        assert self._reference is not None  # computed above, or shared
         _, reference, reference_seconds = self._reference
         return segments, reference, reference_seconds, shared
 

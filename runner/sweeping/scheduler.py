@@ -52,7 +52,7 @@ def use_loopback() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
-        constants.ENABLE_RAY_CLUSTER = False
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010  # a module attribute ray reads
 
 
 def ray_exceptions():
