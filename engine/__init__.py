@@ -18,13 +18,16 @@ it imports nothing from them. Its modules, one job each:
 * ``errors``  :class:`KvleagueError`, the one-line input error every layer raises.
 """
 
+from typing import Literal, get_args
+
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import GenerationSettings, Protocol
 
 #: the engine backends a model can run on (``backend.py``: ``HFBackend.name``; ``slab.py``: fixed KV slabs,
 #: CUDA-graph decode steps), as sweeps and
 #: ``load_engine`` name them: here, not in backend.py, so that configs check names without torch
-BACKENDS = ("hf", "slab")
+Backend = Literal["hf", "slab"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 def check_backend(name: str) -> None:

@@ -50,13 +50,13 @@ from pydantic import (
 )
 
 from kvleague.db.spec_hash import spec_hash
-from kvleague.engine import BACKENDS
+from kvleague.engine import Backend
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import PRESETS, Protocol
 from kvleague.tasks.base import Domain
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTN = ("sdpa", "eager", "flash_attention_2")
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Attention = Literal["sdpa", "eager", "flash_attention_2"]
 #: integers stored in INTEGER columns (budgets, seeds, token counts) must fit in 32 bits (PostgreSQL)
 INT32 = 2**31 - 1
 
@@ -83,10 +83,10 @@ class ModelConfig(_Strict):
 
     source: str = Field(min_length=1)
     name: str | None = None
-    dtype: Literal[DTYPES] = "auto"
-    attn_implementation: Literal[ATTN] = "sdpa"
+    dtype: Dtype = "auto"
+    attn_implementation: Attention = "sdpa"
     #: the engine backend (``engine/backend.py``)
-    backend: Literal[BACKENDS] = "hf"
+    backend: Backend = "hf"
     ADDED_LATER = {"backend": ("hf",)}
 
     @model_validator(mode="before")
@@ -164,7 +164,9 @@ def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
         if f.annotation in (int, int | None):
             metadata.append(Field(le=INT32))
         nullable = overrides or field_name == "protect_prompt"
-        annotation = f.annotation | None if nullable else f.annotation
+        annotation: Any = f.annotation
+        if nullable:
+            annotation = annotation | None
         fields[field_name] = (
             Annotated[(annotation, *metadata)] if metadata else annotation,
             Field(default=None if nullable else f.default),
@@ -188,7 +190,8 @@ class ProtocolConfig(_protocol_model("ProtocolConfig", overrides=False)):
         return value
 
 
-ProtocolOverride = _protocol_model("ProtocolOverride", overrides=True)
+class ProtocolOverride(_protocol_model("ProtocolOverride", overrides=True)):
+    """A domain's changes to the sweep's protocol: any field, null where not overridden."""
 
 
 class GenerationConfig(_Strict):
@@ -354,7 +357,7 @@ class SweepConfig(_Strict):
         data = {k: v for k, v in self.canonical().items() if k not in UNHASHED_FIELDS}
         return spec_hash(data, spaced=True)
 
-    def protocol_for(self, domain: str, task_protect_prompt: bool) -> Protocol:
+    def protocol_for(self, domain: Domain, task_protect_prompt: bool) -> Protocol:
         """The protocol of a task of ``domain``: the base fields, then the domain's overrides, then
         the task's own ``protect_prompt`` where neither sets it."""
         fields = self.protocol.model_dump()

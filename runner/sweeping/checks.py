@@ -188,7 +188,8 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
     if n_tasks == 0:
         raise KvleagueError("tasks: none of the listed tasks is registered")
     # the base protocol must fit the budgets even when every domain overrides it
-    base_protocol = Protocol(**{**config.protocol.model_dump(), "protect_prompt": bool(config.protocol.protect_prompt)})
+    fields = config.protocol.model_dump()
+    base_protocol = Protocol(**{**fields, "protect_prompt": bool(fields["protect_prompt"])})
     if base_protocol not in checked_protocols:
         for budget in config.budgets:
             base_protocol.check_budget(budget)
