@@ -109,7 +109,9 @@ def build_root(cfg, libc, applied):
     for dev in DEVICES:
         bind(libc, "/dev/" + dev, new)
     os.mkdir(new + "/dev/shm")
-    mount(libc, b"tmpfs", new + "/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmpfs_mb']}m,mode=1777".encode())
+    mount(
+        libc, b"tmpfs", new + "/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmpfs_mb']}m,mode=1777".encode()
+    )
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "fd/0"), ("stdout", "fd/1"), ("stderr", "fd/2")):
         os.symlink(target, f"{new}/dev/{name}")
     os.chdir(new)
