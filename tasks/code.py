@@ -18,6 +18,7 @@ import ast
 import os
 import re
 import secrets
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import comb
@@ -119,12 +120,15 @@ class _WrapCalls(ast.NodeTransformer):
 def plain_tests(code: str, tests: str, extra: Sequence[str] = ()) -> str:
     """``tests`` with every call of a function ``code`` defines at top level (and of ``extra``
     names) wrapped in a fresh :data:`PLAIN_SOURCE` filter, which is defined first."""
-    try:
-        defined = {n.name for n in ast.parse(code).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    except SyntaxError:  # the program fails anyway; its tests stay as they are
-        defined = set()
+    with warnings.catch_warnings():  # invalid escapes in a task's strings are the program's to report
+        warnings.simplefilter("ignore")
+        try:
+            defined = {n.name for n in ast.parse(code).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        except SyntaxError:  # the program fails anyway; its tests stay as they are
+            defined = set()
+        tree = ast.parse(tests)
     name = f"_kvleague_plain_{secrets.token_hex(6)}"
-    tree = _WrapCalls(defined | set(extra), name).visit(ast.parse(tests))
+    tree = _WrapCalls(defined | set(extra), name).visit(tree)
     return PLAIN_SOURCE.format(name=name) + "\n" + ast.unparse(ast.fix_missing_locations(tree)) + "\n"
 
 

@@ -25,16 +25,6 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD_MB, CAP_MB = 64, 128  # 5 children of 64 MB: each fits the cap, together they do not
 
 
-def _sandbox():
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the code sandbox is Linux-only")
-    from kvleague.tasks import sandbox
-
-    if (reason := sandbox.sandbox_refusal()) is not None:
-        pytest.skip(f"the sandbox refuses to run here (needs root, namespaces, cgroups): {reason}")
-    return sandbox
-
-
 @pytest.fixture(scope="module")
 def host_secrets():
     """What a program must not reach: a 0600 file in a 0700 directory, a path socket outside /tmp
@@ -86,8 +76,9 @@ def _fill(path: Path, values: dict[str, str]) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in HOSTILE.glob("program_*.py")))
-def test_hostile_program_fails(name, host_secrets):
-    sandbox = _sandbox()
+def test_hostile_program_fails(name, host_secrets, code_sandbox):
+    from kvleague.tasks import sandbox
+
     values, heard = host_secrets
     limits = sandbox.SandboxLimits(timeout_s=5, memory_mb=CAP_MB)
     r = sandbox.run_python(_fill(HOSTILE / name, values), limits)
@@ -111,8 +102,7 @@ def humaneval_2():
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in HOSTILE.glob("humaneval_*.py")))
-def test_hostile_completion_scores_zero(name, humaneval_2, host_secrets):
-    _sandbox()
+def test_hostile_completion_scores_zero(name, humaneval_2, host_secrets, code_sandbox):
     task, sample = humaneval_2
     values, _ = host_secrets
     honest = "def truncate_number(number: float) -> float:\n    return number % 1.0\n"
@@ -147,11 +137,10 @@ def test_plain_answers_keep_honest_types(humaneval_2):
         plain(type("Anything", (), {"__eq__": lambda self, other: True})())
 
 
-def test_sandbox_in_a_venv_under_tmp(tmp_path):
+def test_sandbox_in_a_venv_under_tmp(code_sandbox):
     """The layout CI has (its clone, venv inside, under /tmp): a package of the venv under /tmp is
     importable inside (its tree is bound into the program's private /tmp), nothing beside it is
     visible, and the program runs as the sandbox uid."""
-    _sandbox()
     venv = Path(tempfile.mkdtemp(prefix="kvleague-venv-", dir="/tmp")) / "venv"
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

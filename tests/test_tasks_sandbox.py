@@ -16,10 +16,9 @@ import pytest
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox's containment is Linux-specific", allow_module_level=True)
 
-from kvleague.tasks.sandbox import SandboxLimits, run_many, run_python, sandbox_refusal
+from kvleague.tasks.sandbox import SandboxLimits, run_many, run_python
 
-if (_REASON := sandbox_refusal()) is not None:
-    pytest.skip(f"the sandbox refuses to run here: {_REASON}", allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("code_sandbox")
 
 TIMEOUT = 2.0
 LIMITS = SandboxLimits(timeout_s=TIMEOUT)
