@@ -129,14 +129,19 @@ def _under(mount_root: str, point: str, path: str) -> Path:
     return Path(point) / rel
 
 
-def _find_cgroups() -> _Cgroups | None:
-    """Where this machine lets the sandbox make a cgroup limiting memory and processes."""
+def _find_cgroups(
+    own_cgroups: str | None = None, mounts: list[tuple[str, str, str, str]] | None = None
+) -> _Cgroups | None:
+    """Where this machine lets the sandbox make a cgroup limiting memory and processes (from
+    ``/proc/self/cgroup`` and the mount table unless given)."""
     try:
-        with open("/proc/self/cgroup") as fh:
-            lines = [line.rstrip("\n").split(":", 2) for line in fh]
-        mounts = _mounts()
+        if own_cgroups is None:
+            with open("/proc/self/cgroup") as fh:
+                own_cgroups = fh.read()
+        mounts = _mounts() if mounts is None else mounts
     except OSError:
         return None
+    lines = [line.split(":", 2) for line in own_cgroups.splitlines() if line.count(":") >= 2]
     own = {ctrl: path for _, ctrls, path in lines for ctrl in (ctrls.split(",") if ctrls else [""])}
     for root, point, fstype, _ in mounts:
         if fstype != "cgroup2" or "" not in own:
@@ -188,7 +193,7 @@ def _remove_cgroups(dirs: list[Path]) -> int:
             try:
                 pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
             except OSError:
-                break
+                pids = []
             for p in pids:
                 try:
                     os.kill(p, signal.SIGKILL)
@@ -198,7 +203,9 @@ def _remove_cgroups(dirs: list[Path]) -> int:
             try:
                 d.rmdir()
                 break
-            except OSError:
+            except FileNotFoundError:
+                break
+            except OSError:  # its processes are still exiting
                 time.sleep(0.005)
     return killed
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.limited import CallFailed, LimitExceeded, run_limited
 from tests.conftest import DATA_DIR
 
@@ -226,3 +227,50 @@ def test_limited_call_time_memory_and_exceptions():
     with pytest.raises(CallFailed, match="invalid literal"):
         run_limited(int, ("x",), 5, 64)
     assert run_limited(gzip.decompress, (gzip.compress(b"ok"),), 5, 64) == b"ok"
+
+
+def test_cgroup_v2_and_v1_layouts_are_found_and_limited(tmp_path):
+    """On a stand-in file tree: v2 is taken where its subtree has memory and pids, v1 where both
+    controllers are mounted; a run's cgroup gets the tree's limits, and is removed afterwards."""
+    from kvleague.tasks.sandbox import SandboxLimits, _find_cgroups, _make_cgroups, _remove_cgroups
+
+    v2 = tmp_path / "unified"
+    v2.mkdir()
+    (v2 / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    found = _find_cgroups("0::/\n", [("/", str(v2), "cgroup2", "rw")])
+    assert found is not None and found.version == 2 and found.parents == {"": v2}
+    (made,) = _make_cgroups(found, "m1", SandboxLimits(memory_mb=512, max_processes=10))
+    assert (made / "memory.max").read_text() == str(512 << 20) and (made / "pids.max").read_text() == "12"
+    for f in made.iterdir():
+        f.unlink()
+    assert _remove_cgroups([made]) == 0 and not made.exists()
+
+    v1 = {c: tmp_path / c for c in ("memory", "pids", "cpu")}
+    for d in v1.values():
+        d.mkdir()
+    own = "4:memory:/\n8:pids:/\n1:cpu:/\n"
+    mounts = [("/", str(d), "cgroup", f"rw,{c}") for c, d in v1.items()]
+    found = _find_cgroups(own, mounts)
+    assert found is not None and found.version == 1 and set(found.parents) == {"memory", "pids"}
+    assert _find_cgroups(own, mounts[1:]) is None  # no memory controller: no cgroup (the sandbox refuses)
+
+
+def test_the_sandbox_refuses_in_one_line_rather_than_run_with_less(monkeypatch):
+    """Not root, or no cgroup (unless explicitly accepted): a one-line refusal naming why and the fix."""
+    from kvleague.tasks import sandbox
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the code sandbox is Linux-only")
+    monkeypatch.setattr(sandbox, "_find_cgroups", lambda *a: None)
+    monkeypatch.delenv(sandbox.NO_CGROUP_ENV, raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    reason = sandbox._refusal()
+    assert reason is not None and "no writable cgroup" in reason and f"{sandbox.NO_CGROUP_ENV}=1" in reason
+    assert "\n" not in reason
+    monkeypatch.setenv(sandbox.NO_CGROUP_ENV, "1")
+    assert sandbox._refusal() is None or "cgroup" not in sandbox._refusal()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in sandbox._refusal()
+    monkeypatch.setattr(sandbox, "_probe_result", {})
+    with pytest.raises(KvleagueError, match=r"^tasks\.sandbox: the code sandbox needs root"):
+        sandbox.run_python("print('never runs')\n")
