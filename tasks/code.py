@@ -63,10 +63,11 @@ def _defines(code: str, name: str) -> bool:
 
 
 #: the answer filter put before the tests (``{name}`` is random per program): the value of a result
-#: in built-in types, read with the built-in types' own methods (never the result's); numpy's own
-#: scalars become their Python value and its non-object arrays stay; anything else is refused
+#: in built-in types, read with the built-in types' own methods (never the result's); objects of
+#: immutable (C) types stay (their comparisons are C code), iterators yield filtered items, numpy's
+#: scalars become their Python value; an object of a Python class (the program's own) is refused
 PLAIN_SOURCE = """
-def {name}(value, _depth=0, _type=type, _isinstance=isinstance, _len=len):
+def {name}(value, _depth=0, _type=type, _isinstance=isinstance, _flags=type.__dict__["__flags__"].__get__):
     if _depth > 200:
         raise TypeError("kvleague: answer nested too deeply")
     kind = _type(value)
@@ -92,14 +93,15 @@ def {name}(value, _depth=0, _type=type, _isinstance=isinstance, _len=len):
         return {{{name}(v, _depth + 1) for v in set.__iter__(value)}}
     if _isinstance(value, dict):
         return {{{name}(k, _depth + 1): {name}(v, _depth + 1) for k, v in dict.items(value)}}
-    module = getattr(kind, "__module__", "")
-    if module == "builtins" and getattr(__import__("builtins"), kind.__name__, None) is kind:
-        return value  # range, map, ...: a C type, whose methods no program can change
-    if module == "numpy" and kind is getattr(__import__("numpy"), kind.__name__, None):
-        if kind.__name__ != "ndarray":
-            return {name}(value.item(), _depth + 1)
-        if value.dtype.kind != "O":
-            return value
+    if _flags(kind) & 256:  # an immutable (C) type (read from the type slot itself): its methods are fixed
+        if hasattr(kind, "__next__"):  # an iterator, a generator: its items are answers too
+            return ({name}(v, _depth + 1) for v in value)
+        if getattr(kind, "__module__", "") == "numpy":
+            if kind.__name__ != "ndarray":
+                return {name}(value.item(), _depth + 1)
+            if value.dtype.kind == "O":
+                raise TypeError("kvleague: an answer of numpy objects is not a built-in value")
+        return value
     raise TypeError("kvleague: an answer of type " + repr(getattr(kind, "__qualname__", "?")) + " is not a built-in value")
 """
 

@@ -166,7 +166,7 @@ def _make_cgroups(cg: _Cgroups, marker: str, limits: SandboxLimits) -> list[Path
     """The run's cgroup directories, limits written (memory without swap; processes and threads)."""
     mem, pids = limits.memory_mb << 20, limits.max_processes + 2  # + the supervisor and the program's process
     settings = {
-        "": [("memory.max", mem), ("memory.swap.max", 0), ("memory.oom.group", 1), ("pids.max", pids)],
+        "": [("memory.max", mem), ("memory.swap.max", 0), ("pids.max", pids)],
         "memory": [("memory.limit_in_bytes", mem), ("memory.memsw.limit_in_bytes", mem)],
         "pids": [("pids.max", pids)],
     }

@@ -113,8 +113,8 @@ def test_hostile_completion_scores_zero(name, humaneval_2, host_secrets, code_sa
 
 
 def test_plain_answers_keep_honest_types(humaneval_2):
-    """The answer filter turns subclasses into their built-in value and refuses other classes,
-    while numpy's own scalars, Counter and namedtuples compare as before."""
+    """The answer filter turns subclasses into their built-in value, filters a generator's items and
+    refuses Python classes, while numpy's own scalars, Counter and namedtuples compare as before."""
     from kvleague.tasks.code import PLAIN_SOURCE
 
     scope: dict = {}
@@ -134,8 +134,11 @@ def test_plain_answers_keep_honest_types(humaneval_2):
     assert plain(namedtuple("P", "x y")(1, [2.5])) == (1, [2.5])
     assert plain(np.float64(0.5)) == 0.5 and type(plain(np.int64(3))) is int
     assert plain({1: (Forged(1.0), {True})}) == {1: (1.0, {True})}
+    assert list(plain(Forged(x) for x in (1.0, 2.0))) == [1.0, 2.0] and plain(range(3)) == range(3)
     with pytest.raises(TypeError, match="not a built-in value"):
         plain(type("Anything", (), {"__eq__": lambda self, other: True})())
+    with pytest.raises(TypeError, match="not a built-in value"):
+        plain(np.array([Forged(1.0)], dtype=object))
 
 
 def test_sandbox_in_a_venv_under_tmp(code_sandbox):
