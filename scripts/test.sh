@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), lint and format checks, install/start what the tests need, run
 # the whole suite offline.
-# Debian chromium (dashboard browser test) and a throwaway PostgreSQL on 127.0.0.1 (DB tests on a real
-# server) need root on a fresh machine; without them those tests skip, except under CI, where a failed
-# install fails the run.
+# Debian chromium (dashboard browser test), libseccomp (the code sandbox) and a throwaway PostgreSQL on
+# 127.0.0.1 (DB tests on a real server) need root on a fresh machine; without them those tests skip,
+# except under CI, where a failed install fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,6 +15,7 @@ export KVLEAGUE_DATA_DIR=${KVLEAGUE_DATA_DIR:-$(cd .. && pwd)/shared/data}
 ruff check . && ruff format --check . >/dev/null || { echo "scripts/test.sh: ruff found the above (ruff check --fix . && ruff format .)" >&2; exit 1; }
 
 bash scripts/chromium.sh || [ -z "${CI:-}" ]
+bash scripts/seccomp.sh || [ -z "${CI:-}" ]
 pg_dir=$(mktemp -d /tmp/kvleague-pg-test.XXXXXX)
 if url=$(bash scripts/postgres.sh start "$pg_dir" | tail -1); then
   export KVLEAGUE_PG_URL=$url

@@ -14,6 +14,13 @@ so install it without its dependencies (the simulators need only ``mpmath``)::
 
     pip install --no-deps bfcl-eval==2026.3.23 && pip install mpmath
 
+Every tool call runs in a forked child under :data:`TOOL_TIMEOUT_S` and :data:`TOOL_MEMORY_MB`
+(:mod:`tasks.limited`), and BFCL's checker (which replays the calls) under :data:`CHECK_TIMEOUT_S`
+and :data:`CHECK_MEMORY_MB`; whatever a tool raises, or a limit it hits, is the call's observation
+``Error during execution: <message>``, as in BFCL's own executor. The MathAPI's arguments that set a
+result's size are bounded first (:func:`argument_error`), so those calls fail at once, in the episode
+and in the checker alike.
+
 Data: the local copy ``<data-dir>/bfcl_v4/`` (questions, ``possible_answer/``, ``multi_turn_func_doc/``),
 else the same files inside the installed ``bfcl_eval`` package.
 """
@@ -27,8 +34,7 @@ import importlib
 import inspect
 import json
 import keyword
-import threading
-import uuid
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +44,7 @@ from kvleague.engine.errors import KvleagueError
 from kvleague.tasks.base import DataSource, Sample, ScoreResult
 from kvleague.tasks.data import iter_file
 from kvleague.tasks.episode import EpisodicTask, Transcript
+from kvleague.tasks.limited import CallFailed, LimitExceeded, run_limited
 from kvleague.tasks.registry import register_task
 from kvleague.tasks.tool_calls import ToolCall, format_tool_call, tools_system_prompt
 
@@ -70,7 +77,40 @@ PREAMBLE = (
     "Use the tools to act and to look things up; make every call the request needs, then reply briefly."
 )
 _UNKNOWN_TOOL = "__kvleague_unknown_tool__()"  # evaluates to a NameError inside the checker
-_CHECK_LOCK = threading.Lock()
+#: limits of one tool call and of one run of BFCL's checker (honest calls take milliseconds)
+TOOL_TIMEOUT_S, TOOL_MEMORY_MB = 10.0, 512
+CHECK_TIMEOUT_S, CHECK_MEMORY_MB = 60.0, 2048
+#: the most digits a MathAPI result may have: Python refuses to print a longer int (BFCL's executor
+#: then reports exactly this error after computing it), and BFCL's ground truth asks for <= 10
+MAX_DIGITS = 4300
+_DIGITS_ERROR = f"Exceeds the limit ({MAX_DIGITS} digits) for integer string conversion; use sys.set_int_max_str_digits() to increase the limit"
+
+
+def argument_error(call: ToolCall) -> str | None:
+    """Why a MathAPI call's arguments would make a result too large to compute quickly (None if not)."""
+    args = call.arguments
+    if call.name in ("square_root", "logarithm"):
+        precision = args.get("precision")
+        if isinstance(precision, int) and precision > MAX_DIGITS:
+            return f"precision must be at most {MAX_DIGITS} digits, got {precision}"
+    if call.name == "power":
+        base, exponent = args.get("base"), args.get("exponent")
+        if isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1 and exponent > 0:
+            if exponent * math.log10(abs(base)) > MAX_DIGITS:
+                return _DIGITS_ERROR
+    return None
+
+
+def observation(result: Any) -> str:
+    """A tool's result as BFCL's executor shows it to the model."""
+    if type(result) is str:
+        return result
+    if type(result) is dict:
+        try:
+            return json.dumps(result)
+        except Exception:
+            return str(result)
+    return str(result)
 
 
 def _bfcl():
@@ -116,39 +156,61 @@ def bfcl_data_dir(data_dir: Path | None) -> Path:
     )
 
 
+def _warm() -> None:
+    """Import BFCL's checker and every backend once in the limited-call helper (its children share them)."""
+    _, _, config = _bfcl()
+    for class_name in FUNC_DOC_FILES:
+        importlib.import_module(config.CLASS_FILE_PATH_MAPPING[class_name])
+
+
+def _call_tool(instances: dict[str, Any], class_name: str, name: str, arguments: dict[str, Any]):
+    """One tool call on ``instances`` (in the limited child): its observation and the instances after it."""
+    try:
+        text = observation(getattr(instances[class_name], name)(**arguments))
+    except Exception as exc:  # the backends raise on bad arguments; BFCL reports them the same way
+        text = f"Error during execution: {exc}"
+    return text, instances
+
+
 class BfclEnvironment:
     """The involved BFCL backends of one entry, loaded with its initial configuration."""
 
     def __init__(self, entry: dict[str, Any]):
         _, _, config = _bfcl()
         self.instances: dict[str, Any] = {}
-        self.methods: dict[str, Any] = {}
         for class_name in entry["involved_classes"]:
             module = importlib.import_module(config.CLASS_FILE_PATH_MAPPING[class_name])
             instance = getattr(module, class_name)()
             if class_name not in config.STATELESS_CLASSES:
                 instance._load_scenario(copy.deepcopy(entry["initial_config"].get(class_name, {})), long_context=False)
             self.instances[class_name] = instance
-            for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
-                if not name.startswith("_"):
-                    self.methods[name] = method
+        self.owner = {
+            name: class_name
+            for class_name, instance in self.instances.items()
+            for name, _ in inspect.getmembers(instance, predicate=inspect.ismethod)
+            if not name.startswith("_")
+        }
 
     def execute(self, call: ToolCall) -> str:
-        method = self.methods.get(call.name)
-        if method is None:
+        """The call's observation; it runs in a child under the tool limits and the instances it
+        changed replace ours."""
+        class_name = self.owner.get(call.name)
+        if class_name is None:
             return f"Error during execution: name '{call.name}' is not defined"
+        if (error := argument_error(call)) is not None:
+            return f"Error during execution: {error}"
+
         try:
-            result = method(**call.arguments)
-        except Exception as exc:  # the backends raise on bad arguments; BFCL reports them the same way
+            text, self.instances = run_limited(
+                _call_tool,
+                (self.instances, class_name, call.name, call.arguments),
+                TOOL_TIMEOUT_S,
+                TOOL_MEMORY_MB,
+                _warm,
+            )
+        except (CallFailed, LimitExceeded) as exc:
             return f"Error during execution: {exc}"
-        if isinstance(result, str):
-            return result
-        if isinstance(result, dict):
-            try:
-                return json.dumps(result)
-            except (TypeError, ValueError):
-                return str(result)
-        return str(result)
+        return text
 
     def state(self) -> dict[str, Any]:
         return {
@@ -173,8 +235,9 @@ def _jsonable(value: Any, depth: int = 0) -> Any:
 
 def bfcl_call_string(call: ToolCall, known: set[str]) -> str:
     """BFCL's textual form ``name(arg=value, ...)``, built only from a known tool name, identifier
-    keywords and Python literals of the JSON values (so the checker's ``eval`` runs nothing else)."""
-    if call.name not in known or not call.name.isidentifier():
+    keywords and Python literals of the JSON values (so the checker's ``eval`` runs nothing else); a
+    call :func:`argument_error` refuses becomes an unknown name (an error in the checker too)."""
+    if call.name not in known or not call.name.isidentifier() or argument_error(call) is not None:
         return _UNKNOWN_TOOL
     parts = []
     for key, value in call.arguments.items():
@@ -296,7 +359,7 @@ class BfclMultiTurn(EpisodicTask):
 
     # -- scoring ------------------------------------------------------------------------------------
     def score_transcript(self, sample: Sample, transcript: Transcript) -> ScoreResult:
-        checker, utils, _ = _bfcl()
+        checker, _, _ = _bfcl()
         ground_truth = sample.reference["ground_truth"]
         known = set(_signatures(sample.reference["involved_classes"]))
         decoded = [[[bfcl_call_string(c, known) for c in step] for step in turn if step] for turn in transcript.calls()]
@@ -311,13 +374,10 @@ class BfclMultiTurn(EpisodicTask):
                 error_message=f"episode ended after {len(transcript.turns)} of {len(ground_truth)} turns ({transcript.terminated or 'incomplete'})",
             )
             return ScoreResult(False, 0.0, json.dumps(decoded), details)
-        verdict = _run_checker(checker, utils, decoded, ground_truth, self._entry(sample))
+        verdict = _run_checker(checker, decoded, ground_truth, self._entry(sample))
         details["error_type"] = verdict.get("error_type")
         details["error_message"] = verdict.get("error_message")
-        if not verdict["valid"] and isinstance(verdict.get("details"), dict):
-            # what differed, not the full backend states (those can be whole file-system trees)
-            kept = {k: v for k, v in verdict["details"].items() if k in ("differences", "missing_items")}
-            text = json.dumps(_jsonable(kept), default=str)
+        if (text := verdict.get("details")) is not None:
             details["checker_details"] = json.loads(text) if len(text) <= 4000 else text[:4000] + "...(truncated)"
         return ScoreResult(bool(verdict["valid"]), 1.0 if verdict["valid"] else 0.0, json.dumps(decoded), details)
 
@@ -342,20 +402,28 @@ class BfclMultiTurn(EpisodicTask):
         return Transcript(turns=turns)
 
 
-def _run_checker(checker, utils, decoded, ground_truth, entry) -> dict[str, Any]:
-    """BFCL's ``multi_turn_checker`` under a fresh model name; the backend instances it caches in its
-    module globals are removed afterwards, so re-scoring never sees stale state."""
-    prefix = f"kvleague_{uuid.uuid4().hex}"
-    with _CHECK_LOCK:
-        try:
-            return checker.multi_turn_checker(decoded, ground_truth, entry, "multi_turn_base", prefix)
-        except Exception as exc:  # an assertion inside the checker: count as a failure, say why
-            return {
-                "valid": False,
-                "error_type": "multi_turn:checker_error",
-                "error_message": f"{type(exc).__name__}: {exc}",
-            }
-        finally:
-            namespace = vars(utils)
-            for key in [k for k in namespace if k.startswith(prefix)]:
-                del namespace[key]
+def _run_checker(checker, decoded, ground_truth, entry) -> dict[str, Any]:
+    """:func:`_check` in a child under the checker's limits (it replays every call)."""
+    try:
+        return run_limited(_check, (decoded, ground_truth, entry), CHECK_TIMEOUT_S, CHECK_MEMORY_MB, _warm)
+    except (CallFailed, LimitExceeded) as exc:
+        return {"valid": False, "error_type": "multi_turn:checker_limit", "error_message": str(exc)}
+
+
+def _check(decoded, ground_truth, entry) -> dict[str, Any]:
+    """BFCL's ``multi_turn_checker`` (in the limited child, so the backend instances it caches in its
+    module globals go with it): the verdict and what differed, not the whole backend states."""
+    checker, _, _ = _bfcl()
+    try:
+        verdict = checker.multi_turn_checker(decoded, ground_truth, entry, "multi_turn_base", "kvleague")
+    except Exception as exc:  # an assertion inside the checker: count as a failure, say why
+        return {
+            "valid": False,
+            "error_type": "multi_turn:checker_error",
+            "error_message": f"{type(exc).__name__}: {exc}",
+        }
+    out = {k: verdict.get(k) for k in ("valid", "error_type", "error_message")}
+    if not verdict["valid"] and isinstance(verdict.get("details"), dict):
+        kept = {k: v for k, v in verdict["details"].items() if k in ("differences", "missing_items")}
+        out["details"] = json.dumps(_jsonable(kept), default=str)
+    return out

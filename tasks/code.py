@@ -3,14 +3,22 @@
 The program is pulled out of the completion (:func:`extract_code`: the fenced block that defines the
 entry point, else the first fenced block, else the raw text), joined with the task's tests and run
 in :mod:`tasks.sandbox` (one contained process per completion). A sample passes when the whole
-program runs to its end. :meth:`CodeTask.aggregate` reports pass@1 and, with several completions per
+program runs to its end: the sandbox's proof comes back only when the last statement (HumanEval's
+``check(entry_point)``, MBPP's last assert) returned, so ``os._exit(0)``, ``sys.exit(0)`` or a killed
+parent fail. Every call of the completion's functions in the tests is wrapped by :data:`PLAIN_SOURCE`,
+which turns the result into plain built-in values read through the built-in types' own methods: a
+``float`` subclass is its float value, its forged ``__eq__``/``__sub__`` are never called, and an
+object of a class the completion defined is not an answer. :meth:`CodeTask.aggregate` reports pass@1 and, with several completions per
 sample, the unbiased pass@k estimator of Chen et al. (2021).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import secrets
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import comb
@@ -54,11 +62,83 @@ def _defines(code: str, name: str) -> bool:
     return re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(name)}\s*\(", code, re.M) is not None
 
 
+#: the answer filter put before the tests (``{name}`` is random per program): the value of a result
+#: in built-in types, read with the built-in types' own methods (never the result's); objects of
+#: immutable (C) types stay (their comparisons are C code), iterators yield filtered items, numpy's
+#: scalars become their Python value; an object of a Python class (the program's own) is refused
+PLAIN_SOURCE = """
+def {name}(value, _depth=0, _type=type, _isinstance=isinstance, _flags=type.__dict__["__flags__"].__get__):
+    if _depth > 200:
+        raise TypeError("kvleague: answer nested too deeply")
+    kind = _type(value)
+    if value is None or kind is bool:
+        return value
+    if _isinstance(value, int):
+        return int.__index__(value)
+    if _isinstance(value, float):
+        return float.__float__(value)
+    if _isinstance(value, complex):
+        return complex(complex.real.__get__(value), complex.imag.__get__(value))
+    if _isinstance(value, str):
+        return str.__str__(value)
+    if _isinstance(value, (bytes, bytearray)):
+        return bytes.__bytes__(value) if _isinstance(value, bytes) else bytes(bytearray.__iter__(value))
+    if _isinstance(value, list):
+        return [{name}(v, _depth + 1) for v in list.__iter__(value)]
+    if _isinstance(value, tuple):
+        return tuple({name}(v, _depth + 1) for v in tuple.__iter__(value))
+    if _isinstance(value, frozenset):
+        return frozenset({name}(v, _depth + 1) for v in frozenset.__iter__(value))
+    if _isinstance(value, set):
+        return {{{name}(v, _depth + 1) for v in set.__iter__(value)}}
+    if _isinstance(value, dict):
+        return {{{name}(k, _depth + 1): {name}(v, _depth + 1) for k, v in dict.items(value)}}
+    if _flags(kind) & 256:  # an immutable (C) type (read from the type slot itself): its methods are fixed
+        if hasattr(kind, "__next__"):  # an iterator, a generator: its items are answers too
+            return ({name}(v, _depth + 1) for v in value)
+        if getattr(kind, "__module__", "") == "numpy":
+            if kind.__name__ != "ndarray":
+                return {name}(value.item(), _depth + 1)
+            if value.dtype.kind == "O":
+                raise TypeError("kvleague: an answer of numpy objects is not a built-in value")
+        return value
+    raise TypeError("kvleague: an answer of type " + repr(getattr(kind, "__qualname__", "?")) + " is not a built-in value")
+"""
+
+
+class _WrapCalls(ast.NodeTransformer):
+    """``f(...)`` -> ``plain(f(...))`` for every call of one of ``names``."""
+
+    def __init__(self, names: set[str], plain: str):
+        self.names, self.plain = names, plain
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Name) and node.func.id in self.names:
+            return ast.copy_location(ast.Call(ast.Name(self.plain, ast.Load()), [node], []), node)
+        return node
+
+
+def plain_tests(code: str, tests: str, extra: Sequence[str] = ()) -> str:
+    """``tests`` with every call of a function ``code`` defines at top level (and of ``extra``
+    names) wrapped in a fresh :data:`PLAIN_SOURCE` filter, which is defined first."""
+    with warnings.catch_warnings():  # invalid escapes in a task's strings are the program's to report
+        warnings.simplefilter("ignore")
+        try:
+            defined = {n.name for n in ast.parse(code).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        except SyntaxError:  # the program fails anyway; its tests stay as they are
+            defined = set()
+        tree = ast.parse(tests)
+    name = f"_kvleague_plain_{secrets.token_hex(6)}"
+    tree = _WrapCalls(defined | set(extra), name).visit(tree)
+    return PLAIN_SOURCE.format(name=name) + "\n" + ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+
+
 class CodeTask(Task):
     domain: ClassVar[str] = "code"
     metric: ClassVar[str] = "pass@1"
     max_new_tokens: ClassVar[int] = 1024
-    scorer_version: ClassVar[str] = "sandbox/1"
+    scorer_version: ClassVar[str] = "sandbox/2"  # 2: proof of completion, plain answers
     #: parallel sandbox runs when scoring batches (one more than the cores: runs also wait on the OS)
     workers: ClassVar[int] = min(8, (os.cpu_count() or 1) + 1)
 
@@ -175,7 +255,8 @@ class HumanEval(CodeTask):
             body = f"{head}\n{code}"
         else:
             body = prompt + code
-        return f"{body}\n\n{sample.metadata['test']}\n\ncheck({entry})\n"
+        tests = plain_tests(code, sample.metadata["test"], ["candidate"])
+        return f"{body}\n\n{tests}\ncheck({entry})\n"
 
 
 def _mbpp_prompt(text: str, tests: list[str]) -> str:
@@ -234,7 +315,8 @@ class _MbppBase(CodeTask):
     def program(self, sample: Sample, code: str) -> str:
         """``test_imports`` + the code + ``test_setup_code`` (it may use the code's classes) + the
         asserts of ``test_list``."""
-        parts = [sample.metadata["imports"], code, sample.metadata["setup"], "\n".join(sample.metadata["tests"])]
+        tests = plain_tests(code, "\n".join(sample.metadata["tests"]))
+        parts = [sample.metadata["imports"], code, sample.metadata["setup"], tests]
         return "\n\n".join(p for p in parts if p) + "\n"
 
 

@@ -37,6 +37,16 @@ def prompt_ids(engines) -> list[int]:
 
 
 @pytest.fixture(scope="session")
+def code_sandbox() -> None:
+    """Skips where the code sandbox refuses to run (not root, no namespaces or cgroup: it never runs
+    generated code with less), except under CI, where that is a failure."""
+    from kvleague.tasks.sandbox import sandbox_refusal
+
+    if (reason := sandbox_refusal()) is not None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"the code sandbox refuses to run here: {reason}")
+
+
+@pytest.fixture(scope="session")
 def pg_server() -> str:
     """A PostgreSQL server for the database tests: $KVLEAGUE_PG_URL, or one started from Debian's binaries."""
     from kvleague.db.testing import postgres_server_url

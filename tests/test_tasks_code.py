@@ -16,7 +16,7 @@ DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
-def humaneval():
+def humaneval(code_sandbox):
     task = build_task("humaneval")
     return task, task.load(data_dir=DATA_DIR)
 
@@ -64,6 +64,7 @@ def test_humaneval_truncated_and_wrong_programs_fail(humaneval):
 
 
 @pytest.mark.parametrize("name,size", [("mbpp", 257), ("mbpp_full", 500)])
+@pytest.mark.usefixtures("code_sandbox")
 def test_mbpp_reference_code_passes_99(name, size):
     task = build_task(name)
     samples = task.load(data_dir=DATA_DIR)
@@ -76,6 +77,7 @@ def test_mbpp_reference_code_passes_99(name, size):
     assert task.aggregate(results)["pass@1"] >= 0.99, [r.sample_id for r in results if not r.correct]
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_mbpp_wrong_and_truncated_programs_fail():
     task = build_task("mbpp")
     samples = task.load(limit=8, seed=3, data_dir=DATA_DIR)

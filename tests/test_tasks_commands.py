@@ -73,6 +73,7 @@ def test_score_gold_and_wrong_completions(tmp_path, capsys):
     assert out.startswith("aime25 ") and "accuracy=0.0000" in out and "n=30" in out
 
 
+@pytest.mark.usefixtures("code_sandbox")
 def test_score_code_with_several_completions_per_sample(tmp_path):
     task = build_task("humaneval")
     a, b = task.load(data_dir=DATA_DIR)[:2]
