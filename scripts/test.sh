@@ -13,6 +13,8 @@ export KVLEAGUE_DATA_DIR=${KVLEAGUE_DATA_DIR:-$(cd .. && pwd)/shared/data}
 
 # lint and format first: seconds, and a finding fails the run before the suite's minutes
 ruff check . && ruff format --check . >/dev/null || { echo "scripts/test.sh: ruff found the above (ruff check --fix . && ruff format .)" >&2; exit 1; }
+# types: pyright over pyrightconfig.json's folders (about a minute on 2 cores); its output only on a finding
+types=$(pyright 2>&1) || { printf '%s\n' "$types" | grep -v '^ *$' | tail -60 >&2; echo "scripts/test.sh: pyright found the above" >&2; exit 1; }
 
 bash scripts/chromium.sh || [ -z "${CI:-}" ]
 bash scripts/seccomp.sh || [ -z "${CI:-}" ]

@@ -50,11 +50,13 @@ from kvleague.tasks.tool_calls import ToolCall, format_tool_call, tools_system_p
 
 BFCL_EVAL_VERSION = "2026.3.23"
 INSTALL_HINT = f"pip install --no-deps bfcl-eval=={BFCL_EVAL_VERSION} mpmath"
+#: the data folder's name under the data directory
+LOCAL_DIR = "bfcl_v4"
 SOURCE = DataSource(
     dataset="bfcl_v4_multi_turn_base",
     hub_id=None,
     revision=None,
-    local_path="bfcl_v4",
+    local_path=LOCAL_DIR,
     license="Apache-2.0",
     url="https://github.com/ShishirPatil/gorilla/tree/6ea57973c7a6097fd7c5915698c54c17c5b1b6c8/"
     f"berkeley-function-call-leaderboard/bfcl_eval/data (also in the bfcl-eval=={BFCL_EVAL_VERSION} wheel)",
@@ -139,8 +141,8 @@ def _bfcl_version() -> str | None:
 
 def bfcl_data_dir(data_dir: Path | None) -> Path:
     """``<data-dir>/bfcl_v4`` when present, else the data folder of the installed bfcl_eval."""
-    if data_dir is not None and (data_dir / SOURCE.local_path / QUESTIONS).is_file():
-        return data_dir / SOURCE.local_path
+    if data_dir is not None and (data_dir / LOCAL_DIR / QUESTIONS).is_file():
+        return data_dir / LOCAL_DIR
     try:
         import bfcl_eval
 
@@ -149,7 +151,7 @@ def bfcl_data_dir(data_dir: Path | None) -> Path:
             return packaged
     except ImportError:
         pass
-    expected = data_dir / SOURCE.local_path if data_dir is not None else f"<data-dir>/{SOURCE.local_path}"
+    expected = data_dir / LOCAL_DIR if data_dir is not None else f"<data-dir>/{LOCAL_DIR}"
     raise KvleagueError(
         f"dataset {SOURCE.dataset} not available: expected local copy at {expected} or the installed bfcl-eval "
         f"package's data (not on the Hugging Face Hub; get it from {SOURCE.url} or: {INSTALL_HINT})"
@@ -261,6 +263,8 @@ def parse_bfcl_call(text: str, signatures: dict[str, list[str]]) -> ToolCall:
             raise KvleagueError(f"bfcl ground truth: too many positional arguments in {text!r}")
         args[params[i]] = ast.literal_eval(arg)
     for kw in node.keywords:
+        if kw.arg is None:
+            raise KvleagueError(f"bfcl ground truth: **kwargs in {text!r}")
         args[kw.arg] = ast.literal_eval(kw.value)
     return ToolCall(name, args)
 

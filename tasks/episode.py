@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from kvleague.engine.errors import KvleagueError
-from kvleague.tasks.base import Sample, ScoreResult, Task
+from kvleague.tasks.base import Domain, Sample, ScoreResult, Task
 from kvleague.tasks.tool_calls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolCall, parse_tool_calls
 
 TRANSCRIPT_FORMAT = "kvleague-episode/1"
@@ -128,7 +128,7 @@ class EpisodicTask(Task):
     """
 
     episodic: ClassVar[bool] = True
-    domain: ClassVar[str] = "agentic"
+    domain: ClassVar[Domain] = "agentic"
     #: observations are fed tokens too; protecting them would leave eviction only the model's own text
     protect_prompt: ClassVar[bool] = False
     max_new_tokens: ClassVar[int] = 512

@@ -264,6 +264,7 @@ def load_seccomp(path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("pyseccomp", path)
+    assert spec is not None and spec.loader is not None  # a .py file's spec always has a loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -334,7 +335,7 @@ def main():
         applied["proof"] = secret
     os.write(2, INFO_TAG + json.dumps(applied).encode() + b"\n")
     # our exit tears the whole PID namespace down
-    if timed_out:
+    if timed_out or status is None:
         os._exit(EXIT_TIMEOUT)
     if os.WIFSIGNALED(status):
         os._exit(128 + os.WTERMSIG(status))
