@@ -19,7 +19,9 @@ HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
 
 
-def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | None = None) -> list[str]:
+def streamlit_command(port: int, host: str = HOST, python: str | None = None) -> list[str]:
+    """The server's command line. It names no database: the URL may hold a password, and every local
+    user can read a command line (``ps``); the app reads ``$KVLEAGUE_DB``, which the caller sets."""
     return [
         python or sys.executable,
         "-m",
@@ -38,9 +40,6 @@ def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | No
         "none",
         "--client.toolbarMode",
         "viewer",
-        "--",
-        "--db",
-        db_url,
     ]
 
 
@@ -71,7 +70,7 @@ def cmd_dashboard(args) -> int:
 
     print(f"kvleague dashboard: {display_url(url)} (read-only) at http://{HOST}:{args.port}", flush=True)
     env = {**os.environ, "KVLEAGUE_DB": url}
-    proc = subprocess.Popen(streamlit_command(url, args.port), env=env)
+    proc = subprocess.Popen(streamlit_command(args.port), env=env)
     # stopping the command (Ctrl-C, or SIGTERM from a supervisor or `kill`) stops the server it started
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:

@@ -2,7 +2,8 @@
 what they read and its caching: :mod:`dashboard.data`).
 
 The database URL comes from ``--db`` (after ``--`` on the ``streamlit run`` line), else
-``$KVLEAGUE_DB``, else ``sqlite:///kvleague.db``; it is opened read-only.
+``$KVLEAGUE_DB`` (what ``kvleague dashboard`` sets: a URL may hold a password, which must stay out of
+argv), else ``sqlite:///kvleague.db``; it is opened read-only.
 """
 
 from __future__ import annotations
