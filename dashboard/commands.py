@@ -55,7 +55,26 @@ def resolve_db(url: str | None) -> str:
             raise KvleagueError(
                 f"dashboard: no SQLite database at {str(path)!r}; run a sweep first (kvleague sweep --config ...)"
             )
-    return parsed.render_as_string(hide_password=False)
+    resolved = parsed.render_as_string(hide_password=False)
+    _readable(resolved)
+    return resolved
+
+
+def _readable(url: str) -> None:
+    """Open the database read-only once: one that cannot be opened (a read-only directory holding a WAL
+    database, a server refusing us) is one line here, not a traceback later."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvleague.analysis.queries import has_schema, open_readonly
+    from kvleague.db.session import display_url, error_reason, storage_fault
+
+    engine = open_readonly(url)
+    try:
+        has_schema(engine)
+    except SQLAlchemyError as exc:
+        raise KvleagueError(f"database: {display_url(url)}: {storage_fault(exc) or error_reason(exc)}") from None
+    finally:
+        engine.dispose()
 
 
 def cmd_dashboard(args) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import streamlit as st
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvleague.analysis import queries as q
 from kvleague.dashboard.data import Context, cached, engine_for, fingerprint
@@ -111,6 +112,12 @@ def main() -> None:
         st.title(page)
         st.error(str(exc))
         return
+    except SQLAlchemyError as exc:  # a database read-only where WAL needs to write, a server gone
+        from kvleague.db.session import error_reason, storage_fault
+
+        st.title(page)
+        st.error(f"Could not open {_display(url)}: {storage_fault(exc) or error_reason(exc)}.")
+        return
     if fp[1] == 0:
         st.title(page)
         st.info(f"No results in `{_display(url)}` yet. Run a sweep: `kvleague sweep --config sweeps/demo.yaml`.")
@@ -121,8 +128,6 @@ def main() -> None:
     short = shown.rsplit("/", 1)[-1] if shown.startswith("sqlite") else shown
     st.sidebar.caption(f"{fp[1]:,} sample results in `{short}` (read-only)", help=shown)
     ctx = Context(url=url, fp=fp, filters=filters, opts=opts)
-    from sqlalchemy.exc import SQLAlchemyError
-
     try:
         PAGES[page].render(ctx)
     except (SQLAlchemyError, KvleagueError) as exc:  # a schema behind the code, a dropped connection

@@ -44,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     except KvleagueError as exc:
         print(f"kvleague: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a database full, read-only or unopenable is one line wherever it surfaces
+        from kvleague.db.session import storage_fault
+
+        reason = storage_fault(exc)
+        if reason is None:
+            raise
+        print(f"kvleague: error: database: {reason}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
