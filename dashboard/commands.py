@@ -134,7 +134,6 @@ def cmd_report(args) -> int:
     import tempfile
 
     from kvleague.analysis.queries import has_schema, open_readonly
-    from kvleague.analysis.report import build
     from kvleague.db.session import display_url, get_engine
 
     if (args.db is None) == (args.export is None):
@@ -155,6 +154,8 @@ def cmd_report(args) -> int:
             raise KvleagueError(
                 f"report: {display_url(url)} holds no kvleague results; run a sweep or kvleague db import first"
             )
+        from kvleague.analysis.report import build  # after the database is known good: it loads matplotlib
+
         path = build(engine, args.out, source=source, preamble=preamble)
         engine.dispose()
     print(path)
