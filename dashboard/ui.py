@@ -19,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from kvleague.analysis import queries as q
 from kvleague.dashboard.data import Context, cached, engine_for, fingerprint
 from kvleague.dashboard.views import PAGES
+from kvleague.dashboard.views.common import plain
 from kvleague.engine.errors import KvleagueError
 
 SLUGS = {title: page.slug for title, page in PAGES.items()}
@@ -110,13 +111,13 @@ def main() -> None:
         fp = fingerprint(url)
     except KvleagueError as exc:
         st.title(page)
-        st.error(str(exc))
+        st.error(plain(exc))
         return
     except SQLAlchemyError as exc:  # a database read-only where WAL needs to write, a server gone
         from kvleague.db.session import error_reason, storage_fault
 
         st.title(page)
-        st.error(f"Could not open {_display(url)}: {storage_fault(exc) or error_reason(exc)}.")
+        st.error(f"Could not open {plain(_display(url))}: {plain(storage_fault(exc) or error_reason(exc))}.")
         return
     if fp[1] == 0:
         st.title(page)
@@ -133,7 +134,7 @@ def main() -> None:
     except (SQLAlchemyError, KvleagueError) as exc:  # a schema behind the code, a dropped connection
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
         st.error(
-            f"Could not read the results: {first[0] if first else type(exc).__name__}. "
+            f"Could not read the results: {plain(first[0] if first else type(exc).__name__)}. "
             "If the schema is old, run `kvleague db upgrade --db URL`."
         )
 
