@@ -115,6 +115,7 @@ def test_cmd_dashboard_keeps_the_password_out_of_argv(monkeypatch):
             return 0
 
     monkeypatch.setattr(commands.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(commands, "_readable", lambda url: None)  # no server here: the argv is the point
     url = "postgresql+psycopg://kvleague:s3cret-pw@127.0.0.1:5432/kvleague"
     assert commands.cmd_dashboard(_parser().parse_args(["dashboard", "--db", url])) == 0
     assert not any("s3cret-pw" in part for part in seen["cmd"])
