@@ -147,7 +147,14 @@ def test_a_one_gib_line_is_refused_fast_with_bounded_memory(export_lines, tmp_pa
 
 def _nul_row(s: Seeder, key: str) -> dict:
     row = next(iter(realistic_rows(s, TINY)))
-    return {**row, "cell_key": key, "completion": HOSTILE_TEXT, "extracted": "\x00", "sample_id": "s\x00" + ESC}
+    return {
+        **row,
+        "cell_key": key,
+        "completion": HOSTILE_TEXT,
+        "extracted": "\x00",
+        "sample_id": "s\x00" + ESC,
+        "details": {"answers": [HOSTILE_TEXT]},
+    }
 
 
 def test_nul_stores_and_reads_back_identical_and_the_export_moves_between_backends(db_url, tmp_path):
@@ -161,9 +168,11 @@ def test_nul_stores_and_reads_back_identical_and_the_export_moves_between_backen
     table = SampleResult.__table__
     with engine.connect() as conn:
         got = conn.execute(
-            select(table.c.completion, table.c.extracted, table.c.sample_id).where(table.c.cell_key == "nul-1")
+            select(table.c.completion, table.c.extracted, table.c.sample_id, table.c.details).where(
+                table.c.cell_key == "nul-1"
+            )
         ).one()
-    assert tuple(got) == (HOSTILE_TEXT, "\x00", "s\x00" + ESC)
+    assert tuple(got) == (HOSTILE_TEXT, "\x00", "s\x00" + ESC, {"answers": [HOSTILE_TEXT]})
 
     source = get_engine(f"sqlite:///{tmp_path / 'source.db'}")
     ss = Seeder(source)
