@@ -133,3 +133,21 @@ def test_a_read_only_database_is_one_line_for_the_dashboard_and_the_report(tmp_p
             assert main(["dashboard", "--db", url]) == 2
             err_lines = capsys.readouterr().err.strip().splitlines()
             assert len(err_lines) == 2 and all(line.startswith("kvleague: error: database: ") for line in err_lines)
+
+
+def test_an_export_onto_a_full_disk_is_one_line(tmp_path, capsys):
+    with tmpfs(tmp_path / "full", "64k") as mounted:
+        if mounted is None:
+            pytest.skip("a full disk needs a tmpfs, which needs root (mount)")
+        url = f"sqlite:///{tmp_path / 'r.db'}"
+        s = Seeder(get_engine(url))
+        s.write(
+            realistic_rows(
+                s, RealisticSpec(tasks=(("math500", "math", 2, 0.7, 300),), budgets=(128,), methods=("full",))
+            )
+        )
+        with contextlib.suppress(OSError):
+            (mounted / "filler").write_bytes(b"x" * 65_536)  # the whole disk
+        assert main(["db", "export", "--db", url, "--out", str(mounted / "r.jsonl.gz")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "No space left on device" in err, err
