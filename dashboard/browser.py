@@ -71,7 +71,7 @@ def serve(db_url: str, log_path: str | Path, start_timeout_s: float = 90) -> Ite
     log = Path(log_path)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            streamlit_command(db_url, port),
+            streamlit_command(port),
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

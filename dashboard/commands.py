@@ -19,7 +19,9 @@ HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
 
 
-def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | None = None) -> list[str]:
+def streamlit_command(port: int, host: str = HOST, python: str | None = None) -> list[str]:
+    """The server's command line. It names no database: the URL may hold a password, and every local
+    user can read a command line (``ps``); the app reads ``$KVLEAGUE_DB``, which the caller sets."""
     return [
         python or sys.executable,
         "-m",
@@ -38,9 +40,6 @@ def streamlit_command(db_url: str, port: int, host: str = HOST, python: str | No
         "none",
         "--client.toolbarMode",
         "viewer",
-        "--",
-        "--db",
-        db_url,
     ]
 
 
@@ -56,7 +55,26 @@ def resolve_db(url: str | None) -> str:
             raise KvleagueError(
                 f"dashboard: no SQLite database at {str(path)!r}; run a sweep first (kvleague sweep --config ...)"
             )
-    return parsed.render_as_string(hide_password=False)
+    resolved = parsed.render_as_string(hide_password=False)
+    _readable(resolved)
+    return resolved
+
+
+def _readable(url: str) -> None:
+    """Open the database read-only once: one that cannot be opened (a read-only directory holding a WAL
+    database, a server refusing us) is one line here, not a traceback later."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvleague.analysis.queries import has_schema, open_readonly
+    from kvleague.db.session import display_url, error_reason, storage_fault
+
+    engine = open_readonly(url)
+    try:
+        has_schema(engine)
+    except SQLAlchemyError as exc:
+        raise KvleagueError(f"database: {display_url(url)}: {storage_fault(exc) or error_reason(exc)}") from None
+    finally:
+        engine.dispose()
 
 
 def cmd_dashboard(args) -> int:
@@ -71,7 +89,7 @@ def cmd_dashboard(args) -> int:
 
     print(f"kvleague dashboard: {display_url(url)} (read-only) at http://{HOST}:{args.port}", flush=True)
     env = {**os.environ, "KVLEAGUE_DB": url}
-    proc = subprocess.Popen(streamlit_command(url, args.port), env=env)
+    proc = subprocess.Popen(streamlit_command(args.port), env=env)
     # stopping the command (Ctrl-C, or SIGTERM from a supervisor or `kill`) stops the server it started
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
@@ -116,7 +134,6 @@ def cmd_report(args) -> int:
     import tempfile
 
     from kvleague.analysis.queries import has_schema, open_readonly
-    from kvleague.analysis.report import build
     from kvleague.db.session import display_url, get_engine
 
     if (args.db is None) == (args.export is None):
@@ -137,6 +154,8 @@ def cmd_report(args) -> int:
             raise KvleagueError(
                 f"report: {display_url(url)} holds no kvleague results; run a sweep or kvleague db import first"
             )
+        from kvleague.analysis.report import build  # after the database is known good: it loads matplotlib
+
         path = build(engine, args.out, source=source, preamble=preamble)
         engine.dispose()
     print(path)

@@ -2,7 +2,8 @@
 what they read and its caching: :mod:`dashboard.data`).
 
 The database URL comes from ``--db`` (after ``--`` on the ``streamlit run`` line), else
-``$KVLEAGUE_DB``, else ``sqlite:///kvleague.db``; it is opened read-only.
+``$KVLEAGUE_DB`` (what ``kvleague dashboard`` sets: a URL may hold a password, which must stay out of
+argv), else ``sqlite:///kvleague.db``; it is opened read-only.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import streamlit as st
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvleague.analysis import queries as q
 from kvleague.dashboard.data import Context, cached, engine_for, fingerprint
 from kvleague.dashboard.views import PAGES
+from kvleague.dashboard.views.common import plain
 from kvleague.engine.errors import KvleagueError
 
 SLUGS = {title: page.slug for title, page in PAGES.items()}
@@ -108,7 +111,13 @@ def main() -> None:
         fp = fingerprint(url)
     except KvleagueError as exc:
         st.title(page)
-        st.error(str(exc))
+        st.error(plain(exc))
+        return
+    except SQLAlchemyError as exc:  # a database read-only where WAL needs to write, a server gone
+        from kvleague.db.session import error_reason, storage_fault
+
+        st.title(page)
+        st.error(f"Could not open {plain(_display(url))}: {plain(storage_fault(exc) or error_reason(exc))}.")
         return
     if fp[1] == 0:
         st.title(page)
@@ -120,14 +129,12 @@ def main() -> None:
     short = shown.rsplit("/", 1)[-1] if shown.startswith("sqlite") else shown
     st.sidebar.caption(f"{fp[1]:,} sample results in `{short}` (read-only)", help=shown)
     ctx = Context(url=url, fp=fp, filters=filters, opts=opts)
-    from sqlalchemy.exc import SQLAlchemyError
-
     try:
         PAGES[page].render(ctx)
     except (SQLAlchemyError, KvleagueError) as exc:  # a schema behind the code, a dropped connection
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
         st.error(
-            f"Could not read the results: {first[0] if first else type(exc).__name__}. "
+            f"Could not read the results: {plain(first[0] if first else type(exc).__name__)}. "
             "If the schema is old, run `kvleague db upgrade --db URL`."
         )
 

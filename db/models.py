@@ -32,6 +32,7 @@ from sqlalchemy import (
     Text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from kvleague.engine.protocol import Protocol
 
@@ -50,6 +51,53 @@ STATUS_FAILED = "failed"
 #: sample_results.measure values: a generation scored by the task, or teacher-forced fidelity to the full cache
 MEASURE_GENERATION = "generation"
 MEASURE_FIDELITY = "fidelity"
+
+
+#: the escape character of free text: PostgreSQL refuses NUL in text, so NUL is stored as ESC + "0"
+#: and ESC itself as ESC + ESC (U+FFFF, a noncharacter both databases store as is); text without either,
+#: all text in practice, is stored unchanged
+ESC = "\uffff"
+_UNESCAPE = {ESC + ESC: ESC, ESC + "0": "\x00"}
+
+
+def escape_text(value: str) -> str:
+    if "\x00" not in value and ESC not in value:
+        return value
+    return value.replace(ESC, ESC + ESC).replace("\x00", ESC + "0")
+
+
+def unescape_text(value: str) -> str:
+    if ESC not in value:
+        return value
+    out, i = [], 0
+    while (j := value.find(ESC, i)) >= 0:
+        pair = value[j : j + 2]
+        out += [value[i:j], _UNESCAPE.get(pair, pair)]
+        i = j + len(pair)
+    out.append(value[i:])
+    return "".join(out)
+
+
+class FreeText(TypeDecorator):
+    """Text a model or a task file wrote (a completion, an error, a sample id): any character, NUL
+    included, stored escaped (``escape_text``) the same way on SQLite and PostgreSQL and read back as
+    written. Columns with a closed vocabulary or our own names are plain, and refuse NUL (db.validation)."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        return escape_text(value) if isinstance(value, str) else value
+
+    def process_result_value(self, value, dialect):
+        return unescape_text(value) if isinstance(value, str) else value
+
+
+class FreeString(FreeText):
+    """``FreeText`` of a bounded width (``FreeString(255)``; the width holds the escaped text)."""
+
+    impl = String
+    cache_ok = True
 
 
 def utcnow() -> datetime:
@@ -97,7 +145,9 @@ class Sweep(Base):
     environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
     ray_address: Mapped[str | None] = mapped_column(String(255), nullable=True)
     ray_job_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    status: Mapped[str] = mapped_column(String(32))  # running | finished | interrupted | crashed
+    status: Mapped[str] = mapped_column(
+        String(32)
+    )  # running | finished | interrupted | stopped (a one-line error: disk full...) | crashed
     n_cells: Mapped[int] = mapped_column(Integer, default=0)
     n_skipped: Mapped[int] = mapped_column(Integer, default=0)  # already complete before this run
     n_ok: Mapped[int] = mapped_column(Integer, default=0)
@@ -207,16 +257,16 @@ class SampleResult(Base):
     budget: Mapped[int] = mapped_column(Integer)
     #: the cache budget the engine ran (NULL: rows before it, where it is ``budget``)
     resolved_budget: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    sample_id: Mapped[str] = mapped_column(String(255))
+    sample_id: Mapped[str] = mapped_column(FreeString(255))
     sample_index: Mapped[int] = mapped_column(Integer)  # 0..n_samples-1 (pass@k)
     seed: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))  # ok | failed
     measure: Mapped[str] = mapped_column(String(16), default=MEASURE_GENERATION, server_default=MEASURE_GENERATION)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(FreeText, nullable=True)
     correct: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     score: Mapped[float | None] = mapped_column(Float, nullable=True)
-    extracted: Mapped[str | None] = mapped_column(Text, nullable=True)
-    completion: Mapped[str | None] = mapped_column(Text, nullable=True)
+    extracted: Mapped[str | None] = mapped_column(FreeText, nullable=True)
+    completion: Mapped[str | None] = mapped_column(FreeText, nullable=True)
     stop_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     generated_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)

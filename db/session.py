@@ -204,6 +204,32 @@ def transient(exc: BaseException) -> bool:
     return True
 
 
+#: PostgreSQL's SQLSTATEs of a store that cannot take writes, and SQLite's messages for the same
+_PG_STORAGE = {
+    "53100": "the disk is full",
+    "25006": "the database is read-only",
+    "53200": "the server is out of memory",
+}
+_SQLITE_STORAGE = {
+    "database or disk is full": "the disk is full (or the database reached its size limit)",
+    "attempt to write a readonly database": "the database is read-only",
+    "unable to open database file": "cannot open the database file (is it, or its directory, read-only or missing?)",
+    "disk i/o error": "disk I/O error",
+}
+
+
+def storage_fault(exc: BaseException) -> str | None:
+    """Why a database cannot store or be opened (disk full, read-only, unopenable), in a few words;
+    None for any other error. Waiting does not cure these: the caller stops with one line."""
+    import sqlite3
+
+    orig = getattr(exc, "orig", None) or exc
+    if isinstance(orig, sqlite3.Error):
+        text = str(orig).lower()
+        return next((reason for key, reason in _SQLITE_STORAGE.items() if key in text), None)
+    return _PG_STORAGE.get(getattr(orig, "sqlstate", None) or "")
+
+
 def error_reason(exc: BaseException) -> str:
     """The first line of a database error, without SQLAlchemy's statement and background link."""
     first = str(getattr(exc, "orig", None) or exc).strip().splitlines()

@@ -6,7 +6,9 @@ per row, ``[table, [values]]``, tables in foreign-key order and rows by id. Gzip
 and rows are ordered, so the same database always gives the same bytes (a committed export diffs
 cleanly and regenerates its report byte for byte).
 
-Import merges rather than overwrites: a row whose natural key is already there (``spec_hash``,
+Import validates the whole file first (``db.validation``: every value against its column, ids and unique
+keys unique within the file, foreign keys naming earlier rows, lines at most ``MAX_LINE_BYTES``), so a
+refused file is one line naming the line and the field, and writes nothing. Import merges rather than overwrites: a row whose natural key is already there (``spec_hash``,
 ``cell_key``, ``row_key``; for a sweep, its name, config hash and start time) is not inserted again, and ids and foreign keys
 are renumbered to the target's, so importing the same file twice, or into a database with results of
 its own, duplicates nothing.
@@ -15,6 +17,7 @@ its own, duplicates nothing.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from sqlalchemy.engine import Engine
 
 from kvleague.db.models import Base
 from kvleague.db.session import current_revision, head_revision, known_revisions, upgrade
+from kvleague.db.validation import MAX_LINE_BYTES, RowError, validate_row
 from kvleague.engine.errors import KvleagueError
 
 FORMAT = "kvleague-export/1"
@@ -87,15 +91,80 @@ def export(engine: Engine, path: str | Path) -> TransferCounts:
     return counts
 
 
-def _read(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, list[Any]]]]:
-    """The export's header and its rows, the whole file read once first: a truncated or corrupt file is
-    a one-line error before anything is written (or a database file is created)."""
+class _Hashing:
+    """The raw file as gzip reads it, hashed: the second pass (the inserts) must read the bytes the first
+    (the validation) read."""
+
+    def __init__(self, raw):
+        self.raw, self.digest = raw, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.digest.update(data)
+        return data
+
+
+def _lines(path: str | Path, digests: list[str]) -> Iterator[tuple[int, str]]:
+    """``(number, line)`` of the decompressed file, streamed: a line longer than ``MAX_LINE_BYTES`` is
+    refused after reading that much (memory stays bounded whatever the file expands to); at the end the
+    file's digest is appended to ``digests``."""
+    with open(path, "rb") as raw:
+        hashing = _Hashing(raw)
+        with gzip.GzipFile(fileobj=hashing, mode="rb") as gz:  # type: ignore[arg-type]
+            number = 0
+            while line := gz.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    raise KvleagueError(
+                        f"db import: {str(path)!r} line {number} is longer than {MAX_LINE_BYTES} bytes; nothing was imported"
+                    )
+                yield number, line.decode("utf-8")
+        digests.append(hashing.digest.hexdigest())
+
+
+def _header(path: str | Path, line: str) -> dict[str, Any]:
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            header = json.loads(fh.readline())
-            if isinstance(header, dict) and header.get("format") == FORMAT:
-                for number, line in enumerate(fh, start=2):
-                    _row(path, number, line)
+        header = json.loads(line)
+    except (ValueError, RecursionError):
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise KvleagueError(f"db import: {str(path)!r} is not a kvleague export; expected format {FORMAT!r}")
+    columns = header.get("columns")
+    tables = {t.name: t for t in Base.metadata.sorted_tables}
+    if not isinstance(columns, dict):
+        raise KvleagueError(f"db import: {str(path)!r} line 1: columns: not a table -> [column names] mapping")
+    for name, names in columns.items():
+        if name not in tables:
+            raise KvleagueError(
+                f"db import: {str(path)!r} line 1: unknown table {name!r}; allowed: {', '.join(tables)}"
+            )
+        if not isinstance(names, list) or "id" not in names or len(set(names)) != len(names):
+            raise KvleagueError(
+                f"db import: {str(path)!r} line 1: columns of {name}: not a list of distinct names with id"
+            )
+        unknown = [c for c in names if c not in tables[name].columns]
+        if unknown:
+            raise KvleagueError(
+                f"db import: {str(path)!r} line 1: table {name} has columns this kvleague does not know: {unknown}; "
+                "import with the kvleague version that exported it"
+            )
+    return header
+
+
+def _row(path: str | Path, number: int, line: str) -> tuple[str, list[Any]]:
+    try:
+        name, values = json.loads(line)
+    except (ValueError, TypeError, RecursionError):
+        raise KvleagueError(f"db import: {str(path)!r} line {number} is not [table, [values]]") from None
+    if not isinstance(name, str) or not isinstance(values, list):
+        raise KvleagueError(f"db import: {str(path)!r} line {number} is not [table, [values]]")
+    return name, values
+
+
+def _opened(path: str | Path, lines: Iterator[tuple[int, str]]) -> Iterator[tuple[int, str]]:
+    """``lines`` with the file's faults as one-line errors."""
+    try:
+        yield from lines
     except FileNotFoundError:
         raise KvleagueError(f"db import: no such file {str(path)!r}") from None
     except EOFError:
@@ -104,24 +173,57 @@ def _read(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, list[An
         ) from None
     except (OSError, ValueError) as exc:  # zlib.error is an OSError subclass in gzip; UnicodeDecodeError a ValueError
         raise KvleagueError(f"db import: {str(path)!r} is not a kvleague export (gzip JSON lines): {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise KvleagueError(f"db import: {str(path)!r} is not a kvleague export; expected format {FORMAT!r}")
-
-    def rows() -> Iterator[tuple[str, list[Any]]]:
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            fh.readline()
-            for number, line in enumerate(fh, start=2):
-                yield _row(path, number, line)
-
-    return header, rows()
 
 
-def _row(path: str | Path, number: int, line: str) -> tuple[str, list[Any]]:
-    try:
-        name, values = json.loads(line)
-    except (ValueError, TypeError):
-        raise KvleagueError(f"db import: {str(path)!r} line {number} is not [table, [values]]") from None
-    return name, values
+def _check(path: str | Path) -> tuple[dict[str, Any], str]:
+    """Validate the whole export before anything is written (or a database file created): every row
+    against its table's schema (``db.validation``), ids and unique keys unique within the file, foreign
+    keys naming rows before them. Returns the header and the file's digest; a fault is one line naming
+    the line and the field."""
+    digests: list[str] = []
+    header: dict[str, Any] = {}
+    tables = {t.name: t for t in Base.metadata.sorted_tables}
+    ids: dict[str, set[int]] = {}
+    unique: dict[str, dict[Any, int]] = {}
+    for number, line in _opened(path, _lines(path, digests)):
+        if number == 1:
+            header = _header(path, line)
+            continue
+        name, values = _row(path, number, line)
+        where = f"db import: {str(path)!r} line {number}"
+        names = header["columns"].get(name)
+        if names is None:
+            raise KvleagueError(
+                f"{where}: table {name!r} is not in the header; allowed: {', '.join(header['columns'])}"
+            )
+        if len(values) != len(names):
+            raise KvleagueError(f"{where}: {name} row has {len(values)} values for {len(names)} columns")
+        try:
+            row = validate_row(name, dict(zip(names, values)))
+        except RowError as exc:
+            raise KvleagueError(f"{where}: {exc}; nothing was imported") from None
+        table = tables[name]
+        if row.get("id") is None:
+            raise KvleagueError(f"{where}: {name}.id: missing (an export numbers every row)")
+        for column in [c for c in table.columns if c.primary_key or c.unique]:
+            value = row.get(column.name)
+            seen = unique.setdefault(f"{name}.{column.name}", {})
+            if value in seen:
+                raise KvleagueError(
+                    f"{where}: {name}.{column.name}: {value!r} again (first on line {seen[value]}); nothing was imported"
+                )
+            seen[value] = number
+        for fk in table.foreign_keys:
+            value = row.get(fk.parent.name)
+            if value is not None and value not in ids.get(fk.column.table.name, ()):
+                raise KvleagueError(
+                    f"{where}: {name}.{fk.parent.name}: no {fk.column.table.name} row {value} before it; "
+                    "nothing was imported"
+                )
+        ids.setdefault(name, set()).add(row["id"])
+    if not header:
+        raise KvleagueError(f"db import: {str(path)!r} is empty; not a kvleague export")
+    return header, digests[0]
 
 
 #: tables without a unique column: what identifies one of their rows (a sweep's counts and status
@@ -221,8 +323,9 @@ class _Merger:
 
 
 def import_(engine: Engine, path: str | Path) -> TransferCounts:
-    """Merge the export at ``path`` into ``engine`` (migrated to head first), in one transaction."""
-    header, rows = _read(path)
+    """Merge the export at ``path`` into ``engine`` (migrated to head first), in one transaction, after
+    the whole file is validated (``_check``): a refused file writes nothing and creates no file."""
+    header, digest = _check(path)
     revision = header.get("schema_revision")
     if revision not in known_revisions():
         raise KvleagueError(
@@ -231,9 +334,10 @@ def import_(engine: Engine, path: str | Path) -> TransferCounts:
         )
     upgrade(engine)
     tables = {t.name: t for t in Base.metadata.sorted_tables}
-    columns = header.get("columns") or {}
+    columns = header["columns"]
     counts = TransferCounts()
     id_maps: dict[str, dict[int, int]] = {}
+    digests: list[str] = []
     with engine.begin() as conn:
         merger: _Merger | None = None
 
@@ -244,12 +348,15 @@ def import_(engine: Engine, path: str | Path) -> TransferCounts:
                 counts.inserted[name] = counts.inserted.get(name, 0) + m.inserted
                 counts.present[name] = counts.present.get(name, 0) + m.present
 
-        for name, values in rows:
+        for number, line in _opened(path, _lines(path, digests)):
+            if number == 1:
+                continue
+            name, values = _row(path, number, line)
             if merger is None or merger.table.name != name:
                 finish(merger)
-                if name not in tables or name not in columns:
-                    raise KvleagueError(f"db import: unknown table {name!r}; allowed: {', '.join(tables)}")
                 merger = _Merger(conn, tables[name], columns[name], id_maps)
             merger.add(values)
         finish(merger)
+        if digests != [digest]:  # rolls the transaction back
+            raise KvleagueError(f"db import: {str(path)!r} changed while it was imported; nothing was imported")
     return counts

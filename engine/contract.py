@@ -83,6 +83,10 @@ class Needs:
     #: prefill column sums need them all). A method that does not declare it gets the newest
     #: ``attention_window`` rows under every kernel, eager included
     eager: bool = False
+    #: with ``eager``: the method reads only each key's attention summed over the pass's queries (H2O's
+    #: accumulated attention), so where every layer's rows of a long prefill would not fit the worker's
+    #: attention memory (``engine/eager.py``) a pass's rows come as that sum, ``[H_q, 1, T]`` per layer
+    attention_sum: bool = False
     #: the method relies on slots being in increasing position order (the default contract); set
     #: False for an order-free method to get the faster eviction path (see the module docstring)
     ordered_slots: bool = True

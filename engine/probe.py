@@ -17,10 +17,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from kvleague.engine.attention import attention_rows
 from kvleague.engine.contract import over_chunks
+from kvleague.engine.eager import Rows, budget_bytes, eager_attention
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar("kvleague_recorder", default=None)
@@ -41,6 +41,8 @@ class AttentionRecorder:
     window: int = 1
     #: every query of the pass (a method that declared ``Needs.eager``), not the newest ``window``
     all_queries: bool = False
+    #: with ``all_queries``: each key's weights summed over the queries will do (``Needs.attention_sum``)
+    attention_sum: bool = False
     new_tokens: int = 0
     q: list = field(default_factory=list)
     k_new: list = field(default_factory=list)
@@ -56,6 +58,14 @@ class AttentionRecorder:
         self.k_new = [None] * self.n_layers
         self.v_new = [None] * self.n_layers
         self.rows = [None] * self.n_layers
+
+    def eager_rows(self, batch: int, heads: int, queries: int, keys: int) -> Rows:
+        """What the eager kernel returns: every row, or (where every layer's rows of this pass would not
+        fit the attention memory and the method takes it) their sum over the queries."""
+        if not (self.attention and self.all_queries and self.attention_sum):
+            return "all"
+        every_layer = 4 * self.n_layers * batch * heads * queries * keys
+        return "sum" if every_layer > budget_bytes() else "all"
 
     def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
         c = self.new_tokens
@@ -245,11 +255,17 @@ def _make_wrapper(inner: str):
     # The signature of transformers' sdpa kernel; callers (and kvpress's import-time patch, which
     # passes dropout positionally) rely on it, so the kernel is called by keyword.
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        kernel = eager_attention_forward if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
         if scaling is None:
             scaling = module.scaling
-        out, weights = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         recorder = _ACTIVE.get()
+        if inner == "eager":  # over query chunks within the worker's attention memory
+            rows = "all" if recorder is None else recorder.eager_rows(*query.shape[:3], key.shape[-2])
+            out, weights = eager_attention(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, rows=rows, **kwargs
+            )
+        else:
+            kernel = ALL_ATTENTION_FUNCTIONS[inner]
+            out, weights = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if recorder is not None:
             recorder.record(module.layer_idx, query, key, value, weights, scaling)
         return out, weights

@@ -92,6 +92,7 @@ class Session:
                 attention=needs.attention,
                 window=needs.attention_window,
                 all_queries=needs.eager,
+                attention_sum=needs.eager and needs.attention_sum,
             )
             if wants_probe
             else None

@@ -5,6 +5,7 @@ One module per command group, each with ``register(subparsers)``; this file only
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -43,6 +44,19 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KvleagueError as exc:
         print(f"kvleague: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file (an export, a report) on a full or read-only disk
+        if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            raise
+        print(f"kvleague: error: {exc.filename or 'writing'}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a database full, read-only or unopenable is one line wherever it surfaces
+        from kvleague.db.session import storage_fault
+
+        reason = storage_fault(exc)
+        if reason is None:
+            raise
+        print(f"kvleague: error: database: {reason}", file=sys.stderr)
         return 2
 
 

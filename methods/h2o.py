@@ -45,8 +45,9 @@ class H2O(EvictionMethod):
 
     The prefill part needs every prefill query's attention row (column sums of the full prefill
     attention), so the method runs **eager** attention: the rows come from the eager kernel's own
-    weights (memory O(H_q * C * T) per layer for a chunk of C queries; use ``prefill_chunk`` to bound
-    it). Decode steps add the one new row.
+    weights; where every layer's ``H_q x C x T`` rows would not fit the worker's attention memory, it
+    reads their sum over queries instead (``Needs.attention_sum``, ``engine/eager.py``), all it uses.
+    Decode steps add the one new row.
 
     Paper: Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", arXiv
     2306.14048. Reference code: FMInference/H2O (``h2o_hf``). Deviations: scores are kept per KV head
@@ -55,7 +56,7 @@ class H2O(EvictionMethod):
     0 to reproduce the paper; the reference accumulates from fp16 weights, ours in float32.
     """
 
-    needs = Needs(attention=True, eager=True)
+    needs = Needs(attention=True, eager=True, attention_sum=True)
 
     recent_ratio: float = 0.5
 

@@ -246,6 +246,11 @@ class ResourcesConfig(_Strict):
     memory_limit_gb: float | None = Field(default=None, gt=0)
     #: how long the driver keeps retrying (with backoff) a database it lost before it stops
     db_retry_seconds: float = Field(default=600.0, gt=0)
+    #: the memory a worker plans for (GiB): eager attention runs in query chunks so that one layer's
+    #: attention buffers take at most an eighth of it, and a long prefill's rows for a method that
+    #: accumulates them (H2O) are kept as sums (engine/eager.py); memory_limit_gb is the hard cap
+    worker_memory_gb: float = Field(default=8.0, gt=0, le=4096)
+    ADDED_LATER = {"worker_memory_gb": (8.0,)}
 
 
 #: fields that say where results go or how cells are grouped, not what they compute: left out of the config hash

@@ -6,10 +6,12 @@
 #   scripts/postgres.sh pause [DIR]   # stops it, keeping its data (resume starts it again on the same port)
 #   scripts/postgres.sh stop  [DIR]   # stops it and deletes DIR
 #
-# DIR (default $KVLEAGUE_PG_DIR, else /tmp/kvleague-pg) holds the data directory, the socket, the log
-# and the port. The server listens on 127.0.0.1 only, on a free port, trusts local connections
-# (it is throwaway) and has a database "kvleague". As root the server runs as the postgres user.
-# URL: postgresql+psycopg://postgres@127.0.0.1:PORT/kvleague
+# DIR (default $KVLEAGUE_PG_DIR, else /tmp/kvleague-pg; made mode 0700) holds the data directory, the
+# socket (mode 0700), the log, the port and the superuser's random password (mode 0600). The server
+# listens on 127.0.0.1 only, on a free port, asks every connection, local or TCP, for that password
+# (scram-sha-256: no other local user, nor a program in the code sandbox, gets in) and has a database
+# "kvleague". As root the server runs as the postgres user.
+# URL (it holds the password: keep it out of argv and logs): postgresql+psycopg://postgres:PASSWORD@127.0.0.1:PORT/kvleague
 set -euo pipefail
 
 cmd=${1:-}
@@ -45,13 +47,13 @@ as_owner() {  # run a server binary as the data directory's owner
   fi
 }
 
-url() { echo "postgresql+psycopg://postgres@127.0.0.1:$(cat "$dir/port")/kvleague"; }
+url() { echo "postgresql+psycopg://postgres:$(cat "$dir/password")@127.0.0.1:$(cat "$dir/port")/kvleague"; }
 
 launch() {  # start the server of $dir on its port
   local port
   port=$(cat "$dir/port")
   as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-    -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c fsync=off -c synchronous_commit=off -c full_page_writes=off" \
+    -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c unix_socket_permissions=0700 -c fsync=off -c synchronous_commit=off -c full_page_writes=off" \
     start >/dev/null || { tail -20 "$dir/server.log" >&2; exit 1; }
 }
 
@@ -63,17 +65,18 @@ case "$cmd" in
       exit 0
     fi
     rm -rf "$dir"
-    mkdir -p "$dir"
+    (umask 077 && mkdir -p "$dir" && python3 -c 'import secrets; print(secrets.token_hex(24))' >"$dir/password")
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     echo "$port" >"$dir/port"
     if [ "$(id -u)" = 0 ]; then
       id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql --shell /bin/bash postgres
-      chown postgres "$dir"
+      chown -R postgres "$dir"
     fi
-    as_owner "$bin/initdb" -D "$dir/data" -U postgres --auth=trust --encoding=UTF8 --no-locale >"$dir/initdb.log" 2>&1 \
-      || { cat "$dir/initdb.log" >&2; exit 1; }
+    as_owner "$bin/initdb" -D "$dir/data" -U postgres --auth=scram-sha-256 --pwfile="$dir/password" \
+      --encoding=UTF8 --no-locale >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; exit 1; }
     launch
-    as_owner "$bin/createdb" -h 127.0.0.1 -p "$port" -U postgres kvleague
+    # the password through the environment (not argv, which every local user can read in ps)
+    PGPASSWORD=$(cat "$dir/password") as_owner "$bin/createdb" -h 127.0.0.1 -p "$port" -U postgres kvleague
     url
     ;;
   url)

@@ -77,13 +77,12 @@ def test_register_and_parse():
 
 
 def test_streamlit_command_binds_localhost():
-    cmd = commands.streamlit_command("sqlite:////data/r.db", 8600, python="py")
+    cmd = commands.streamlit_command(8600, python="py")
     assert cmd[:4] == ["py", "-m", "streamlit", "run"]
     assert cmd[4] == str(commands.APP) and Path(cmd[4]).is_file()
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--server.port") + 1] == "8600"
     assert cmd[cmd.index("--server.headless") + 1] == "true"
-    assert cmd[-3:] == ["--", "--db", "sqlite:////data/r.db"]
 
 
 def test_cmd_dashboard_runs_streamlit(small_db, monkeypatch):
@@ -99,8 +98,28 @@ def test_cmd_dashboard_runs_streamlit(small_db, monkeypatch):
     monkeypatch.setattr(commands.subprocess, "Popen", FakeProc)
     args = _parser().parse_args(["dashboard", "--db", small_db, "--port", "8777"])
     assert commands.cmd_dashboard(args) == 0
-    assert seen["env"]["KVLEAGUE_DB"] == seen["cmd"][-1]
+    assert seen["env"]["KVLEAGUE_DB"] == small_db and "--db" not in seen["cmd"]
     assert seen["cmd"][seen["cmd"].index("--server.port") + 1] == "8777"
+
+
+def test_cmd_dashboard_keeps_the_password_out_of_argv(monkeypatch):
+    """A PostgreSQL URL's password reaches the Streamlit child through its environment, never its
+    command line (which every local user reads in ps)."""
+    seen = {}
+
+    class FakeProc:
+        def __init__(self, cmd, env):
+            seen.update(cmd=cmd, env=env)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(commands.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(commands, "_readable", lambda url: None)  # no server here: the argv is the point
+    url = "postgresql+psycopg://kvleague:s3cret-pw@127.0.0.1:5432/kvleague"
+    assert commands.cmd_dashboard(_parser().parse_args(["dashboard", "--db", url])) == 0
+    assert not any("s3cret-pw" in part for part in seen["cmd"])
+    assert seen["env"]["KVLEAGUE_DB"] == url
 
 
 def test_cmd_dashboard_errors(tmp_path, monkeypatch):

@@ -142,7 +142,7 @@ def test_bad_files_are_one_line_errors(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("kvleague: error: db ") or "--out" in line for line in err)
     assert "missing.jsonl.gz" in err[0] and "not a kvleague export" in err[1] and "9999" in err[2]
-    with pytest.raises(KvleagueError, match="unknown table"):
+    with pytest.raises(KvleagueError, match="not in the header"):
         with gzip.open(tmp_path / "odd.jsonl.gz", "wt") as fh:
             fh.write(json.dumps({"format": "kvleague-export/1", "schema_revision": "0004", "columns": {}}) + "\n")
             fh.write(json.dumps(["secrets", [1]]) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import altair as alt
@@ -24,6 +25,17 @@ VERDICT_COLOURS = {
 
 
 DASH = "—"
+
+#: CommonMark lets a backslash make any ASCII punctuation literal; these are the ones markdown, HTML,
+#: Streamlit's directives (``:red[...]``) and its LaTeX (``$``) give a meaning to
+_MARKUP = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:&=^])")
+
+
+def plain(text: object) -> str:
+    """``text`` (a name, a label, a message: anything a model, a task file or an import wrote) made safe
+    to place inside markdown: shown as written, never rendered as an image, a link, HTML or a
+    directive. Free text (a completion) goes to ``st.text``/``st.code`` instead."""
+    return _MARKUP.sub(r"\\\1", str(text)).replace("\n", " ")
 
 
 def _num(fmt: str):
@@ -134,7 +146,7 @@ def pick_slice(ctx, key: str, measure: str = q.MEASURE_GENERATION) -> tuple[q.Fi
     by_key = {(o["model_id"], o["protocol_id"], o["generation_id"]): o for o in options}
     if len(options) == 1:
         chosen = options[0]
-        st.caption(f"Slice: {chosen['label']}.")
+        st.caption(f"Slice: {plain(chosen['label'])}.")
     else:
         picked = st.selectbox(
             "Slice (model · protocol · generation)",
@@ -155,7 +167,7 @@ def coinciding_note(ctx, filters: q.Filters) -> None:
         return
     labels = {i: m["label"] for i, m in ctx.opts.methods.items()}
     what = "KL, top-1 and ΔNLL" if filters.measure == q.MEASURE_FIDELITY else "completions"
-    named = "; ".join(" = ".join(labels.get(i, str(i)) for i in g) for g in groups)
+    named = plain("; ".join(" = ".join(labels.get(i, str(i)) for i in g) for g in groups))
     st.warning(f"Identical {what} on every sample here: {named}. Their lines and rows coincide: one hides the other.")
 
 

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from kvleague.analysis import queries as q
-from kvleague.dashboard.views.common import empty
+from kvleague.dashboard.views.common import empty, plain
 
 SWEEP_COLUMNS = [
     "id",
@@ -91,5 +91,5 @@ def render(ctx) -> None:
     st.subheader("Tasks")
     st.dataframe(pd.DataFrame(data["tasks"]), hide_index=True, placeholder="—", key="pv_tasks")
     for s in data["sweeps"]:
-        with st.expander(f"Sweep #{s['id']} {s['name']}: configuration"):
+        with st.expander(f"Sweep #{s['id']} {plain(s['name'])}: configuration"):
             st.json(s.get("config") or {})

@@ -6,7 +6,7 @@ import streamlit as st
 
 from kvleague.analysis import queries as q
 from kvleague.analysis import tables
-from kvleague.dashboard.views.common import budget_text, empty, most_data
+from kvleague.dashboard.views.common import budget_text, empty, most_data, plain
 
 MARK = {True: "correct", False: "wrong", None: "-"}
 
@@ -73,10 +73,12 @@ def render(ctx) -> None:
                     if df["sample_index"].nunique() > 1 or df["seed"].nunique() > 1
                     else ""
                 )
-                st.markdown(f"**{r['method']}** · {tag}{extra}" + (f" · :red[{r['flag']}]" if r["flag"] else ""))
+                flag = f" · :red[{r['flag']}]" if r["flag"] else ""
+                st.markdown(f"**{plain(r['method'])}** · {tag}{extra}{flag}")
+                # what the model wrote is text, never markdown (an image link would make the browser fetch it)
+                st.text(f"extracted: {r['extracted']!s}")
                 st.caption(
-                    f"extracted: {r['extracted']!s} · {r['generated_tokens']} tokens · {r['evictions']} evictions "
-                    f"({r['evicted_tokens']} tokens evicted)"
+                    f"{r['generated_tokens']} tokens · {r['evictions']} evictions ({r['evicted_tokens']} tokens evicted)"
                 )
                 if r["status"] != "ok":
                     st.code(str(r["error"]), language=None, wrap_lines=True)

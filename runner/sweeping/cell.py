@@ -76,13 +76,17 @@ class CellWorker:
         torch_threads: int | None = None,
         inject_failures: list[dict[str, Any]] | None = None,
         memory_limit_gb: float | None = None,
+        worker_memory_gb: float | None = None,
     ):
         import torch
 
+        from kvleague.engine.eager import set_worker_memory
         from kvleague.runner.provenance import collect_environment
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        if worker_memory_gb:  # the attention buffers are planned for the smaller of the two
+            set_worker_memory(min(worker_memory_gb, memory_limit_gb or worker_memory_gb))
         if memory_limit_gb:
             _cap_address_space(memory_limit_gb)
         self.inject_failures = list(inject_failures or [])

@@ -92,8 +92,10 @@ class SweepRunner:
         return self.scheduler.started_ray
 
     def run(self) -> SweepSummary:
+        from sqlalchemy.exc import SQLAlchemyError
+
         from kvleague.db import store
-        from kvleague.db.session import get_engine, retrying, upgrade
+        from kvleague.db.session import error_reason, get_engine, retrying, upgrade
         from kvleague.runner.provenance import collect_environment, resolved_git_state
 
         t0 = time.monotonic()
@@ -155,6 +157,9 @@ class SweepRunner:
         except KeyboardInterrupt:
             status = "interrupted"
             raise
+        except KvleagueError:  # said in one line: a database lost, full or read-only
+            status = "stopped"
+            raise
         finally:
             try:
                 retrying(
@@ -163,8 +168,8 @@ class SweepRunner:
                     f"marking sweep #{sweep_id} {status}",
                     min(30.0, self.config.resources.db_retry_seconds),
                 )
-            except KvleagueError as exc:  # the results are what matters; they are written (or said not to be)
-                print(f"warning: {exc}", file=sys.stderr, flush=True)
+            except (KvleagueError, SQLAlchemyError) as exc:  # the results matter; they are written (or said not to be)
+                print(f"warning: marking sweep #{sweep_id} {status}: {error_reason(exc)}", file=sys.stderr, flush=True)
             self.scheduler.shutdown()
         summary = SweepSummary(
             sweep_id=sweep_id,

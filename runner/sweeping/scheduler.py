@@ -174,7 +174,11 @@ class Scheduler:
         threads = self.res.torch_threads or max(1, int(self.cpus_per))
         # an address-space cap would break CUDA, which maps far more address space than memory
         cap = self.res.memory_limit_gb if not self.options.get("num_gpus") else None
-        return ray.remote(CellWorker).options(**self.options).remote(threads, self.inject_failures, cap)
+        return (
+            ray.remote(CellWorker)
+            .options(**self.options)
+            .remote(threads, self.inject_failures, cap, self.res.worker_memory_gb)
+        )
 
     def shutdown(self) -> None:
         import ray

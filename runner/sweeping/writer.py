@@ -23,6 +23,46 @@ def display(engine) -> str:
     return display_url(engine.url)
 
 
+def checked(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` validated against the schema (``db.validation``, as ``kvleague db import`` does); a row
+    that may not be stored (a NaN score, a float too large...) becomes a failed row of its cell saying
+    which field and why, so the sweep goes on and the cell can be re-run (``--retry-failed``)."""
+    from kvleague.db.models import STATUS_FAILED
+    from kvleague.db.validation import RowError, validate_row
+
+    try:
+        return validate_row("sample_results", row)
+    except RowError as exc:
+        reason = f"result not stored: {exc}"
+        print(f"cell {row.get('cell_key')}: {reason}; recorded as failed", file=sys.stderr, flush=True)
+        failed = {k: row[k] for k in IDENTITY if k in row}
+        try:
+            return validate_row("sample_results", {**failed, "status": STATUS_FAILED, "error": reason})
+        except RowError as again:
+            raise KvleagueError(f"cell {row.get('cell_key')}: cannot record it: {again}") from None
+
+
+#: what names a cell's row (kept when its result cannot be stored)
+IDENTITY = (
+    "cell_key",
+    "sweep_id",
+    "model_id",
+    "method_spec_id",
+    "task_id",
+    "protocol_id",
+    "generation_id",
+    "environment_id",
+    "budget",
+    "resolved_budget",
+    "sample_id",
+    "sample_index",
+    "seed",
+    "measure",
+    "worker",
+    "attempts",
+)
+
+
 class ResultWriter:
     """Buffers rows and writes them every ``batch_size`` rows or ``flush_seconds``."""
 
@@ -47,22 +87,35 @@ class ResultWriter:
         for row in rows:
             row = dict(row)
             env = row.pop("environment", None)
+            revision = row.pop("model_revision", None)
+            row = checked(row)
             if env is not None:
                 if env["spec_hash"] not in self.env_ids:
                     self.env_ids[env["spec_hash"]] = store.environment_id(engine, env)
                 row["environment_id"] = self.env_ids[env["spec_hash"]]
-            revision = row.pop("model_revision", None)
             if revision and row["model_id"] not in self.revisions_known:
                 store.set_model_revision(engine, row["model_id"], str(revision))
                 self.revisions_known.add(row["model_id"])
             out.append(row)
         store.write_results(engine, out, replace_failed=self.replace_failed)
 
+    def _stop_on_storage(self, exc: BaseException, reason: str | None) -> None:
+        """A disk that is full or a database that is read-only: waiting cures neither, so one line
+        (the rows written so far stay; a re-run resumes after the rest)."""
+        if reason is None:
+            return
+        lost = len(self.buffer)
+        self.buffer.clear()  # said here; the forced flush on the way out must not try again
+        raise KvleagueError(
+            f"database: {display(self.engine)}: {reason}; {lost} finished results not written: "
+            "make room (or make it writable), then run the same command again to resume"
+        ) from None
+
     def flush(self, force: bool = False) -> None:
         """Write the buffer when due (``force``: now, waiting up to what is left of ``db_retry_seconds``)."""
         from sqlalchemy.exc import SQLAlchemyError
 
-        from kvleague.db.session import error_reason, retrying, transient
+        from kvleague.db.session import error_reason, retrying, storage_fault, transient
 
         res, buffer = self.res, self.buffer
         now = time.monotonic()
@@ -80,10 +133,14 @@ class ResultWriter:
                 )
             except KvleagueError as exc:
                 raise KvleagueError(f"{exc}; run the same command again to resume") from None
+            except SQLAlchemyError as exc:
+                self._stop_on_storage(exc, storage_fault(exc))
+                raise
         else:
             try:
                 self._write(buffer)
             except SQLAlchemyError as exc:
+                self._stop_on_storage(exc, storage_fault(exc))
                 if not transient(exc):
                     raise
                 self.lost_since = now if self.lost_since is None else self.lost_since
