@@ -167,8 +167,9 @@ def setup_lines(rows: list[dict]) -> list[str]:
         )
         lines.append(
             f"sweep #{r['sweep_id']}: {r['rows']} rows on {machine} ({device}), backend {r['backend'] or 'hf'}, "
-            f"{r['attn_implementation'] or '?'} attention, {r['batch'] or 1} cells decoded together; "
-            f"{r['workers']} worker processes, configured {load}"
+            f"{r['attn_implementation'] or '?'} attention, "
+            + (f"{r['batch']} cells decoded together; " if (r["batch"] or 1) > 1 else "one cell at a time; ")
+            + f"{r['workers']} worker processes, configured {load}"
         )
     return lines
 
