@@ -565,8 +565,11 @@ def method_budgets(engine: Engine, filters: Filters, method_ids: Iterable[int]) 
 
 
 def cost_rows(engine: Engine, filters: Filters, by_domain: bool = False) -> list[dict[str, Any]]:
-    """Per (method spec, budget[, domain]): means of the timing and memory columns over ok rows."""
+    """Per (method spec, budget[, domain]): means of the timing and memory columns over ok rows, and the
+    moments their intervals need (tokens/s squared; the method and model seconds' sums of products)."""
     decode_total = R.c.decode_seconds_mean * R.c.generated_tokens
+    method_s = func.coalesce(R.c.method_seconds, 0)
+    model_s = func.coalesce(R.c.prefill_seconds, 0) + func.coalesce(decode_total, 0)
     q = (
         select(
             R.c.method_spec_id,
@@ -574,6 +577,11 @@ def cost_rows(engine: Engine, filters: Filters, by_domain: bool = False) -> list
             *([T.c.domain] if by_domain else []),
             func.count().label("samples"),
             func.avg(R.c.tokens_per_second).label("tokens_per_second"),
+            func.count(R.c.tokens_per_second).label("tokens_per_second_n"),
+            func.avg(R.c.tokens_per_second * R.c.tokens_per_second).label("tokens_per_second_sq"),
+            func.sum(method_s * method_s).label("method_seconds_sq_sum"),
+            func.sum(method_s * model_s).label("method_model_seconds_sum"),
+            func.sum(model_s * model_s).label("model_seconds_sq_sum"),
             func.avg(R.c.decode_seconds_mean).label("seconds_per_token"),
             func.avg(R.c.decode_seconds_p95).label("seconds_per_token_p95"),
             func.avg(R.c.prefill_seconds).label("prefill_seconds"),
@@ -596,6 +604,36 @@ def cost_rows(engine: Engine, filters: Filters, by_domain: bool = False) -> list
     )
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def cost_setup(engine: Engine, filters: Filters) -> list[dict[str, Any]]:
+    """What the slice's timings were taken under: per sweep, backend, cells decoded together, attention
+    kernel and machine, the ok rows and distinct worker processes, with the sweep's resources."""
+    backend = R.c.details["backend"].as_string()
+    batch = R.c.details[("batch", "cells")].as_integer()
+    q = (
+        select(
+            R.c.sweep_id,
+            backend.label("backend"),
+            batch.label("batch"),
+            R.c.attn_implementation,
+            E.c.hostname,
+            E.c.platform,
+            E.c.gpu_name,
+            func.count().label("rows"),
+            func.count(distinct(R.c.worker)).label("workers"),
+        )
+        .select_from(R.join(T, T.c.id == R.c.task_id).outerjoin(E, E.c.id == R.c.environment_id))
+        .where(R.c.status == STATUS_OK, *filters.conditions())
+        .group_by(R.c.sweep_id, backend, batch, R.c.attn_implementation, E.c.hostname, E.c.platform, E.c.gpu_name)
+    )
+    with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(q)]
+        ids = sorted({r["sweep_id"] for r in rows})
+        configs = dict(conn.execute(select(S.c.id, S.c.config).where(S.c.id.in_(ids))).all()) if ids else {}
+    for r in rows:
+        r["resources"] = (configs.get(r["sweep_id"]) or {}).get("resources") or {}
+    return rows
 
 
 def benchmark_rows(engine: Engine) -> list[dict[str, Any]]:

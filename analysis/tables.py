@@ -658,6 +658,17 @@ def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.D
             else stats.accuracy(stats.unweighted([], 1))
         )
         model_s = float(r["model_seconds_sum"] or 0)
+        tps_lo, tps_hi = _mean_interval(
+            r["tokens_per_second"], r["tokens_per_second_sq"], int(r["tokens_per_second_n"])
+        )
+        over_lo, over_hi = _ratio_interval(
+            float(r["method_seconds_sum"] or 0),
+            model_s,
+            float(r["method_seconds_sq_sum"] or 0),
+            float(r["method_model_seconds_sum"] or 0),
+            float(r["model_seconds_sq_sum"] or 0),
+            int(r["samples"]),
+        )
         out.append(
             {
                 "method": methods.get(r["method_spec_id"], {}).get("label", f"#{r['method_spec_id']}"),
@@ -667,6 +678,8 @@ def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.D
                 "acc_lo": pct(a.lo),
                 "acc_hi": pct(a.hi),
                 "tokens/s": _f(r["tokens_per_second"]),
+                "tokens/s lo": tps_lo,
+                "tokens/s hi": tps_hi,
                 "ms/token": _f(r["seconds_per_token"], 1000),
                 "ms/token p95": _f(r["seconds_per_token_p95"], 1000),
                 "prefill s": _f(r["prefill_seconds"]),
@@ -679,6 +692,8 @@ def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.D
                 "method overhead %": 100 * float(r["method_seconds_sum"]) / model_s
                 if r["method_seconds_sum"] is not None and model_s > 0
                 else math.nan,
+                "overhead lo": over_lo,
+                "overhead hi": over_hi,
             }
         )
     df = pd.DataFrame(out)
@@ -691,6 +706,32 @@ def cost(engine, filters: q.Filters, dims: dict[str, Any] | None = None) -> pd.D
     it = iter(front)
     df["pareto"] = [next(it) if good else False for good in ok]
     return df
+
+
+def _t95(n: int) -> float:
+    from scipy import stats as scipy_stats
+
+    return float(scipy_stats.t.ppf(0.975, n - 1))
+
+
+def _mean_interval(mean: Any, mean_sq: Any, n: int) -> tuple[float, float]:
+    """95% t interval of a mean over n samples from the mean and the mean of squares (NaN below 2)."""
+    if mean is None or mean_sq is None or n < 2:
+        return math.nan, math.nan
+    mean, sd = float(mean), math.sqrt(max(0.0, float(mean_sq) - float(mean) ** 2) * n / (n - 1))
+    half = _t95(n) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def _ratio_interval(sm: float, st: float, smm: float, smt: float, stt: float, n: int) -> tuple[float, float]:
+    """95% interval, in %, of the ratio of sums sum(m) / sum(t) over n samples (the method overhead): the
+    ratio estimator's delta-method standard error, sqrt(sum((m - R t)^2) / (n (n - 1))) / mean(t)."""
+    if n < 2 or st <= 0:
+        return math.nan, math.nan
+    ratio = sm / st
+    se = math.sqrt(max(0.0, smm - 2 * ratio * smt + ratio**2 * stt) / (n * (n - 1))) / (st / n)
+    half = _t95(n) * se
+    return 100 * (ratio - half), 100 * (ratio + half)
 
 
 def _f(x: Any, scale: float = 1.0) -> float:

@@ -2,7 +2,7 @@
 ``executable_path``; no browser is ever downloaded). Used by the browser test and to make
 ``docs/leaderboard.png``:
 
-    python -m dashboard.browser --db sqlite:///kvleague.db --out docs/leaderboard.png [--page leaderboard]
+    python -m kvleague.dashboard.browser --db sqlite:///kvleague.db --out docs/leaderboard.png [--page leaderboard]
 
 Needs the ``playwright`` package (``pip install -e ".[test]"``) and Chromium (``bash scripts/chromium.sh``).
 A page is shot once the app has finished running and every chart has drawn; the charts' Vega-Lite
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvleague.engine.errors import OneLineParser
 
     p = OneLineParser(
-        prog="python -m dashboard.browser", description="Screenshot a dashboard page in headless Chromium."
+        prog="python -m kvleague.dashboard.browser", description="Screenshot a dashboard page in headless Chromium."
     )
     p.add_argument("--db", default=None, help="database URL (default: as kvleague dashboard)")
     p.add_argument("--out", required=True)

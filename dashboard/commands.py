@@ -77,9 +77,28 @@ def _readable(url: str) -> None:
         engine.dispose()
 
 
+def check_port(port: int, host: str = HOST) -> None:
+    """A one-line error when ``host:port`` is taken: bound as Streamlit's server binds it (address reuse
+    on, so a closed connection's TIME_WAIT does not count), which fails only while something listens."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise KvleagueError(
+                f"--port: {host}:{port} is in use (another dashboard?); stop it or choose another, e.g. --port {port + 1}"
+            ) from None
+
+
 def cmd_dashboard(args) -> int:
     if not 1 <= args.port <= 65535:
         raise KvleagueError(f"--port: must be 1-65535, got {args.port}")
+    check_port(args.port)
     url = resolve_db(args.db)
     try:
         import streamlit  # noqa: F401

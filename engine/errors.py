@@ -15,7 +15,7 @@ def first_line(exc: BaseException) -> str:
 
 class OneLineParser(argparse.ArgumentParser):
     """Bad arguments are a KvleagueError (one line, exit code 2), not argparse's usage over several lines.
-    Here, on the ground floor, so that every command line (``kvleague``, ``python -m dashboard.browser``)
+    Here, on the ground floor, so that every command line (``kvleague``, ``python -m kvleague.dashboard.browser``)
     shares it whatever layer it sits in."""
 
     def error(self, message: str) -> None:

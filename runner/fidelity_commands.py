@@ -69,15 +69,17 @@ def run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{args.task}] {message}", file=sys.stderr, flush=True)
 
-    loading = time.perf_counter()
-    progress(f"loading {args.model} and up to {args.limit} samples")
-    engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
-    samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
     # full is the same at every budget
     runs = [(name, b) for name, m in methods.items() for b in (args.budget[:1] if m.never_evicts else args.budget)]
+    budgets = len(dict.fromkeys(args.budget))
     progress(
-        f"{len(samples)} samples x {len(runs)} runs (methods x budgets), loaded in {time.perf_counter() - loading:.0f}s"
+        f"up to {args.limit} samples x {len(methods)} methods x {budgets} budgets ({len(runs)} runs per sample, "
+        f"a method that never evicts once); loading {args.model}; the time per sample, measured on the first, follows it"
     )
+    loading = time.perf_counter()
+    engine = load_engine(args.model, attn_implementation=args.attn_implementation, dtype=args.dtype)
+    samples = load_samples(task, engine.tokenizer, args.limit, args.sample_seed, args.data_dir)
+    progress(f"{len(samples)} samples, loaded in {time.perf_counter() - loading:.0f}s")
     rows: list[dict] = []
     start = time.perf_counter()
 
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
         progress(f"{si + 1}/{len(samples)} samples, {time.perf_counter() - start:.0f}s")
+        if si == 0 and len(samples) > 1:
+            progress(estimate(time.perf_counter() - start, len(samples)))
         if args.json and args.json != "-":  # after every sample, so a long run interrupted keeps what it measured
             write_report(args.json, report())
     for s in summarize(rows):
@@ -135,6 +139,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(report(), indent=1, default=str))
     return 0
+
+
+def estimate(first: float, n: int) -> str:
+    """The whole run's time from its first sample's (samples differ in length: a rough figure)."""
+    finish = time.strftime("%H:%M", time.localtime(time.time() + first * (n - 1)))
+    return (
+        f"estimate: {first:.1f}s per sample (the first) x {n} samples = about {first * n:.0f}s "
+        f"({first * n / 60:.1f} min), done around {finish}"
+    )
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from kvleague.engine.errors import KvleagueError
+from kvleague.runner.budget_reach import never_binds
 from kvleague.runner.cli_args import add_protocol_arguments, parse_assignment, protocol_from_args
 
 
@@ -137,6 +138,9 @@ def cmd_generate(args) -> int:
     if warning:
         _progress(warning)
     protocol, budget = protocol.for_prompt(args.budget, len(prompt))  # --budget-base prompt: room on top of it
+    unbound = never_binds(budget, len(prompt), args.max_new_tokens, engine.backend.max_positions, protocol.positions)
+    if unbound:
+        _progress(f"warning: {unbound}")
     start = time.perf_counter()
     with engine.session(method, budget, protocol, args.seed) as session:
         if not args.json:
@@ -151,7 +155,7 @@ def cmd_generate(args) -> int:
         session.decode(settings, on_token=stream)
         result = session.result()
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "budget_never_binds": unbound}))
         return 0
     assert stream is not None  # not --json
     stream.finish(result.completion)

@@ -3,13 +3,13 @@
 lm-eval (0.4.x) has no plugin discovery for models, so the model is registered when this module is
 imported. Three ways to use it:
 
-* the command line, with exactly the ``lm_eval`` arguments::
+* the command line, with exactly the ``lm_eval`` arguments (``runner/lm_eval_cli.py``)::
 
-      python -m runner.lm_eval_model run --model kvleague \\
+      kvleague-lm-eval run --model kvleague \\
           --model_args pretrained=DIR,method=streaming_llm,budget=1024,method.n_sink=4 --tasks gsm8k
 
-* Python: ``import runner.lm_eval_model`` then ``lm_eval.simple_evaluate(model="kvleague", ...)``;
-* any script that imports ``runner.lm_eval_model`` before calling lm-eval's CLI.
+* Python: ``import kvleague.runner.lm_eval_model`` then ``lm_eval.simple_evaluate(model="kvleague", ...)``;
+* any script that imports ``kvleague.runner.lm_eval_model`` before calling lm-eval's CLI.
 
 ``--model_args`` keys: ``pretrained`` (a known name such as ``smollm2-135m``, a ``.gguf`` file, a
 checkpoint dir or a Hub id; see ``runner/models/source.py``), ``method`` (a kvleague method,
@@ -32,7 +32,6 @@ log-likelihood pass over a given continuation never evicts anything worth measur
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: its lazy import skips a non-empty registry)
@@ -54,8 +53,9 @@ _NOT_SUPPORTED = (
 
 
 def _device(device: str | None) -> str:
-    """lm-eval's CLI passes ``cuda:0`` by default; like its own HF model, fall back to the CPU when
-    CUDA is not there."""
+    """kvleague's ``auto`` unless a device is named (``kvleague-lm-eval`` passes ``auto`` where lm-eval's
+    default would be ``cuda:0``); a named CUDA device without CUDA falls back to the CPU, as lm-eval's own
+    HF model does, with a warning: it was asked for."""
     if not device:
         return "auto"
     if str(device).startswith("cuda"):
@@ -275,20 +275,4 @@ def _batch_size(value: Any) -> int | None:
         raise KvleagueError(f"batch_size: got {value!r}; allowed: auto, auto:K or a positive integer") from None
 
 
-if __name__ != "__main__":  # as a script, the canonical module imported below registers it
-    register_model(MODEL_NAME)(KvleagueLM)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m runner.lm_eval_model ARGS`` is ``lm_eval ARGS`` with the ``kvleague`` model registered."""
-    from lm_eval.__main__ import cli_evaluate
-
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    from kvleague.runner.lm_eval_model import main as _main
-
-    _main()
+register_model(MODEL_NAME)(KvleagueLM)

@@ -35,7 +35,7 @@ import sys
 
 from kvleague.engine.errors import KvleagueError
 from kvleague.runner.cli_args import OneLineParser
-from kvleague.runner.sweep_config import clip, load_config
+from kvleague.runner.sweep_config import MethodConfig, SweepConfig, clip, load_config
 
 # the sweep's public names, importable from here as before the split
 from kvleague.runner.sweeping import CellWorker, SweepRunner, SweepSummary, expand, load_tokenizer, print_summary  # noqa: F401
@@ -52,10 +52,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else a local Ray on 127.0.0.1)")
     p.add_argument("--workers", type=int, default=None, help="number of actors (overrides resources.workers)")
     p.add_argument("--limit", type=int, default=None, help="cap every task's sample limit (quick runs)")
+    p.add_argument(
+        "--methods",
+        action="extend",
+        default=[],
+        type=lambda text: [name for name in text.split(",") if name],
+        metavar="NAME[,NAME]",
+        help="run only these methods' cells under the config's models, tasks, protocol and generation settings "
+        "(a name the config lacks runs at its defaults; the config's full cache stays, done cells are skipped)",
+    )
     p.add_argument("--retry-failed", action="store_true", help="run cells stored as failed again")
     p.add_argument("--dry-run", action="store_true", help="validate and count cells; run nothing, write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar; a heartbeat line every 60 s instead")
     p.add_argument("--inject-failure", action="append", default=[], metavar="JSON", help=argparse.SUPPRESS)
+
+
+def only_methods(config: SweepConfig, names: list[str]) -> SweepConfig:
+    """``config`` with only ``names`` as its methods (issue 50: a new method beside a finished sweep): a
+    name's entry as the config has it (its params and grid), else the method at its defaults; the
+    config's ``full`` stays, the reference every comparison pairs with, so the new cells have their
+    partner; cells already in the database are skipped, as on any re-run."""
+    entries = {m.name: m for m in config.methods}
+    names = list(dict.fromkeys(["full", *names] if "full" in entries else names))
+    return config.model_copy(update={"methods": [entries.get(n) or MethodConfig(name=n) for n in names]})
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -67,6 +86,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise KvleagueError(f"--limit: must be >= 1, got {args.limit}")
     config = load_config(args.config)
+    if args.methods:
+        config = only_methods(config, args.methods)
     if args.limit is not None:
         for t in config.tasks:
             t.limit = min(t.limit, args.limit) if t.limit else args.limit

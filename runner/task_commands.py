@@ -37,6 +37,8 @@ def register(subparsers: Any) -> None:
 
 
 def _source_text(src: dict[str, Any]) -> str:
+    if not src.get("hub_id") and not src.get("local_path"):  # a generated task (kv_agent): its source says how
+        return src.get("url") or "no data source"
     hub = f"{src['hub_id']}@{src['revision']}" if src.get("hub_id") else "not on the Hub"
     return f"{hub}; local: {src.get('local_path')}"
 

@@ -122,6 +122,27 @@ def test_cmd_dashboard_keeps_the_password_out_of_argv(monkeypatch):
     assert seen["env"]["KVLEAGUE_DB"] == url
 
 
+def test_a_port_in_use_is_one_line_before_anything_else(small_db, monkeypatch, capsys):
+    """A port something listens on (a socket here, as a running dashboard's would be): the command says
+    so and suggests --port, before printing its address or starting Streamlit (issue 50)."""
+    import socket
+
+    from kvleague.cli import main
+
+    monkeypatch.setattr(commands.subprocess, "Popen", lambda *a, **k: pytest.fail("Streamlit started"))
+    with socket.socket() as taken:
+        taken.bind((commands.HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["dashboard", "--db", small_db, "--port", str(port)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"kvleague: error: --port: {commands.HOST}:{port} is in use (another dashboard?); stop it or choose "
+        f"another, e.g. --port {port + 1}\n"
+    )
+    commands.check_port(port)  # closed: free again
+
+
 def test_cmd_dashboard_errors(tmp_path, monkeypatch):
     with pytest.raises(KvleagueError, match="--port"):
         commands.cmd_dashboard(_parser().parse_args(["dashboard", "--port", "70000"]))

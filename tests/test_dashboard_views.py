@@ -356,3 +356,96 @@ def test_fidelity_tables_show_p_values_to_two_significant_digits(replication_db,
         assert_readable(values, text, ("p (Wilcoxon)", "p (Holm)"), {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4})
         seen += 1
     assert seen >= 4
+
+
+def test_cost_intervals_equal_a_recomputation_from_the_rows(replication_db):
+    """The Cost page's error bars (issue 50): tokens/s, a 95% t interval of the mean over samples; method
+    overhead, the ratio of sums with the ratio estimator's standard error; both recomputed from the rows."""
+    import numpy as np
+    from scipy import stats as scipy_stats
+
+    from kvleague.analysis import queries as q
+    from kvleague.analysis import tables
+
+    engine = get_engine(f"sqlite:///{replication_db}")
+    df = tables.cost(engine, q.Filters()).set_index(["method", "budget"])
+    raw = pd.DataFrame(
+        sql(
+            replication_db,
+            "SELECT m.name, r.budget, r.tokens_per_second, COALESCE(r.method_seconds, 0), "
+            "COALESCE(r.prefill_seconds, 0) + COALESCE(r.decode_seconds_mean * r.generated_tokens, 0) "
+            "FROM sample_results r JOIN method_specs m ON m.id = r.method_spec_id "
+            "WHERE r.status = 'ok' AND r.measure = 'generation'",
+        ),
+        columns=["method", "budget", "tps", "m", "t"],
+    )
+    checked = 0
+    for (method, budget), g in raw.groupby(["method", "budget"]):
+        if (method, budget) not in df.index or len(g) < 2:
+            continue
+        row = df.loc[(method, budget)]
+        t = scipy_stats.t.ppf(0.975, len(g) - 1)
+        half = t * g["tps"].std(ddof=1) / np.sqrt(len(g))
+        assert row["tokens/s lo"] == pytest.approx(g["tps"].mean() - half, rel=1e-6, abs=1e-9)
+        assert row["tokens/s hi"] == pytest.approx(g["tps"].mean() + half, rel=1e-6, abs=1e-9)
+        ratio = g["m"].sum() / g["t"].sum()
+        se = np.sqrt(((g["m"] - ratio * g["t"]) ** 2).sum() / (len(g) * (len(g) - 1))) / g["t"].mean()
+        assert row["overhead lo"] == pytest.approx(100 * (ratio - t * se), rel=1e-6, abs=1e-9)
+        assert row["overhead lo"] <= row["method overhead %"] <= row["overhead hi"]
+        checked += 1
+    assert checked >= 10
+
+
+def test_cost_page_fits_its_tables_draws_error_bars_and_says_the_set_up(replication_db, monkeypatch):
+    at = open_page(replication_db, "Cost", monkeypatch)
+    from kvleague.analysis import queries as q
+    from kvleague.analysis import tables
+
+    cost_tables = [d.value for d in at.dataframe if "budget" in d.value.columns]
+    assert len(cost_tables) == 3 and all(len(t.columns) <= 10 for t in cost_tables)
+    every = tables.cost(get_engine(f"sqlite:///{replication_db}"), q.Filters()).columns
+    assert {c for t in cost_tables for c in t.columns} == set(every) - {"pareto"}  # every column, in some table
+    specs = [json.dumps(spec) for spec, _ in charts(at)]
+    assert sum('"errorbar"' in s for s in specs) >= 2
+    setup = [t.value for t in at.text]
+    assert setup and all(
+        line.startswith("sweep #") and "backend" in line and "workers x" in line for line in setup[0].splitlines()
+    )
+
+
+def test_every_method_has_its_own_colour_and_marker():
+    """One mapping for every chart: the first seven colours (the demo's seven methods) of seven hue
+    families, their CIELAB hue angles at least 25 degrees apart (tableau20's pairs, e.g. its two blues,
+    are under 10), eight markers, so the demo's methods differ in both, and forty methods before a
+    (colour, marker) pair repeats."""
+    import itertools
+    import math
+
+    from kvleague.dashboard.views.common import METHOD_COLOURS, method_colour, method_shape, method_styles
+
+    def hue(hex_colour: str) -> float:  # sRGB (D65) -> CIELAB -> hue angle
+        lin = [
+            (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4)
+            for c in (int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
+        ]
+        xyz = [
+            sum(w * c for w, c in zip(row, lin))
+            for row in ((0.4124, 0.3576, 0.1805), (0.2126, 0.7152, 0.0722), (0.0193, 0.1192, 0.9505))
+        ]
+        f = [
+            t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in (xyz[0] / 0.95047, xyz[1], xyz[2] / 1.08883)
+        ]
+        return math.degrees(math.atan2(200 * (f[1] - f[2]), 500 * (f[0] - f[1]))) % 360
+
+    def closest(colours) -> float:
+        return min(min(abs(hue(x) - hue(y)), 360 - abs(hue(x) - hue(y))) for x, y in itertools.combinations(colours, 2))
+
+    assert closest(METHOD_COLOURS[:7]) >= 25
+    assert closest(["#1f77b4", "#aec7e8"]) < 10 and closest(["#2ca02c", "#98df8a"]) < 10  # tableau20's pairs
+    demo = ["full", "streaming_llm", "knorm", "h2o", "snapkv", "tova", "epikv"]
+    styles = method_styles(demo)
+    assert len({c for c, _ in styles.values()}) == len({s for _, s in styles.values()}) == 7
+    assert len(set(method_styles([f"m{i}" for i in range(40)]).values())) == 40
+    colour, shape = method_colour(demo).to_dict(), method_shape(demo).to_dict()
+    assert dict(zip(colour["scale"]["domain"], colour["scale"]["range"])) == {m: c for m, (c, _) in styles.items()}
+    assert dict(zip(shape["scale"]["domain"], shape["scale"]["range"])) == {m: s for m, (_, s) in styles.items()}

@@ -1,6 +1,8 @@
 """Teacher-forced fidelity: full cache is exact, the per-token KL equals a naive re-computation on
 exactly the kept positions, and the segments walk the same tokens as the full-cache pass."""
 
+import re
+
 import pytest
 import torch
 
@@ -187,8 +189,13 @@ def test_fidelity_cli_shares_one_reference_and_reports_per_sample(tiny_models, c
         "-",
     ]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     report = __import__("json").loads(out[out.index("{") :])
+    # what a long run will cost, first: the plan, then the first sample's time times the samples
+    lines = err.splitlines()
+    assert lines[0].startswith("[gsm8k] up to 2 samples x 2 methods x 2 budgets (3 runs per sample")
+    per, total = re.search(r"estimate: ([\d.]+)s per sample \(the first\) x 2 samples = about (\d+)s", err).groups()
+    assert abs(float(per) * 2 - int(total)) <= 1
     rows = report["samples"]
     assert len(rows) == 2 * (1 + 2)  # full once per sample, streaming_llm at both budgets
     assert all(r["tokens"] == 12 for r in rows)

@@ -10,6 +10,8 @@ the right documents correct.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -177,7 +179,7 @@ def test_kvleague_lm_rejects_loglikelihood_and_bad_args(engines):
 
 
 def test_console_script_and_lm_eval_registration_point_at_the_model():
-    """pyproject's ``kvleague-lm-eval`` resolves to the adapter's ``main``, and importing the adapter
+    """pyproject's ``kvleague-lm-eval`` resolves to the command line's ``main``, and importing the adapter
     registers ``kvleague`` with lm-eval (the name users pass as ``--model``)."""
     import importlib
 
@@ -186,8 +188,8 @@ def test_console_script_and_lm_eval_registration_point_at_the_model():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, attr = scripts["kvleague-lm-eval"].partition(":")
-    adapter = importlib.import_module(module)
-    assert callable(getattr(adapter, attr)) and module == "kvleague.runner.lm_eval_model"
+    assert callable(getattr(importlib.import_module(module), attr)) and module == "kvleague.runner.lm_eval_cli"
+    adapter = importlib.import_module("kvleague.runner.lm_eval_model")
     assert get_model("kvleague") is adapter.KvleagueLM
 
 
@@ -195,7 +197,7 @@ def test_console_script_and_lm_eval_registration_point_at_the_model():
 def test_lm_eval_cli_with_kvleague_model(tiny_models, local_task, tmp_path):
     root, _ = local_task
     cmd = [
-        sys.executable, "-m", "kvleague.runner.lm_eval_model", "run", "--model", "kvleague",
+        sys.executable, "-m", "kvleague.runner.lm_eval_cli", "run", "--model", "kvleague",
         "--model_args", f"pretrained={tiny_models['llama']},method={METHOD},budget={BUDGET},method.n_sink={PARAMS['n_sink']}",
         "--tasks", "kvl_echo", "--include_path", str(root), "--output_path", str(tmp_path / "out"),
     ]  # fmt: skip
@@ -212,3 +214,46 @@ def _env() -> dict:
     import os
 
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_cli_defaults_to_kvleagues_device_without_a_cuda_warning(caplog):
+    """lm-eval's default device is cuda:0; kvleague-lm-eval passes auto unless one is named, and auto
+    is no warning (a named CUDA device without CUDA still says it fell back)."""
+    from kvleague.runner.lm_eval_cli import with_device
+    from kvleague.runner.lm_eval_model import _device
+
+    run = ["run", "--model", "kvleague", "--tasks", "gsm8k"]
+    assert with_device(run)[-2:] == ["--device", "auto"]
+    assert with_device([*run, "--device=cpu"]) == [*run, "--device=cpu"] and with_device(["ls"]) == ["ls"]
+    with caplog.at_level("WARNING"):
+        assert _device("auto") == "auto" and not caplog.records
+        if not __import__("torch").cuda.is_available():
+            assert _device("cuda:0") == "cpu" and "CUDA is not available" in caplog.text
+
+
+def test_cli_without_the_hub_goes_offline_and_says_how_to_use_a_local_copy(monkeypatch, tmp_path, capsys):
+    """A Hub that cannot be reached (a closed port here) makes the run offline before lm-eval starts,
+    so datasets fails at once; its error (datasets' own, raised by a real load) is one line, exit 2."""
+    import datasets
+    import lm_eval.__main__
+
+    from kvleague.runner import lm_eval_cli
+
+    with pytest.raises(ConnectionError) as real:  # conftest runs the suite offline
+        datasets.load_dataset("openai/gsm8k", "main", cache_dir=str(tmp_path))
+    seen = {}
+
+    def cli_evaluate():
+        seen.update(argv=list(sys.argv), offline=[os.environ.get(k) for k in lm_eval_cli.OFFLINE])
+        raise real.value
+
+    for name in lm_eval_cli.OFFLINE:
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", cli_evaluate)
+        assert lm_eval_cli.main(["run", "--model", "kvleague", "--tasks", "gsm8k"]) == 2
+    assert seen["offline"] == ["1", "1"] and seen["argv"][-2:] == ["--device", "auto"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "openai/gsm8k" in err and "HF_DATASETS_OFFLINE=1" in err

@@ -118,7 +118,7 @@ def test_a_corrupt_gguf_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, ca
         resolve_model(str(bad))
     message = str(err.value)
     assert str(bad) in message and "\n" not in message
-    assert not [p for p in cache.iterdir() if p.is_dir()] if cache.exists() else True
+    assert not list(cache.iterdir()) if cache.exists() else True  # no directory, no .lock file (issue 50)
 
     # through the CLI (in process: tests/test_cli.py checks the console script's exit code itself)
     assert main(["generate", "--model", str(bad), "--method", "full", "--budget", "64", "--prompt", "x"]) == 2
@@ -153,8 +153,32 @@ def test_an_interrupted_conversion_is_never_accepted(tmp_path, monkeypatch):
     monkeypatch.setattr(model_source, "_convert_into", completes)
     dest = model_source.convert_gguf(_gguf_path(), "smol")
     assert len(calls) == 1 and calls[0].name.startswith(".smol.partial-") and (dest / MARKER).is_file()
-    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["smol"]
+    assert sorted(p.name for p in cache.iterdir()) == ["smol"]  # and no .lock file
     assert model_source.convert_gguf(_gguf_path(), "smol") == dest and len(calls) == 1  # cached
+
+
+def test_the_conversion_lock_excludes_and_leaves_no_file(tmp_path):
+    """Holders never overlap though each removes the lock file on leaving (a waiter that wakes on a
+    removed file locks anew), and none is left when all are done."""
+    import threading
+    import time
+
+    path, inside, most = tmp_path / ".m.lock", [0], [0]
+
+    def worker():
+        for _ in range(15):
+            with model_source._locked(path):
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                time.sleep(0.001)
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1 and not path.exists()
 
 
 @pytest.mark.parametrize(

@@ -654,3 +654,33 @@ def test_cli_trace_setting_stores_rows_tagged_with_it_over_the_self_traces(tiny,
     assert set(df["occluded"]) == {"context", "trace"}  # the latest run of each setting, not of each task
     comparison = setting_comparison(df)
     assert set(comparison["signal"]) >= {"h2o_mean", "key_norm_mean", "position"}
+
+
+def test_summary_says_too_few_samples_instead_of_nan_and_keys_its_columns(capsys):
+    """Two samples or one (``signals --limit 2``): a constant signal has no rho, one sample no interval,
+    and two give intervals from few distinct resamples; the summary says so in words, with no NaN, no
+    scipy warning, and a key for its columns (issue 50)."""
+    import dataclasses
+    import warnings
+
+    import numpy as np
+
+    from kvleague.runner.signals.commands import _print_summary
+    from kvleague.runner.signals.correlation import SampleBootstrap
+
+    rng = np.random.default_rng(0)
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what scipy says of degenerate resamples stays out of the output
+        for n, signal in ((2, "noisy"), (2, "constant"), (1, "noisy")):
+            labels = [rng.normal(size=6) for _ in range(n)]
+            values = [x + rng.normal(size=6) if signal == "noisy" else np.ones(6) for x in labels]
+            c = SampleBootstrap(labels, 200, 0).correlate(values)
+            rows.append({"label": f"{signal}-{n}", "signal": "position", **dataclasses.asdict(c)})
+    _print_summary(rows)
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower()
+    lines = out.splitlines()
+    assert "too few samples" in lines[1] and "no interval: too few samples" in lines[2]
+    assert "[" in lines[0] and "too few" not in lines[0]
+    assert lines[3].startswith("key: rho:") and lines[4].startswith("note: n=1 samples")

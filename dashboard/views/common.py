@@ -171,27 +171,60 @@ def coinciding_note(ctx, filters: q.Filters) -> None:
     st.warning(f"Identical {what} on every sample here: {named}. Their lines and rows coincide: one hides the other.")
 
 
-def _method_scale(methods) -> alt.Scale:
-    return alt.Scale(domain=sorted(set(methods)), scheme="tableau20")
+#: Tableau 10: seven hue families first (the demo's seven methods; tableau20's pairs gave two methods
+#: a light and a dark blue), then pink, brown and grey, told from red, orange and teal by their markers
+METHOD_COLOURS = (
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+)  # fmt: skip
+#: markers, so that methods differ without colour too (and past ten methods, by the pair)
+METHOD_SHAPES = (
+    "circle",
+    "square",
+    "triangle-up",
+    "diamond",
+    "cross",
+    "triangle-down",
+    "triangle-left",
+    "triangle-right",
+)
+
+
+def method_styles(methods) -> dict[str, tuple[str, str]]:
+    """The one mapping every chart uses: method -> (colour, marker), by the method's place in the sorted
+    names on the page; colour i mod 10 and marker i mod 8, so 40 methods before a pair repeats."""
+    return {
+        m: (METHOD_COLOURS[i % len(METHOD_COLOURS)], METHOD_SHAPES[i % len(METHOD_SHAPES)])
+        for i, m in enumerate(sorted(set(methods)))
+    }
+
+
+def _legend() -> alt.Legend:
+    """Every method listed below the chart, in columns, full-strength (a layer of pale interval bands
+    that uses this same legend does not make them pale); colour and marker share it."""
+    return alt.Legend(
+        orient="bottom", columns=LEGEND_COLUMNS, symbolLimit=0, symbolOpacity=1, symbolStrokeWidth=2, labelLimit=0
+    )
 
 
 def method_colour(methods, title: str = "method") -> alt.Color:
-    """Every method its own colour (20 before any repeats) and a legend that lists every one of them
-    below the chart, in columns, with full-strength swatches (a layer of pale interval bands that uses
-    this same legend does not make them pale)."""
+    """Each method's colour of :func:`method_styles`, with the legend below the chart."""
+    styles = method_styles(methods)
     return alt.Color(
         "method:N",
         title=title,
-        scale=_method_scale(methods),
-        legend=alt.Legend(
-            orient="bottom",
-            columns=LEGEND_COLUMNS,
-            symbolLimit=0,
-            symbolOpacity=1,
-            symbolType="stroke",
-            symbolStrokeWidth=3,
-            labelLimit=0,
-        ),
+        scale=alt.Scale(domain=list(styles), range=[c for c, _ in styles.values()]),
+        legend=_legend(),
+    )
+
+
+def method_shape(methods, title: str = "method") -> alt.Shape:
+    """Each method's marker of :func:`method_styles`; with :func:`method_colour` one legend shows both."""
+    styles = method_styles(methods)
+    return alt.Shape(
+        "method:N",
+        title=title,
+        scale=alt.Scale(domain=list(styles), range=[s for _, s in styles.values()]),
+        legend=_legend(),
     )
 
 

@@ -9,8 +9,29 @@ import streamlit as st
 
 from kvleague.analysis import queries as q
 from kvleague.analysis import tables
-from kvleague.dashboard.views.common import PCT, empty, height_with_legend, method_colour, pick_slice
+from kvleague.dashboard.views.common import (
+    PCT,
+    empty,
+    height_with_legend,
+    method_colour,
+    method_shape,
+    pick_slice,
+)
 
+#: the tables the page shows, each beside method and budget (the CSV has every column)
+TABLES = {
+    "speed": ["samples", "tokens/s", "tokens/s lo", "tokens/s hi", "ms/token", "ms/token p95", "prefill s"],
+    "memory": [
+        "peak KV MiB",
+        "peak KV MiB (max)",
+        "peak memory MiB (max)",
+        "peak cache entries",
+        "accuracy",
+        "acc_lo",
+        "acc_hi",
+    ],
+    "overhead": ["method ms/sample", "selection ms/sample", "method overhead %", "overhead lo", "overhead hi"],
+}
 #: below this spread of the mean peak KV memory (largest over smallest point) a memory axis shows nothing
 MIN_MEMORY_SPREAD = 1.25
 
@@ -32,15 +53,26 @@ def sweep_costs(ctx) -> None:
         empty()
         return
     df = df.assign(**{c: chosen[c] for c in q.SLICE_COLUMNS})
+    setup(ctx, filters)
     st.caption(
-        "Means over ok samples per method and budget. ms/token: mean decode step; method overhead: time in the "
-        "eviction method as a share of prefill + decode time; peak KV: bytes of keys and values held at the peak. "
-        "accuracy: on the method's own problems at that budget (not a common set: this page compares cost, not "
-        "accuracy), failed samples counted as wrong, questions as the unit, 95% Wilson score interval."
+        "Means over ok samples per method and budget, with 95% t intervals over samples (tokens/s) and of the "
+        "ratio of sums (method overhead: time in the eviction method as a share of prefill + decode time). "
+        "ms/token: mean decode step; peak KV: bytes of keys and values held at the peak. accuracy: on the "
+        "method's own problems at that budget (not a common set: this page compares cost, not accuracy), failed "
+        "samples counted as wrong, questions as the unit, 95% Wilson score interval."
     )
     num = {c: st.column_config.NumberColumn(format="%.2f") for c in df.columns if df[c].dtype.kind == "f"}
     num.update({"accuracy": PCT, "acc_lo": PCT, "acc_hi": PCT})
-    st.dataframe(df, hide_index=True, placeholder="—", column_config=num, key="cost_table")
+    # three tables of at most ten columns, each fits the page's width (one of eighteen was cut at the right)
+    for name, columns in TABLES.items():
+        st.dataframe(
+            df[["method", "budget", *columns]],
+            hide_index=True,
+            placeholder="—",
+            column_config=num,
+            key=f"cost_{name}",
+            width="stretch",
+        )
     st.download_button(
         "Download CSV", df.to_csv(index=False).encode(), file_name="kvleague-cost.csv", mime="text/csv", key="cost_csv"
     )
@@ -48,36 +80,41 @@ def sweep_costs(ctx) -> None:
     x = alt.X(
         "budget:Q", scale=alt.Scale(type="log", base=2), axis=alt.Axis(values=budgets, format="~s"), title="budget"
     )
-    colour = method_colour(df["method"])
+    colour, shape = method_colour(df["method"]), method_shape(df["method"])
     height = height_with_legend(280, df["method"])
     detail = [alt.Detail(f"{c}:N") for c in q.SLICE_COLUMNS]
+
+    def with_error_bars(y: str, lo: str, hi: str, title: str, tooltip: list[str]) -> alt.LayerChart:
+        base = alt.Chart(df).encode(x=x, color=colour, detail=detail)
+        line = base.mark_line(point=alt.OverlayMarkDef(filled=True, size=60)).encode(
+            y=alt.Y(f"{y}:Q"),
+            shape=shape,
+            tooltip=[*tooltip, alt.Tooltip(f"{lo}:Q", format=".2f"), alt.Tooltip(f"{hi}:Q", format=".2f")],
+        )
+        bars = base.mark_errorbar(ticks=True).encode(y=alt.Y(f"{lo}:Q", title=y), y2=f"{hi}:Q")
+        return (bars + line).properties(title=title, height=height)
+
     c1, c2 = st.columns(2)
     with c1:
         st.altair_chart(
-            alt.Chart(df)
-            .mark_line(point=True)
-            .encode(
-                x=x,
-                y=alt.Y("tokens/s:Q"),
-                color=colour,
-                detail=detail,
-                tooltip=["method", "budget", "tokens/s", "ms/token"],
-            )
-            .properties(title="decoding throughput", height=height),
+            with_error_bars(
+                "tokens/s",
+                "tokens/s lo",
+                "tokens/s hi",
+                "decoding throughput",
+                ["method", "budget", "tokens/s", "ms/token"],
+            ),
             width="stretch",
         )
     with c2:
         st.altair_chart(
-            alt.Chart(df)
-            .mark_line(point=True)
-            .encode(
-                x=x,
-                y=alt.Y("method overhead %:Q"),
-                color=colour,
-                detail=detail,
-                tooltip=["method", "budget", "method overhead %", "method ms/sample"],
-            )
-            .properties(title="method overhead (% of model time)", height=height),
+            with_error_bars(
+                "method overhead %",
+                "overhead lo",
+                "overhead hi",
+                "method overhead (% of model time)",
+                ["method", "budget", "method overhead %", "method ms/sample"],
+            ),
             width="stretch",
         )
     st.subheader("Accuracy vs peak KV memory")
@@ -96,7 +133,8 @@ def sweep_costs(ctx) -> None:
             x=alt.X("peak KV MiB:Q", scale=alt.Scale(type="log"), title="mean peak KV cache (MiB, log)"),
             y=alt.Y("accuracy:Q", title="accuracy %"),
             color=colour,
-            shape=alt.Shape("pareto:N", title="Pareto front"),
+            shape=shape,
+            opacity=alt.condition("datum.pareto", alt.value(1.0), alt.value(0.35)),
             tooltip=[
                 "method",
                 "budget",
@@ -112,6 +150,35 @@ def sweep_costs(ctx) -> None:
         .encode(x="peak KV MiB:Q", y="accuracy:Q")
     )
     st.altair_chart((front + points).properties(height=height_with_legend(380, df["method"])), width="stretch")
+
+
+def setup_lines(rows: list[dict]) -> list[str]:
+    """One line per set-up the slice's timings were taken under (the rows of ``queries.cost_setup``):
+    the machine, backend, attention kernel, cells decoded together, and the sweep's workers and threads,
+    which set the load (workers share the machine's cores)."""
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["sweep_id"], str(r["backend"]), r["batch"] or 0)):
+        res = r["resources"]
+        machine = r["hostname"] or "an unrecorded machine"
+        device = f"GPU {r['gpu_name']}" if r["gpu_name"] and r["gpu_name"] != "none" else "CPU"
+        load = (
+            f"{res.get('workers') or 'auto'} workers x {res.get('cpus_per_worker', '?')} CPUs, "
+            f"{res.get('torch_threads', '?')} torch threads each"
+        )
+        lines.append(
+            f"sweep #{r['sweep_id']}: {r['rows']} rows on {machine} ({device}), backend {r['backend'] or 'hf'}, "
+            f"{r['attn_implementation'] or '?'} attention, "
+            + (f"{r['batch']} cells decoded together; " if (r["batch"] or 1) > 1 else "one cell at a time; ")
+            + f"{r['workers']} worker processes, configured {load}"
+        )
+    return lines
+
+
+def setup(ctx, filters) -> None:
+    lines = setup_lines(ctx.data(q.cost_setup, filters))
+    if lines:
+        st.caption("Timings taken under (they depend on all of it: compare points measured under one set-up)")
+        st.text("\n".join(lines))  # hostnames come from the database: plain text, never markdown
 
 
 def systems_benchmarks(ctx) -> None:

@@ -14,6 +14,7 @@ from kvleague.dashboard.views.common import (
     empty,
     height_with_legend,
     method_colour,
+    method_shape,
     pick_slice,
     pick_weighting,
 )
@@ -35,7 +36,9 @@ def _x(data) -> alt.X:
 def _base(data, methods) -> alt.Chart:
     """Lines grouped by method and by the slice columns: should two slices ever reach one chart, they
     draw two lines, never one that joins them."""
-    return alt.Chart(data).encode(x=_x(data), color=method_colour(methods), detail=SLICE_DETAIL)
+    return alt.Chart(data).encode(
+        x=_x(data), color=method_colour(methods), shape=method_shape(methods), detail=SLICE_DETAIL
+    )
 
 
 def _band(data, methods) -> alt.Chart:

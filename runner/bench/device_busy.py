@@ -21,7 +21,9 @@ step's start to the last one's end it reports
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +31,24 @@ from contextlib import contextmanager
 from kvleague.runner.bench.cli import add_backend
 
 MARK = "kvleague::decode_step"
+
+#: the printed table's columns: (field, header, format)
+COLUMNS = [
+    ("method", "method", ""),
+    ("batch_size", "batch", "d"),
+    ("device_busy", "device busy", ".3f"),
+    ("kernels_per_token", "kernels/token", ".1f"),
+    ("host_ops_per_step", "host ops/step", ".1f"),
+    ("step_ms", "ms/step", ".2f"),
+]
+#: one line per column of the printed table
+KEY = {
+    "batch": "sequences decoded together",
+    "device busy": "the share of the profiled steps' wall time some kernel or copy ran on the device (CUDA only)",
+    "kernels/token": "device kernels and copies per generated token (CUDA only)",
+    "host ops/step": "host-side operator calls per decode step",
+    "ms/step": "wall milliseconds per decode step, the profiler's overhead included",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +127,28 @@ def analyse(events, batch: int, warmup: int) -> dict:
     }
 
 
+@contextmanager
+def profiler_lines_dropped() -> Iterator[None]:
+    """torch's profiler (kineto, in C++) writes "USDT:" and "STAGE:" lines to file descriptor 2 at each
+    start and stop, whatever its log level; they say nothing about the run. What reaches fd 2 meanwhile
+    is held and written back without them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(("USDT:", "STAGE:")):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
 def measure(engine, method: str, batch: int, budget: int, prompt_tokens: int, steps: int, warmup: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -119,7 +161,7 @@ def measure(engine, method: str, batch: int, budget: int, prompt_tokens: int, st
     prompts = [h.random_prompt(prompt_tokens, seed=i) for i in range(batch)]
     settings = GenerationSettings(max_new_tokens=warmup + steps + 1)  # the first token comes from the prefill
     prof = profile(activities=activities)
-    with marked_steps(prof, warmup) as count:
+    with profiler_lines_dropped(), marked_steps(prof, warmup) as count:
         engine.generate_batch(
             prompts, [build_method(method) for _ in prompts], budget, Protocol(), settings, batch_size=batch
         )
@@ -198,14 +240,8 @@ def run_one(args) -> dict:
     print(
         h.table(
             rows,
-            [
-                ("method", "method", ""),
-                ("batch_size", "batch", "d"),
-                ("device_busy", "device busy", ".3f"),
-                ("kernels_per_token", "kernels/token", ".1f"),
-                ("host_ops_per_step", "host ops/step", ".1f"),
-                ("step_ms", "ms/step", ".2f"),
-            ],
+            COLUMNS,
+            KEY,
         )
     )
     return report

@@ -490,8 +490,9 @@ def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
 # -- tables ----------------------------------------------------------------------------------------
 
 
-def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
-    """Plain-text table; ``columns``: (key, header, format spec, e.g. ``".2f"``). Missing -> ``-``."""
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]], key: dict[str, str] | None = None) -> str:
+    """Plain-text table; ``columns``: (key, header, format spec, e.g. ``".2f"``). Missing -> ``-``.
+    ``key``: header -> what the column is, one line each under the table."""
 
     def cell(row, key, spec):
         value = row.get(key)
@@ -505,6 +506,7 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> st
     lines.append("-" * len(lines[0]))
     for b in body:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))))
+    lines += [f"  {header}: {text}" for header, text in (key or {}).items()]
     return "\n".join(lines)
 
 

@@ -29,6 +29,25 @@ from kvleague.runner.bench.cli import add_backend
 
 METHODS = {"streaming_llm": "StreamingLLMPress", "knorm": "KnormPress"}
 TARGET = 1.0
+#: the printed table's columns: (field, header, format)
+COLUMNS = [
+    ("method", "method", ""),
+    ("budget", "B", "d"),
+    ("engine_tokens_per_second", "engine", ".2f"),
+    ("kvpress_tokens_per_second", "kvpress", ".2f"),
+    ("ratio", "engine/kvpress", ".3f"),
+    ("same_tokens_prefix", "same tokens", "d"),
+    ("same_tokens_prefix_kvpress_as_is", "same tokens (kvpress as is)", "d"),
+]
+#: one line per column of the printed table
+KEY = {
+    "B": "the budget: KV entries kept per layer and head (the prompt has exactly B tokens)",
+    "engine, kvpress, engine/kvpress": "decode tokens per second, median over rounds, and their ratio",
+    "same tokens": "greedy tokens the engine and kvpress agree on before the first difference, of all generated "
+    "(kvpress with its kept entries sorted back into position order, as the engine keeps them)",
+    "same tokens (kvpress as is)": "the same against kvpress unchanged, whose topk order loses the sinks and recent "
+    "window (docs/methods.md)",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -180,15 +199,8 @@ def print_report(report: dict) -> None:
     print(
         h.table(
             report["rows"],
-            [
-                ("method", "method", ""),
-                ("budget", "B", "d"),
-                ("engine_tokens_per_second", "engine", ".2f"),
-                ("kvpress_tokens_per_second", "kvpress", ".2f"),
-                ("ratio", "engine/kvpress", ".3f"),
-                ("same_tokens_prefix", "same tokens", "d"),
-                ("same_tokens_prefix_kvpress_as_is", "same tokens (kvpress as is)", "d"),
-            ],
+            COLUMNS,
+            KEY,
         )
     )
     print(f"target: engine / kvpress >= {report['summary']['target']}")

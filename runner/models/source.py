@@ -171,12 +171,22 @@ def convert_gguf(gguf_file: Path, name: str) -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    with open(path, "a") as fh:
+    """An exclusive lock on ``path`` that leaves no file behind: the holder removes the file before it
+    unlocks, so a waiter that then gets the lock holds a removed (or replaced) file and locks anew."""
+    while True:
+        fh = open(path, "a")
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        fh.close()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        fh.close()  # closing unlocks
 
 
 def _convert_into(gguf_file: Path, out: Path) -> None:

@@ -246,17 +246,42 @@ def _missing(n: int):
     return np.full(n, np.nan)
 
 
+#: the key under the summary: what each column is
+SUMMARY_KEY = (
+    "rho: Spearman's rho of the signal against the label, pooled over every token of every sample; "
+    "[lo, hi]: its 95% bootstrap interval over samples; 'position fixed': the partial rho with the token's "
+    "place in the span held fixed; n: samples; pairs: tokens"
+)
+#: below this many samples a bootstrap over samples understates the uncertainty (few distinct resamples)
+FEW_SAMPLES = 10
+
+
+def _rho(rho: float, lo: float, hi: float) -> str:
+    """``rho [lo, hi]``, or words where there is too little data for one (NaN: too few samples or tokens)."""
+    if rho != rho:
+        return "too few samples"
+    if lo != lo or hi != hi:
+        return f"{rho:+.3f} [no interval: too few samples]"
+    return f"{rho:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
 def _print_summary(correlations: list[dict]) -> None:
     from kvleague.analysis.signal_tables import headline
 
-    for c in correlations:
-        if headline(c["signal"]):
-            partial = (
-                f"  | {c['control']} fixed {c['partial_rho']:+.3f} [{c['partial_lo']:+.3f}, {c['partial_hi']:+.3f}]"
-                if "control" in c
-                else ""
-            )
+    shown = [c for c in correlations if headline(c["signal"])]
+    for c in shown:
+        partial = (
+            f"  | position fixed {_rho(c['partial_rho'], c['partial_lo'], c['partial_hi'])}" if "control" in c else ""
+        )
+        print(
+            f"{c['label']:<14} {c['signal']:<32} rho {_rho(c['rho'], c['lo'], c['hi'])}{partial}  "
+            f"n={c['n_samples']} pairs={c['n_pairs']}"
+        )
+    if shown:
+        print(f"key: {SUMMARY_KEY}")
+        n = min(c["n_samples"] for c in shown)
+        if n < FEW_SAMPLES:
             print(
-                f"{c['label']:<14} {c['signal']:<32} rho {c['rho']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]{partial}  "
-                f"n={c['n_samples']} pairs={c['n_pairs']}"
+                f"note: n={n} samples: a bootstrap over so few samples has few distinct resamples and its "
+                f"intervals are too narrow; take them as rough (at least {FEW_SAMPLES} samples for intervals to lean on)"
             )

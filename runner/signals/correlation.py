@@ -28,6 +28,7 @@ niah, whose contexts all have one length).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import cast
 
@@ -169,14 +170,19 @@ class SampleBootstrap:
             np.add.at(m, (np.arange(idx.shape[0])[:, None], idx), 1.0)
             return rho_of_multiplicities(m)
 
-        res = stats.bootstrap(
-            (np.arange(n),),
-            statistic,
-            vectorized=True,
-            n_resamples=self.n_resamples,
-            batch=100,
-            method="percentile",
-            rng=np.random.default_rng(self.seed),
-        )
+        # a few samples make resamples that repeat one sample: scipy warns and the interval is NaN, which the
+        # summary says in words ("too few samples"); the warning itself would be noise
+        with warnings.catch_warnings():
+            for category in (stats.DegenerateDataWarning, stats.ConstantInputWarning, RuntimeWarning):
+                warnings.simplefilter("ignore", category)
+            res = stats.bootstrap(
+                (np.arange(n),),
+                statistic,
+                vectorized=True,
+                n_resamples=self.n_resamples,
+                batch=100,
+                method="percentile",
+                rng=np.random.default_rng(self.seed),
+            )
         lo, hi = res.confidence_interval
         return float(lo), float(hi)

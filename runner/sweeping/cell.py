@@ -196,9 +196,9 @@ class CellWorker:
         )
         return [
             _generation_row(
-                run.score, run.generation, run.completion, {**run.details, "batch": {"cells": len(cells)}}, engine
+                run.score, run.generation, run.completion, {**run.details, "batch": {"cells": len(cells)}}, engine, c
             )
-            for run in runs
+            for run, c in zip(runs, cells)
         ]
 
     def _inject(self, cell: Cell, rule: dict[str, Any]) -> None:
@@ -224,7 +224,7 @@ class CellWorker:
         if cell.measure == "fidelity":
             return self._run_fidelity(cell, engine, task, method, cell.protocol)
         run = run_sample(engine, task, cell.sample, method, cell.budget, cell.protocol, _settings(cell), cell.gen_seed)
-        return _generation_row(run.score, run.generation, run.completion, run.details, engine)
+        return _generation_row(run.score, run.generation, run.completion, run.details, engine, cell)
 
     def _run_fidelity(self, cell: Cell, engine, task, method, protocol) -> dict[str, Any]:
         """Teacher-force the sample's reference continuation under the method and compare every scored
@@ -392,8 +392,20 @@ def _fidelity_row(
     }
 
 
-def _generation_row(score, generation, completion, details: dict[str, Any], engine) -> dict[str, Any]:
-    """A generation cell's stored fields: its score, completion, cost and cache figures, details."""
+def _generation_row(score, generation, completion, details: dict[str, Any], engine, cell: Cell) -> dict[str, Any]:
+    """A generation cell's stored fields: its score, completion, cost and cache figures, details (with
+    ``budget_never_binds``, why, where the budget could never be reached)."""
+    from kvleague.runner.budget_reach import never_binds
+
+    unbound = never_binds(
+        generation.budget,
+        None if "episode" in details else generation.prompt_tokens,
+        cell.generation["max_new_tokens"],
+        engine.backend.max_positions,
+        cell.protocol.positions,
+    )
+    if unbound:
+        details = {**details, "budget_never_binds": unbound}
     return {
         "correct": bool(score.correct),
         "score": float(score.score),

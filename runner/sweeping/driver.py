@@ -191,6 +191,7 @@ class SweepRunner:
         writer = ResultWriter(engine, self.config.resources, replace_failed=self.retry_failed)
         progress = Progress(len(pending), self.config.name, bar=self.show_progress)
         counts = collections.Counter()
+        unbound_budgets: set[int] = set()
 
         def record(cell: Cell, row: dict[str, Any]) -> None:
             row.update(
@@ -206,6 +207,10 @@ class SweepRunner:
             )
             writer.add(row)
             counts["ok" if row["status"] == "ok" else "failed"] += 1
+            unbound = (row.get("details") or {}).get("budget_never_binds")
+            if unbound and cell.budget not in unbound_budgets:  # once per budget; each row says it too
+                unbound_budgets.add(cell.budget)
+                print(f"warning: {unbound} (budget {cell.budget:,} in this sweep)", file=sys.stderr, flush=True)
             if self.on_result is not None:
                 self.on_result(self, row)
 

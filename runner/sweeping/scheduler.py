@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvleague.engine.errors import KvleagueError
+from kvleague.runner.sweeping import ray_output
 from kvleague.runner.sweeping.cell import CellWorker, error_text
 from kvleague.runner.sweeping.grid import Cell, spread
 
@@ -106,7 +107,9 @@ class Scheduler:
             os.environ.setdefault("RAY_AUTH_MODE", "token")  # what Ray picks anyway, without its warning
         import ray
 
+        ray_output.quiet_unhandled_errors()
         if ray.is_initialized():
+            ray_output.install()
             return
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         quiet = {"logging_level": "WARNING", "log_to_driver": True}
@@ -127,6 +130,7 @@ class Scheduler:
                 **quiet,
             )
         self.started_ray = True
+        ray_output.install()
 
     def plan_workers(self, pending: int) -> tuple[int, float, float]:
         """(actors, CPUs each, GPUs each) for ``pending`` cells on this cluster."""
@@ -298,6 +302,11 @@ class Scheduler:
                             )
                         else:
                             queue.appendleft([cell])
+                            print(
+                                f"  {cell.describe()}: retried (attempt {cell.attempts + 1} of {res.max_cell_attempts})",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                     if self.replacements >= max_replacements:
                         raise KvleagueError(
                             f"ray: workers keep dying ({self.replacements} replaced); last: {error_text(exc)}"
