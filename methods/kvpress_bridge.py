@@ -61,7 +61,9 @@ def press_classes() -> dict[str, type]:
     return {
         n: c
         for n in kvpress.__all__
-        if isinstance(c := getattr(kvpress, n), type) and issubclass(c, kvpress.BasePress) and n != "BasePress"
+        if isinstance(c := getattr(kvpress, n), type)
+        and issubclass(c, kvpress.BasePress)
+        and n not in ("BasePress", "ScorerPress")
     }
 
 
