@@ -11,6 +11,8 @@ import torch
 
 from kvleague.cli import main
 from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import Protocol
+from kvleague.methods import build_method
 from kvleague.runner.models import source as model_source
 from kvleague.runner.models.source import KNOWN_MODELS, MARKER, resolve_model
 
@@ -198,6 +200,24 @@ def test_engine_matches_model_generate_on_the_real_model(smollm2):
     with torch.no_grad():
         ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     assert ours.token_ids == ref[: len(ours.token_ids)] and len(ours.token_ids) > 3
+
+
+def test_kvpress_protocol_equals_kvpress_pipeline_on_the_real_model(smollm2):
+    """kvleague's kvpress protocol against kvpress's own pipeline on the default model (float32), the
+    start of an essay (~160 tokens with the chat template) at ratio 0.5: a bridged press that scores
+    from hidden states, kept positions and greedy tokens (the tiny models cover the rest:
+    tests/test_kvpress_pipeline.py)."""
+    kvpress = pytest.importorskip("kvpress")
+    from tests.conftest import DATA_DIR
+    from tests.test_kvpress_pipeline import compare
+
+    essay = DATA_DIR / "paul_graham_essays" / "essays" / "apple.txt"
+    if not essay.is_file():
+        pytest.skip(f"no essay at {essay}")
+    assert smollm2.model.dtype == torch.float32
+    press = kvpress.ExpectedAttentionPress()
+    method = build_method("kvpress:ExpectedAttentionPress")
+    compare(smollm2, method, press, Protocol.preset("kvpress"), essay.read_text()[:600], " What is it about?")
 
 
 def test_generate_cli_sends_a_chat_turn_and_the_model_answers(capsys):
