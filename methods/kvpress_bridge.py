@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import types
 import typing
@@ -94,9 +95,13 @@ def refusal(name: str, press: type) -> str | None:
             "position-tracking cache cannot follow); run it in kvpress's pipeline"
         )
     hints = typing.get_type_hints(press)
+    fields = {f.name for f in _fields(press)}
     for f in _fields(press):
         if not _plain(hints[f.name]):
             return f"method kvpress:{name}: field {f.name} is a {hints[f.name]!r}, not a plain value a --param can set (a wrapper of another press)"
+    for arg in inspect.signature(press).parameters.values():  # a hand-written __init__ (CriticalKVPress)
+        if arg.name not in fields and arg.name != "compression_ratio" and not arg.name.startswith("_"):
+            return f"method kvpress:{name}: field {arg.name} is a {arg.annotation!r}, not a plain value a --param can set (a wrapper of another press)"
     return None
 
 

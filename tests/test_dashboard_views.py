@@ -356,3 +356,13 @@ def test_fidelity_tables_show_p_values_to_two_significant_digits(replication_db,
         assert_readable(values, text, ("p (Wilcoxon)", "p (Holm)"), {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4})
         seen += 1
     assert seen >= 4
+
+
+def test_curves_plot_ratio_budgets_against_the_ratio():
+    """kvpress's ratio budgets (issue 48): Budget curves plot the score against the compression ratio."""
+    from kvleague.dashboard.views.curves import _x, with_ratio
+
+    data = pd.DataFrame({"budget": [250, 500], "accuracy": [50.0, 75.0]})
+    ratios = with_ratio(data, {250: "ratio 0.25", 500: "ratio 0.5"})
+    assert ratios["compression_ratio"].tolist() == [0.25, 0.5] and _x(ratios).shorthand == "compression_ratio:Q"
+    assert "compression_ratio" not in with_ratio(data, {250: "250", 500: "500"})
