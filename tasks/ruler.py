@@ -169,6 +169,11 @@ class Ruler(Task):
             while length(parts) > budget and n > gen.step:  # an unlucky draw: a smaller haystack
                 n -= gen.step
                 parts, answers = gen.parts(n)
+            if length(parts) > budget:
+                raise KvleagueError(
+                    f"task {self.name}: context_length {self.context_length} is shorter than RULER's smallest "
+                    f"haystack here ({length(parts) + self.max_new_tokens} {measure.unit}); allowed: a longer context_length"
+                )
             context, question, prefix = parts
             samples.append(
                 Sample(
@@ -213,11 +218,14 @@ class _Generator:
 
     def __init__(self, variant: Variant, essays: str, rng: random.Random, context_length: int):
         self.v, self.rng = variant, rng
-        # RULER's word lists below 4k tokens: each common word 6 times, the others once (30 and 3 above)
+        # below 4k tokens RULER grows line haystacks 5 lines at a time and lists each common word 6 times,
+        # the others once (30 and 3 above)
         self.short = context_length < 4096
         self.words = essays.split()
         self.vocab = sorted({w for w in re.findall(r"\b[a-z]{4,}\b", essays.lower())})
-        self.step = {"essay": 500, "noise": 25, "needle": 25}[variant.haystack] if variant.kind == "niah" else 10
+        # RULER's growth steps: 500 essay words, 25 lines (5 below 4k tokens), 10 words or list entries
+        lines = 5 if self.short else 25
+        self.step = {"essay": 500, "noise": lines, "needle": lines}[variant.haystack] if variant.kind == "niah" else 10
 
     def largest(self, fits) -> int:
         low, high, best = self.step, self.step * 2, self.step

@@ -74,7 +74,7 @@ def ranked(scores: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def kvpress_run(engine, press, context: str, question: str):
+def kvpress_run(engine, press, context: str, question: str, answer_prefix: str = ""):
     """kvpress's pipeline on ``engine``'s model, its press's scores ranked by :func:`ranked`: its
     answer, and per layer the raw scores ``[H, T]``, the kept indices ``[H, k]``, and the indices raw
     ``topk`` would have kept."""
@@ -89,7 +89,9 @@ def kvpress_run(engine, press, context: str, question: str):
     press.score = score_ranked
     eager = isinstance(press, kvpress.ObservedAttentionPress)  # kvpress reads the eager weights
     with engine.backend.observing("eager" if eager else engine.attn_implementation, [], None):
-        answer = pipe(context, question=question, press=press, max_new_tokens=NEW_TOKENS)["answer"]
+        answer = pipe(context, question=question, answer_prefix=answer_prefix, press=press, max_new_tokens=NEW_TOKENS)[
+            "answer"
+        ]
     kept = []
     for s in scores:
         n_kept = kvpress.utils.compute_n_kept(s.shape[-1], press.compression_ratio)
@@ -111,12 +113,12 @@ def kvleague_run(engine, method, context_ids, question_ids, protocol):
     return result, kept
 
 
-def compare(engine, method, press, protocol, context=CONTEXT, question=QUESTION) -> None:
+def compare(engine, method, press, protocol, context=CONTEXT, question=QUESTION, answer_prefix="") -> None:
     """Kept positions equal kvpress's (its raw ``topk`` differs only among boundary ties), tokens equal."""
     press.compression_ratio = RATIO
-    sample = Sample("s", "t", context + question, None, {"context": context, "question": question})
-    context_ids, question_ids = Task().split_prompt(sample, engine.tokenizer)
-    answer, theirs = kvpress_run(engine, press, context, question)
+    meta = {"context": context, "question": question, "answer_prefix": answer_prefix}
+    context_ids, question_ids = Task().split_prompt(Sample("s", "t", "", None, meta), engine.tokenizer)
+    answer, theirs = kvpress_run(engine, press, context, question, answer_prefix)
     result, ours = kvleague_run(engine, method, context_ids, question_ids, protocol)
     assert len(theirs) == len(ours) == engine.n_layers
     for layer, ((scores, indices, raw), kept) in enumerate(zip(theirs, ours)):
