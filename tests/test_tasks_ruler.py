@@ -15,7 +15,9 @@ from kvleague.tasks.registry import available_tasks, build_task
 from kvleague.tasks.ruler import clean, string_match_all, string_match_part
 from tests.conftest import DATA_DIR
 
-LENGTH = 600  # tokens (bytes), the tokens to generate included
+#: tokens (bytes), the tokens to generate included: RULER grows an essay haystack 500 words (~3 KB) at a time
+LENGTHS = {"niah_single_1": 1200, "vt": 1500, "cwe": 3000, "fwe": 1500}
+ESSAY = 4500
 
 pytestmark = pytest.mark.skipif(
     not (DATA_DIR / "paul_graham_essays").is_dir(), reason="no essays in the data directory"
@@ -27,7 +29,8 @@ def tokenizer():
     return byte_level_tokenizer()
 
 
-def samples(name: str, tokenizer, n: int = 3, seed: int = 42, length: int = LENGTH):
+def samples(name: str, tokenizer, n: int = 3, seed: int = 42, length: int | None = None):
+    length = length or LENGTHS.get(name, ESSAY)
     task = build_task(f"ruler_{name}", {"context_length": length, "num_samples": n, "seed": seed})
     task.bind_tokenizer(tokenizer)
     return task, task.load(data_dir=DATA_DIR)
@@ -52,7 +55,7 @@ def test_generation_is_deterministic_by_seed(tokenizer, name):
     [("niah_single_1", 1, 1), ("niah_multikey_1", 4, 1), ("niah_multivalue", 4, 1), ("niah_multiquery", 4, 4)],
 )
 def test_needles_are_in_the_context_and_answer_the_question(tokenizer, name, needles, asked):
-    task, got = samples(name, tokenizer, length=900)
+    task, got = samples(name, tokenizer, n=2)
     for s in got:
         context, question = s.metadata["context"], s.metadata["question"]
         found = re.findall(r"One of the special magic numbers? for (\S+) is: (\d+)\.", context)
@@ -92,13 +95,13 @@ def test_vt_chain_is_in_order_and_cwe_fwe_counts(tokenizer):
     assert lines[0].split(" = ")[0] == f"VAR {names[0]}" and lines[0].split(" = ")[1] in vt.metadata["question"]
     assert [line.strip() for line in lines[1:]] == [f"VAR {names[j + 1]} = VAR {names[j]}" for j in range(4)]
 
-    _, (cwe, *_) = samples("cwe", tokenizer, n=1, length=3000)  # below 4k: RULER's counts 6 and 1
+    _, (cwe, *_) = samples("cwe", tokenizer, n=1)  # below 4k: RULER's counts 6 and 1
     main = cwe.metadata["context"].rsplit("Below is a numbered list", 1)[1]
     counts = Counter(re.findall(r"\d+\. (\w+)", main))
     assert {counts[w] for w in cwe.reference} == {6} and set(counts.values()) - {6} == {1}
     assert cwe.metadata["length"] <= 3000
 
-    _, (fwe, *_) = samples("fwe", tokenizer, n=1, length=1500)
+    _, (fwe, *_) = samples("fwe", tokenizer, n=1)
     ranked = [w for w, _ in Counter(fwe.metadata["context"].split("words. ", 1)[1].split()).most_common()]
     assert ranked[0] == "..." and set(ranked[1:4]) == set(fwe.reference)
 
