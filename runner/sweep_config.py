@@ -17,7 +17,8 @@ Layout (see ``sweeps/demo.yaml``)::
     methods:                                # or "methods: all" (every registered method, defaults)
       - full
       - {name: streaming_llm, params: {...}, grid: {hyperparameter: [v1, v2]}}
-    budgets: [32, 64]                       # or [prompt+64, prompt+128]: room on top of each prompt
+    budgets: [32, 64]                       # or [prompt+64, prompt+128]: room on top of each prompt;
+                                            # or [ratio 0.25, ratio 0.5]: kvpress's compression ratios
     tasks: [{name: math500, limit: 2, options: {}, optional: false, measure: generation}]  # or fidelity, both
     protocol: {cadence: every_step, positions: absolute, sink: 0, recent: 0, protect_prompt: null, prefill_chunk: null}
     protocol_by_domain: {longqa: {protect_prompt: false, prefill_chunk: 512}}
