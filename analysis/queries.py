@@ -207,14 +207,22 @@ PROTOCOL_LABEL_PARTS: dict[str, Callable[[dict[str, Any]], str | None] | None] =
     "recent_max_fraction": None,  # in the recent window's part
     "prompt_over_budget": None,
     # NULL (rows before the field) and "none" are absolute budgets, which the labels never said
-    "budget_base": lambda r: "budget = prompt + B" if r.get("budget_base") == "prompt" else None,
+    "budget_base": lambda r: {"prompt": "budget = prompt + B", "ratio": "budget = compression ratio"}.get(
+        r.get("budget_base") or ""
+    ),
+    # NULL (rows before the field) is "all", which the labels never said
+    "scope": lambda r: "context compressed once (kvpress)" if r.get("scope") == "context" else None,
+    "query_aware": lambda r: "query-aware" if r.get("query_aware") else None,
 }
 
 
 def budget_label(budget: int, budget_base: str | None, grouped: bool = False) -> str:
-    """A budget as its protocol means it: ``192`` cache entries, or ``prompt+64`` (room on top of each
-    sample's prompt, ``budget_base: prompt``); ``grouped``: thousands separated (``1,024``), as the
-    dashboard writes numbers."""
+    """A budget as its protocol means it: ``192`` cache entries, ``prompt+64`` (room on top of each
+    sample's prompt, ``budget_base: prompt``) or ``ratio 0.25`` (kvpress's compression ratio of the
+    context, ``budget_base: ratio``, stored in thousandths); ``grouped``: thousands separated
+    (``1,024``), as the dashboard writes numbers."""
+    if budget_base == "ratio":
+        return f"ratio {budget / 1000:g}"
     number = f"{budget:,}" if grouped else str(budget)
     return f"prompt+{number}" if budget_base == "prompt" else number
 

@@ -194,7 +194,7 @@ class TaskSpec(Base):
 
 
 #: the width of each text column of a protocol field (what the migrations created)
-PROTOCOL_TEXT_WIDTHS = {"cadence": 64, "positions": 32, "prompt_over_budget": 16, "budget_base": 16}
+PROTOCOL_TEXT_WIDTHS = {"cadence": 64, "positions": 32, "prompt_over_budget": 16, "budget_base": 16, "scope": 16}
 
 
 def protocol_columns() -> list[Column]:

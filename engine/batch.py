@@ -34,7 +34,7 @@ from kvleague.engine.contract import EvictionMethod
 from kvleague.engine.decode import DecodeLoop
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import GenerationSettings, Protocol
-from kvleague.engine.session import GenerationResult, Session
+from kvleague.engine.session import GenerationResult, Session, prompt_parts
 
 #: the most sequences the automatic batch size puts in one batch
 MAX_AUTO_BATCH = 64
@@ -42,7 +42,7 @@ MAX_AUTO_BATCH = 64
 
 def generate_batch(
     engine,
-    prompts: Sequence[str | list[int]],
+    prompts: Sequence[str | list[int] | tuple[list[int], ...]],
     methods: Sequence[EvictionMethod],
     budget: int | Sequence[int],
     protocol: Protocol | None = None,
@@ -76,7 +76,8 @@ def generate_batch(
     protocol = protocol or Protocol()
     settings = settings or GenerationSettings()
     tokenizer = engine.tokenizer
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+    parts = [prompt_parts(tokenizer, p) for p in prompts]  # a (context, question) prompt is fed in two parts
+    ids = [[t for part in p for t in part] for p in parts]
     for i, p in enumerate(ids):
         if not p:
             raise KvleagueError(f"prompts: prompt {i} is an empty token list")
@@ -87,7 +88,8 @@ def generate_batch(
         session = Session(engine, methods[i], budgets[i], protocol, seeds[i])
         index[id(session)] = i
         with session:
-            session.feed(ids[i])
+            for part in parts[i]:
+                session.feed(part)
         return session
 
     def done(session: Session) -> None:
@@ -107,7 +109,7 @@ def generate_batch(
             settings.max_new_tokens,
             max(budgets[i] for i in members),
             protocol,
-            never_evicts=all(methods[i].never_evicts for i in members),
+            never_evicts=protocol.scope == "context" or all(methods[i].never_evicts for i in members),
             limit=max_batch_size or MAX_AUTO_BATCH,
         )
         if min(size, len(members)) == 1:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 if TYPE_CHECKING:  # tensors are only annotations here: the registries and the CLI import this without torch
     import torch
@@ -107,6 +107,10 @@ class SequenceInfo:
     #: the model's dtype (attention rows arrive in float32; a method that reproduces code written
     #: against HF's outputs casts them back to average in the same precision); None: float32
     dtype: torch.dtype | None = None
+    #: the backend's Hugging Face model, for a bridge that scores with the model's own modules
+    #: (``methods/kvpress_bridge.py``: a kvpress press takes an attention module); None where the
+    #: backend has none. The engine's own methods never read it
+    model: Any = None
 
     def __post_init__(self) -> None:
         if self.dtype is None:

@@ -74,6 +74,8 @@ class Sequence(TypingProtocol):
     on_token: Callable[[int], None] | None
     outputs: list[DecodeOutput]
     step_seconds: list[float]
+    #: nothing left to evict: the method keeps everything, or the context was compressed (``scope: context``)
+    never_evicts: bool
 
     def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> int: ...
     def apply_scores(self, scores: torch.Tensor, scoring: tuple) -> None: ...
@@ -204,7 +206,7 @@ class DecodeLoop:
 
     def _watch(self) -> None:
         """What the batch observes: the union of what its rows' methods need."""
-        evicting = [s for s in (self.sessions[i] for i in self.active) if not s.method.never_evicts]
+        evicting = [s for s in (self.sessions[i] for i in self.active) if not s.never_evicts]
         needs = [s.method.needs for s in evicting]
         self.hidden_layers = sorted({layer for s in evicting for layer in s.hidden_layers})
         self.hidden: dict[int, torch.Tensor] = {}
@@ -217,7 +219,7 @@ class DecodeLoop:
         """Slots per row: what the longest of ``sessions`` can reach (evicting: B + buffer + the step's
         token; otherwise every new token), so the slabs never grow in the usual case."""
         longest = max(s.cache.length for s in sessions)
-        if all(not s.method.never_evicts for s in sessions):
+        if all(not s.never_evicts for s in sessions):
             return max(longest, max(s.budget + s.protocol.buffer for s in sessions)) + 1
         return longest + self.settings.max_new_tokens
 
@@ -464,7 +466,7 @@ class DecodeLoop:
                 frozenset(
                     r
                     for r, s in enumerate(sessions)
-                    if r not in self.dead and s.method.needs.attention and not s.method.never_evicts
+                    if r not in self.dead and s.method.needs.attention and not s.never_evicts
                 ),
                 None if slabs is None else slabs[:, 0],
             )
@@ -489,7 +491,7 @@ class DecodeLoop:
     def _observe(self, sessions: dict[int, Sequence], new_positions: torch.Tensor, token_ids: list[int]) -> None:
         groups: dict[type, list[int]] = defaultdict(list)
         for r, s in sessions.items():
-            if not s.method.never_evicts:
+            if not s.never_evicts:
                 groups[type(s.method)].append(r)
         if groups:  # every row's new token and position: one tensor for all, cut once
             tokens, positions = torch.tensor(token_ids)[:, None].unbind(0), new_positions.unbind(0)

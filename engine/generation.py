@@ -17,7 +17,7 @@ from kvleague.engine.contract import EvictionMethod
 from kvleague.engine.decode import DecodeOutput
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.engine.resources import device_clock
-from kvleague.engine.session import GenerationResult, Session
+from kvleague.engine.session import GenerationResult, Session, prompt_parts
 
 __all__ = ["DecodeOutput", "Engine", "GenerationResult", "Session"]
 
@@ -74,16 +74,18 @@ class Engine:
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | tuple[list[int], ...],
         method: EvictionMethod,
         budget: int,
         protocol: Protocol | None = None,
         settings: GenerationSettings | None = None,
         seed: int = 0,
     ) -> GenerationResult:
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        """Feed ``prompt`` and decode. A tuple of id lists is fed part by part (a context, then its
+        question: ``scope: context`` compresses the first part only)."""
         with self.session(method, budget, protocol, seed) as session:
-            session.feed(ids)
+            for part in prompt_parts(self.tokenizer, prompt):
+                session.feed(part)
             session.decode(settings or GenerationSettings())
             return session.result()
 

@@ -95,6 +95,14 @@ class Protocol(BaseModel):
       known (:meth:`for_prompt`): prompt tokens + B, with the recent window counted from B (a
       quarter of the room under the authors' ``recent_max_fraction``), so the engine only ever sees
       an absolute budget.
+      ``"ratio"``: B / 1000 is kvpress's ``compression_ratio`` of the compressed part (the context under
+      ``scope: context``, else the prompt): it keeps ``max(1, int(n * (1 - B / 1000)))`` of its n
+      tokens, as kvpress's ``compute_n_kept`` (``budgets: [ratio 0.5]`` in a sweep is B = 500).
+    * ``scope``: ``"all"``: every token fed or generated is held to the budget; ``"context"``
+      (kvpress's pipeline): only the first feed (the context) is compressed, once, after its prefill;
+      the question, the chat template's suffix and the generated tokens are then added uncompressed
+      over it. ``query_aware`` (with ``context``): the question is part of the compressed context
+      (kvpress's ``query_aware`` evaluation), so only the template's suffix is added after it.
     * ``prompt_over_budget`` (with ``protect_prompt``): ``"error"`` refuses a prompt that, with the
       sink and recent window, does not fit in B; ``"keep"`` (the EpiKV authors' harness) keeps the
       whole prompt even when it alone exceeds B: the cache then holds max(B, prompt) entries, the
@@ -132,15 +140,26 @@ class Protocol(BaseModel):
     prompt_over_budget: Literal["error", "keep"] = Field(
         default="error", description="with protect_prompt, a prompt over the budget: error or keep"
     )
-    budget_base: Literal["none", "prompt"] = Field(
-        default="none", description="none (B cache entries) or prompt (B entries on top of the prompt)"
+    budget_base: Literal["none", "prompt", "ratio"] = Field(
+        default="none",
+        description="none (B cache entries), prompt (B entries on top of the prompt) or ratio (B/1000 of the context evicted)",
     )
+    scope: Literal["all", "context"] = Field(
+        default="all", description="all (every token held to the budget) or context (the context compressed once)"
+    )
+    query_aware: bool = Field(default=False, description="with scope context: the question is compressed with it")
 
     #: Fields added after results were stored (with the presets, issue 14). A protocol whose value of
     #: one is the field's default leaves it out of its spec (hashed, and stored with NULL in its
     #: column), so the spec hashes stored before the field existed (cell keys, protocol rows) still
     #: match. The one place this rule lives: :meth:`spec` and :meth:`from_spec` apply it.
-    ADDED_LATER: ClassVar[tuple[str, ...]] = ("recent_max_fraction", "prompt_over_budget", "budget_base")
+    ADDED_LATER: ClassVar[tuple[str, ...]] = (
+        "recent_max_fraction",
+        "prompt_over_budget",
+        "budget_base",
+        "scope",
+        "query_aware",
+    )
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -196,9 +215,14 @@ class Protocol(BaseModel):
     def for_prompt(self, budget: int, prompt_tokens: int) -> tuple[Protocol, int]:
         """``(protocol, budget)`` the engine runs for one sample whose prompt has ``prompt_tokens``
         tokens: unchanged under ``budget_base: none``; under ``prompt``, an absolute protocol whose
-        recent window is the one of room ``budget`` and the budget ``prompt_tokens + budget``."""
+        recent window is the one of room ``budget`` and the budget ``prompt_tokens + budget``; under
+        ``ratio``, the budget kvpress keeps of ``prompt_tokens`` (the context) at ratio ``budget / 1000``."""
         if self.budget_base == "none":
             return self, budget
+        if self.budget_base == "ratio":
+            return type(self)(**{**self.model_dump(), "budget_base": "none"}), max(
+                1, int(prompt_tokens * (1 - budget / 1000))
+            )
         fields = {
             **self.model_dump(),
             "budget_base": "none",
@@ -213,6 +237,10 @@ class Protocol(BaseModel):
         return self.for_prompt(budget, 0)[0], [self.for_prompt(budget, n)[1] for n in prompt_tokens]
 
     def check_budget(self, budget: int) -> None:
+        if self.budget_base == "ratio" and not 0 < budget < 1000:
+            raise KvleagueError(f"budget: a ratio budget is in thousandths, 1..999 (ratio 0.001..0.999), got {budget}")
+        if self.budget_base == "ratio":
+            return
         if budget < 1:
             raise KvleagueError(f"budget: must be a positive integer, got {budget}")
         recent = self.recent_for(budget)
@@ -288,6 +316,19 @@ PRESETS: dict[str, Protocol] = {
         protect_prompt=True,
         prompt_over_budget="keep",
         prefill_chunk=None,
+    ),
+    # kvpress's KVPressTextGenerationPipeline: the context compressed once by its whole-context prefill,
+    # the question and the template's suffix fed uncompressed after it, budgets as compression ratios
+    "kvpress": Protocol(
+        cadence="every_step",
+        positions="absolute",
+        sink=0,
+        recent=0,
+        protect_prompt=False,
+        prefill_chunk=None,
+        budget_base="ratio",
+        scope="context",
+        query_aware=False,
     ),
 }
 

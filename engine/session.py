@@ -106,6 +106,8 @@ class Session:
         self.generated: list[int] = []
         self.outputs: list[DecodeOutput] = []
         self.prompt_tokens = 0
+        #: ``scope: context``: the first feed (the context) was compressed; nothing is evicted after it
+        self.context_done = False
         self.prefill_seconds = 0.0
         self.step_seconds: list[float] = []
         #: the method's observe + score and the engine's selection (both), and the selection alone
@@ -129,6 +131,7 @@ class Session:
                 seed=seed,
                 device=engine.device,
                 dtype=backend.dtype,
+                model=getattr(backend, "model", None),
             )
         )
 
@@ -152,7 +155,8 @@ class Session:
     # -- feeding and decoding ------------------------------------------------------------------
 
     def feed(self, token_ids: list[int]) -> None:
-        """Append prompt (or tool-observation) tokens, compressing after each prefill chunk."""
+        """Append prompt (or tool-observation) tokens, compressing after each prefill chunk (under
+        ``scope: context``, the first feed only: it is the context; later feeds go in uncompressed)."""
         if not token_ids:
             raise KvleagueError("prompt: empty token list")
         clock = self.engine.clock
@@ -165,6 +169,7 @@ class Session:
                 self._evict("prefill")
         self.prompt_tokens += len(token_ids)
         self.prefill_seconds += clock() - start
+        self.context_done = self.protocol.scope == "context"
 
     def decode(self, settings: GenerationSettings, on_token: Callable[[int], None] | None = None) -> DecodeOutput:
         """Generate until EOS, a stop string or ``max_new_tokens``; ``on_token`` sees each token as it
@@ -215,10 +220,16 @@ class Session:
 
     # -- the pieces of a step that prefill and the decode loop share -----------------------------
 
+    @property
+    def never_evicts(self) -> bool:
+        """Nothing is left to evict: the method keeps everything, or (``scope: context``) the context
+        was compressed and what follows it stays whole (the decode loop then observes nothing)."""
+        return self.method.never_evicts or self.context_done
+
     def over_budget(self, phase: str) -> bool:
         """Whether the cache must be compressed now: above B after a prefill chunk, above B + the
         cadence's buffer after a decode step (never for a method that never evicts)."""
-        if self.method.never_evicts:
+        if self.never_evicts:
             return False
         return self.cache.length > self.budget + (self.protocol.buffer if phase == "decode" else 0)
 
@@ -277,7 +288,7 @@ class Session:
             torch.tensor([token_ids], device=engine.device), rope[None], cache.cache, length
         )[0]
         self.after_forward(positions, prompt=True)
-        if self.method.never_evicts:
+        if self.never_evicts:
             return
         start = engine.mark()
         rec = self.recorder
@@ -341,6 +352,16 @@ class Session:
             pos = pos.sort(dim=-1).values  # slot order carries no meaning
             out.append(pos[0].tolist() if bool((pos == pos[:1]).all()) else pos.tolist())
         return out
+
+
+def prompt_parts(tokenizer, prompt: str | list[int] | tuple[list[int], ...]) -> list[list[int]]:
+    """A prompt as the id lists fed one after the other: text encoded without special tokens, a list
+    of ids as one part, a tuple (context, question) as its non-empty parts."""
+    if isinstance(prompt, str):
+        return [tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+    if isinstance(prompt, tuple):
+        return [list(part) for part in prompt if len(part)]
+    return [list(prompt)]
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

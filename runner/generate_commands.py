@@ -33,14 +33,30 @@ def cmd_methods(args) -> int:
     from kvleague.methods.registry import available_methods, describe
 
     described = [describe(cls) for cls in available_methods().values()]
+    presses = kvpress_presses()
     if args.json:
-        print(json.dumps(described, indent=2, default=str))
+        print(json.dumps(described + presses, indent=2, default=str))
         return 0
-    for d in described:
+    for d in described + presses:
+        if "refused" in d:
+            print(f"{d['name']:<16} refused: {d['refused'].split(': ', 1)[1]}")
+            continue
         params = ", ".join(f"{p['name']}: {p['type']} = {p['default']!r}" for p in d["hyperparameters"]) or "-"
         needs = ", ".join(k for k, v in d["needs"].items() if v and k != "attention_window") or "cache only"
         print(f"{d['name']:<16} {d['summary']}\n{'':<16} params: {params}\n{'':<16} needs: {needs}")
     return 0
+
+
+def kvpress_presses() -> list[dict]:
+    """kvpress's presses as ``kvpress:<Press>`` methods (and the refused ones, with why) where kvpress is
+    installed; else one line saying how to get them."""
+    import importlib.util
+
+    if importlib.util.find_spec("kvpress") is None:
+        return [{"name": "kvpress:<Press>", "refused": "kvpress:<Press>: pip install 'kvleague[kvpress]'"}]
+    from kvleague.methods.kvpress_bridge import catalogue
+
+    return catalogue()
 
 
 def prompt_text(args) -> str:

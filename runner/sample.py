@@ -32,8 +32,8 @@ class SampleRun:
 def run_sample(engine, task, sample, method, budget: int, protocol, settings, seed: int) -> SampleRun:
     """Run ``sample`` of ``task`` under ``method`` at ``budget`` and score it."""
     if not isinstance(task, EpisodicTask):
-        prompt = task.build_prompt(sample, engine.tokenizer)
-        protocol, budget = protocol.for_prompt(budget, len(prompt))
+        prompt = _prompt(task, sample, engine.tokenizer, protocol)
+        protocol, budget = protocol.for_prompt(budget, len(prompt[0]))
         generation = engine.generate(prompt, method, budget, protocol, settings, seed)
         return _scored(task, sample, generation)
     _check_episodic(task, protocol)
@@ -43,11 +43,24 @@ def run_sample(engine, task, sample, method, budget: int, protocol, settings, se
     return _episode_run(episode, generation)
 
 
+def _prompt(task, sample, tokenizer, protocol) -> tuple[list[int], ...]:
+    """The prompt as the engine feeds it: ``(context, question)`` under ``scope: context`` (kvpress's
+    pipeline: only the context is compressed), else one part; the first part is what a relative
+    budget counts from."""
+    if protocol.scope == "context":
+        return task.split_prompt(sample, tokenizer, protocol.query_aware)
+    return (task.build_prompt(sample, tokenizer),)
+
+
 def _check_episodic(task, protocol) -> None:
     if protocol.budget_base != "none":
         raise KvleagueError(
             f"budget_base: {protocol.budget_base!r} needs the prompt before the episode starts; "
             f"episodic task {task.name!r} allows: none (or measure: fidelity)"
+        )
+    if protocol.scope != "all":
+        raise KvleagueError(
+            f"scope: {protocol.scope!r} compresses one context; episodic task {task.name!r} allows: all"
         )
 
 
@@ -81,9 +94,9 @@ def run_samples(
     by round (``engine.batch.drive_sessions``). Each sequence decodes as it would alone."""
     if isinstance(task, EpisodicTask):
         return _run_episodes(engine, task, samples, methods, budget, protocol, settings, seeds)
-    prompts = [task.build_prompt(sample, engine.tokenizer) for sample in samples]
-    # each prompt its own budget where budgets count from the prompt (one absolute protocol for all)
-    absolute, budgets = protocol.for_prompts(budget, [len(prompt) for prompt in prompts])
+    prompts = [_prompt(task, sample, engine.tokenizer, protocol) for sample in samples]
+    # each prompt its own budget where budgets count from the prompt or its context (one absolute protocol for all)
+    absolute, budgets = protocol.for_prompts(budget, [len(prompt[0]) for prompt in prompts])
     generations = engine.generate_batch(
         prompts, list(methods), budgets, absolute, settings, list(seeds), rows, max_batch_size=max_rows
     )

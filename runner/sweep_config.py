@@ -17,7 +17,8 @@ Layout (see ``sweeps/demo.yaml``)::
     methods:                                # or "methods: all" (every registered method, defaults)
       - full
       - {name: streaming_llm, params: {...}, grid: {hyperparameter: [v1, v2]}}
-    budgets: [32, 64]                       # or [prompt+64, prompt+128]: room on top of each prompt
+    budgets: [32, 64]                       # or [prompt+64, prompt+128]: room on top of each prompt;
+                                            # or [ratio 0.25, ratio 0.5]: kvpress's compression ratios
     tasks: [{name: math500, limit: 2, options: {}, optional: false, measure: generation}]  # or fidelity, both
     protocol: {cadence: every_step, positions: absolute, sink: 0, recent: 0, protect_prompt: null, prefill_chunk: null}
     protocol_by_domain: {longqa: {protect_prompt: false, prefill_chunk: 512}}
@@ -175,7 +176,8 @@ def _protocol_model(name: str, *, overrides: bool) -> type[BaseModel]:
 
 
 class _ProtocolFields(_Strict):
-    ADDED_LATER = {"budget_base": (None, "none")}  # at its default, or not overridden
+    # at its default, or not overridden
+    ADDED_LATER = {"budget_base": (None, "none"), "scope": (None, "all"), "query_aware": (None, False)}
 
 
 class ProtocolConfig(_protocol_model("ProtocolConfig", overrides=False)):
@@ -259,6 +261,18 @@ UNHASHED_FIELDS = ("database", "batch_size")
 MAX_BATCH_SIZE = 256
 
 
+def _relative_budget(budget: Any, base: str, allowed: str) -> int:
+    """``prompt+64`` -> 64; ``ratio 0.25`` -> 250 (thousandths), under ``base``; else a one-line error."""
+    text = str(budget).replace(" ", "")
+    if isinstance(budget, str) and base == "prompt" and text.startswith("prompt+") and text[7:].isdigit():
+        return int(text[7:])
+    if isinstance(budget, str) and base == "ratio" and re.fullmatch(r"ratio0?\.\d{1,3}", text):
+        thousandths = round(float(text[5:]) * 1000)
+        if thousandths > 0:
+            return thousandths
+    raise KvleagueError(f"budgets: got {budget!r}; allowed: {allowed}")
+
+
 class SweepConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200)
     description: str | None = None
@@ -308,29 +322,26 @@ class SweepConfig(_Strict):
     @classmethod
     def _relative_budgets(cls, value: Any) -> Any:
         """``budgets: [prompt+64, prompt+128]``: room on top of each sample's prompt, i.e. budgets 64
-        and 128 under the protocol with ``budget_base: prompt`` (every budget relative, or none)."""
+        and 128 under the protocol with ``budget_base: prompt``; ``budgets: [ratio 0.25, ratio 0.5]``:
+        kvpress's compression ratios of each sample's context, i.e. budgets 250 and 500 (thousandths)
+        under ``budget_base: ratio``. Every budget of one form."""
         if not isinstance(value, dict) or not isinstance(value.get("budgets"), list):
             return value
         budgets = value["budgets"]
-        relative = [isinstance(b, str) for b in budgets]
-        if not any(relative):
+        if not any(isinstance(b, str) for b in budgets):
             return value
-        parsed = []
-        for b in budgets:
-            text = str(b).replace(" ", "")
-            if not (isinstance(b, str) and text.startswith("prompt+") and text[7:].isdigit()):
-                raise KvleagueError(
-                    f"budgets: got {b!r}; allowed: all integers, or all prompt+N (N a positive integer)"
-                )
-            parsed.append(int(text[7:]))
+        allowed = "all integers, all prompt+N (N a positive integer), or all ratio R (0 < R < 1, at most 3 decimals)"
+        base = "ratio" if str(budgets[0]).startswith("ratio") else "prompt"
+        parsed = [_relative_budget(b, base, allowed) for b in budgets]
         protocol = value.get("protocol") or {}
         if isinstance(protocol, str):
             if protocol not in PRESETS:
                 return value  # the protocol's own validator names the unknown preset
             protocol = {**PRESETS[protocol].model_dump(), "budget_base": None}
-        if protocol.get("budget_base") not in (None, "prompt"):
-            raise KvleagueError(f"budgets: prompt+N needs protocol.budget_base prompt, got {protocol['budget_base']!r}")
-        return {**value, "budgets": parsed, "protocol": {**(protocol or {}), "budget_base": "prompt"}}
+        if protocol.get("budget_base") not in (None, base):
+            form = "ratio R" if base == "ratio" else "prompt+N"
+            raise KvleagueError(f"budgets: {form} needs protocol.budget_base {base}, got {protocol['budget_base']!r}")
+        return {**value, "budgets": parsed, "protocol": {**(protocol or {}), "budget_base": base}}
 
     @field_validator("budgets", "seeds")
     @classmethod

@@ -24,6 +24,9 @@ A task is a dataclass subclass of :class:`Task`, registered with
 * :meth:`Task.bind_tokenizer` hands the model's tokenizer to tasks whose data depends on it (``niah``);
 * :meth:`Task.build_prompt` turns a sample into token ids with the tokenizer's chat template when
   it has one (plain text otherwise);
+* :meth:`Task.split_prompt` cuts the prompt into the context and the question kvpress's pipeline feeds
+  apart (``scope: context``): a sample's ``metadata`` ``context`` / ``question`` / ``answer_prefix``
+  where it has them, else the whole user message as the context;
 * :meth:`Task.score` (implemented by every task) scores one completion and returns a
   :class:`ScoreResult`; :meth:`Task.score_many` scores a batch (parallel where it pays);
   :meth:`Task.aggregate` reduces many results to per-task metrics.
@@ -175,6 +178,36 @@ class Task:
                 ids = ids[0]
             return [int(i) for i in ids]
         return [int(i) for i in tokenizer(self.prompt_text(sample))["input_ids"]]
+
+    def split_prompt(self, sample: Sample, tokenizer: Any, query_aware: bool = False) -> tuple[list[int], list[int]]:
+        """``(context ids, question ids)`` as kvpress's ``KVPressTextGenerationPipeline`` builds them: the
+        chat template around the context, cut where the user message ends; the question, then the
+        template's suffix (end of turn, assistant header) and the answer prefix. Without a chat
+        template the context follows the BOS token and the question ends with a newline. ``query_aware``:
+        the question joins the context (kvpress's ``query_aware`` evaluation). A sample without
+        ``metadata["context"]`` is all context (its question empty)."""
+        meta = sample.metadata
+        context = meta["context"] if "context" in meta else self.prompt_text(sample)
+        question = meta.get("question", "")
+        if query_aware:
+            context, question = context + question, ""
+        if getattr(tokenizer, "chat_template", None):
+            separator = "#" * (len(context) + 10)  # text no template writes: where the message ends
+            messages = [m for m in self.messages(sample) if m["role"] == "system"]
+            text = tokenizer.apply_chat_template(
+                [*messages, {"role": "user", "content": context + separator}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            context, suffix = text.split(separator)
+        else:
+            context, suffix = (tokenizer.bos_token or "") + context, "\n"
+        question = question + suffix + meta.get("answer_prefix", "")
+
+        def encode(text: str) -> list[int]:
+            return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+        return encode(context), encode(question)
 
     # ---- reference continuation (teacher-forced fidelity) -----------------------------------------
     def reference_continuation(self, sample: Sample) -> str | None:

@@ -219,6 +219,8 @@ def test_every_protocol_field_is_a_flag_and_a_model_arg():
         "recent_max_fraction": "0.25",
         "prompt_over_budget": "keep",
         "budget_base": "prompt",
+        "scope": "context",
+        "query_aware": "true",
     }
     assert (
         set(given)
@@ -236,11 +238,13 @@ def test_every_protocol_field_is_a_flag_and_a_model_arg():
         recent_max_fraction=0.25,
         prompt_over_budget="keep",
         budget_base="prompt",
+        scope="context",
+        query_aware=True,
     )
     argv = ["generate", "--method", "full", "--budget", "64", "--prompt", "x"]
     for name, value in given.items():
         flag = "--" + name.replace("_", "-")
-        argv += [flag] if name == "protect_prompt" else [flag, value]
+        argv += [flag] if name in ("protect_prompt", "query_aware") else [flag, value]
     assert protocol_from_args(build_parser().parse_args(argv)) == expected
     assert Protocol.from_text(given) == expected
     assert Protocol(**ProtocolConfig.model_validate({k: v for k, v in given.items()}).model_dump()) == expected

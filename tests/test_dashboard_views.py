@@ -449,3 +449,13 @@ def test_every_method_has_its_own_colour_and_marker():
     colour, shape = method_colour(demo).to_dict(), method_shape(demo).to_dict()
     assert dict(zip(colour["scale"]["domain"], colour["scale"]["range"])) == {m: c for m, (c, _) in styles.items()}
     assert dict(zip(shape["scale"]["domain"], shape["scale"]["range"])) == {m: s for m, (_, s) in styles.items()}
+
+
+def test_curves_plot_ratio_budgets_against_the_ratio():
+    """kvpress's ratio budgets (issue 48): Budget curves plot the score against the compression ratio."""
+    from kvleague.dashboard.views.curves import _x, with_ratio
+
+    data = pd.DataFrame({"budget": [250, 500], "accuracy": [50.0, 75.0]})
+    ratios = with_ratio(data, {250: "ratio 0.25", 500: "ratio 0.5"})
+    assert ratios["compression_ratio"].tolist() == [0.25, 0.5] and _x(ratios).shorthand == "compression_ratio:Q"
+    assert "compression_ratio" not in with_ratio(data, {250: "250", 500: "500"})

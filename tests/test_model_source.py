@@ -11,6 +11,7 @@ import torch
 
 from kvleague.cli import main
 from kvleague.engine.errors import KvleagueError
+from kvleague.methods import build_method
 from kvleague.runner.models import source as model_source
 from kvleague.runner.models.source import KNOWN_MODELS, MARKER, resolve_model
 
@@ -222,6 +223,38 @@ def test_engine_matches_model_generate_on_the_real_model(smollm2):
     with torch.no_grad():
         ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     assert ours.token_ids == ref[: len(ours.token_ids)] and len(ours.token_ids) > 3
+
+
+def test_a_slice_of_the_kvpress_cpu_sweep_equals_kvpress_pipeline(smollm2):
+    """A slice of sweeps/kvpress_ruler_cpu.yaml on the default model (float32): its first task's first
+    sample (RULER niah_single_1, at 512 tokens to keep CI short) under its protocol at ratio 0.5, a bridged press that
+    scores from hidden states, checked against kvpress's own pipeline (kept positions and greedy
+    tokens; the tiny models cover the rest: tests/test_kvpress_pipeline.py), then scored."""
+    kvpress = pytest.importorskip("kvpress")
+    from kvleague.runner.sweeping.checks import load_checked_config
+    from kvleague.tasks.registry import build_task
+    from tests.conftest import DATA_DIR, REPO
+    from tests.test_kvpress_pipeline import compare
+
+    config = load_checked_config(REPO / "sweeps" / "kvpress_ruler_cpu.yaml")
+    entry = config.tasks[0]
+    task = build_task(entry.name, {**entry.options, "context_length": 512, "num_samples": 1})
+    task.bind_tokenizer(smollm2.tokenizer)
+    (sample,) = task.load(data_dir=DATA_DIR)
+    protocol = config.protocol_for(task.domain, task.protect_prompt)
+    assert smollm2.model.dtype == torch.float32 and 500 in config.budgets and protocol.scope == "context"
+    meta = sample.metadata
+    method = build_method("kvpress:ExpectedAttentionPress")
+    compare(
+        smollm2,
+        method,
+        kvpress.ExpectedAttentionPress(),
+        protocol,
+        meta["context"],
+        meta["question"],
+        meta["answer_prefix"],
+    )
+    assert 0.0 <= task.score(sample, " 1234567").score <= 1.0
 
 
 def test_generate_cli_sends_a_chat_turn_and_the_model_answers(capsys):

@@ -24,6 +24,12 @@ SLICE_DETAIL = [alt.Detail(f"{c}:N") for c in q.SLICE_COLUMNS]
 
 
 def _x(data) -> alt.X:
+    if "compression_ratio" in data:  # ratio budgets (kvpress's protocol): score against the ratio, as kvpress plots it
+        return alt.X(
+            "compression_ratio:Q",
+            title="compression ratio (share of the context evicted)",
+            scale=alt.Scale(domain=[0, 1]),
+        )
     budgets = sorted(data["budget"].unique().tolist())
     return alt.X(
         "budget:Q",
@@ -47,6 +53,14 @@ def _band(data, methods) -> alt.Chart:
 
 def with_slice(df, chosen: dict):
     return df.assign(**{c: chosen[c] for c in q.SLICE_COLUMNS})
+
+
+def with_ratio(df, labels: dict):
+    """``df`` with a ``compression_ratio`` column where every budget is a ratio (``budget_base: ratio``,
+    stored in thousandths): the x axis then is the ratio."""
+    if not df.empty and all(str(labels.get(b, "")).startswith("ratio ") for b in df["budget"].unique()):
+        return df.assign(compression_ratio=df["budget"] / 1000)
+    return df
 
 
 def chart(curves, full, domain: str) -> alt.LayerChart:
@@ -129,7 +143,7 @@ def render(ctx) -> None:
     if curves.empty:
         empty()
         return
-    curves = with_slice(curves, chosen)
+    curves = with_ratio(with_slice(curves, chosen), ctx.opts.budget_labels)
     coinciding_note(ctx, filters)
     st.caption(
         "Accuracy (%) against the KV budget (log scale), with 95% Wilson score bands (design effect when a question "

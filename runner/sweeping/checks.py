@@ -101,7 +101,7 @@ def check_config(config: SweepConfig, base_dir: Path | None = None) -> list[str]
 def _check(config: SweepConfig, base: Path) -> list[str]:
     from kvleague.db.session import parse_url
     from kvleague.engine.protocol import Protocol
-    from kvleague.methods.registry import available_methods, build_method
+    from kvleague.methods.registry import build_method, method_class
     from kvleague.runner.models.source import check_spec
     from kvleague.tasks.episode import EpisodicTask
     from kvleague.tasks.registry import build_task, task_class
@@ -118,11 +118,12 @@ def _check(config: SweepConfig, base: Path) -> list[str]:
     if len(set(labels)) != len(labels):
         raise KvleagueError(f"models: duplicate model name in {labels}; give each a distinct name")
 
-    known = available_methods()
     seen_methods: set[str] = set()
     for i, method in enumerate(config.methods):
-        if method.name not in known:
-            raise KvleagueError(f"methods[{i}].name: unknown {method.name!r}; valid names: {', '.join(known)}")
+        try:  # a registered name, or one of a family (kvpress:<Press>)
+            method_class(method.name)
+        except KvleagueError as exc:
+            raise KvleagueError(f"methods[{i}].name: {str(exc).removeprefix('method: ')}") from None
         for point in method.points():
             try:
                 built = build_method(method.name, point)
