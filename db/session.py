@@ -273,7 +273,9 @@ def _scripts():
 
 
 def head_revision() -> str:
-    return _scripts().get_current_head()
+    head = _scripts().get_current_head()
+    assert head is not None  # the package ships its migrations
+    return head
 
 
 def known_revisions() -> set[str]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import Table, func, insert, select, update
 from sqlalchemy.engine import Engine
 
 from kvleague.db.models import (
@@ -30,6 +30,7 @@ from kvleague.db.models import (
     TaskSpec,
 )
 
+SWEEPS = cast(Table, Sweep.__table__)
 _CHUNK = 500  # keys per IN (...) query: well under SQLite's and PostgreSQL's parameter limits
 
 RESULT_COLUMNS = tuple(c.name for c in SampleResult.__table__.columns if c.name not in ("id",))
@@ -74,7 +75,7 @@ def environment_id(engine: Engine, env: dict[str, Any]) -> int:
 
 def set_model_revision(engine: Engine, model_id: int, revision: str) -> None:
     """Record the Hub commit a model was loaded from (first report wins)."""
-    table = Model.__table__
+    table = cast(Table, Model.__table__)
     with engine.begin() as conn:
         conn.execute(
             update(table).where(table.c.id == model_id, table.c.revision.is_(None)).values(revision=revision[:255])
@@ -83,18 +84,14 @@ def set_model_revision(engine: Engine, model_id: int, revision: str) -> None:
 
 def start_sweep(engine: Engine, values: dict[str, Any]) -> int:
     with engine.begin() as conn:
-        return int(
-            conn.execute(
-                insert(Sweep.__table__).values(status="running", **values).returning(Sweep.__table__.c.id)
-            ).scalar_one()
-        )
+        return int(conn.execute(insert(SWEEPS).values(status="running", **values).returning(SWEEPS.c.id)).scalar_one())
 
 
 def finish_sweep(engine: Engine, sweep_id: int, status: str, **counts: int) -> None:
     with engine.begin() as conn:
         conn.execute(
-            update(Sweep.__table__)
-            .where(Sweep.__table__.c.id == sweep_id)
+            update(SWEEPS)
+            .where(SWEEPS.c.id == sweep_id)
             .values(status=status, finished_at=datetime.now(timezone.utc), **counts)
         )
 

@@ -64,11 +64,12 @@ def _admin_url(server_url: str) -> str:
 def create_database(server_url: str) -> str:
     """A fresh, empty database on the server of ``server_url``; returns its SQLAlchemy URL."""
     import psycopg
+    from psycopg import sql
     from sqlalchemy.engine import make_url
 
     name = f"kvl_test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(_admin_url(server_url), autocommit=True, connect_timeout=10) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     return (
         make_url(server_url).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
     )
@@ -76,11 +77,14 @@ def create_database(server_url: str) -> str:
 
 def drop_database(url: str) -> None:
     import psycopg
+    from psycopg import sql
     from sqlalchemy.engine import make_url
 
     from kvleague.db.session import dispose_engines
 
     dispose_engines()  # close pooled connections before dropping
     name = make_url(url).database
+    if name is None:
+        return
     with psycopg.connect(_admin_url(url), autocommit=True, connect_timeout=10) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

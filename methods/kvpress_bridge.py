@@ -119,7 +119,7 @@ def press_method(name: str) -> type[EvictionMethod]:
     hints = typing.get_type_hints(press)
     fields = []
     for f in _fields(press):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         fields.append((f.name, hints[f.name], dataclasses.field(default=default)))
     cls = dataclasses.make_dataclass(f"Kvpress_{name}", fields, bases=(KvpressMethod,))
     cls.__module__ = __name__  # pickled by reference: this module's __getattr__ makes it again
@@ -202,9 +202,11 @@ class KvpressMethod(EvictionMethod):
         hidden = self.model.get_input_embeddings()(obs.new_token_ids.to(self.info.device)[None])
         rope = self.decoder.rotary_emb(hidden, obs.new_positions[None])
         scores = []
+        entering_layers = obs.hidden_states
+        assert entering_layers is not None  # needs.hidden_states
         for l, layer in enumerate(self.decoder.layers):
             if l > 0:
-                hidden = obs.hidden_states[l - 1][None]
+                hidden = entering_layers[l - 1][None]
             entering = layer.input_layernorm(hidden)
             kwargs = {"hidden_states": entering, "position_embeddings": rope, "cache_position": obs.new_positions}
             attentions = obs.attention[l][None].to(entering.dtype) if obs.attention is not None else None

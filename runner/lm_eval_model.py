@@ -32,7 +32,7 @@ log-likelihood pass over a given continuation never evicts anything worth measur
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: its lazy import skips a non-empty registry)
 from lm_eval.api.model import LM
@@ -160,8 +160,9 @@ class KvleagueLM(LM):
                     bar.update(1)
 
                 self._generate([args[i][0] for i in members], settings, finished)
-        self.generations.extend(records)
-        return outputs
+        assert all(o is not None for o in outputs)  # every request's decode ended
+        self.generations.extend(cast("list[dict]", records))
+        return cast("list[str]", outputs)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         self._templated = True

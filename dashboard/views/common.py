@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from typing import Any
 
 import altair as alt
 import pandas as pd
@@ -56,7 +57,7 @@ def styled(df: pd.DataFrame, pct=(), pp=(), p=(), formats: dict[str, str] | None
     columns' format strings. All in one ``Styler.format`` call: a later call gives every column it does
     not name the default six decimals again."""
     sty = df.style
-    fmt = {c: _num(f) for c, f in (formats or {}).items() if c in df.columns}
+    fmt: dict[Any, Any] = {c: _num(f) for c, f in (formats or {}).items() if c in df.columns}
     for c in pct:
         if c in df.columns:
             fmt[c] = _num("{:.1f}")
@@ -68,10 +69,10 @@ def styled(df: pd.DataFrame, pct=(), pp=(), p=(), formats: dict[str, str] | None
             fmt[c] = fmt_p
     if fmt:
         sty = sty.format(fmt)
-    cols = [c for c in df.columns if c.startswith("verdict")] if verdicts else []
+    cols: list[Any] = [c for c in df.columns if c.startswith("verdict")] if verdicts else []
     if cols:
         sty = sty.map(
-            lambda v: VERDICT_COLOURS.get(v, "color: #666" if str(v).startswith("too few") else ""), subset=cols
+            lambda v: VERDICT_COLOURS.get(str(v), "color: #666" if str(v).startswith("too few") else ""), subset=cols
         )
     return sty
 

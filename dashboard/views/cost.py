@@ -84,7 +84,7 @@ def sweep_costs(ctx) -> None:
     height = height_with_legend(280, df["method"])
     detail = [alt.Detail(f"{c}:N") for c in q.SLICE_COLUMNS]
 
-    def with_error_bars(y: str, lo: str, hi: str, title: str, tooltip: list[str]) -> alt.LayerChart:
+    def with_error_bars(y: str, lo: str, hi: str, title: str, tooltip: list[str]) -> alt.LayerChart | alt.FacetChart:
         base = alt.Chart(df).encode(x=x, color=colour, detail=detail)
         line = base.mark_line(point=alt.OverlayMarkDef(filled=True, size=60)).encode(
             y=alt.Y(f"{y}:Q"),

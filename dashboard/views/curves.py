@@ -63,7 +63,7 @@ def with_ratio(df, labels: dict):
     return df
 
 
-def chart(curves, full, domain: str) -> alt.LayerChart:
+def chart(curves, full, domain: str) -> alt.LayerChart | alt.FacetChart:
     data = curves[curves["domain"] == domain]
     base = _base(data, curves["method"])
     band = _band(data, curves["method"]).encode(y="acc_lo:Q", y2="acc_hi:Q")
@@ -102,7 +102,7 @@ FIDELITY_MEASURES = {
 }
 
 
-def fidelity_chart(curves, domain: str, measure: str) -> alt.LayerChart:
+def fidelity_chart(curves, domain: str, measure: str) -> alt.LayerChart | alt.FacetChart:
     y, lo, hi, title = FIDELITY_MEASURES[measure]
     data = curves[curves["domain"] == domain]
     base = _base(data, curves["method"])

@@ -27,7 +27,7 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    engine = config.attributes.get("engine") or create_engine(config.get_main_option("sqlalchemy.url"))
+    engine = config.attributes.get("engine") or create_engine(config.get_main_option("sqlalchemy.url") or "")
     with engine.connect() as connection:
         context.configure(
             connection=connection, target_metadata=target_metadata, render_as_batch=True, compare_type=True
