@@ -13,7 +13,7 @@ and the forward pass:
   absolute positions are device tensors (``BudgetedCache``'s bookkeeping); the slab is never
   reallocated by an eviction and never shrinks.
 * **Compaction in place.** An eviction moves the kept slots of every layer's K and V to the front
-  with one gather (``cache.gather_slots``: into a reused scratch, then one copy back; a few layers at
+  with one gather (``compaction.gather_slots``: into a reused scratch, then one copy back; a few layers at
   a time where the copy would pass 64 MiB): the same slot layout the HF store's memmove / hole
   filling produce (``_Plan.order``), so the two backends hold the same entries in the same slots.
 * **Constant shapes.** Every forward attends over the whole slab (``capacity`` keys) with a 4D mask
@@ -49,7 +49,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvleague.engine.backend import HFBackend
-from kvleague.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _row_order, gather_slots
+from kvleague.engine.cache import BudgetedCache
+from kvleague.engine.cache_layers import GROWTH, MIN_GROWTH, SlabLayer
+from kvleague.engine.compaction import gather_slots, row_order
 from kvleague.engine.decode import BatchSlabLayer
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import active_recorder, recording
@@ -79,7 +81,7 @@ class FixedSlabLayer(SlabLayer):
             return self.capacity
         if self.capacity == 0:
             return max(self.reserve or 0, needed)
-        return max(needed, int(self.capacity * _GROWTH), self.capacity + _MIN_GROWTH)  # (a budget past the context)
+        return max(needed, int(self.capacity * GROWTH), self.capacity + MIN_GROWTH)  # (a budget past the context)
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return self.planned(self.get_seq_length() + cache_position.shape[0]), 0
@@ -187,7 +189,7 @@ class SlabStore(BudgetedCache):
         kv = self.slabs()
         if kv is None:
             return super()._move_kept(keep, budget, ordered)
-        order = _row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
+        order = row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
         gather_slots(kv, order[None], 0, keep.shape[-1], lambda shape: self._scratch_view(kv, shape))  # a batch of one
         for layer in self.cache.layers:
             layer.truncate(budget)

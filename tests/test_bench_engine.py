@@ -12,7 +12,8 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 import kvleague.engine.cache as bc
 from kvleague.engine.attention import attention_rows
-from kvleague.engine.cache import BudgetedCache, SlabLayer
+from kvleague.engine.cache import BudgetedCache
+from kvleague.engine.cache_layers import SlabLayer
 from kvleague.engine.contract import Needs
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method

@@ -20,7 +20,7 @@ the waits of a GPU's host on its device per step from above. Not counted: copies
 waits for the device's queue too): the step's tokens and positions, and per eviction a few small
 tensors and the scores of a method that scores on the host. Prompts are fed before counting
 starts; only decoding is counted. One count differs from a GPU's: on a CPU a batched eviction reads
-where its first dropped slot is (``cache.evict_rows``: one host read and ~9 ops per eviction, which
+where its first dropped slot is (``cache_rows.evict_rows``: one host read and ~9 ops per eviction, which
 a GPU skips).
 
     python -m kvleague.runner.bench.step_ops [--methods full,epikv,h2o,snapkv] [--batch-sizes 1,8,32]
