@@ -19,6 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from kvleague.engine import slab_attention
 from kvleague.engine.attention import attention_rows
 from kvleague.engine.contract import over_chunks
 
@@ -248,7 +249,11 @@ def _make_wrapper(inner: str):
         kernel = eager_attention_forward if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
         if scaling is None:
             scaling = module.scaling
-        out, weights = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        lengths = slab_attention.active() if inner == "sdpa" and query.shape[2] == 1 else None
+        if lengths is not None:  # a slab decode step: attention by lengths, in the KV heads as they are
+            out, weights = slab_attention.attend(query, key, value, scaling, lengths), None
+        else:
+            out, weights = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         recorder = _ACTIVE.get()
         if recorder is not None:
             recorder.record(module.layer_idx, query, key, value, weights, scaling)

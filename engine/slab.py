@@ -48,6 +48,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvleague.engine import slab_attention
 from kvleague.engine.backend import HFBackend
 from kvleague.engine.cache import BudgetedCache
 from kvleague.engine.cache_layers import GROWTH, MIN_GROWTH, SlabLayer
@@ -320,11 +321,16 @@ class SlabBackend(HFBackend):
                         each.resize(capacity)
             self.steps["graph" if self.device.type == "cuda" else "static"] += 1
             return self._graph_step(token_ids, rope_positions, cache, start_slot, attention_mask, capacity)
-        if c == 1:
-            self.steps["eager"] += 1
-        return self.model_step(
-            token_ids, rope_positions, cache, start_slot, self.slab_mask(n, c, capacity, start_slot, attention_mask)
-        )
+        mask = self.slab_mask(n, c, capacity, start_slot, attention_mask)
+        if c > 1:
+            return self.model_step(token_ids, rope_positions, cache, start_slot, mask)
+        self.steps["eager"] += 1
+        if attention_mask is None:  # every row holds start_slot + 1 slots: SDPA reads those alone
+            lengths = slab_attention.Lengths(None, start_slot + 1)
+        else:
+            lengths = slab_attention.Lengths(attention_mask.sum(dim=-1))
+        with slab_attention.decoding(lengths):
+            return self.model_step(token_ids, rope_positions, cache, start_slot, mask)
 
     def slab_mask(self, n: int, c: int, capacity: int, start_slot: int, valid: torch.Tensor | None) -> torch.Tensor:
         """``[N, 1, c, capacity]``: query j (at slot ``start_slot + j``) sees slot s iff s <= its slot
@@ -438,6 +444,7 @@ class GraphedStep:
         self.rope = torch.zeros((n, 1), dtype=torch.long, device=device)
         self.slots = torch.zeros((n,), dtype=torch.long, device=device)
         self.cache_position = torch.zeros((1,), dtype=torch.long, device=device)
+        self.lengths = torch.zeros((n,), dtype=torch.long, device=device)  # each row's slots, its new one included
         self.mask = backend.slab_mask(n, 1, capacity, 0, None).clone()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -451,7 +458,7 @@ class GraphedStep:
             layer.slots = self.slots
         backend._tap = tap
         try:
-            with recording(tap):
+            with recording(tap), slab_attention.decoding(slab_attention.Lengths(self.lengths)):
                 out = backend.model(
                     input_ids=self.tokens,
                     position_ids=self.rope,
@@ -471,6 +478,7 @@ class GraphedStep:
         self.tokens.copy_(token_ids)
         self.rope.copy_(rope)
         self.slots.copy_(slots)
+        torch.add(slots, 1, out=self.lengths)
         self.mask.copy_(mask)
         self.cache_position.fill_(start_slot)
         if self.logits is None:  # this step's first run: the capture (off CUDA, the body's first run)

@@ -223,6 +223,35 @@ def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
     assert All.n / 4 > 3 * full["ops_per_step"]  # the eager forward alone is most of a step's ops
 
 
+def test_a_slab_decode_step_reads_each_kv_head_once_and_only_the_kept_slots_where_one_length_serves(tiny_models):
+    """``bench.step_ops``' K/V count against the slabs' own sizes: an eager step of one sequence reads
+    exactly its kept slots and its new one, once per KV head (SDPA by length, ``enable_gqa``); a
+    captured step of a batch reads each row's whole slab once per KV head under a validity mask
+    (the query heads folded per KV head), never a copy repeated per query head (before: 1 + 2
+    reads of the slab for 4 query / 2 KV heads)."""
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    config = engine.model.config
+    slot_bytes = (
+        config.num_hidden_layers
+        * config.num_key_value_heads
+        * 2
+        * 4
+        * (config.hidden_size // config.num_attention_heads)
+    )
+    prompt = list(range(40, 80))
+    engine.backend.graphs = False
+    alone = count(engine, "epikv", 1, 16, prompt, 4)
+    assert alone["evictions"] == 5 and alone["kv_read_ratio"] == 1.0
+    engine.backend.graphs = True
+    batch = count(engine, "snapkv", 2, 16, prompt, 4)
+    capacity = 16 + 1  # a batch's slab: B + the cadence's buffer + 1 (step_every 1: no buffer)
+    assert batch["kv_read_bytes_per_step"] == 2 * capacity * slot_bytes
+
+
 def test_a_batch_of_epikv_reads_the_host_a_fixed_number_of_times_per_step(tiny_models):
     """The EpiKV family's batched decode path keeps each row's z-scores and score in Python floats and
     grows the rows' score tables after one read: a batch of 8 reads the host no more often per step
