@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from kvleague.engine.cache import BudgetedCache
-from kvleague.engine.compaction import gather_slots, row_order
+from kvleague.engine.compaction import fill_slab_holes, gather_slots, row_order
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import Protocol
 from kvleague.engine.selection import (
@@ -148,13 +148,16 @@ def evict_rows(
     order = row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
     contiguous = rows == list(range(rows[0], rows[0] + n))
     index = None if contiguous else torch.tensor(rows, device=device)
-    # every slot before the first dropped one (of any row, layer or head) stays where it is: on a CPU
-    # only the slots from there on move (a few, where a method drops recent tokens); on a GPU all move,
-    # since reading where that slot is would make the host wait for the device inside the step
-    start = first_dropped(keep) if device.type == "cpu" else 0
     part = kv[:, :, rows[0] : rows[0] + n] if contiguous else kv.index_select(2, index)  # [L, 2, n, H, capacity, d]
-    # slots past a row's own count take whatever its padded order names: past its new length
-    gather_slots(part, order[..., start:], start, t)
+    if ordered:
+        # every slot before the first dropped one (of any row, layer or head) stays where it is: on a
+        # CPU only the slots from there on move (a few, where a method drops recent tokens); on a GPU
+        # all move, since reading where that slot is would make the host wait for the device
+        start = first_dropped(keep) if device.type == "cpu" else 0
+        # slots past a row's own count take whatever its padded order names: past its new length
+        gather_slots(part, order[..., start:], start, t)
+    else:  # the holes below each row's count alone take its kept slots above it
+        fill_slab_holes(part, keep, keep_n, max(length - k for length, k in zip(lengths, kept)))
     if not contiguous:  # a copy of the rows: written back
         kv.index_copy_(2, index, part)
     if dim == 1:

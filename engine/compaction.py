@@ -51,13 +51,7 @@ def gather_slots(
     layer and head alike), ``[N, L, w]`` or ``[N, L, H, w]``. One gather for all layers, or a few
     layers at a time where the gathered copy (into ``scratch(shape)`` if given) would pass
     ``GATHER_BYTES``."""
-    # as [L or 1, 1, N, H or 1, w, 1], broadcast over K / V and head_dim
-    if order.dim() == 2:
-        at = order[None, None, :, None, :, None]
-    elif order.dim() == 3:
-        at = order.transpose(0, 1)[:, None, :, None, :, None]
-    else:
-        at = order.transpose(0, 1)[:, None, :, :, :, None]
+    at = _slab_index(order)
     n_layers, _, n, heads, _, head_dim = kv.shape
     width = order.shape[-1]
     chunk = max(1, GATHER_BYTES // max(2 * n * heads * width * head_dim * kv.element_size(), 1))
@@ -67,6 +61,36 @@ def gather_slots(
         index = index.expand(hi - lo, 2, n, heads, width, head_dim)
         out = None if scratch is None else scratch(tuple(index.shape))
         slabs.narrow(-2, start, width).copy_(torch.gather(slabs.narrow(-2, 0, length), -2, index, out=out))
+
+
+def _slab_index(order: torch.Tensor) -> torch.Tensor:
+    """A per-row slot index ``[N, w]``, ``[N, L, w]`` or ``[N, L, H, w]`` as ``[L or 1, 1, N, H or 1,
+    w, 1]``, broadcast over a slab's K / V and head dim."""
+    if order.dim() == 2:
+        return order[None, None, :, None, :, None]
+    if order.dim() == 3:
+        return order.transpose(0, 1)[:, None, :, None, :, None]
+    return order.transpose(0, 1)[:, None, :, :, :, None]
+
+
+def fill_slab_holes(kv: torch.Tensor, keep: torch.Tensor, kept, dropped: int) -> None:
+    """Order-free removal in the slabs ``kv`` (``[L, 2, N, H, capacity, d]``) for keep masks ``[N, T]``,
+    ``[N, L, T]`` or ``[N, L, H, T]`` whose rows keep ``kept`` slots (an int, or a count per row
+    broadcast against the leading dims) and drop at most ``dropped`` of their own: each dropped slot
+    below the row's count takes a kept slot from the count on, in increasing order on both sides
+    (:func:`row_order`'s layout), and nothing else moves: ``dropped`` slots gathered and scattered,
+    not the whole cache. Sorts of the masks, no host read."""
+    if dropped == 0:
+        return
+    slots = torch.arange(keep.shape[-1], device=keep.device)
+    first = lambda mask: mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :dropped]  # noqa: E731
+    holes = first(~keep)  # a row's dropped slots ascending (then its padding, past its length)
+    donors = first(keep & (slots >= kept))  # as many kept slots from the count on as holes below it
+    # a hole at or past the count (or a row that drops fewer) copies itself: the slot is past the length
+    src = torch.where(holes < kept, donors, holes)
+    at, src_at = _slab_index(holes), _slab_index(src)
+    shape = (kv.shape[0], 2, kv.shape[2], kv.shape[3], holes.shape[-1], kv.shape[-1])
+    kv.scatter_(-2, at.expand(shape), torch.gather(kv, -2, src_at.expand(shape)))
 
 
 #: the most bytes one gather of the slabs' kept slots copies out (all layers, else a few at a time)

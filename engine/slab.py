@@ -52,7 +52,7 @@ from kvleague.engine import slab_attention
 from kvleague.engine.backend import HFBackend
 from kvleague.engine.cache import BudgetedCache
 from kvleague.engine.cache_layers import GROWTH, MIN_GROWTH, SlabLayer
-from kvleague.engine.compaction import gather_slots, row_order
+from kvleague.engine.compaction import fill_slab_holes, gather_slots, row_order
 from kvleague.engine.decode import BatchSlabLayer
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import active_recorder, recording
@@ -191,7 +191,12 @@ class SlabStore(BudgetedCache):
         if kv is None:
             return super()._move_kept(keep, budget, ordered)
         order = row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
-        gather_slots(kv, order[None], 0, keep.shape[-1], lambda shape: self._scratch_view(kv, shape))  # a batch of one
+        if ordered:
+            gather_slots(
+                kv, order[None], 0, keep.shape[-1], lambda shape: self._scratch_view(kv, shape)
+            )  # a batch of one
+        else:  # the holes below the budget alone take the kept slots above it
+            fill_slab_holes(kv, keep[None], budget, keep.shape[-1] - budget)
         for layer in self.cache.layers:
             layer.truncate(budget)
         return order

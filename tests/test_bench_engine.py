@@ -252,6 +252,24 @@ def test_a_slab_decode_step_reads_each_kv_head_once_and_only_the_kept_slots_wher
     assert batch["kv_read_bytes_per_step"] == 2 * capacity * slot_bytes
 
 
+def test_an_order_free_eviction_on_the_slabs_moves_only_the_evicted_slots(tiny_models):
+    """``bench.step_ops``' moved bytes against the evicted slots' bytes: an order-free method's eviction
+    (tova) fills each hole below the budget from above it, alone and in a batch, and so writes twice
+    the evicted slots' bytes (gathered, then scattered), not the whole cache (before: 64x at B = 32);
+    an ordered one (snapkv) still moves every kept slot, as a GPU does (its slot order is the contract)."""
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    engine.backend.graphs = True
+    prompt = list(range(40, 80))
+    for batch in (1, 2):
+        row = count(engine, "tova", batch, 16, prompt, 4, as_gpu=True)
+        assert row["evicted_bytes_per_step"] > 0 and row["moved_ratio"] == 2.0, row
+    assert count(engine, "snapkv", 2, 16, prompt, 4, as_gpu=True)["moved_ratio"] == 2 * 16
+
+
 def test_a_batch_of_epikv_reads_the_host_a_fixed_number_of_times_per_step(tiny_models):
     """The EpiKV family's batched decode path keeps each row's z-scores and score in Python floats and
     grows the rows' score tables after one read: a batch of 8 reads the host no more often per step

@@ -19,9 +19,18 @@ the waits of a GPU's host on its device per step from above. Not counted: copies
 (``torch.tensor(..., device=)``, ``.to(device)`` of a host-made tensor; from pageable memory each
 waits for the device's queue too): the step's tokens and positions, and per eviction a few small
 tensors and the scores of a method that scores on the host. Prompts are fed before counting
-starts; only decoding is counted. One count differs from a GPU's: on a CPU a batched eviction reads
-where its first dropped slot is (``cache_rows.evict_rows``: one host read and ~9 ops per eviction, which
-a GPU skips).
+starts; only decoding is counted. The benchmark counts a batched eviction as a GPU runs it (every
+kept slot of an ordered eviction moves); on a CPU the engine reads where the first dropped slot is
+and moves only the slots from there on (``cache_rows.evict_rows``: one host read and ~9 ops).
+
+And bytes, per decode step, told apart by where a tensor's memory is (the slabs, and the copies the
+forward makes of them, such as K/V repeated per query head):
+
+* ``K/V read``: bytes of the slabs (and their copies) that the forward's ops read (a broadcast
+  dimension read once), against ``kept``: each row's kept slots and its new one x KV heads x head
+  dim x 2 x layers x element size, what a kernel reading the kept slots once reads;
+* ``moved``: bytes written by the eviction's ops that read or write the slabs (in place: what their
+  source holds), against ``evicted``: the slots dropped x the same bytes per slot.
 
     python -m kvleague.runner.bench.step_ops [--methods full,epikv,h2o,snapkv] [--batch-sizes 1,8,32]
                                              [--budget 32] [--prompt-tokens 64] [--steps 32] [--json OUT]
@@ -80,13 +89,15 @@ def _aliases(out, args) -> bool:
     )
 
 
-def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: int) -> dict:
+def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: int, as_gpu: bool = False) -> dict:
     """Per decode step of ``batch`` sequences under method ``name``: ops outside the captured body,
-    host reads, K/V bytes the forward's attention reads and the bytes an eviction moves."""
+    host reads, K/V bytes the forward's attention reads and the bytes an eviction moves. ``as_gpu``:
+    a batch's ordered eviction moves every kept slot, as on a GPU (not reading its first dropped slot)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    import kvleague.engine.cache_rows as cache_rows
     import kvleague.engine.decode as decode
     from kvleague.engine.cache import BudgetedCache
     from kvleague.engine.decode import DecodeLoop
@@ -137,7 +148,11 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
                     if any(t.dim() >= 2 and t.shape[-2:] == k.shape[-2:] for k in kv_in):
                         self.derived.add(storage(t))
             elif kv_in or any(storage(t) in slabs for t in written):
-                self.moved += sum(_bytes(t) for t in {id(t): t for t in [*written, *outs]}.values())
+                # an op writing into a tensor in place (copy_, scatter_, index_copy_) writes what its
+                # source holds, not the whole tensor
+                source = max((_bytes(t) for t in read if t.dtype == (written or outs)[0].dtype), default=0)
+                self.moved += sum(min(_bytes(t), source) for t in {id(t): t for t in written}.values())
+                self.moved += sum(_bytes(t) for t in outs if all(t is not w for w in written))
 
     class Copies(TorchFunctionMode):
         """``tolist`` and ``cpu``: a copy to the host on a GPU, nothing dispatched on a CPU."""
@@ -186,6 +201,7 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
             session.feed(prompt)
     evictions = sum(s.evicted_tokens for s in sessions)
     patches = [
+        *([(cache_rows, "first_dropped", lambda keep: 0)] if as_gpu else []),
         (GraphedStep, "_body", uncounted),
         (engine.backend, "forward", phase("forward", engine.backend.forward)),
         (decode, "evict_rows", phase("evict", decode.evict_rows)),
@@ -260,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine.backend.graphs = True  # the captured body's path, run eagerly off CUDA
         prompt = h.random_prompt(args.prompt_tokens, seed=1)
         rows = [
-            count(engine, m, b, args.budget, prompt, args.steps)
+            count(engine, m, b, args.budget, prompt, args.steps, as_gpu=True)
             for m in args.methods.split(",")
             for b in (int(x) for x in args.batch_sizes.split(","))
         ]
