@@ -8,10 +8,10 @@ and the forward pass:
 * **Fixed slabs.** Per layer, K and V are one ``[batch, kv_heads, capacity, head_dim]`` buffer each,
   views of one ``[layers, 2, batch, kv_heads, capacity, head_dim]`` tensor (``SlabStore.kv``; a
   batch's ``DecodeLoop.kv``), allocated zeroed once at ``capacity`` = budget + what one pass appends (the prefill chunk, or the
-  cadence's buffer + 1; a first prefill longer than that sizes it once to the prompt; a budget past
-  the model's context, i.e. no eviction, grows it geometrically instead). Lengths and
-  absolute positions are device tensors (``BudgetedCache``'s bookkeeping); the slab is never
-  reallocated by an eviction and never shrinks.
+  cadence's buffer + 1; a prefill longer than that sizes it to the prompt, and the eviction that
+  compresses the prompt takes it back to that reserve; a budget past the model's context, i.e. no
+  eviction, grows it geometrically instead). Lengths and absolute positions are device tensors
+  (``BudgetedCache``'s bookkeeping); a decode step's eviction never reallocates the slab.
 * **Compaction in place.** An eviction moves the kept slots of every layer's K and V to the front
   with one gather (``compaction.gather_slots``: into a reused scratch, then one copy back; a few layers at
   a time where the copy would pass 64 MiB): the same slot layout the HF store's memmove / hole
@@ -210,7 +210,13 @@ class SlabStore(BudgetedCache):
         layer.truncate(plan.budget)
 
     def _shrink(self, budget: int) -> None:
-        """Fixed slabs: never reallocated."""
+        """A slab sized to a long prompt goes back to its reserve (budget + one pass) once the prompt
+        is compressed, before any decode step: every decode step reads the whole slab where one
+        length does not serve (a captured step), and a step is captured per capacity. Rows of a
+        batch's slabs are never reallocated."""
+        kv, reserve = self.slabs(), self.cache.layers[0].reserve
+        if kv is not None and reserve is not None and kv.shape[-2] > max(reserve, budget):
+            self._grow(max(reserve, budget), self.cache.layers[0]._k)
 
 
 class SlabBackend(HFBackend):
