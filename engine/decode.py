@@ -470,7 +470,7 @@ class DecodeLoop:
                 ),
                 None if slabs is None else slabs[:, 0],
             )
-        self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask)
+        self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask, decode=True)
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
         rss = current_rss() if self.device.type != "cuda" else None  # the process's: one read for the batch

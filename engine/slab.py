@@ -239,6 +239,8 @@ class SlabBackend(HFBackend):
         #: graphs captured (off CUDA: captured bodies first run) and the seconds their warm-up and
         #: capture took, device synchronized around them: what a run pays once per new shape or slab
         self.captures, self.capture_seconds = 0, 0.0
+        #: the (batch, capacity) shapes captured: a run captures each once at best (one live graph now)
+        self.capture_shapes: set[tuple[int, int]] = set()
         #: the hidden-state callbacks of the ``observing`` contexts now open: (layers, on_hidden)
         self._observers: list[tuple[tuple[int, ...], Any]] = []
         #: while a captured step's body runs: where its hooks and attention calls leave what they saw
@@ -257,6 +259,7 @@ class SlabBackend(HFBackend):
             "decode_steps": dict(self.steps),
             "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off",
             "graph_captures": self.captures,
+            "graph_capture_shapes": len(self.capture_shapes),
             "graph_capture_seconds": round(self.capture_seconds, 6),
         }
 
@@ -312,9 +315,12 @@ class SlabBackend(HFBackend):
         cache,
         start_slot: int,
         attention_mask: torch.Tensor | None = None,
+        decode: bool = False,
     ) -> torch.Tensor:
         """As :meth:`HFBackend.forward`, attending over the whole slab: ``attention_mask`` ``[N, S]``
-        (valid slots of a ragged batch) is widened to the slab's capacity and made causal here."""
+        (valid slots of a ragged batch) is widened to the slab's capacity and made causal here. Only
+        a decode loop's steps are captured: a fed one-token prompt or turn (a batch flushing each
+        session's pending token) runs eagerly, not one capture per session and turn."""
         n, c = token_ids.shape
         layer = cache.layers[0]
         capacity = layer.slab_k.shape[-2] if isinstance(layer, BatchSlabLayer) else layer.planned(start_slot + c)
@@ -322,8 +328,7 @@ class SlabBackend(HFBackend):
         if recorder is not None:
             recorder.kv_length = start_slot + c  # a single sequence's valid slots (a batch's recorder cuts per row)
         batched = isinstance(layer, BatchSlabLayer)
-        # a sequence's first pass (a one-token prompt) allocates its slabs, so it runs eagerly
-        if c == 1 and self.graphs and (batched or layer.capacity):
+        if c == 1 and decode and self.graphs and (batched or layer.capacity):
             if not batched:
                 # grow before the step is keyed by the slabs' addresses (grown inside, it would be keyed
                 # by the old ones and captured again at the next step)
@@ -450,6 +455,7 @@ class GraphedStep:
 
     def __init__(self, backend: SlabBackend, n: int, capacity: int):
         self.backend = backend
+        self.shape = (n, capacity)
         device = backend.device
         self.tokens = torch.zeros((n, 1), dtype=torch.long, device=device)
         self.rope = torch.zeros((n, 1), dtype=torch.long, device=device)
@@ -497,6 +503,7 @@ class GraphedStep:
             started = clock()
             logits = self._capture(cache)
             self.backend.captures += 1
+            self.backend.capture_shapes.add(self.shape)
             self.backend.capture_seconds += clock() - started
         elif self.graph is not None:
             self.graph.replay()

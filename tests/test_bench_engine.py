@@ -375,3 +375,25 @@ def test_a_sequence_s_step_does_not_loop_over_the_layers(tmp_path):
     assert per_layer["full"] > 0
     for name in names[1:]:
         assert per_layer[name] <= per_layer["full"] + 0.5, (name, per_layer)
+
+
+def test_a_fed_one_token_turn_runs_eagerly_and_only_decode_steps_are_captured(tiny_models):
+    """A one-token turn (a batch flushing a session's pending token) is fed eagerly on the slab
+    backend, not captured per session and turn; the decode loop's steps are, once per (batch,
+    capacity), and ``describe`` counts the shapes beside the captures."""
+    from kvleague.engine.protocol import GenerationSettings, Protocol
+    from kvleague.methods import build_method
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    backend = engine.backend
+    backend.graphs = True
+    with engine.session(build_method("full"), 64, Protocol()) as session:
+        session.feed(list(range(40, 60)))
+        steps, captures = dict(backend.steps), backend.captures
+        session.feed([70])
+        assert backend.captures == captures and backend.steps == {**steps, "eager": steps["eager"] + 1}
+        session.decode(GenerationSettings(max_new_tokens=4))
+    assert backend.steps["static"] - steps["static"] == 3 and backend.captures == captures + 1
+    assert backend.describe()["graph_capture_shapes"] == 1
