@@ -10,7 +10,7 @@ it imports nothing from them. Its modules, one job each:
 * ``session``  :class:`Session`: one sequence's cache, prefill, decode and teacher forcing;
 * ``decode``  the one decode loop: a step (forward, track, observe, evict) for any number of sequences;
 * ``batch``  batching policy: which sequences decode together, and how many fit;
-* ``cache``  the budgeted KV cache: protection, top-k selection, moving entries;
+* ``cache``  the budgeted KV cache (``cache_layers``, ``selection``, ``compaction``, ``cache_rows`` beside it);
 * ``probe``  the attention-weight recorder for methods that read attention;
 * ``protocol``  the budget rules (:class:`Protocol`) and decoding settings;
 * ``resources``  peak-memory measurement;

@@ -100,11 +100,13 @@ class HFBackend:
         cache,
         start_slot: int,
         attention_mask: torch.Tensor | None = None,
+        decode: bool = False,
     ) -> torch.Tensor:
         """Run ``token_ids`` ``[N, C]`` with RoPE positions ``rope_positions`` ``[N, C]`` over ``cache`` (its
         raw cache object), writing at storage slots ``start_slot`` .. ``start_slot + C - 1`` (so the causal
         mask is right for a shrunken cache); ``attention_mask`` ``[N, S]`` hides padded slots. Returns
-        the last position's logits ``[N, V]``."""
+        the last position's logits ``[N, V]``. ``decode``: a decode loop's step (not a fed prompt or
+        turn, even of one token), which a backend may capture."""
         return self.model_step(token_ids, rope_positions, cache, start_slot, attention_mask)
 
     def model_step(

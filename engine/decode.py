@@ -26,7 +26,7 @@ prompts wait, and keeps its shapes (a captured step replays).
 ``score``, several through ``EvictionMethod.observe_batch`` / ``score_batch``
 (``engine/contract.py``), which loop over the instances unless the class vectorises.
 Selection and moving the entries run for the whole group at once where its rows share a protocol,
-slot contract and score shape (``cache.evict_rows``: one top-k over the stacked scores, each row
+slot contract and score shape (``cache_rows.evict_rows``: one top-k over the stacked scores, each row
 with its own length and budget, one gather for every layer's slabs, one host read whatever the batch size),
 else per sequence on its row (``Session.apply_scores``); both keep the same slots.
 
@@ -47,7 +47,9 @@ from typing import Protocol as TypingProtocol
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvleague.engine.cache import BudgetedCache, SlabLayer, evict_rows, track_rows
+from kvleague.engine.cache import BudgetedCache
+from kvleague.engine.cache_layers import SlabLayer
+from kvleague.engine.cache_rows import evict_rows, track_rows
 from kvleague.engine.contract import BatchCacheView, EvictionMethod, Observation, RowHidden
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import BatchAttentionRecorder, recording
@@ -227,7 +229,7 @@ class DecodeLoop:
         n = len(self.active)
         first = self.sessions[self.active[0]].cache.cache.layers[0].keys
         # every layer's K and V in one tensor, so that an eviction moves the kept slots of all of them
-        # with one gather (cache.evict_rows); zeros, not empty: a padded slot is masked, but 0 x NaN
+        # with one gather (cache_rows.evict_rows); zeros, not empty: a padded slot is masked, but 0 x NaN
         # garbage would still be NaN
         self.kv = first.new_zeros((self.engine.n_layers, 2, n, first.shape[1], capacity, first.shape[-1]))
         self.capacity = capacity
@@ -470,7 +472,7 @@ class DecodeLoop:
                 ),
                 None if slabs is None else slabs[:, 0],
             )
-        self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask)
+        self.logits = self.backend.forward(tokens[:, None], rope[:, None], cache, start_slot, mask, decode=True)
         new_positions = positions[:, None]
         live = {r: s for r, s in enumerate(sessions) if r not in self.dead}  # slab row -> its session
         rss = current_rss() if self.device.type != "cuda" else None  # the process's: one read for the batch
@@ -543,7 +545,7 @@ class DecodeLoop:
 
     def _evict_together(self, group: list[Sequence], members: list[int], scores, scoring: tuple) -> bool:
         """Evict rows ``members`` of the slabs in one selection and one gather
-        (``cache.evict_rows``) when their sessions share a protocol and slot contract (budgets and
+        (``cache_rows.evict_rows``) when their sessions share a protocol and slot contract (budgets and
         lengths may differ); False when they cannot (nothing changed: each evicts alone)."""
         s0 = group[0]
         if not self.shared or any(s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group):

@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvleague.engine import slab_attention
 from kvleague.engine.attention import attention_rows
 from kvleague.engine.contract import over_chunks
 from kvleague.engine.eager import Rows, budget_bytes, eager_attention
@@ -264,8 +265,14 @@ def _make_wrapper(inner: str):
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, rows=rows, **kwargs
             )
         else:
-            kernel = ALL_ATTENTION_FUNCTIONS[inner]
-            out, weights = kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            lengths = slab_attention.active() if inner == "sdpa" and query.shape[2] == 1 else None
+            if lengths is not None:  # a slab decode step: attention by lengths, in the KV heads as they are
+                out, weights = slab_attention.attend(query, key, value, scaling, lengths), None
+            else:
+                kernel = ALL_ATTENTION_FUNCTIONS[inner]
+                out, weights = kernel(
+                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+                )
         if recorder is not None:
             recorder.record(module.layer_idx, query, key, value, weights, scaling)
         return out, weights

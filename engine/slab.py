@@ -8,12 +8,12 @@ and the forward pass:
 * **Fixed slabs.** Per layer, K and V are one ``[batch, kv_heads, capacity, head_dim]`` buffer each,
   views of one ``[layers, 2, batch, kv_heads, capacity, head_dim]`` tensor (``SlabStore.kv``; a
   batch's ``DecodeLoop.kv``), allocated zeroed once at ``capacity`` = budget + what one pass appends (the prefill chunk, or the
-  cadence's buffer + 1; a first prefill longer than that sizes it once to the prompt; a budget past
-  the model's context, i.e. no eviction, grows it geometrically instead). Lengths and
-  absolute positions are device tensors (``BudgetedCache``'s bookkeeping); the slab is never
-  reallocated by an eviction and never shrinks.
+  cadence's buffer + 1; a prefill longer than that sizes it to the prompt, and the eviction that
+  compresses the prompt takes it back to that reserve; a budget past the model's context, i.e. no
+  eviction, grows it geometrically instead). Lengths and absolute positions are device tensors
+  (``BudgetedCache``'s bookkeeping); a decode step's eviction never reallocates the slab.
 * **Compaction in place.** An eviction moves the kept slots of every layer's K and V to the front
-  with one gather (``cache.gather_slots``: into a reused scratch, then one copy back; a few layers at
+  with one gather (``compaction.gather_slots``: into a reused scratch, then one copy back; a few layers at
   a time where the copy would pass 64 MiB): the same slot layout the HF store's memmove / hole
   filling produce (``_Plan.order``), so the two backends hold the same entries in the same slots.
 * **Constant shapes.** Every forward attends over the whole slab (``capacity`` keys) with a 4D mask
@@ -48,8 +48,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvleague.engine import slab_attention
 from kvleague.engine.backend import HFBackend
-from kvleague.engine.cache import _GROWTH, _MIN_GROWTH, BudgetedCache, SlabLayer, _row_order, gather_slots
+from kvleague.engine.cache import BudgetedCache
+from kvleague.engine.cache_layers import GROWTH, MIN_GROWTH, SlabLayer
+from kvleague.engine.compaction import fill_slab_holes, gather_slots, row_order
 from kvleague.engine.decode import BatchSlabLayer
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import active_recorder, recording
@@ -79,7 +82,7 @@ class FixedSlabLayer(SlabLayer):
             return self.capacity
         if self.capacity == 0:
             return max(self.reserve or 0, needed)
-        return max(needed, int(self.capacity * _GROWTH), self.capacity + _MIN_GROWTH)  # (a budget past the context)
+        return max(needed, int(self.capacity * GROWTH), self.capacity + MIN_GROWTH)  # (a budget past the context)
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return self.planned(self.get_seq_length() + cache_position.shape[0]), 0
@@ -187,8 +190,13 @@ class SlabStore(BudgetedCache):
         kv = self.slabs()
         if kv is None:
             return super()._move_kept(keep, budget, ordered)
-        order = _row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
-        gather_slots(kv, order[None], 0, keep.shape[-1], lambda shape: self._scratch_view(kv, shape))  # a batch of one
+        order = row_order(keep, budget, budget, ordered)  # [B], [L, B] or [L, H, B]
+        if ordered:
+            gather_slots(
+                kv, order[None], 0, keep.shape[-1], lambda shape: self._scratch_view(kv, shape)
+            )  # a batch of one
+        else:  # the holes below the budget alone take the kept slots above it
+            fill_slab_holes(kv, keep[None], budget, keep.shape[-1] - budget)
         for layer in self.cache.layers:
             layer.truncate(budget)
         return order
@@ -202,7 +210,13 @@ class SlabStore(BudgetedCache):
         layer.truncate(plan.budget)
 
     def _shrink(self, budget: int) -> None:
-        """Fixed slabs: never reallocated."""
+        """A slab sized to a long prompt goes back to its reserve (budget + one pass) once the prompt
+        is compressed, before any decode step: every decode step reads the whole slab where one
+        length does not serve (a captured step), and a step is captured per capacity. Rows of a
+        batch's slabs are never reallocated."""
+        kv, reserve = self.slabs(), self.cache.layers[0].reserve
+        if kv is not None and reserve is not None and kv.shape[-2] > max(reserve, budget):
+            self._grow(max(reserve, budget), self.cache.layers[0]._k)
 
 
 class SlabBackend(HFBackend):
@@ -225,6 +239,8 @@ class SlabBackend(HFBackend):
         #: graphs captured (off CUDA: captured bodies first run) and the seconds their warm-up and
         #: capture took, device synchronized around them: what a run pays once per new shape or slab
         self.captures, self.capture_seconds = 0, 0.0
+        #: the (batch, capacity) shapes captured: a run captures each once at best (one live graph now)
+        self.capture_shapes: set[tuple[int, int]] = set()
         #: the hidden-state callbacks of the ``observing`` contexts now open: (layers, on_hidden)
         self._observers: list[tuple[tuple[int, ...], Any]] = []
         #: while a captured step's body runs: where its hooks and attention calls leave what they saw
@@ -243,6 +259,7 @@ class SlabBackend(HFBackend):
             "decode_steps": dict(self.steps),
             "cuda_graphs": "on" if self.graphs and self.device.type == "cuda" else "off",
             "graph_captures": self.captures,
+            "graph_capture_shapes": len(self.capture_shapes),
             "graph_capture_seconds": round(self.capture_seconds, 6),
         }
 
@@ -298,9 +315,12 @@ class SlabBackend(HFBackend):
         cache,
         start_slot: int,
         attention_mask: torch.Tensor | None = None,
+        decode: bool = False,
     ) -> torch.Tensor:
         """As :meth:`HFBackend.forward`, attending over the whole slab: ``attention_mask`` ``[N, S]``
-        (valid slots of a ragged batch) is widened to the slab's capacity and made causal here."""
+        (valid slots of a ragged batch) is widened to the slab's capacity and made causal here. Only
+        a decode loop's steps are captured: a fed one-token prompt or turn (a batch flushing each
+        session's pending token) runs eagerly, not one capture per session and turn."""
         n, c = token_ids.shape
         layer = cache.layers[0]
         capacity = layer.slab_k.shape[-2] if isinstance(layer, BatchSlabLayer) else layer.planned(start_slot + c)
@@ -308,8 +328,7 @@ class SlabBackend(HFBackend):
         if recorder is not None:
             recorder.kv_length = start_slot + c  # a single sequence's valid slots (a batch's recorder cuts per row)
         batched = isinstance(layer, BatchSlabLayer)
-        # a sequence's first pass (a one-token prompt) allocates its slabs, so it runs eagerly
-        if c == 1 and self.graphs and (batched or layer.capacity):
+        if c == 1 and decode and self.graphs and (batched or layer.capacity):
             if not batched:
                 # grow before the step is keyed by the slabs' addresses (grown inside, it would be keyed
                 # by the old ones and captured again at the next step)
@@ -318,11 +337,16 @@ class SlabBackend(HFBackend):
                         each.resize(capacity)
             self.steps["graph" if self.device.type == "cuda" else "static"] += 1
             return self._graph_step(token_ids, rope_positions, cache, start_slot, attention_mask, capacity)
-        if c == 1:
-            self.steps["eager"] += 1
-        return self.model_step(
-            token_ids, rope_positions, cache, start_slot, self.slab_mask(n, c, capacity, start_slot, attention_mask)
-        )
+        mask = self.slab_mask(n, c, capacity, start_slot, attention_mask)
+        if c > 1:
+            return self.model_step(token_ids, rope_positions, cache, start_slot, mask)
+        self.steps["eager"] += 1
+        if attention_mask is None:  # every row holds start_slot + 1 slots: SDPA reads those alone
+            lengths = slab_attention.Lengths(None, start_slot + 1)
+        else:
+            lengths = slab_attention.Lengths(attention_mask.sum(dim=-1))
+        with slab_attention.decoding(lengths):
+            return self.model_step(token_ids, rope_positions, cache, start_slot, mask)
 
     def slab_mask(self, n: int, c: int, capacity: int, start_slot: int, valid: torch.Tensor | None) -> torch.Tensor:
         """``[N, 1, c, capacity]``: query j (at slot ``start_slot + j``) sees slot s iff s <= its slot
@@ -431,11 +455,13 @@ class GraphedStep:
 
     def __init__(self, backend: SlabBackend, n: int, capacity: int):
         self.backend = backend
+        self.shape = (n, capacity)
         device = backend.device
         self.tokens = torch.zeros((n, 1), dtype=torch.long, device=device)
         self.rope = torch.zeros((n, 1), dtype=torch.long, device=device)
         self.slots = torch.zeros((n,), dtype=torch.long, device=device)
         self.cache_position = torch.zeros((1,), dtype=torch.long, device=device)
+        self.lengths = torch.zeros((n,), dtype=torch.long, device=device)  # each row's slots, its new one included
         self.mask = backend.slab_mask(n, 1, capacity, 0, None).clone()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -449,7 +475,7 @@ class GraphedStep:
             layer.slots = self.slots
         backend._tap = tap
         try:
-            with recording(tap):
+            with recording(tap), slab_attention.decoding(slab_attention.Lengths(self.lengths)):
                 out = backend.model(
                     input_ids=self.tokens,
                     position_ids=self.rope,
@@ -469,6 +495,7 @@ class GraphedStep:
         self.tokens.copy_(token_ids)
         self.rope.copy_(rope)
         self.slots.copy_(slots)
+        torch.add(slots, 1, out=self.lengths)
         self.mask.copy_(mask)
         self.cache_position.fill_(start_slot)
         if self.logits is None:  # this step's first run: the capture (off CUDA, the body's first run)
@@ -476,6 +503,7 @@ class GraphedStep:
             started = clock()
             logits = self._capture(cache)
             self.backend.captures += 1
+            self.backend.capture_shapes.add(self.shape)
             self.backend.capture_seconds += clock() - started
         elif self.graph is not None:
             self.graph.replay()

@@ -88,7 +88,7 @@ def _same(single, batched) -> None:
 @pytest.mark.parametrize("name", METHODS)
 def test_each_sequence_of_a_batch_equals_it_alone(engines64, prompts, name, arch, monkeypatch):
     """Rows evict alone while their lengths differ and in one selection once they agree
-    (``cache.evict_rows``; under qwen2's protocol the kept prompts differ, so they always evict alone)."""
+    (``cache_rows.evict_rows``; under qwen2's protocol the kept prompts differ, so they always evict alone)."""
     import kvleague.engine.decode as decode
 
     together = []
@@ -359,7 +359,8 @@ def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines6
     from above the budget; ordered ones compact), not only as sets of kept positions. ``gpu``: the
     moves a GPU makes (every kept slot, not only those after the first dropped one), gathered one
     layer at a time (as the slabs of a large cache are)."""
-    import kvleague.engine.cache as cache
+    import kvleague.engine.cache_rows as cache_rows
+    import kvleague.engine.compaction as compaction
     import kvleague.engine.decode as decode
     from kvleague.engine.decode import DecodeLoop
     from kvleague.engine.session import Session
@@ -373,8 +374,8 @@ def test_one_selection_leaves_every_row_slot_for_slot_as_evicting_alone(engines6
         if not together:
             monkeypatch.setattr(decode, "evict_rows", lambda *a, **k: None)
         elif path == "gpu":
-            monkeypatch.setattr(cache, "_first_dropped", lambda keep: 0)
-            monkeypatch.setattr(cache, "_GATHER_BYTES", 1)
+            monkeypatch.setattr(cache_rows, "first_dropped", lambda keep: 0)
+            monkeypatch.setattr(compaction, "GATHER_BYTES", 1)
         sessions = [Session(engine, build_method(name), b, protocol, 5) for b in budgets]
         for session, p in zip(sessions, chosen):
             with session:

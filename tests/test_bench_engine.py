@@ -12,7 +12,8 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 import kvleague.engine.cache as bc
 from kvleague.engine.attention import attention_rows
-from kvleague.engine.cache import BudgetedCache, SlabLayer
+from kvleague.engine.cache import BudgetedCache
+from kvleague.engine.cache_layers import SlabLayer
 from kvleague.engine.contract import Needs
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
@@ -222,6 +223,53 @@ def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
     assert All.n / 4 > 3 * full["ops_per_step"]  # the eager forward alone is most of a step's ops
 
 
+def test_a_slab_decode_step_reads_each_kv_head_once_and_only_the_kept_slots_where_one_length_serves(tiny_models):
+    """``bench.step_ops``' K/V count against the slabs' own sizes: an eager step of one sequence reads
+    exactly its kept slots and its new one, once per KV head (SDPA by length, ``enable_gqa``); a
+    captured step of a batch reads each row's whole slab once per KV head under a validity mask
+    (the query heads folded per KV head), never a copy repeated per query head (before: 1 + 2
+    reads of the slab for 4 query / 2 KV heads)."""
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    config = engine.model.config
+    slot_bytes = (
+        config.num_hidden_layers
+        * config.num_key_value_heads
+        * 2
+        * 4
+        * (config.hidden_size // config.num_attention_heads)
+    )
+    prompt = list(range(40, 80))
+    engine.backend.graphs = False
+    alone = count(engine, "epikv", 1, 16, prompt, 4)
+    assert alone["evictions"] == 5 and alone["kv_read_ratio"] == 1.0
+    engine.backend.graphs = True
+    batch = count(engine, "snapkv", 2, 16, prompt, 4)
+    capacity = 16 + 1  # a batch's slab: B + the cadence's buffer + 1 (step_every 1: no buffer)
+    assert batch["kv_read_bytes_per_step"] == 2 * capacity * slot_bytes
+
+
+def test_an_order_free_eviction_on_the_slabs_moves_only_the_evicted_slots(tiny_models):
+    """``bench.step_ops``' moved bytes against the evicted slots' bytes: an order-free method's eviction
+    (tova) fills each hole below the budget from above it, alone and in a batch, and so writes twice
+    the evicted slots' bytes (gathered, then scattered), not the whole cache (before: 64x at B = 32);
+    an ordered one (snapkv) still moves every kept slot, as a GPU does (its slot order is the contract)."""
+    from kvleague.runner.bench.step_ops import count
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    engine.backend.graphs = True
+    prompt = list(range(40, 80))
+    for batch in (1, 2):
+        row = count(engine, "tova", batch, 16, prompt, 4, as_gpu=True)
+        assert row["evicted_bytes_per_step"] > 0 and row["moved_ratio"] == 2.0, row
+    assert count(engine, "snapkv", 2, 16, prompt, 4, as_gpu=True)["moved_ratio"] == 2 * 16
+
+
 def test_a_batch_of_epikv_reads_the_host_a_fixed_number_of_times_per_step(tiny_models):
     """The EpiKV family's batched decode path keeps each row's z-scores and score in Python floats and
     grows the rows' score tables after one read: a batch of 8 reads the host no more often per step
@@ -327,3 +375,25 @@ def test_a_sequence_s_step_does_not_loop_over_the_layers(tmp_path):
     assert per_layer["full"] > 0
     for name in names[1:]:
         assert per_layer[name] <= per_layer["full"] + 0.5, (name, per_layer)
+
+
+def test_a_fed_one_token_turn_runs_eagerly_and_only_decode_steps_are_captured(tiny_models):
+    """A one-token turn (a batch flushing a session's pending token) is fed eagerly on the slab
+    backend, not captured per session and turn; the decode loop's steps are, once per (batch,
+    capacity), and ``describe`` counts the shapes beside the captures."""
+    from kvleague.engine.protocol import GenerationSettings, Protocol
+    from kvleague.methods import build_method
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    backend = engine.backend
+    backend.graphs = True
+    with engine.session(build_method("full"), 64, Protocol()) as session:
+        session.feed(list(range(40, 60)))
+        steps, captures = dict(backend.steps), backend.captures
+        session.feed([70])
+        assert backend.captures == captures and backend.steps == {**steps, "eager": steps["eager"] + 1}
+        session.decode(GenerationSettings(max_new_tokens=4))
+    assert backend.steps["static"] - steps["static"] == 3 and backend.captures == captures + 1
+    assert backend.describe()["graph_capture_shapes"] == 1

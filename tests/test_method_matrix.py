@@ -93,7 +93,7 @@ def test_method_matrix(engines, prompt_ids, monkeypatch, name, arch, mode):
 @pytest.mark.parametrize("k", [7, 24, 25, 26, 43, "per row"], ids=lambda k: f"k{k}")
 def test_keep_top_keeps_highest_scores_then_most_recent_whatever_the_slot_order(shape, k):
     """Against a plain lexicographic sort on (score, position), for one count and a count per row."""
-    from kvleague.engine.cache import _keep_top
+    from kvleague.engine.selection import keep_top
 
     gen = torch.Generator().manual_seed(len(shape))
     scores = torch.randint(0, 4, shape, generator=gen).double()  # many exact ties
@@ -102,7 +102,7 @@ def test_keep_top_keeps_highest_scores_then_most_recent_whatever_the_slot_order(
     positions = positions.view(shape) * 3 + 100  # shuffled slots, gaps in the positions
     rows = scores.numel() // shape[-1]
     counts = torch.randint(1, shape[-1], (rows,), generator=gen) if k == "per row" else torch.full((rows,), k)
-    keep = _keep_top(scores, counts.view(*shape[:-1], 1) if k == "per row" else k, positions)
+    keep = keep_top(scores, counts.view(*shape[:-1], 1) if k == "per row" else k, positions)
     flat_s, flat_p, flat_k = (
         scores.reshape(-1, shape[-1]),
         positions.reshape(-1, shape[-1]),

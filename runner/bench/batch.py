@@ -221,6 +221,12 @@ def run_one(args) -> dict:
                 )
     summary["targets"] = {"speedup_batch_8": SPEEDUP_TARGETS, "engine_over_generate": GENERATE_TARGET}
     summary["engine"] = engine.describe()  # which paths the decode steps took (slab: captured or eager)
+    if "graph_captures" in summary["engine"]:  # the slab backend: a graph is captured per (batch, capacity) at best
+        print(
+            f"graph captures: {summary['engine']['graph_captures']} over "
+            f"{summary['engine']['graph_capture_shapes']} distinct (batch, capacity) shapes",
+            flush=True,
+        )
     config = {
         "model": source,
         "model_label": label,
