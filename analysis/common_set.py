@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvleague.analysis import queries as q
-from kvleague.analysis import ranking, stats
+from kvleague.analysis import stats
 
 CELL_KEY = ("task_id", "sample_id", "model_id", "protocol_id", "generation_id")
 WEIGHTINGS = ("problem", "task")
@@ -117,13 +117,8 @@ class CommonSet:
     def accuracy(self, method: int) -> stats.Accuracy:
         return stats.accuracy(self.scores(method), self.total(method, "m"))
 
-    def compare(self, a: int, b: int) -> stats.Comparison:
-        return stats.compare(self.differences(a, b))
-
-    def rank_intervals(self) -> dict[int, ranking.RankInterval]:
-        if not self.methods or not self.cells:
-            return {}
-        return ranking.rank_intervals({m: self.scores(m) for m in self.methods})
+    def compare(self, a: int, b: int, level: float = stats.LEVEL) -> stats.Comparison:
+        return stats.compare(self.differences(a, b), level)
 
 
 def common_set(

@@ -68,3 +68,20 @@ PUBLISHED_LAYER_RHO: dict[str, tuple[str, int, tuple[float, ...]]] = {
 def band_text(band: tuple[int, int]) -> str:
     """``"22-41%"``: a band of layers as rounded percentages of depth."""
     return f"{round(100 * band[0] / N_LAYERS)}-{round(100 * band[1] / N_LAYERS)}%"
+
+
+_VERDICTS = _DATA["verdicts"]
+#: the significance level every verdict uses
+VERDICT_ALPHA: float = float(_VERDICTS["alpha"])
+#: family name -> (strata it spans, adjustment, margin name)
+VERDICT_FAMILIES: dict[str, tuple[tuple[str, ...], str, str]] = {
+    name: (tuple(f["across"]), f["adjust"], f["margin"]) for name, f in _VERDICTS["families"].items()
+}
+#: margin name -> equivalence margin (a share for accuracy, nats for KL)
+MARGINS: dict[str, float] = {k: float(v) for k, v in _VERDICTS["margins"].items()}
+for _name, (_across, _adjust, _margin) in VERDICT_FAMILIES.items():
+    if {"method", "reference", "claim"} & set(_across) or _adjust not in ("none", "holm") or _margin not in MARGINS:
+        raise ValueError(
+            f"paper.yaml verdicts.families.{_name}: across may not name method, reference or claim; "
+            f"adjust must be none or holm; margin one of {sorted(MARGINS)}"
+        )

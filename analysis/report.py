@@ -419,7 +419,8 @@ _BOARD = [
     "delta_lo",
     "delta_hi",
     "p_value",
-    "rank_interval",
+    "verdict_full",
+    "vs_best",
     "problems",
     "failed",
 ]
@@ -546,7 +547,8 @@ def _domain_section(
         if non_full:
             w.add(
                 "Accuracy (95% interval; Δ vs full cache with the interval of its test: exact McNemar below 25 discordant "
-                "problems, else McNemar's score test; rank interval):",
+                "problems, else McNemar's score test; each comparison alone, on the problems the two have; vs best: against the "
+                "table's best, equivalence only within a tested ±5-point margin):",
                 "",
                 markdown_table(board, _BOARD, {"accuracy": 1, "delta_full": 1, "delta_lo": 1, "delta_hi": 1}),
                 "",

@@ -6,7 +6,7 @@ Percentages are on the 0-100 scale; differences are percentage points (method mi
 
 Over 500 lines because it is one table function per dashboard page plus the shared helpers
 (method labels, full-cache ids, the paper's reference rows) every one of them uses; the heavier
-boards live in their own modules (fidelity, head_to_head, ranking, signals).
+boards live in their own modules (fidelity, head_to_head, signals); verdicts come from analysis.verdicts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from kvleague.analysis import common_set as cs
-from kvleague.analysis import identity, multiplicity, score_tests, stats
+from kvleague.analysis import identity, multiplicity, score_tests, stats, verdicts
 from kvleague.analysis import queries as q
 
 # the paper's claims and method families are data (analysis/paper.yaml)
@@ -66,8 +66,7 @@ def full_reference_budget(engine, filters: q.Filters, budget: int, full_ids: lis
 
 LEADERBOARD_COLUMNS = [
     "rank",
-    "rank_interval",
-    "tied_best",
+    "vs_best",
     "method",
     "domain",
     "task",
@@ -81,6 +80,7 @@ LEADERBOARD_COLUMNS = [
     "delta_hi",
     "p_value",
     "test",
+    "verdict_full",
     "evicted_share",
     "problems",
     "samples",
@@ -125,14 +125,62 @@ def method_label(methods: dict[int, Any], method_id: int) -> str:
     return methods[method_id]["label"] if method_id in methods else f"#{method_id}"
 
 
+@dataclass(frozen=True)
+class Slice:
+    """One leaderboard table: the results, the tasks it covers and how it pools them."""
+
+    results: cs.Results
+    tasks: set[int] | None
+    weighting: str = "problem"
+    stratum: Callable[[tuple], Any] | None = None
+
+    def group(self, methods) -> cs.CommonSet:
+        return cs.common_set(self.results, methods, self.tasks, self.weighting, self.stratum)
+
+
+def pair_verdicts(
+    s: Slice, pairs: list[tuple[int, int]], words: tuple[str, str] = ("higher", "lower")
+) -> list[verdicts.Verdict]:
+    """Each (method, reference) compared on the questions both have in the slice (not on the slice's common
+    set, which shrinks when a method with fewer cells joins), judged under the ``leaderboard`` family."""
+    tested = []
+    for a, b in pairs:
+        pair = s.group([a, b])
+        c = pair.compare(a, b) if pair.cells else stats.NONE
+        at = lambda level, p=pair, a=a, b=b: p.compare(a, b, level)  # noqa: E731
+        tested.append(({"method": a, "reference": b}, verdicts.from_comparison(c, at)))
+    return verdicts.decide("leaderboard", tested, words)
+
+
+def _best(group: cs.CommonSet) -> int | None:
+    """The slice's best method by the point estimate on its common set (ties: the lowest id)."""
+    if not group.cells:
+        return None
+    return max(group.methods, key=lambda m: (group.accuracy(m).mean, -m))
+
+
+def vs_best_words(s: Slice, group: cs.CommonSet) -> dict[int, str]:
+    """Each method against the slice's best, on the questions the two have: "best", "below the best",
+    "equivalent within ±5 pts of the best" (tested margin) or "inconclusive"."""
+    best = _best(group)
+    if best is None:
+        return {}
+    others = [m for m in group.methods if m != best]
+    judged = pair_verdicts(s, [(m, best) for m in others], ("above the best", "below the best"))
+    return {best: "best", **{m: v.word + (" of the best" if v.equivalent else "") for m, v in zip(others, judged)}}
+
+
 def _group_rows(
-    group: cs.CommonSet, methods: dict[int, Any], full_id: int | None, domain: str, task: str
+    s: Slice, group: cs.CommonSet, methods: dict[int, Any], full_id: int | None, domain: str, task: str
 ) -> list[dict]:
-    ranks = group.rank_intervals()
+    has_full = full_id is not None and full_id in s.results
+    others = [m for m in group.methods if m != full_id]
+    vs_full = dict(zip(others, pair_verdicts(s, [(m, full_id) for m in others]))) if has_full else {}
+    best = vs_best_words(s, group)
     out = []
     for m_id in group.methods:
         a = group.accuracy(m_id)
-        c = group.compare(m_id, full_id) if full_id is not None and m_id != full_id else None
+        v = vs_full.get(m_id)
         samples = group.total(m_id, "m")
         out.append(
             {
@@ -145,19 +193,19 @@ def _group_rows(
                 "acc_hi": pct(a.hi),
                 "interval": fmt_interval(pct(a.lo), pct(a.hi)),
                 "interval_method": a.method,
-                "delta_full": pct(c.diff) if c else math.nan,
-                "delta_lo": pct(c.lo) if c else math.nan,
-                "delta_hi": pct(c.hi) if c else math.nan,
-                "p_value": c.pvalue if c else math.nan,
-                "test": c.test if c else ("reference" if m_id == full_id else "no full cache"),
+                "delta_full": pct(v.estimate) if v else math.nan,
+                "delta_lo": pct(v.lo) if v else math.nan,
+                "delta_hi": pct(v.hi) if v else math.nan,
+                "p_value": v.p if v else math.nan,
+                "test": v.test if v else ("reference" if m_id == full_id else "no full cache"),
+                "verdict_full": v.word if v else "-",
                 "evicted_share": 100.0 * group.total(m_id, "fired") / ok
                 if (ok := samples - group.total(m_id, "failed"))
                 else math.nan,
                 "problems": a.problems,
                 "samples": samples,
                 "failed": group.total(m_id, "failed"),
-                "rank_interval": str(ranks[m_id]) if m_id in ranks else "-",
-                "tied_best": ranks[m_id].tied_with_best if m_id in ranks else False,
+                "vs_best": best.get(m_id, "-"),
                 "note": stats.TOO_FEW if a.problems < stats.MIN_PROBLEMS else "",
             }
         )
@@ -167,9 +215,11 @@ def _group_rows(
 def leaderboard(
     engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None, weighting: str = "problem"
 ) -> Leaderboard:
-    """Methods x domains (and x tasks) at ``budget``, each table on the cells every method in it has
-    (failed samples counted as wrong): accuracy with a 95% interval, difference from full cache with
-    Tango's interval and score test, share of samples where eviction fired, rank and rank interval."""
+    """Methods x domains (and x tasks) at ``budget``. Accuracy (95% Wilson interval) on the cells every method
+    in the table has (failed samples counted as wrong); each method against full cache and against the
+    table's best on the cells the two have (:func:`pair_verdicts`, family ``leaderboard``: one comparison
+    each, so a method's verdicts do not move when another joins); share of samples where eviction fired;
+    rank by the point estimate. Linear in the methods: no all-pairs tests."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
     results, full_id, full_budget = budget_results(engine, filters, budget, dims)
@@ -180,16 +230,16 @@ def leaderboard(
             present[c[0]].add(m_id)
     task_rows, domain_rows = [], []
     for t_id in sorted(present, key=lambda t: (task_of(t)["domain"], task_of(t)["name"], t)):
-        group = cs.common_set(results, present[t_id], tasks={t_id})
-        task_rows += _group_rows(group, methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"])
+        s = Slice(results, {t_id})
+        task_rows += _group_rows(
+            s, s.group(present[t_id]), methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"]
+        )
     domains = sorted({task_of(t)["domain"] for t in present})
     pooled = identity.pool(results, tasks)  # a prompt two task rows hold counts once where tasks are pooled
     for d in domains:
         in_domain = {m for t in present if task_of(t)["domain"] == d for m in present[t]}
-        group = cs.common_set(
-            pooled, in_domain, tasks={t for t in present if task_of(t)["domain"] == d}, weighting=weighting
-        )
-        domain_rows += _group_rows(group, methods, full_id, d, "(all)")
+        s = Slice(pooled, {t for t in present if task_of(t)["domain"] == d}, weighting)
+        domain_rows += _group_rows(s, s.group(in_domain), methods, full_id, d, "(all)")
     by_task, by_domain = pd.DataFrame(task_rows), pd.DataFrame(domain_rows)
     for df, group_col in ((by_task, "task"), (by_domain, "domain")):
         if not df.empty:
@@ -199,9 +249,15 @@ def leaderboard(
         for m in here:
             domains_of[m].add(task_of(t)["domain"])
     in_every_domain = [m for m in results if domains_of[m] == set(domains)]
-    overall = cs.common_set(pooled, in_every_domain, weighting=weighting, stratum=lambda qn: task_of(qn[0])["domain"])
+    overall = Slice(pooled, None, weighting, lambda qn: task_of(qn[0])["domain"])
     return Leaderboard(
-        budget, full_budget, by_domain, by_task, _wide(by_domain, domains, overall, methods), domains, weighting
+        budget,
+        full_budget,
+        by_domain,
+        by_task,
+        _wide(by_domain, domains, overall, in_every_domain, methods),
+        domains,
+        weighting,
     )
 
 
@@ -209,14 +265,17 @@ def _rank(df: pd.DataFrame, group: str) -> pd.Series:
     return df.groupby(group)["accuracy"].rank(ascending=False, method="min").astype("Int64")
 
 
-def _wide(by_domain: pd.DataFrame, domains: list[str], overall: cs.CommonSet, methods: dict[int, Any]) -> pd.DataFrame:
+def _wide(
+    by_domain: pd.DataFrame, domains: list[str], overall: Slice, in_every_domain: list[int], methods: dict[int, Any]
+) -> pd.DataFrame:
     """One row per method: the mean accuracy over domains (each domain weighs the same) on the cells
-    every method has in every domain, its rank and rank interval; then per domain the accuracy, its
-    interval and the difference from full cache (from the domain's table)."""
+    every method has in every domain, its rank and its comparison with the best there; then per domain the
+    accuracy, its interval and the difference from full cache (from the domain's table)."""
     if by_domain.empty:
-        return pd.DataFrame(columns=["rank", "rank interval", "tied with best", "method", "mean accuracy", "evicted %"])
-    ranks = overall.rank_intervals()
-    means = {m: pct(overall.accuracy(m).mean) for m in overall.methods} if overall.cells else {}
+        return pd.DataFrame(columns=["rank", "vs best", "method", "mean accuracy", "evicted %"])
+    group = overall.group(in_every_domain)
+    best = vs_best_words(overall, group)
+    means = {m: pct(group.accuracy(m).mean) for m in group.methods} if group.cells else {}
     rows = []
     for m_id, g in by_domain.groupby("method_id", sort=False):
         r: dict[str, Any] = {"method": method_label(methods, m_id)}
@@ -231,15 +290,14 @@ def _wide(by_domain: pd.DataFrame, domains: list[str], overall: cs.CommonSet, me
             fired += (s["evicted_share"] if not math.isnan(s["evicted_share"]) else 0) * s["samples"] / 100
             samples += s["samples"]
         r["mean accuracy"] = means.get(m_id, math.nan)
-        r["rank interval"] = str(ranks[m_id]) if m_id in ranks else "-"
-        r["tied with best"] = ranks[m_id].tied_with_best if m_id in ranks else False
+        r["vs best"] = best.get(m_id, "-")
         r["evicted %"] = 100 * fired / samples if samples else math.nan
         rows.append(r)
     wide = pd.DataFrame(rows)
     wide.insert(0, "rank", wide["mean accuracy"].rank(ascending=False, method="min").astype("Int64"))
     wide = wide.sort_values(["rank", "method"], na_position="last").reset_index(drop=True)
     cols = (
-        ["rank", "rank interval", "tied with best", "method", "mean accuracy"]
+        ["rank", "vs best", "method", "mean accuracy"]
         + [c for d in domains for c in (f"{d} %", f"{d} 95% CI", f"{d} Δ full")]
         + ["evicted %"]
     )

@@ -1,0 +1,159 @@
+"""One verdict per comparison (analysis/verdicts.py): the leaderboard with a task under two option sets (the
+crash of issue 46), verdicts that do not move when an unrelated method joins, Holm within a declared family
+only, and equivalence said only where the margin is tested."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from scipy.stats import binomtest
+from statsmodels.stats.multitest import multipletests
+
+from kvleague.analysis import queries as q
+from kvleague.analysis import tables, verdicts
+from kvleague.db import store
+from kvleague.db.models import TaskSpec
+from kvleague.db.seed import Seeder, _hash
+from kvleague.db.session import get_engine
+
+DEPTHS = ("0.000", "0.200", "0.400", "0.600", "0.800", "1.000")
+
+
+def _niah(s: Seeder, per_depth: int) -> int:
+    spec = {
+        "name": "niah",
+        "domain": "longqa",
+        "options": {"context_length": 512, "num_depths": 6, "samples_per_depth": per_depth},
+        "dataset": "niah",
+        "source": "paul_graham_essays",
+        "revision": None,
+        "scorer_version": "1",
+        "metric": "accuracy",
+    }
+    return store.get_or_create(s.engine, TaskSpec, {"spec_hash": _hash(spec), **spec})
+
+
+def _demo(path, right: dict[str, set[int]], second: dict[str, set[int]] | None = None) -> str:
+    """The demo's shape (niah at 512 tokens, 6 depths x 3 draws, budget 320): ``right[method]`` the draws
+    (0..17) it got right; ``second``: a 6-cell sweep of the same task with ``samples_per_depth: 1``."""
+    url = f"sqlite:///{path}"
+    s = Seeder(get_engine(url))
+    model, proto, gen, sweep = s.model("smollm2-135m"), s.protocol(), s.generation(), s.sweep("demo")
+    rows = []
+    for per_depth, table in ((3, right), (1, second or {})):
+        task = _niah(s, per_depth) if table else None
+        for name, ok in table.items():
+            m = s.method(name)
+            for j, d in enumerate(DEPTHS):
+                for i in range(per_depth):
+                    draw = j * per_depth + i
+                    rows.append(
+                        {
+                            "sweep_id": sweep,
+                            "model_id": model,
+                            "method_spec_id": m,
+                            "task_id": task,
+                            "protocol_id": proto,
+                            "generation_id": gen,
+                            "budget": 320,
+                            "sample_id": f"L512tok-d{d}-{i}",
+                            "sample_index": 0,
+                            "seed": 0,
+                            "correct": draw in ok,
+                            "score": float(draw in ok),
+                        }
+                    )
+    s.write(rows)
+    s.engine.dispose()
+    return url
+
+
+DEMO = {
+    "full": set(range(18)),
+    "streaming_llm": set(range(9)),
+    "epikv": set(range(9)),
+    "h2o": set(range(16)),
+}
+
+
+def test_a_task_with_two_option_sets_renders_and_pairs_by_content(tmp_path):
+    """The demo plus a sweep of the same task with samples_per_depth 1 (KeyError in common_set before). By
+    content (analysis/identity.py) only its depth-0 needle is one of the demo's (draw 0 at depth 0; the others
+    are other draws at other depths), so the domain's common set is that one prompt, while knorm against full
+    pairs on the 6 prompts both have."""
+    url = _demo(tmp_path / "d.db", DEMO, {"full": set(range(6)), "knorm": {0, 1, 2}})
+    engine = get_engine(url)
+    lb = tables.leaderboard(engine, q.Filters(), 320)
+    engine.dispose()
+    domain = lb.by_domain.set_index("method")
+    assert domain.loc["knorm", "problems"] == 1 and domain.loc["full", "problems"] == 1
+    # knorm right on depths 0-2, full on all six: 3 of 6 discordant
+    assert domain.loc["knorm", "delta_full"] == pytest.approx(-50.0)
+    assert domain.loc["knorm", "p_value"] == pytest.approx(binomtest(0, 3, 0.5).pvalue)
+    assert domain.loc["knorm", "verdict_full"] == verdicts.TOO_FEW
+    assert domain.loc["epikv", "delta_full"] == pytest.approx(-50.0)  # on its 18, full's copy of d0.000-0 once
+
+
+def test_adding_a_method_changes_no_verdict_that_does_not_involve_it(tmp_path):
+    """Rule: a leaderboard comparison is one method against full cache (or the table's best) on the questions the
+    two have, alone in its family; so a new method (here one that ran only 6 of the 18 needles, which shrinks the
+    table's common set) leaves every other comparison's Δ, p and verdict as they were."""
+    before = _demo(tmp_path / "a.db", DEMO)
+    after = _demo(tmp_path / "b.db", {**DEMO, "value_norm": set(range(14))}, {"knorm": {0, 1, 2}})
+    tables_ = []
+    for url in (before, after):
+        engine = get_engine(url)
+        lb = tables.leaderboard(engine, q.Filters(), 320)
+        engine.dispose()
+        tables_.append(lb.by_domain.set_index("method"))
+    old, new = tables_
+    cols = ["delta_full", "delta_lo", "delta_hi", "p_value", "verdict_full", "vs_best"]
+    for m in DEMO:
+        assert old.loc[m, cols].fillna("-").tolist() == new.loc[m, cols].fillna("-").tolist(), m
+    # epikv and streaming_llm: 9 of 18 vs full's 18, p exact 0.0039: lower, never "tied with best"
+    assert old.loc["epikv", "p_value"] == pytest.approx(binomtest(0, 9, 0.5).pvalue)
+    assert old.loc["epikv", "verdict_full"] == "lower" and old.loc["epikv", "vs_best"] == "below the best"
+
+
+def _tested(diff: float, p: float, n: int = 40, half: float = 0.1) -> verdicts.Tested:
+    """A symmetric interval whose half-width scales with the normal quantile of its level."""
+    from statistics import NormalDist
+
+    z95 = NormalDist().inv_cdf(0.975)
+    return verdicts.Tested(
+        diff,
+        diff - half,
+        diff + half,
+        p,
+        "t",
+        n,
+        lambda level: (
+            diff - half * NormalDist().inv_cdf(0.5 + level / 2) / z95,
+            diff + half * NormalDist().inv_cdf(0.5 + level / 2) / z95,
+        ),
+    )
+
+
+def test_holm_runs_within_a_declared_family_never_across_methods():
+    ps = {("epikv", "math"): 0.012, ("epikv", "code"): 0.2, ("epikv", "longqa"): 0.03, ("h2o", "math"): 0.001}
+    comparisons = [({"method": m, "reference": "thinkv", "domain": d}, _tested(0.1, p)) for (m, d), p in ps.items()]
+    got = verdicts.decide("accuracy_claims", comparisons)
+    epikv = [p for (m, _), p in ps.items() if m == "epikv"]
+    assert [v.p_adjusted for v in got[:3]] == pytest.approx(list(multipletests(epikv, method="holm")[1]))
+    assert got[3].p_adjusted == 0.001 and got[3].family.startswith("accuracy_claims (1 comparison")
+    assert [v.word for v in got] == ["higher", "inconclusive", "inconclusive", "higher"]
+    alone = verdicts.decide("accuracy_claims", comparisons[:3])  # without h2o: epikv's verdicts unchanged
+    assert [v.p_adjusted for v in alone] == [v.p_adjusted for v in got[:3]]
+    leaderboard = verdicts.decide("leaderboard", comparisons)  # not adjusted
+    assert [v.p_adjusted for v in leaderboard] == list(ps.values())
+
+
+def test_equivalence_only_with_the_margin_tested():
+    margin = 0.05  # paper.yaml: accuracy, 5 points
+    close = verdicts.decide("leaderboard", [({"method": 1, "reference": 0}, _tested(0.0, 0.9, half=0.03))])[0]
+    assert close.equivalent and close.word == "equivalent within ±5 pts" and close.margin == margin
+    wide = verdicts.decide("leaderboard", [({"method": 1, "reference": 0}, _tested(0.0, 0.9, half=0.2))])[0]
+    assert not wide.equivalent and wide.word == "inconclusive"  # not significant, and not shown equivalent
+    few = verdicts.decide("leaderboard", [({"method": 1, "reference": 0}, _tested(0.0, 0.9, n=5, half=0.01))])[0]
+    assert few.word == verdicts.TOO_FEW and math.isnan(few.p_adjusted) is False
