@@ -33,6 +33,8 @@ from kvleague.analysis.paper import (
 )
 
 NOT_MEASURED = stats.NOT_MEASURED
+#: the interval column of every comparison: at the family's level (analysis/verdicts.py)
+CI = f"Δ {verdicts.LEVEL_TEXT} CI"
 
 
 def pct(x: float) -> float:
@@ -138,18 +140,27 @@ class Slice:
         return cs.common_set(self.results, methods, self.tasks, self.weighting, self.stratum)
 
 
-def pair_verdicts(
-    s: Slice, pairs: list[tuple[int, int]], words: tuple[str, str] = ("higher", "lower")
-) -> list[verdicts.Verdict]:
-    """Each (method, reference) compared on the questions both have in the slice (not on the slice's common
-    set, which shrinks when a method with fewer cells joins), judged under the ``leaderboard`` family."""
-    tested = []
-    for a, b in pairs:
-        pair = s.group([a, b])
-        c = pair.compare(a, b) if pair.cells else stats.NONE
-        at = lambda level, p=pair, a=a, b=b: p.compare(a, b, level)  # noqa: E731
-        tested.append(({"method": a, "reference": b}, verdicts.from_comparison(c, at)))
-    return verdicts.decide("leaderboard", tested, words)
+def pair_verdict(
+    s: Slice, a: int, b: int, words: tuple[str, str] = ("higher", "lower"), margin: float = 0.0
+) -> verdicts.Verdict:
+    """``a`` against ``b`` on the questions the two have in the slice (not on the slice's common set, which
+    shrinks when a method with fewer cells joins), judged by :func:`analysis.verdicts.judge`. ``margin``: test
+    ``difference = -margin`` instead of 0 (a non-inferiority claim)."""
+    pair = s.group([a, b])
+    if not pair.cells:
+        return verdicts.judge(verdicts.from_comparison(stats.NONE, lambda level: stats.NONE), "accuracy", words)
+    c = pair.compare(a, b)
+    t = verdicts.from_comparison(c, lambda level: pair.compare(a, b, level))
+    if not margin:
+        return verdicts.judge(t, "accuracy", words)
+    shifted = verdicts.Tested(
+        c.diff + margin,
+        stats.shifted_pvalue(c, -margin),
+        c.test,
+        c.n,
+        lambda level: tuple(x + margin for x in t.interval(level)),
+    )
+    return verdicts.judge(shifted, "accuracy", words, equivalence=False)
 
 
 def _best(group: cs.CommonSet) -> int | None:
@@ -166,8 +177,8 @@ def vs_best_words(s: Slice, group: cs.CommonSet) -> dict[int, str]:
     if best is None:
         return {}
     others = [m for m in group.methods if m != best]
-    judged = pair_verdicts(s, [(m, best) for m in others], ("above the best", "below the best"))
-    return {best: "best", **{m: v.word + (" of the best" if v.equivalent else "") for m, v in zip(others, judged)}}
+    judged = {m: pair_verdict(s, m, best, ("above the best", "below the best")) for m in others}
+    return {best: "best", **{m: v.word + (" of the best" if v.equivalent else "") for m, v in judged.items()}}
 
 
 def _group_rows(
@@ -175,7 +186,7 @@ def _group_rows(
 ) -> list[dict]:
     has_full = full_id is not None and full_id in s.results
     others = [m for m in group.methods if m != full_id]
-    vs_full = dict(zip(others, pair_verdicts(s, [(m, full_id) for m in others]))) if has_full else {}
+    vs_full = {m: pair_verdict(s, m, full_id) for m in others} if has_full else {}
     best = vs_best_words(s, group)
     out = []
     for m_id in group.methods:
@@ -217,8 +228,8 @@ def leaderboard(
 ) -> Leaderboard:
     """Methods x domains (and x tasks) at ``budget``. Accuracy (95% Wilson interval) on the cells every method
     in the table has (failed samples counted as wrong); each method against full cache and against the
-    table's best on the cells the two have (:func:`pair_verdicts`, family ``leaderboard``: one comparison
-    each, so a method's verdicts do not move when another joins); share of samples where eviction fired;
+    table's best on the cells the two have (:func:`pair_verdict`: a method's verdicts do not move when another
+    joins); share of samples where eviction fired;
     rank by the point estimate. Linear in the methods: no all-pairs tests."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
@@ -407,11 +418,11 @@ SCORECARD_COLUMNS = [
     "accuracy",
     "reference %",
     "Δ",
-    "Δ 95% CI",
+    CI,
     "problems",
     "test",
     "p",
-    "p (Holm)",
+    "p (adj.)",
     "verdict",
 ]
 
@@ -421,8 +432,8 @@ def scorecard(
 ) -> pd.DataFrame:
     """Per domain, budget and EpiKV-family method, one row per claim: better than each paper baseline
     (H2O, ThinKV; score test of difference = 0) and within ``margin`` points of full cache (score test of
-    difference = -margin). All on the cells every method in the (domain, budget) has; the p-values of
-    the whole table are one family, Holm-adjusted, and the verdicts use the adjusted p."""
+    difference = -margin), each on the cells the two have in the (domain, budget), judged by
+    :func:`pair_verdict` (the same comparison has the same verdict on every page)."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
     name = lambda i: methods.get(i, {}).get("name")  # noqa: E731
@@ -437,7 +448,6 @@ def scorecard(
     if filters.budgets is not None:
         family_budgets = [b for b in family_budgets if b in filters.budgets]
     rows: list[dict[str, Any]] = []
-    comparisons: list[tuple[stats.Comparison, float]] = []
     for b in family_budgets:
         results, full_id, _ = budget_results(engine, filters, b, dims)
         results = identity.pool(results, tasks)
@@ -446,16 +456,18 @@ def scorecard(
             family = [m for m in here if name(m) in REFERENCE_FAMILY]
             if not family:
                 continue
-            refs = [m for m in here if name(m) in PAPER_BASELINES] + ([full_id] if full_id in here else [])
-            group = cs.common_set(results, family + refs, tasks=_tasks_in(tasks, d), weighting=weighting)
-            claims = [(f"better than {name(r)}", r, 0.0) for r in refs if r != full_id]
-            claims.append((f"within {margin:g} pts of full cache", full_id if full_id in refs else None, -margin / 100))
+            s = Slice(results, _tasks_in(tasks, d), weighting)
+            refs = [m for m in here if name(m) in PAPER_BASELINES]
+            claims = [(f"better than {name(r)}", r, 0.0) for r in refs]
+            claims.append((f"within {margin:g} pts of full cache", full_id if full_id in here else None, margin / 100))
             for f in family:
-                a = group.accuracy(f)
-                for claim, ref, threshold in claims:
-                    c = group.compare(f, ref) if ref is not None else stats.NONE
-                    p = stats.shifted_pvalue(c, threshold) if c.n else math.nan
-                    comparisons.append((c, threshold))
+                for claim, ref, shift in claims:
+                    v = (
+                        pair_verdict(s, f, ref, ("replicates", "does not replicate"), shift)
+                        if ref is not None
+                        else verdicts.judge(verdicts.from_comparison(stats.NONE, lambda lv: stats.NONE), "accuracy")
+                    )
+                    pair = s.group([f, ref]) if ref is not None else None
                     rows.append(
                         {
                             "domain": d,
@@ -463,24 +475,17 @@ def scorecard(
                             "method": method_label(methods, f),
                             "claim": claim,
                             "reference": method_label(methods, ref) if ref is not None else "-",
-                            "accuracy": pct(a.mean),
-                            "reference %": pct(group.accuracy(ref).mean) if ref is not None and c.n else math.nan,
-                            "Δ": pct(c.diff),
-                            "Δ 95% CI": fmt_interval(pct(c.lo), pct(c.hi)),
-                            "problems": c.n,
-                            "test": c.test if c.n else "-",
-                            "p": p,
+                            "accuracy": pct(pair.accuracy(f).mean) if pair and pair.cells else math.nan,
+                            "reference %": pct(pair.accuracy(ref).mean) if pair and pair.cells else math.nan,
+                            "Δ": pct(v.estimate - shift),
+                            CI: fmt_interval(pct(v.lo - shift), pct(v.hi - shift)),
+                            "problems": v.n,
+                            "test": v.test if v.n else "-",
+                            "p": v.p,
+                            "p (adj.)": v.p_adjusted,
+                            "verdict": v.word,
                         }
                     )
-    if not rows:
-        return pd.DataFrame(columns=SCORECARD_COLUMNS)
-    # the family: every verdict the table gives (a comparison on too few problems gives none)
-    adjusted = multiplicity.holm(
-        [r["p"] if c.n >= stats.MIN_PROBLEMS else math.nan for r, (c, _) in zip(rows, comparisons)]
-    )
-    for r, (c, threshold), p_adj in zip(rows, comparisons, adjusted):
-        r["p (Holm)"] = p_adj
-        r["verdict"] = stats.verdict(c, p_adj if c.n >= stats.MIN_PROBLEMS else r["p"], threshold)
     return pd.DataFrame(rows, columns=SCORECARD_COLUMNS)
 
 

@@ -1,42 +1,46 @@
-"""One verdict per comparison: the test, p, adjusted p, interval and verdict word of every comparison any
-page or the report shows come from :func:`decide`, under a family declared in ``analysis/paper.yaml``
-(``verdicts``) before any result is read.
+"""One verdict per comparison: every page and the report take a comparison's test, p, adjusted p, interval and
+verdict word from :func:`judge`, under the rule declared in ``analysis/paper.yaml`` (``verdicts``) before any
+result is read.
 
-* A comparison is one method against one reference (one claim) in one stratum (a domain, a task...), on
-  the questions both have (never on a set that depends on which other methods are present).
-* A family is the comparisons of one (method, reference, claim, budget...) across the strata its
-  declaration names (``across``); Holm's adjustment runs within it. The family key always holds the
-  method and the reference (paper.py refuses a declaration that spans them), so **adding a method
-  cannot change the adjusted p or the verdict of a comparison that does not involve it**.
-* The word: the (adjusted) test rejects: "higher" / "lower" (or, for a claim, "replicates" / "does not
-  replicate"); else "equivalent within ±margin" when the two one-sided tests at the declared margin
-  reject (the ``1 - 2 alpha/m`` interval of the same test, Bonferroni over the family's m members, lies
-  inside ±margin); else "inconclusive". "Not significant" is never read as "no difference".
+* A comparison is one method against one reference (one measure, claim, budget, protocol) in one slice, on
+  the questions the two have: never on a set that depends on which other methods are present.
+* Its family is the same pair's comparisons across the declared domains (``FAMILY_DOMAINS``), whatever the
+  data holds: the adjusted p is Bonferroni's ``min(1, m p)`` and the interval is the same test's inverted at
+  ``1 - alpha / m``, so **the interval excludes 0 exactly when the adjusted test rejects**, and both come from
+  the comparison alone: adding a method (or a domain's results, or looking from another page) cannot move them.
+* The word: the adjusted test rejects: "higher" / "lower" (a claim: "replicates" / "does not replicate");
+  else "equivalent within ±margin" when both one-sided tests at the declared margin reject (the
+  ``1 - 2 alpha / m`` interval lies inside ±margin, TOST); else "inconclusive". Not significant is never
+  read as no difference.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvleague.analysis import multiplicity
-from kvleague.analysis.paper import MARGINS, VERDICT_ALPHA, VERDICT_FAMILIES
+from kvleague.analysis.paper import FAMILY_DOMAINS, MARGINS, VERDICT_ALPHA
 from kvleague.analysis.stats import MIN_PROBLEMS, NOT_MEASURED, TOO_FEW, Comparison
 
 INCONCLUSIVE = "inconclusive"
+FAMILY_SIZE = len(FAMILY_DOMAINS)
+#: the level of every interval shown beside a verdict
+LEVEL = 1 - VERDICT_ALPHA / FAMILY_SIZE
+LEVEL_TEXT = f"{100 * LEVEL:g}%"
+FAMILY_TEXT = (
+    f"Bonferroni over the pair's {FAMILY_SIZE} declared domains ({', '.join(FAMILY_DOMAINS)}): "
+    f"p adj = min(1, {FAMILY_SIZE} p), interval at {LEVEL_TEXT}"
+)
 
 
 @dataclass(frozen=True)
 class Tested:
-    """One comparison as its test computed it: ``estimate`` (method minus reference), the interval that
-    inverts ``test`` at 95%, the test's two-sided p at 0, the questions paired, and ``interval(level)``,
-    the same inversion at another level (for the equivalence test)."""
+    """One comparison as its test computed it: the estimate (method minus reference), the test's two-sided p
+    at 0, its name, the questions paired, and ``interval(level)``, the set of values the same test does not
+    reject at ``1 - level``."""
 
     estimate: float
-    lo: float
-    hi: float
     p: float
     test: str
     n: int
@@ -46,81 +50,50 @@ class Tested:
 @dataclass(frozen=True)
 class Verdict:
     estimate: float
-    lo: float
+    lo: float  # at LEVEL: excludes 0 exactly when p_adjusted < alpha
     hi: float
     test: str
     n: int
     p: float
     p_adjusted: float
-    family: str  # "<declared family> (m comparisons, Holm)"
     margin: float  # the equivalence margin tested
-    equivalent: bool  # the two one-sided tests at ±margin reject
+    equivalent: bool
     word: str
 
 
-def _word(t: Tested, p_adj: float, equivalent: bool, margin_text: str, words: tuple[str, str]) -> str:
-    if t.n == 0 or p_adj is None or math.isnan(p_adj):
-        return NOT_MEASURED
+def margin_text(measure: str) -> str:
+    m = MARGINS[measure]
+    return f"{100 * m:g} pts" if measure == "accuracy" else f"{m:g} nats/token"
+
+
+def judge(t: Tested, measure: str, words: tuple[str, str] = ("higher", "lower"), equivalence: bool = True) -> Verdict:
+    """The verdict of one comparison. ``measure``: ``accuracy`` or ``kl`` (its margin); ``words``: what a
+    rejection says when the estimate is above / below 0; ``equivalence``: False for a claim tested at a
+    margin already (non-inferiority), whose non-rejection is inconclusive."""
+    margin = MARGINS[measure]
+    if t.n == 0 or t.p is None or math.isnan(t.p):
+        return Verdict(t.estimate, math.nan, math.nan, t.test, t.n, t.p, math.nan, margin, False, NOT_MEASURED)
+    p_adj = min(1.0, FAMILY_SIZE * t.p)
+    lo, hi = t.interval(LEVEL)
+    eq_lo, eq_hi = t.interval(1 - 2 * VERDICT_ALPHA / FAMILY_SIZE)
+    equivalent = equivalence and t.n >= MIN_PROBLEMS and -margin < eq_lo and eq_hi < margin
     if t.n < MIN_PROBLEMS:
-        return TOO_FEW
-    if p_adj < VERDICT_ALPHA:
-        return words[0] if t.estimate > 0 else words[1]
-    if equivalent:
-        return f"equivalent within ±{margin_text}"
-    return INCONCLUSIVE
+        word = TOO_FEW
+    elif p_adj < VERDICT_ALPHA:
+        word = words[0] if t.estimate > 0 else words[1]
+    elif equivalent:
+        word = f"equivalent within ±{margin_text(measure)}"
+    else:
+        word = INCONCLUSIVE
+    return Verdict(t.estimate, lo, hi, t.test, t.n, t.p, p_adj, margin, equivalent, word)
 
 
 def from_comparison(c: Comparison, at_level: Callable[[float], Comparison]) -> Tested:
-    """A paired accuracy comparison (:func:`analysis.stats.compare`: Tango's score test, or exact McNemar
-    with the interval reaching 0 where it does not reject)."""
-    return Tested(c.diff, c.lo, c.hi, c.pvalue, c.test, c.n, lambda level: (at_level(level).lo, at_level(level).hi))
+    """A paired accuracy comparison (:func:`analysis.stats.compare`: Tango's score test, or exact McNemar with
+    its interval reaching 0 where it does not reject); ``at_level``: the same comparison at another level."""
 
+    def interval(level: float) -> tuple[float, float]:
+        other = at_level(level)
+        return other.lo, other.hi
 
-def margin_text(margin_name: str, margin: float) -> str:
-    return f"{100 * margin:g} pts" if margin_name == "accuracy" else f"{margin:g} nats"
-
-
-def decide(
-    family: str,
-    comparisons: Sequence[tuple[Mapping[str, Hashable], Tested]],
-    words: tuple[str, str] = ("higher", "lower"),
-) -> list[Verdict]:
-    """The verdicts of ``comparisons`` (each with its key: method, reference, claim and strata fields) under
-    the declared ``family``: comparisons whose keys agree outside the family's ``across`` fields form one
-    Holm family. ``words``: what a rejection says when the estimate is above / below 0."""
-    across, adjust, margin_name = VERDICT_FAMILIES[family]
-    margin = MARGINS[margin_name]
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, (key, t) in enumerate(comparisons):
-        if not {"method", "reference"} <= set(key):
-            raise ValueError(f"a comparison's key must name its method and reference, got {sorted(key)}")
-        if t.n >= MIN_PROBLEMS and not math.isnan(t.p):  # a comparison without a verdict joins no family
-            groups[tuple(sorted((k, v) for k, v in key.items() if k not in across))].append(i)
-    adjusted = [t.p for _, t in comparisons]
-    size = [1] * len(comparisons)
-    if adjust == "holm":
-        for members in groups.values():
-            for i, p in zip(members, multiplicity.holm([comparisons[i][1].p for i in members])):
-                adjusted[i], size[i] = p, len(members)
-    out = []
-    for i, (_key, t) in enumerate(comparisons):
-        level = 1 - 2 * VERDICT_ALPHA / size[i]
-        lo, hi = t.interval(level) if t.n >= MIN_PROBLEMS else (math.nan, math.nan)
-        equivalent = -margin < lo and hi < margin
-        label = f"{family} ({size[i]} comparison{'s' if size[i] > 1 else ''}, {'Holm' if adjust == 'holm' else 'not adjusted'})"
-        out.append(
-            Verdict(
-                t.estimate,
-                t.lo,
-                t.hi,
-                t.test,
-                t.n,
-                t.p,
-                adjusted[i],
-                label,
-                margin,
-                equivalent,
-                _word(t, adjusted[i], equivalent, margin_text(margin_name, margin), words),
-            )
-        )
-    return out
+    return Tested(c.diff, c.pvalue, c.test, c.n, interval)

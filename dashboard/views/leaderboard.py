@@ -6,7 +6,7 @@ import math
 
 import streamlit as st
 
-from kvleague.analysis import stats, tables
+from kvleague.analysis import stats, tables, verdicts
 from kvleague.analysis.paper import MARGINS
 from kvleague.dashboard.views import fidelity, head_to_head
 from kvleague.dashboard.views.common import INT, budget_text, empty, pick_budget, pick_weighting, styled
@@ -20,7 +20,7 @@ DETAIL_COLUMNS = {
     "interval": "95% CI",
     "interval_method": "interval",
     "delta_full": "Δ vs full (pts)",
-    "delta_ci": "Δ 95% CI",
+    "delta_ci": f"Δ {verdicts.LEVEL_TEXT} CI",
     "p_value": "p",
     "test": "test",
     "verdict_full": "vs full",
@@ -73,12 +73,13 @@ def render(ctx) -> None:
         "is how many questions that is, **failed** how many of those samples raised: a failed sample counts as wrong. "
         "The unit is the question: its cells (models, seeds, settings) are averaged, never counted as separate problems. "
         f"Tasks are pooled per {weighting}. **Accuracy** (%): mean share correct, 95% Wilson score interval (with a design "
-        "effect when a question has several samples or cells). **Δ vs full**: method minus full cache in points, 95% Tango "
-        "score interval; **p**: the same score test (McNemar's statistic without continuity correction for one sample per "
-        "question; exact McNemar below 25 discordant questions), so p < 0.05 exactly when the interval excludes 0. "
+        "effect when a question has several samples or cells). **Δ vs full**: method minus full cache in points with the "
+        "interval of its test; **p**: the same score test (McNemar's statistic without continuity correction for one sample "
+        f"per question; exact McNemar below 25 discordant questions); the interval and the verdicts: {verdicts.FAMILY_TEXT}, "
+        "so the interval excludes 0 exactly when the adjusted test rejects. "
         "**vs full** and **vs best** (the table's best by the point estimate) compare the two on the questions both have, "
-        "each comparison alone (family `leaderboard` in analysis/paper.yaml), so adding a method never changes another's "
-        f"verdict: higher / lower when the test rejects, *equivalent within ±{100 * MARGINS['accuracy']:g} pts* only when "
+        "the rule declared in analysis/paper.yaml, so adding a method never changes another's "
+        f"verdict: higher / lower when the adjusted test rejects, *equivalent within ±{100 * MARGINS['accuracy']:g} pts* only when "
         "both one-sided tests at that margin reject, else *inconclusive* (not significant is not the same). "
         "**Rank**: by the point estimate. "
         f"Fewer than {stats.MIN_PROBLEMS} questions: the numbers are shown but the calibration (docs/statistics.md) does not "

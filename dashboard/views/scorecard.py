@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvleague.analysis import fidelity_tables, paper, stats, tables
+from kvleague.analysis import fidelity_tables, paper, stats, tables, verdicts
 from kvleague.dashboard.views.common import empty, pick_weighting, styled
 
 
@@ -14,11 +14,12 @@ def render(ctx) -> None:
     st.caption(
         f"Reference family: {', '.join(paper.REFERENCE_FAMILY)}. Baselines: {', '.join(paper.PAPER_BASELINES)}, the ones the "
         "paper compares with, fixed in advance (never the best one on the same data). One row per claim: *better than* a "
-        "baseline (score test of Δ = 0) and *within the margin of full cache* (score test of Δ = -margin). Each (domain, "
-        "budget) uses the problem cells every method in it has, failed samples counted as wrong, questions as the unit. "
-        "Δ: method minus reference in points with its 95% Tango score interval; p: the raw p of the claim's score test; "
-        "p (Holm): adjusted over every claim in the table (one family). Verdict: replicates when p (Holm) < 0.05 with the "
-        "estimate on the claimed side, does not replicate when p (Holm) < 0.05 on the other side, else inconclusive; "
+        "baseline (score test of Δ = 0) and *within the margin of full cache* (score test of Δ = -margin). Each claim "
+        "uses the problem cells the method and its reference have in the (domain, budget), failed samples counted as "
+        "wrong, questions as the unit. Δ: method minus reference in points with the interval of its test; p: the raw p "
+        f"of the claim's test; p (adj.): {verdicts.FAMILY_TEXT}, the same for this pair on every page. Verdict: replicates "
+        "when p (adj.) < 0.05 with the estimate on the claimed side, does not replicate when p (adj.) < 0.05 on the other "
+        "side, else inconclusive; "
         f"fewer than {stats.MIN_PROBLEMS} questions: too few problems, no verdict."
     )
     c1, c2 = st.columns(2)
@@ -56,7 +57,7 @@ def render(ctx) -> None:
         empty("No EpiKV-family accuracy results match the filters.")
     else:
         st.dataframe(
-            styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (Holm)")),
+            styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (adj.)")),
             hide_index=True,
             placeholder="—",
             key="sc_card",
