@@ -37,6 +37,8 @@ REFERENCE_METHOD: str = _DATA["reference_method"]
 REFERENCE_FAMILY: tuple[str, ...] = tuple(_DATA["families"]["reference"])
 #: the baselines the paper compares EpiKV with, fixed in advance
 PAPER_BASELINES: tuple[str, ...] = tuple(_DATA["families"]["paper_baselines"])
+#: the control every credit is checked against (keeps the most recent tokens)
+RECENCY_CONTROL: str = _DATA["recency_control"]
 #: the methods that score tokens by attention
 ATTENTION_SCORING: tuple[str, ...] = tuple(_DATA["families"]["attention_scoring"])
 

@@ -405,6 +405,18 @@ def budget_curves(
     return curves_df, full_df
 
 
+def coincident_lines(curves: pd.DataFrame, value: str, group: str = "domain") -> list[tuple[str, list[str]]]:
+    """Per ``group`` (a chart), the methods whose plotted points are the same (budget, ``value``) series: one line
+    hides the others, whatever their samples (two methods with equal aggregates but different answers included)."""
+    out = []
+    for g, sub in curves.groupby(group, sort=True):
+        series: dict[tuple, list[str]] = defaultdict(list)
+        for m, line in sub.groupby("method", sort=True):
+            series[tuple(sorted((int(b), round(float(v), 9)) for b, v in zip(line["budget"], line[value])))].append(m)
+        out += [(str(g), methods) for methods in series.values() if len(methods) > 1]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Replication scorecard
 # ------------------------------------------------------------------------------------------------
@@ -582,7 +594,10 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
         {
             "claim": "decoding speed vs full cache (tokens/s), best setting",
             "paper": f"up to {SPEEDUP_VS_FULL:g}x",
-            "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]})" if best_speed else NOT_MEASURED,
+            "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]}; sweep timings, not a speed benchmark: batch "
+            "composition and machine load not controlled, not comparable with the systems benchmark)"
+            if best_speed
+            else NOT_MEASURED,
             **no_test,
         }
     )
@@ -590,7 +605,10 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
         {
             "claim": "feasible context in the same KV memory (full / method peak cache entries)",
             "paper": f"{CONTEXT_VS_ATTENTION:g}x",
-            "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
+            "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]}; peak cache entries at a fixed budget, which the budget "
+            "sets: not a feasible-context measurement, see the systems benchmark's row)"
+            if best_ctx
+            else NOT_MEASURED,
             **no_test,
         }
     )
@@ -605,6 +623,18 @@ def _ratio_text(fig: dict[str, Any]) -> str:
     if details.get("undetermined"):  # both methods fit the search cap: the ratio says nothing
         return f"undetermined: both reached the search cap (budget {fig['budget']})"
     return f"{'>= ' if details.get('at_least') else ''}{fig['value']:.2f}x at budget {fig['budget']}"
+
+
+def setup_text(fig: dict[str, Any]) -> str:
+    """The set-up a speed figure was measured under: model, backend, batch, machine, when, quick or not. Figures of
+    different set-ups are never one claim; the reader compares these."""
+    config = fig.get("config") or {}
+    batch = config.get("batch_size", config.get("batch_sizes", "-"))
+    quick = "quick run" if config.get("quick") else "full run" if "quick" in config else "mode not recorded"
+    return (
+        f"model {fig.get('model') or '-'}, backend {config.get('backend', config.get('attn_implementation', '-'))}, "
+        f"batch {batch}, {_hardware(fig)}, measured {fig.get('created_at') or '-'}, {quick}"
+    )
 
 
 def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -627,7 +657,7 @@ def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "claim": f"{label} (systems benchmark)",
                 "paper": paper,
-                "kvleague": _ratio_text(best) if best else NOT_MEASURED,
+                "kvleague": f"{_ratio_text(best)} [{setup_text(best)}]" if best else NOT_MEASURED,
             }
         )
     return rows

@@ -157,3 +157,76 @@ def test_equivalence_only_with_the_margin_tested():
     assert not wide.equivalent and wide.word == "inconclusive"  # not significant, and not shown equivalent
     few = verdicts.decide("leaderboard", [({"method": 1, "reference": 0}, _tested(0.0, 0.9, n=5, half=0.01))])[0]
     assert few.word == verdicts.TOO_FEW and math.isnan(few.p_adjusted) is False
+
+
+def test_a_credit_over_a_baseline_reports_recency_against_the_same_baseline():
+    """EpiKV below h2o's KL is reported with StreamingLLM against h2o on the same table, and, as EpiKV does not
+    beat StreamingLLM itself, "no better than recency"."""
+    import pandas as pd
+
+    from kvleague.analysis.report import fidelity_findings
+
+    board = pd.DataFrame(
+        [
+            {
+                "method": "epikv",
+                "KL": 0.1,
+                "KL 95% CI": "[0.08, 0.12]",
+                "top-1 %": 90.0,
+                "top-1 95% CI": "-",
+                "samples": 30,
+            }
+        ]
+    )
+
+    def pair(a, b, shift, p, sign, verdict):
+        lo, hi = (shift - 0.01, shift + 0.01) if p < 0.05 else (-0.02, 0.02)
+        return {"A": a, "B": b, "Δ KL (A−B)": shift, "HL shift": shift, "Δ KL lo": lo, "Δ KL hi": hi}, {
+            "p (adj.)": p,
+            "sign": sign,
+            "verdict": verdict,
+            "samples": 30,
+            "tied": 0,
+        }
+
+    rows = [
+        pair("epikv", "h2o", -0.06, 0.001, -1, "A lower"),
+        pair("streaming_llm", "h2o", -0.05, 0.002, -1, "A lower"),
+        pair("epikv", "streaming_llm", -0.01, 0.4, -1, "inconclusive"),
+    ]
+    pairs = pd.DataFrame([{**a, **b} for a, b in rows])
+    names = {"epikv": "epikv", "h2o": "h2o", "streaming_llm": "streaming_llm"}
+    (finding,) = fidelity_findings(pairs, board, "math", 96, names)
+    assert "lower than h2o (HL shift -0.060" in finding.text
+    assert "control: StreamingLLM vs h2o HL shift -0.050 [-0.060, -0.040]" in finding.text, finding.text
+    assert "no better than recency (StreamingLLM: inconclusive)" in finding.text
+    beats = pairs.assign(**{"p (adj.)": [0.001, 0.002, 0.001], "verdict": ["A lower"] * 3})
+    (finding,) = fidelity_findings(beats, board, "math", 96, names)
+    assert "control: StreamingLLM vs h2o" in finding.text and "no better than recency" not in finding.text
+
+
+def test_distinct_prompts_are_counted_by_content_across_reference_rows():
+    """The export's math, code and agentic prompts sit in two task rows each (the dataset's reference and the model's
+    own continuation, ``fidelity_reference: self``): one prompt, counted once (the report's "259 samples" was 169)."""
+    from kvleague.analysis.identity import prompt_key
+
+    dataset = {"id": 3, "name": "humaneval", "options": {"timeout_s": 10.0}}
+    own = {"id": 9, "name": "humaneval", "options": {"fidelity_reference": "self", "timeout_s": 10.0}}
+    other = {"id": 4, "name": "kv_agent", "options": {"n_lockers": 8}}
+    assert prompt_key(dataset, "HumanEval/1") == prompt_key(own, "HumanEval/1") != prompt_key(own, "HumanEval/2")
+    assert prompt_key(other, "ep-1") != prompt_key({**other, "options": {"n_lockers": 9}}, "ep-1")  # another prompt
+    needles = [
+        {"id": i, "name": "niah", "options": {"num_depths": 6, "samples_per_depth": k}} for i, k in ((1, 3), (2, 5))
+    ]
+    assert prompt_key(needles[0], "L512tok-d0.200-2") == prompt_key(needles[1], "L512tok-d0.200-0")  # draw 5 of both
+
+
+def test_coincident_lines_are_found_from_the_plotted_values():
+    """tova and value_norm: the same accuracy at every budget (different samples right) hide each other; a method
+    that differs at one budget does not."""
+    import pandas as pd
+
+    rows = [("tova", 320, 50.0), ("tova", 512, 80.0), ("value_norm", 320, 50.0), ("value_norm", 512, 80.0)]
+    rows += [("h2o", 320, 50.0), ("h2o", 512, 83.3), ("tova", 320, 10.0)]
+    curves = pd.DataFrame(rows, columns=["method", "budget", "accuracy"]).assign(domain=["longqa"] * 6 + ["math"])
+    assert tables.coincident_lines(curves, "accuracy") == [("longqa", ["tova", "value_norm"])]

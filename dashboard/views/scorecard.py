@@ -82,14 +82,14 @@ def protocol_ablations(ctx) -> None:
     st.caption(
         "Two protocols that differ in exactly one setting (field: which one), the same method at the same budget on the "
         "samples every method there has under both: mean KL(full || method) under A and under B, the paired mean "
-        "difference B − A with its 95% bootstrap interval over samples, the two-sided Wilcoxon signed-rank p of the "
-        "differences (float32-rounding ties left out: **tied**) and its Holm adjustment over this table. It shows what "
+        "difference B − A, the two-sided Wilcoxon signed-rank p of the differences (float32-rounding ties left out: "
+        f"**tied**) with its Hodges–Lehmann shift and interval; {verdicts.FAMILY_TEXT}. It shows what "
         "the protocol, not the method, decides."
     )
     st.dataframe(
         styled(
             table.drop(columns=["Δ KL lo", "Δ KL hi", "sign"]),
-            p=("p (Wilcoxon)", "p (Holm)"),
+            p=("p (Wilcoxon)", "p (adj.)"),
             formats={"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"},
         ),
         hide_index=True,
@@ -108,13 +108,15 @@ def fidelity_claims(ctx) -> None:
         "questions (a small model on math, code or agentic tasks), or where there are no accuracy results, every method "
         "sits near the floor and accuracy cannot tell them apart; there the claim *better than* a paper baseline is "
         "judged by fidelity to the full cache instead: *closer to full cache* = lower mean KL(full || method) on the "
-        "samples both have. Δ KL: method minus baseline with its 95% bootstrap interval over samples; p: two-sided "
-        "Wilcoxon signed-rank test of the paired KL differences; p (Holm): adjusted over this table. Verdict: replicates "
-        "when p (Holm) < 0.05 with lower KL, does not replicate when p (Holm) < 0.05 with higher KL, else inconclusive; "
+        "samples both have. Δ KL: mean difference, descriptive; HL shift: the Hodges–Lehmann estimate with the interval "
+        "inverting the test; p: two-sided Wilcoxon signed-rank test of the paired KL differences; p (adj.): "
+        f"{verdicts.FAMILY_TEXT}, the same as in the fidelity pairs table. Verdict: replicates when p (adj.) < 0.05 with "
+        "lower KL, does not replicate when p (adj.) < 0.05 with higher KL, equivalent within the declared margin when "
+        "that is tested, else inconclusive; "
         f"fewer than {stats.MIN_PROBLEMS} samples: no verdict."
     )
     st.dataframe(
-        styled(card, p=("p", "p (Holm)"), formats={"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
+        styled(card, p=("p", "p (adj.)"), formats={"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
         hide_index=True,
         placeholder="—",
         key="sc_fidelity",
