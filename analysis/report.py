@@ -428,8 +428,9 @@ def accuracy_findings(
             close = "inconclusive (neither shown different nor shown equivalent) against"
         line = (
             f"{_heading(domain, budget, protocol)} (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
-            f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
-            f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
+            f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (on the "
+            f"{int(e['delta_n'])} problems the two have: Δ {e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, "
+            f"{e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
             f"p adj. {_p(p_adj)})."
         )
         groups = _against_baselines(

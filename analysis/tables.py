@@ -210,6 +210,7 @@ def _group_rows(
                 "p_value": v.p if v else math.nan,
                 "test": v.test if v else ("reference" if m_id == full_id else "no full cache"),
                 "verdict_full": v.word if v else "-",
+                "delta_n": v.n if v else 0,
                 "evicted_share": 100.0 * group.total(m_id, "fired") / ok
                 if (ok := samples - group.total(m_id, "failed"))
                 else math.nan,

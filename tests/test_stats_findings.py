@@ -226,7 +226,7 @@ def test_finding8_fixed_baselines_holm_and_a_test_of_the_paper_value(tmp_path):
     claims = tables.paper_claims(engine, q.Filters())
     engine.dispose()
     assert set(card["reference"]) == {"h2o", "thinkv", "full"}  # never the best on the same data (was snapkv)
-    assert card["p (Holm)"].tolist() == pytest.approx(list(sm_multitest.multipletests(card["p"], method="holm")[1]))
+    assert card["p (adj.)"].tolist() == pytest.approx([min(1.0, 4 * p) for p in card["p"]])  # paper.yaml's rule
     # the paper-value check is a test (was "inside the 95% interval"): the score test of the measured share
     # against the paper's proportion, 26 / 40 against 72% for EpiKV, 30 / 40 against 75% for full cache
     tested = claims[claims["p vs paper"].notna()]
