@@ -245,6 +245,15 @@ def _against_baselines(
     return out
 
 
+#: what EpiKV against the recency control found, where it is not a win
+_AGAINST_RECENCY = {
+    "worse": "worse",
+    "inconclusive": "inconclusive",
+    "equivalent": "equivalent",
+    "same": "the same",
+}
+
+
 def _recency(
     pairs, label: str, baseline: str, recency: str, delta: str, lower_is_better: bool, fmt, fidelity: bool
 ) -> str:
@@ -262,7 +271,7 @@ def _recency(
             d = row[delta] if first else -row[delta]
             out += f"; control: {what} {fmt(row, d, first)}, p adj. {_p(row['p (adj.)'])}"
         elif kind != "better":
-            out += f"; no better than recency ({RECENCY_LABEL}: {kind})"
+            out += f"; no better than recency (against {RECENCY_LABEL} itself: {_AGAINST_RECENCY[kind]})"
     return out
 
 

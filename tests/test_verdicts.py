@@ -4,11 +4,8 @@ only, and equivalence said only where the margin is tested."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from scipy.stats import binomtest
-from statsmodels.stats.multitest import multipletests
 
 from kvleague.analysis import queries as q
 from kvleague.analysis import tables, verdicts
@@ -117,46 +114,39 @@ def test_adding_a_method_changes_no_verdict_that_does_not_involve_it(tmp_path):
 
 
 def _tested(diff: float, p: float, n: int = 40, half: float = 0.1) -> verdicts.Tested:
-    """A symmetric interval whose half-width scales with the normal quantile of its level."""
+    """A normal-theory comparison: estimate ± z(level) * se, with half = the 95% half-width."""
     from statistics import NormalDist
 
-    z95 = NormalDist().inv_cdf(0.975)
-    return verdicts.Tested(
-        diff,
-        diff - half,
-        diff + half,
-        p,
-        "t",
-        n,
-        lambda level: (
-            diff - half * NormalDist().inv_cdf(0.5 + level / 2) / z95,
-            diff + half * NormalDist().inv_cdf(0.5 + level / 2) / z95,
-        ),
-    )
+    se = half / NormalDist().inv_cdf(0.975)
+    z = lambda level: NormalDist().inv_cdf(0.5 + level / 2)  # noqa: E731
+    return verdicts.Tested(diff, p, "z", n, lambda level: (diff - z(level) * se, diff + z(level) * se))
 
 
-def test_holm_runs_within_a_declared_family_never_across_methods():
-    ps = {("epikv", "math"): 0.012, ("epikv", "code"): 0.2, ("epikv", "longqa"): 0.03, ("h2o", "math"): 0.001}
-    comparisons = [({"method": m, "reference": "thinkv", "domain": d}, _tested(0.1, p)) for (m, d), p in ps.items()]
-    got = verdicts.decide("accuracy_claims", comparisons)
-    epikv = [p for (m, _), p in ps.items() if m == "epikv"]
-    assert [v.p_adjusted for v in got[:3]] == pytest.approx(list(multipletests(epikv, method="holm")[1]))
-    assert got[3].p_adjusted == 0.001 and got[3].family.startswith("accuracy_claims (1 comparison")
-    assert [v.word for v in got] == ["higher", "inconclusive", "inconclusive", "higher"]
-    alone = verdicts.decide("accuracy_claims", comparisons[:3])  # without h2o: epikv's verdicts unchanged
-    assert [v.p_adjusted for v in alone] == [v.p_adjusted for v in got[:3]]
-    leaderboard = verdicts.decide("leaderboard", comparisons)  # not adjusted
-    assert [v.p_adjusted for v in leaderboard] == list(ps.values())
+def test_the_declared_rule_bonferroni_over_the_pairs_domains_with_the_interval_that_goes_with_it():
+    """paper.yaml: 4 domains, so p adj = min(1, 4 p) and the interval is at 1 - 0.05 / 4; it excludes 0 exactly when
+    p adj < 0.05 (checked on a normal-theory comparison whose p and interval are the same z test)."""
+    from statistics import NormalDist
+
+    assert verdicts.FAMILY_SIZE == 4 and verdicts.LEVEL == pytest.approx(0.9875)
+    for diff in (0.02, 0.05, 0.065, 0.08, -0.07, 0.3):
+        t = _tested(diff, 2 * (1 - NormalDist().cdf(abs(diff) / 0.025)), half=0.025 * NormalDist().inv_cdf(0.975))
+        p = t.p
+        v = verdicts.judge(t, "accuracy")
+        assert v.p_adjusted == pytest.approx(min(1.0, 4 * p))
+        assert (v.p_adjusted < 0.05) == (v.lo > 0 or v.hi < 0), diff
+        assert v.word == ("higher" if diff > 0 else "lower") if v.p_adjusted < 0.05 else v.word != "higher"
 
 
 def test_equivalence_only_with_the_margin_tested():
-    margin = 0.05  # paper.yaml: accuracy, 5 points
-    close = verdicts.decide("leaderboard", [({"method": 1, "reference": 0}, _tested(0.0, 0.9, half=0.03))])[0]
-    assert close.equivalent and close.word == "equivalent within ±5 pts" and close.margin == margin
-    wide = verdicts.decide("leaderboard", [({"method": 1, "reference": 0}, _tested(0.0, 0.9, half=0.2))])[0]
+    close = verdicts.judge(_tested(0.0, 0.9, half=0.03), "accuracy")
+    assert close.equivalent and close.word == "equivalent within ±5 pts" and close.margin == 0.05
+    wide = verdicts.judge(_tested(0.0, 0.9, half=0.2), "accuracy")
     assert not wide.equivalent and wide.word == "inconclusive"  # not significant, and not shown equivalent
-    few = verdicts.decide("leaderboard", [({"method": 1, "reference": 0}, _tested(0.0, 0.9, n=5, half=0.01))])[0]
-    assert few.word == verdicts.TOO_FEW and math.isnan(few.p_adjusted) is False
+    assert verdicts.judge(_tested(0.0, 0.9, n=5, half=0.01), "accuracy").word == verdicts.TOO_FEW
+    kl = verdicts.judge(_tested(0.01, 0.5, half=0.03), "kl")
+    assert kl.word == "equivalent within ±0.05 nats/token"
+    claim = verdicts.judge(_tested(0.0, 0.9, half=0.03), "accuracy", ("replicates", "does not replicate"), False)
+    assert claim.word == "inconclusive"  # a claim tested at its own margin says nothing of equivalence
 
 
 def test_a_credit_over_a_baseline_reports_recency_against_the_same_baseline():
@@ -199,7 +189,7 @@ def test_a_credit_over_a_baseline_reports_recency_against_the_same_baseline():
     (finding,) = fidelity_findings(pairs, board, "math", 96, names)
     assert "lower than h2o (HL shift -0.060" in finding.text
     assert "control: StreamingLLM vs h2o HL shift -0.050 [-0.060, -0.040]" in finding.text, finding.text
-    assert "no better than recency (StreamingLLM: inconclusive)" in finding.text
+    assert "no better than recency (against StreamingLLM itself: inconclusive)" in finding.text
     beats = pairs.assign(**{"p (adj.)": [0.001, 0.002, 0.001], "verdict": ["A lower"] * 3})
     (finding,) = fidelity_findings(beats, board, "math", 96, names)
     assert "control: StreamingLLM vs h2o" in finding.text and "no better than recency" not in finding.text
