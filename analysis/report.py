@@ -238,7 +238,8 @@ def _against_baselines(
         kind = _direction(row, sign, lower_is_better)
         if fidelity and row["samples"] and row["tied"] == row["samples"]:
             kind = "same"
-        figures = f"{fmt(row, d, first)}{_tied(row) if fidelity else ''}, p adj. {_p(row['p (adj.)'])}"
+        n = int(row["samples"] if fidelity else row["problems"])
+        figures = f"{fmt(row, d, first)}{_tied(row) if fidelity else ''}, n={n}, p adj. {_p(row['p (adj.)'])}"
         if kind == "better" and recency is not None and label != recency:
             figures += _recency(pairs, label, other, recency, delta, lower_is_better, fmt, fidelity)
         out[kind].append((other, figures))

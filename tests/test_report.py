@@ -411,11 +411,13 @@ def test_findings_name_each_epikv_spec_and_read_pairs_in_either_order():
     }
     all_, generated = (f.text for f in fidelity_findings(pairs, board, "math", 96, name_of))
     assert "EpiKV (epikv(series=all))'s mean KL to the full cache is 0.100" in all_
-    assert all_.endswith("Its KL is lower than h2o (HL shift -0.050 [-0.070, -0.030] (mean Δ -0.050), p adj. 0.001).")
-    assert "higher than h2o (HL shift +0.150 [+0.100, +0.200] (mean Δ +0.150), p adj. 0.001)" in generated
+    assert all_.endswith(
+        "Its KL is lower than h2o (HL shift -0.050 [-0.070, -0.030] (mean Δ -0.050), n=30, p adj. 0.001)."
+    )
+    assert "higher than h2o (HL shift +0.150 [+0.100, +0.200] (mean Δ +0.150), n=30, p adj. 0.001)" in generated
     assert (
         "not shown different from, and not shown equivalent to (inconclusive), tova (HL shift +0.010 [-0.020, +0.040] "
-        "(mean Δ +0.010), p adj. 0.6)"
+        "(mean Δ +0.010), n=30, p adj. 0.6)"
     ) in generated
     assert "full" not in generated.split("Its KL is")[1] and "series=all" not in generated.split("Its KL is")[1]
 
@@ -469,7 +471,8 @@ def test_findings_take_the_direction_and_the_ties_from_the_test():
     )
     (finding,) = fidelity_findings(pairs, board, "code", 128, {"epikv": "epikv", "h2o": "h2o", "tova": "tova"})
     assert (
-        "higher than tova (HL shift -0.030 [-0.060, -0.010] (mean Δ -0.020), 2 of 13 tied, p adj. 0.01)" in finding.text
+        "higher than tova (HL shift -0.030 [-0.060, -0.010] (mean Δ -0.020), 2 of 13 tied, n=13, p adj. 0.01)"
+        in finding.text
     )
     assert "the same within float32 rounding (every per-sample difference) as h2o (HL shift +9.4e-07" in finding.text
     assert finding.glance["equivalent (tested margin)"] == "h2o (same within rounding)"

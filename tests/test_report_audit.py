@@ -177,7 +177,7 @@ def test_an_ablation_is_not_split_by_the_sign_of_one_noise_difference(rows, repo
 
 
 def test_every_sentence_states_the_n_of_its_table(report):
-    """Each fidelity section: the board, every paired row and the glance row rest on one sample set."""
+    """Each fidelity section: the board and the glance row rest on one sample set; each paired row on its pair's."""
     glance = table(report.split("At a glance")[1].split("\n- **")[0], "protocol")
     checked = 0
     for number in sorted({int(n) for n in re.findall(r"— protocol #(\d+):", report)}):
@@ -188,7 +188,8 @@ def test_every_sentence_states_the_n_of_its_table(report):
                 continue
             board, pairs = block.split("Paired fidelity tests")
             (n,) = {r["samples"] for r in table(board, "method")}
-            assert {r["samples"] for r in table(pairs, "A")} == {n}, heading
+            # each pair rests on the samples its two methods have: the board's set or more, and the finding says its n
+            assert all(int(r["samples"]) >= int(n) for r in table(pairs, "A")), heading
             domain, budget = re.match(r"#### (\w+), budget ([\w+]+)", heading).groups()
             for g in glance:
                 if (g["protocol"], g["domain"], g["budget"], g["measure"]) == (
