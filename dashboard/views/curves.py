@@ -171,7 +171,6 @@ def render_fidelity(ctx, measure: str) -> None:
     curves = with_slice(curves, chosen)
     coinciding_note(ctx, filters)
     coincident_note(curves, FIDELITY_MEASURES[measure][0])
-    coincident_note(curves, "accuracy")
     st.caption(
         f"{measure.capitalize()} against the KV budget (log scale), per domain: the mean over samples of each "
         "sample's mean over its scored tokens, with 95% percentile bootstrap bands over samples. At each budget the "
