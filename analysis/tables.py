@@ -127,17 +127,33 @@ def method_label(methods: dict[int, Any], method_id: int) -> str:
     return methods[method_id]["label"] if method_id in methods else f"#{method_id}"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Slice:
-    """One leaderboard table: the results, the tasks it covers and how it pools them."""
+    """One leaderboard table: the results, the tasks it covers and how it pools them. ``shared``: a common set
+    of the slice already built; a pair whose two methods have exactly its cells is compared on it (the same
+    cells, so the same numbers) instead of building the pair's own."""
 
     results: cs.Results
     tasks: set[int] | None
     weighting: str = "problem"
     stratum: Callable[[tuple], Any] | None = None
+    shared: cs.CommonSet | None = None
 
     def group(self, methods) -> cs.CommonSet:
         return cs.common_set(self.results, methods, self.tasks, self.weighting, self.stratum)
+
+    def cells_of(self, m: int) -> int:
+        if not hasattr(self, "_counts"):
+            self._counts: dict[int, int] = {}
+        if m not in self._counts:
+            self._counts[m] = sum(1 for c in self.results.get(m, {}) if self.tasks is None or c[0] in self.tasks)
+        return self._counts[m]
+
+    def pair(self, a: int, b: int) -> cs.CommonSet:
+        g = self.shared
+        if g is not None and a in g.methods and b in g.methods and self.cells_of(a) == self.cells_of(b) == len(g.cells):
+            return g
+        return self.group([a, b])
 
 
 def pair_verdict(
@@ -146,11 +162,11 @@ def pair_verdict(
     """``a`` against ``b`` on the questions the two have in the slice (not on the slice's common set, which
     shrinks when a method with fewer cells joins), judged by :func:`analysis.verdicts.judge`. ``margin``: test
     ``difference = -margin`` instead of 0 (a non-inferiority claim)."""
-    pair = s.group([a, b])
+    pair = s.pair(a, b)
     if not pair.cells:
         return verdicts.judge(verdicts.from_comparison(stats.NONE, lambda level: stats.NONE), "accuracy", words)
-    c = pair.compare(a, b)
-    t = verdicts.from_comparison(c, lambda level: pair.compare(a, b, level))
+    c = pair.compare(a, b, verdicts.LEVEL)  # p does not depend on the level; the interval is the verdicts'
+    t = verdicts.from_comparison(c, lambda level: c if level == verdicts.LEVEL else pair.compare(a, b, level))
     if not margin:
         return verdicts.judge(t, "accuracy", words)
     shifted = verdicts.Tested(
@@ -243,15 +259,15 @@ def leaderboard(
     task_rows, domain_rows = [], []
     for t_id in sorted(present, key=lambda t: (task_of(t)["domain"], task_of(t)["name"], t)):
         s = Slice(results, {t_id})
-        task_rows += _group_rows(
-            s, s.group(present[t_id]), methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"]
-        )
+        s.shared = s.group(present[t_id])
+        task_rows += _group_rows(s, s.shared, methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"])
     domains = sorted({task_of(t)["domain"] for t in present})
     pooled = identity.pool(results, tasks)  # a prompt two task rows hold counts once where tasks are pooled
     for d in domains:
         in_domain = {m for t in present if task_of(t)["domain"] == d for m in present[t]}
         s = Slice(pooled, {t for t in present if task_of(t)["domain"] == d}, weighting)
-        domain_rows += _group_rows(s, s.group(in_domain), methods, full_id, d, "(all)")
+        s.shared = s.group(in_domain)
+        domain_rows += _group_rows(s, s.shared, methods, full_id, d, "(all)")
     by_task, by_domain = pd.DataFrame(task_rows), pd.DataFrame(domain_rows)
     for df, group_col in ((by_task, "task"), (by_domain, "domain")):
         if not df.empty:
@@ -285,7 +301,7 @@ def _wide(
     accuracy, its interval and the difference from full cache (from the domain's table)."""
     if by_domain.empty:
         return pd.DataFrame(columns=["rank", "vs best", "method", "mean accuracy", "evicted %"])
-    group = overall.group(in_every_domain)
+    group = overall.shared = overall.group(in_every_domain)
     best = vs_best_words(overall, group)
     means = {m: pct(group.accuracy(m).mean) for m in group.methods} if group.cells else {}
     rows = []

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvleague.analysis.paper import FAMILY_DOMAINS, MARGINS, VERDICT_ALPHA
-from kvleague.analysis.stats import MIN_PROBLEMS, NOT_MEASURED, TOO_FEW, Comparison
+from kvleague.analysis.stats import MIN_PROBLEMS, NOT_MEASURED, TOO_FEW, Comparison, shifted_pvalue
 
 INCONCLUSIVE = "inconclusive"
 FAMILY_SIZE = len(FAMILY_DOMAINS)
@@ -45,6 +45,9 @@ class Tested:
     test: str
     n: int
     interval: Callable[[float], tuple[float, float]]
+    #: the same test's two-sided p of ``difference = delta`` where it has one (the equivalence test then needs
+    #: no second interval: TOST by its two one-sided p-values, the dual of the interval inclusion)
+    p_at: Callable[[float], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,7 @@ def judge(t: Tested, measure: str, words: tuple[str, str] = ("higher", "lower"),
         return Verdict(t.estimate, math.nan, math.nan, t.test, t.n, t.p, math.nan, margin, False, NOT_MEASURED)
     p_adj = min(1.0, FAMILY_SIZE * t.p)
     lo, hi = t.interval(LEVEL)
-    eq_lo, eq_hi = t.interval(1 - 2 * VERDICT_ALPHA / FAMILY_SIZE)
-    equivalent = equivalence and t.n >= MIN_PROBLEMS and -margin < eq_lo and eq_hi < margin
+    equivalent = equivalence and t.n >= MIN_PROBLEMS and not p_adj < VERDICT_ALPHA and _equivalent(t, margin)
     if t.n < MIN_PROBLEMS:
         word = TOO_FEW
     elif p_adj < VERDICT_ALPHA:
@@ -88,6 +90,16 @@ def judge(t: Tested, measure: str, words: tuple[str, str] = ("higher", "lower"),
     return Verdict(t.estimate, lo, hi, t.test, t.n, t.p, p_adj, margin, equivalent, word)
 
 
+def _equivalent(t: Tested, margin: float) -> bool:
+    """Both one-sided tests at ±margin reject at alpha / m (TOST)."""
+    if not -margin < t.estimate < margin:
+        return False
+    if t.p_at is not None:  # one-sided p at -margin (estimate above it) and at +margin (estimate below it)
+        return max(t.p_at(-margin), t.p_at(margin)) / 2 < VERDICT_ALPHA / FAMILY_SIZE
+    lo, hi = t.interval(1 - 2 * VERDICT_ALPHA / FAMILY_SIZE)
+    return -margin < lo and hi < margin
+
+
 def from_comparison(c: Comparison, at_level: Callable[[float], Comparison]) -> Tested:
     """A paired accuracy comparison (:func:`analysis.stats.compare`: Tango's score test, or exact McNemar with
     its interval reaching 0 where it does not reject); ``at_level``: the same comparison at another level."""
@@ -96,4 +108,4 @@ def from_comparison(c: Comparison, at_level: Callable[[float], Comparison]) -> T
         other = at_level(level)
         return other.lo, other.hi
 
-    return Tested(c.diff, c.pvalue, c.test, c.n, interval)
+    return Tested(c.diff, c.pvalue, c.test, c.n, interval, lambda delta: shifted_pvalue(c, delta))
