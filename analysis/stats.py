@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from functools import lru_cache
 
 import numpy as np
 from scipy.stats import binomtest
@@ -156,13 +157,19 @@ def compare(diffs: Scores, level: float = LEVEL) -> Comparison:
     return c
 
 
+@lru_cache(maxsize=1 << 16)  # (b, n) repeat across the many pairs of a large leaderboard
+def exact_mcnemar(b: int, n: int) -> float:
+    """Two-sided exact McNemar p: the binomial test of ``b`` among ``n`` discordant pairs at 1/2."""
+    return float(binomtest(b, n, 0.5).pvalue) if n else 1.0
+
+
 def exact_small(c: Comparison, b: int, d: int, level: float = LEVEL) -> Comparison:
     """``c`` (Tango's, on a 2x2 table of questions) with ``b`` questions where the method alone is right and
     ``d`` where the reference alone is: p is the larger of exact McNemar's (binomial of b among b + d at
     1/2) and Tango's, and where that p does not reject, Tango's interval is stretched to reach 0, so that
     p < 1 - level exactly when the interval excludes 0. :func:`shifted_pvalue` keeps values between 0 and
     the estimate in step (a test that cannot reject 0 cannot reject them either)."""
-    exact = float(binomtest(b, b + d, 0.5).pvalue) if b + d else 1.0
+    exact = exact_mcnemar(b, b + d)
     p = max(exact, c.pvalue)
     lo, hi = c.lo, c.hi
     if not p < 1 - level:
