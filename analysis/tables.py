@@ -305,15 +305,17 @@ def _wide(
     best = vs_best_words(overall, group)
     means = {m: pct(group.accuracy(m).mean) for m in group.methods} if group.cells else {}
     rows = []
-    for m_id, g in by_domain.groupby("method_id", sort=False):
+    cells: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)  # method -> domain -> its row (no pandas per cell)
+    for rec in by_domain.to_dict("records"):
+        cells[rec["method_id"]].setdefault(rec["domain"], rec)
+    for m_id, by_d in cells.items():
         r: dict[str, Any] = {"method": method_label(methods, m_id)}
         fired = samples = 0.0
         for d in domains:
-            sub = g[g["domain"] == d]
-            if sub.empty:
+            s = by_d.get(d)
+            if s is None:
                 r[f"{d} %"], r[f"{d} 95% CI"], r[f"{d} Δ full"] = math.nan, "-", math.nan
                 continue
-            s = sub.iloc[0]
             r[f"{d} %"], r[f"{d} 95% CI"], r[f"{d} Δ full"] = s["accuracy"], s["interval"], s["delta_full"]
             fired += (s["evicted_share"] if not math.isnan(s["evicted_share"]) else 0) * s["samples"] / 100
             samples += s["samples"]
