@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvleague.analysis import queries as q
-from kvleague.analysis import ranking, stats
+from kvleague.analysis import stats
 
 CELL_KEY = ("task_id", "sample_id", "model_id", "protocol_id", "generation_id")
 WEIGHTINGS = ("problem", "task")
@@ -80,6 +80,7 @@ class CommonSet:
         self._group_weights = tuple(distinct)
         self._arrays: dict[int, np.ndarray] = {}
         self._cache: dict[int, tuple[np.ndarray, int]] = {}
+        self._accuracy: dict[int, stats.Accuracy] = {}
 
     def _cell_array(self, method: int) -> np.ndarray:
         """``(cells, 4)`` integers: k, m, failed, fired per common cell."""
@@ -115,15 +116,12 @@ class CommonSet:
         return int(self._cell_array(method)[:, {"m": M, "failed": FAILED, "fired": FIRED}[what]].sum())
 
     def accuracy(self, method: int) -> stats.Accuracy:
-        return stats.accuracy(self.scores(method), self.total(method, "m"))
+        if method not in self._accuracy:  # the table, its best and its wide view all read it
+            self._accuracy[method] = stats.accuracy(self.scores(method), self.total(method, "m"))
+        return self._accuracy[method]
 
-    def compare(self, a: int, b: int) -> stats.Comparison:
-        return stats.compare(self.differences(a, b))
-
-    def rank_intervals(self) -> dict[int, ranking.RankInterval]:
-        if not self.methods or not self.cells:
-            return {}
-        return ranking.rank_intervals({m: self.scores(m) for m in self.methods})
+    def compare(self, a: int, b: int, level: float = stats.LEVEL) -> stats.Comparison:
+        return stats.compare(self.differences(a, b), level)
 
 
 def common_set(

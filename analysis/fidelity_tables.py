@@ -3,15 +3,16 @@ the tables behind the leaderboard's fidelity section, the fidelity budget curves
 fidelity claims.
 
 * Per method, budget and domain (or task): the mean over samples of each sample's mean KL(full ||
-  method) (nats per token) with a 95% percentile bootstrap interval over samples
-  (:func:`bootstrap_mean_interval`: ``scipy.stats.bootstrap``, 2,000 resamples, seed 0), and top-1
+  method) (nats per token) with a 95% bootstrap interval over samples (:func:`bootstrap_mean_interval`:
+  ``scipy.stats.bootstrap``, 2,000 resamples, seed 0; BCa below 30 samples), descriptive, and top-1
   agreement with the leaderboard's Wilson interval (:func:`top1_interval`: tokens are the samples of a
   question, so agreeing samples do not collapse it to a point).
-* Paired differences between methods on the table's samples: the mean difference with its bootstrap
-  interval (resampling samples, so the pairing is kept) and the signed-rank test of the KL differences
-  (:func:`signed_rank`): a difference that float32 rounding of the logits explains is a tie
-  (:func:`kl_tolerance`), ties are left out (Wilcoxon's zero handling), and the direction is the test's
-  (which of W+ and W- is larger), not the sign of the mean. Holm over every pair shown.
+* Paired differences between two methods on the samples the two have: the mean difference (descriptive)
+  and the signed-rank test of the KL differences (:func:`signed_rank`): a difference that float32
+  rounding of the logits explains is a tie (:func:`kl_tolerance`), ties are left out (Wilcoxon's zero
+  handling); the estimate is the Hodges–Lehmann shift with the interval inverting that test, and the
+  adjusted p and verdict are :func:`analysis.verdicts.judge`'s, so the interval excludes 0 exactly when
+  the adjusted test rejects.
 
 The unit is the sample (one ``sample_id`` of one task; a prompt two task rows share counts once where
 they are pooled, :mod:`analysis.identity`); a sample with several cells (models, protocols, seeds)
@@ -36,14 +37,17 @@ import pandas as pd
 from scipy.stats import bootstrap, rankdata, wilcoxon
 
 from kvleague.analysis import common_set as cs
-from kvleague.analysis import identity, multiplicity, stats
+from kvleague.analysis import identity, stats, verdicts
 from kvleague.analysis import queries as q
 from kvleague.analysis.paper import PAPER_BASELINES, REFERENCE_FAMILY
+from kvleague.analysis.rank_tests import hodges_lehmann
 from kvleague.analysis.tables import full_cache_ids, full_reference_budget, method_label
 from kvleague.engine.protocol import Protocol
 
 LEVEL = stats.LEVEL
 N_RESAMPLES = 2000
+#: below this many samples the bootstrap interval is BCa, not percentile
+PERCENTILE_MIN = 30
 #: the scorecard's rule: below this full-cache accuracy (%) in a domain at a budget, accuracy cannot
 #: separate methods (every method sits near the floor), so the scorecard judges them by fidelity
 ACCURACY_FLOOR = 20.0
@@ -76,8 +80,10 @@ Fidelity = dict[int, dict[int, dict[Question, SampleFidelity]]]
 
 
 def bootstrap_mean_interval(values: Iterable[float], level: float = LEVEL) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean over ``values`` (the samples are the unit). A single
-    value or constant values: the value itself (no spread to resample); none: NaN."""
+    """Bootstrap interval of the mean over ``values`` (the samples are the unit): percentile from
+    :data:`PERCENTILE_MIN` samples, BCa below (the percentile interval of a small skewed sample is Monte-Carlo
+    luck: with 10 samples and 3 outliers its lower bound swings by 0.4 nats). A single value or constant
+    values: the value itself (no spread to resample); none: NaN. Descriptive only: no verdict reads it."""
     v = np.asarray(list(values), dtype=float)
     if len(v) == 0:
         return math.nan, math.nan
@@ -88,7 +94,7 @@ def bootstrap_mean_interval(values: Iterable[float], level: float = LEVEL) -> tu
         np.mean,
         n_resamples=N_RESAMPLES,
         confidence_level=level,
-        method="percentile",
+        method="percentile" if len(v) >= PERCENTILE_MIN else "BCa",
         random_state=np.random.default_rng(0),
     )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
@@ -125,6 +131,19 @@ class SignedRank:
     w_plus: float  # rank sums of the positive and negative differences among the rest
     w_minus: float
     p: float
+    nz: tuple[float, ...] = ()  # the differences the test ranks
+
+    def tested(self) -> verdicts.Tested:
+        """For :func:`analysis.verdicts.judge`: the Hodges–Lehmann shift of the ranked differences and the
+        interval inverting this test (:func:`analysis.rank_tests.hodges_lehmann`)."""
+        shift = hodges_lehmann(self.nz, LEVEL, EXACT_MAX)[0] if self.nz else 0.0
+        return verdicts.Tested(
+            shift,
+            self.p,
+            "Wilcoxon signed-rank",
+            self.n,
+            lambda level: hodges_lehmann(self.nz, level, EXACT_MAX)[1:] if self.nz else (math.nan, math.nan),
+        )
 
     @property
     def sign(self) -> int:
@@ -151,7 +170,7 @@ def signed_rank(first: Iterable[float], second: Iterable[float]) -> SignedRank:
     ranks = rankdata(np.abs(nz))
     exact = len(nz) <= EXACT_MAX and len(np.unique(np.abs(nz))) == len(nz)
     p = float(wilcoxon(nz, method="exact" if exact else "approx").pvalue)
-    return SignedRank(len(d), ties, float(ranks[nz > 0].sum()), float(ranks[nz < 0].sum()), p)
+    return SignedRank(len(d), ties, float(ranks[nz > 0].sum()), float(ranks[nz < 0].sum()), p, tuple(nz.tolist()))
 
 
 def ranks_text(r: SignedRank, first: str, second: str) -> str:
@@ -372,6 +391,10 @@ def fidelity_board(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
     return FidelityBoard(budget, full_budget, frame(domain_rows, ["domain"]), frame(task_rows, ["domain", "task"]))
 
 
+#: the interval column of every KL comparison: the Hodges–Lehmann shift's, at the verdicts' level
+HL_CI = f"HL shift {verdicts.LEVEL_TEXT} CI"
+
+
 PAIR_COLUMNS = [
     "domain",
     "A",
@@ -381,54 +404,64 @@ PAIR_COLUMNS = [
     "KL A",
     "KL B",
     "Δ KL (A−B)",
-    "Δ KL 95% CI",
+    "HL shift",
+    HL_CI,
     "Δ top-1 (pts)",
     "Δ top-1 95% CI",
     "signed ranks",
     "p (Wilcoxon)",
-    "p (Holm)",
+    "p (adj.)",
+    "verdict",
 ]
 
 
 def _paired(samples, a: int, b: int, questions: list[Question]) -> dict[str, Any]:
-    """A − B on ``questions``: ``tied`` counts the samples whose KLs differ by float rounding only;
-    ``signed ranks`` is the direction the test found."""
+    """A − B on ``questions`` (the samples the two have): ``tied`` counts the samples whose KLs differ by
+    float rounding only; ``signed ranks`` is the direction the test found; the shift, its interval, p (adj.)
+    and the verdict are :func:`analysis.verdicts.judge`'s of the signed-rank test."""
     kl_a, kl_b = [samples[a][qn].kl for qn in questions], [samples[b][qn].kl for qn in questions]
     d_kl = [x - y for x, y in zip(kl_a, kl_b)]
     d_top1 = [100 * (samples[a][qn].top1 - samples[b][qn].top1) for qn in questions]
-    kl_lo, kl_hi = bootstrap_mean_interval(d_kl)
     t_lo, t_hi = bootstrap_mean_interval(d_top1)
     test = signed_rank(kl_a, kl_b)
+    v = verdicts.judge(test.tested(), "kl", ("A higher", "A lower"))
     return {
         "samples": len(questions),
         "tied": test.ties,
         "KL A": float(np.mean(kl_a)) if questions else math.nan,
         "KL B": float(np.mean(kl_b)) if questions else math.nan,
         "Δ KL (A−B)": float(np.mean(d_kl)) if d_kl else math.nan,
-        "Δ KL lo": kl_lo,
-        "Δ KL hi": kl_hi,
-        "Δ KL 95% CI": _fmt(kl_lo, kl_hi, 4),
+        "HL shift": v.estimate if test.nz else (0.0 if questions else math.nan),
+        "Δ KL lo": v.lo,
+        "Δ KL hi": v.hi,
+        HL_CI: _fmt(v.lo, v.hi, 4),
         "Δ top-1 (pts)": float(np.mean(d_top1)) if d_top1 else math.nan,
         "Δ top-1 95% CI": _fmt(t_lo, t_hi, 1),
         "signed ranks": ranks_text(test, "A", "B"),
         "p (Wilcoxon)": test.p,
+        "p (adj.)": v.p_adjusted,
+        "verdict": v.word,
         "_test": test,
     }
 
 
+#: a pair whose protocol chose what was kept (:func:`chose_nothing`): shown, not tested
+_UNTESTED = {"signed ranks": NOT_A_FINDING, "p (Wilcoxon)": math.nan, "p (adj.)": math.nan, "verdict": NOT_A_FINDING}
+
+
 def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Every pair of methods per domain at ``budget`` on the domain table's samples (those every method
-    in the domain has, as in :func:`fidelity_board`): paired mean differences of KL and top-1 agreement
-    with bootstrap intervals, the signed-rank test of the KL differences (:func:`signed_rank`) and its
-    Holm adjustment over all the pairs in the table. ``sign``: the test's direction (+1: A higher)."""
+    """Every pair of methods per domain at ``budget`` on the samples the two have: paired mean differences of
+    KL and top-1 agreement, the signed-rank test of the KL differences (:func:`signed_rank`) with its
+    Hodges–Lehmann shift, interval, adjusted p and verdict (:func:`_paired`). ``sign``: the test's
+    direction (+1: A higher)."""
     dims = dims or q.dimensions(engine)
     full_ids = full_cache_ids(dims)
     samples = _pooled(at_budget(load(engine, filters), budget, full_ids)[0], dims)
     rows = []
     for domain, tasks in _domains(samples, dims).items():
         methods = sorted(_present(samples, tasks), key=lambda m: (method_label(dims["methods"], m), m))
-        questions = common_questions(samples, methods, tasks)
         for a, b in itertools.combinations(methods, 2):
+            questions = common_questions(samples, [a, b], tasks)
             row = {
                 "domain": domain,
                 "A": method_label(dims["methods"], a),
@@ -436,15 +469,11 @@ def fidelity_pairs(engine, filters: q.Filters, budget: int, dims: dict[str, Any]
                 **_paired(samples, a, b, questions),
             }
             if chose_nothing(samples, a, questions, full_ids) or chose_nothing(samples, b, questions, full_ids):
-                row.update({"signed ranks": NOT_A_FINDING, "p (Wilcoxon)": math.nan})  # shown, never tested
+                row.update(_UNTESTED)  # shown, never tested
             rows.append(row)
     if not rows:
         return pd.DataFrame(columns=PAIR_COLUMNS)
-    tested = [r for r in rows if r["signed ranks"] != NOT_A_FINDING]
-    for r, adjusted in zip(tested, multiplicity.holm([r["p (Wilcoxon)"] for r in tested])):
-        r["p (Holm)"] = adjusted
     for r in rows:
-        r.setdefault("p (Holm)", math.nan)
         r["sign"] = 0 if r["signed ranks"] == NOT_A_FINDING else r["_test"].sign
         r.pop("_test")
     df = pd.DataFrame(rows)[PAIR_COLUMNS + ["Δ KL lo", "Δ KL hi", "sign"]]
@@ -463,10 +492,12 @@ ABLATION_COLUMNS = [
     "KL A",
     "KL B",
     "Δ KL (B−A)",
-    "Δ KL 95% CI",
+    "HL shift",
+    HL_CI,
     "signed ranks",
     "p (Wilcoxon)",
-    "p (Holm)",
+    "p (adj.)",
+    "verdict",
 ]
 #: protocol columns that are not settings
 _NOT_SETTINGS = {"id", "spec_hash", "label"}
@@ -479,8 +510,8 @@ def protocol_ablations(
     that differ in exactly one setting, at each budget and in each domain, every method spec (full cache
     left out) measured under both, on the samples every one of them has under both (one set per
     protocol pair, budget and domain, as a finding reads them together): its KL under A and under B, the
-    paired mean difference B−A with its bootstrap interval, the signed-rank test (:func:`signed_rank`;
-    ``sign`` +1: higher under B) and Holm over the table."""
+    paired mean difference B−A, the signed-rank test (:func:`signed_rank`; ``sign`` +1: higher under B)
+    with its Hodges–Lehmann shift, interval, adjusted p and verdict (:func:`analysis.verdicts.judge`)."""
     dims = dims or q.dimensions(engine)
     full_ids = set(full_cache_ids(dims))
     protocols = sorted(protocols, key=lambda p: p["id"])
@@ -513,8 +544,8 @@ def protocol_ablations(
                     kl_a = [pa[m][qn].kl for qn in questions]
                     kl_b = [pb[m][qn].kl for qn in questions]
                     d = [y - x for x, y in zip(kl_a, kl_b)]
-                    lo, hi = bootstrap_mean_interval(d)
                     test = signed_rank(kl_b, kl_a)
+                    v = verdicts.judge(test.tested(), "kl", ("B higher", "B lower"))
                     rows.append(
                         {
                             "field": changed[0],
@@ -528,19 +559,20 @@ def protocol_ablations(
                             "KL A": float(np.mean(kl_a)) if questions else math.nan,
                             "KL B": float(np.mean(kl_b)) if questions else math.nan,
                             "Δ KL (B−A)": float(np.mean(d)) if d else math.nan,
-                            "Δ KL lo": lo,
-                            "Δ KL hi": hi,
-                            "Δ KL 95% CI": _fmt(lo, hi, 4),
+                            "HL shift": v.estimate if test.nz else (0.0 if d else math.nan),
+                            "Δ KL lo": v.lo,
+                            "Δ KL hi": v.hi,
+                            HL_CI: _fmt(v.lo, v.hi, 4),
                             "signed ranks": ranks_text(test, "B", "A"),
                             "p (Wilcoxon)": test.p,
+                            "p (adj.)": v.p_adjusted,
+                            "verdict": v.word,
                             "sign": test.sign,
                         }
                     )
     extra = ["Δ KL lo", "Δ KL hi", "sign"]
     if not rows:
         return pd.DataFrame(columns=ABLATION_COLUMNS + extra)
-    for r, adjusted in zip(rows, multiplicity.holm([r["p (Wilcoxon)"] for r in rows])):
-        r["p (Holm)"] = adjusted
     return pd.DataFrame(rows)[ABLATION_COLUMNS + extra]
 
 
@@ -576,15 +608,18 @@ SCORECARD_COLUMNS = [
     "KL",
     "reference KL",
     "Δ KL",
-    "Δ KL 95% CI",
+    "HL shift",
+    HL_CI,
     "samples",
     "tied",
     "signed ranks",
     "test",
     "p",
-    "p (Holm)",
+    "p (adj.)",
     "verdict",
 ]
+#: the claim "closer to full cache" (lower KL) in the words of a pair's verdict
+_CLAIM_WORDS = {"A lower": "replicates", "A higher": "does not replicate"}
 
 
 def _full_accuracy(engine, filters: q.Filters, budget: int, dims: dict[str, Any], tasks: set[int]) -> float | None:
@@ -607,11 +642,10 @@ def fidelity_scorecard(
 ) -> pd.DataFrame:
     """Where accuracy cannot separate methods - full-cache accuracy below ``floor`` % in the (domain,
     budget), or no accuracy results there - each EpiKV-family method against each paper baseline (H2O,
-    ThinKV) by fidelity: the claim "closer to the full cache" (lower KL) with the paired mean difference,
-    its bootstrap interval and the signed-rank test (:func:`signed_rank`), Holm-adjusted over the table,
-    each (domain, budget) on the samples of its fidelity table (every method there has them). Verdict as
-    on the accuracy scorecard: replicates when p (Holm) < 0.05 and the signed ranks put EpiKV lower, does
-    not replicate when p (Holm) < 0.05 and they put it higher, else inconclusive; fewer than
+    ThinKV) by fidelity: the claim "closer to the full cache" (lower KL), each pair on the samples the two
+    have, with the pair's verdict from :func:`_paired` (the same as in the fidelity pairs table): replicates
+    when the adjusted signed-rank test rejects with EpiKV lower, does not replicate when it rejects with
+    EpiKV higher, equivalent within the declared margin when that is tested, else inconclusive; fewer than
     ``stats.MIN_PROBLEMS`` samples: no verdict."""
     dims = dims or q.dimensions(engine)
     name = lambda m: dims["methods"].get(m, {}).get("name")  # noqa: E731
@@ -632,9 +666,10 @@ def fidelity_scorecard(
                 continue  # accuracy can separate here: the accuracy scorecard judges
             why = "no accuracy results" if accuracy is None else f"full-cache accuracy {accuracy:.1f}% < {floor:g}%"
             for f, b in itertools.product(family, baselines):
+                questions = common_questions(samples, [f, b], tasks)
                 p = _paired(samples, f, b, questions)
                 if chose_nothing(samples, f, questions, full_ids) or chose_nothing(samples, b, questions, full_ids):
-                    p["p (Wilcoxon)"] = math.nan  # the protocol chose what was kept: not a finding, not tested
+                    p.update(_UNTESTED)  # the protocol chose what was kept: not a finding, not tested
                 rows.append(
                     {
                         "domain": domain,
@@ -646,30 +681,21 @@ def fidelity_scorecard(
                         "KL": p["KL A"],
                         "reference KL": p["KL B"],
                         "Δ KL": p["Δ KL (A−B)"],
-                        "Δ KL 95% CI": p["Δ KL 95% CI"],
+                        "HL shift": p["HL shift"],
+                        HL_CI: p[HL_CI],
                         "samples": p["samples"],
                         "tied": p["tied"],
-                        "signed ranks": ranks_text(p["_test"], "method", "reference"),
+                        "signed ranks": p["signed ranks"]
+                        if p["signed ranks"] == NOT_A_FINDING
+                        else ranks_text(p["_test"], "method", "reference"),
                         "test": "Wilcoxon signed-rank",
                         "p": p["p (Wilcoxon)"],
-                        "_sign": p["_test"].sign,
+                        "p (adj.)": p["p (adj.)"],
+                        "verdict": _CLAIM_WORDS.get(p["verdict"], p["verdict"]),
                     }
                 )
     if not rows:
         return pd.DataFrame(columns=SCORECARD_COLUMNS)
-    enough = [r["samples"] >= stats.MIN_PROBLEMS for r in rows]
-    for r, ok, p_adj in zip(
-        rows, enough, multiplicity.holm([r["p"] if ok else math.nan for r, ok in zip(rows, enough)])
-    ):
-        r["p (Holm)"] = p_adj
-        if math.isnan(r["p"]) and r["samples"]:
-            r["verdict"], r["signed ranks"] = NOT_A_FINDING, NOT_A_FINDING
-        elif not ok:
-            r["verdict"] = stats.TOO_FEW
-        elif p_adj < stats.ALPHA:
-            r["verdict"] = "replicates" if r["_sign"] < 0 else "does not replicate"
-        else:
-            r["verdict"] = "inconclusive"
     return pd.DataFrame(rows, columns=SCORECARD_COLUMNS)
 
 

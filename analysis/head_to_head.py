@@ -2,15 +2,15 @@
 sample per problem and the leaderboard's paired test, the comparison a reviewer expects between two
 eviction methods.
 
-The common set is the problem cells every method in the table has (a failed sample counts as wrong, as
-on the leaderboard, whose domain table uses the same set), so every row, and a sentence citing it, rests
-on the same problems; a prompt two task rows share counts once (:mod:`analysis.identity`). When every
+Each pair is compared on the problem cells the two have (a failed sample counts as wrong), as the
+leaderboard and the scorecard compare it, so a pair has one verdict everywhere and does not move when
+another method joins; a prompt two task rows share counts once (:mod:`analysis.identity`). When every
 cell holds one sample and every question one cell, the pair is a 2x2 table: ``A only`` (A right, B
 wrong) and ``B only`` are the discordant counts. The p-value is always the leaderboard's
 (:func:`analysis.stats.compare`): exact McNemar (the two-sided binomial test of ``A only`` among the
 discordant pairs at 1/2) below 25 discordant pairs, McNemar's score test above; with several samples,
-models or settings per question the score test on question means. Holm's adjustment runs over all
-pairs shown at the budget.
+models or settings per question the score test on question means. p (adj.), the interval and the verdict
+come from :func:`analysis.verdicts.judge` (Bonferroni over the pair's declared domains).
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from typing import Any
 import pandas as pd
 
 from kvleague.analysis import common_set as cs
-from kvleague.analysis import identity, multiplicity
+from kvleague.analysis import identity
 from kvleague.analysis import queries as q
-from kvleague.analysis.tables import budget_results, pct
+from kvleague.analysis.tables import Slice, budget_results, pair_verdict, pct
+
+#: above this many methods the page shows only the pairs with full cache or the paper's methods
+ALL_PAIRS_MAX = 30
 
 COLUMNS = [
     "A",
@@ -41,12 +44,14 @@ COLUMNS = [
     "Δ hi",
     "test",
     "p",
-    "p (Holm)",
+    "p (adj.)",
+    "verdict",
 ]
 
 
-def pair_row(group: cs.CommonSet, a: int, b: int, labels: dict[int, str]) -> dict[str, Any]:
-    """A against B on ``group``'s cells."""
+def pair_row(s: Slice, a: int, b: int, labels: dict[int, str]) -> dict[str, Any]:
+    """A against B on the cells the two have in ``s``."""
+    group = s.group([a, b])
     ra, rb = group.results[a], group.results[b]
     single = (
         group.cells
@@ -55,16 +60,18 @@ def pair_row(group: cs.CommonSet, a: int, b: int, labels: dict[int, str]) -> dic
     )
     row: dict[str, Any] = {"A": labels.get(a, f"#{a}"), "B": labels.get(b, f"#{b}"), "problems": len(group.questions)}
     acc_a, acc_b = group.accuracy(a), group.accuracy(b)
-    c = group.compare(a, b)
+    v = pair_verdict(s, a, b, ("A higher", "B higher"))
     row.update(
         {
             "A %": pct(acc_a.mean),
             "B %": pct(acc_b.mean),
             "Δ A−B (pts)": pct(acc_a.mean - acc_b.mean),
-            "Δ lo": pct(c.lo),
-            "Δ hi": pct(c.hi),
-            "test": c.test,
-            "p": c.pvalue,
+            "Δ lo": pct(v.lo),
+            "Δ hi": pct(v.hi),
+            "test": v.test,
+            "p": v.p,
+            "p (adj.)": v.p_adjusted,
+            "verdict": v.word,
         }
     )
     if single:
@@ -85,19 +92,24 @@ def pair_row(group: cs.CommonSet, a: int, b: int, labels: dict[int, str]) -> dic
     return row
 
 
-def head_to_head(engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None) -> pd.DataFrame:
-    """One row per pair of methods at ``budget`` (full cache from its reference budget) on the cells every
-    method has, most significant first; ``p (Holm)`` adjusts over all the pairs. ``Δ lo`` / ``Δ hi``: the
-    interval that goes with the test (points)."""
+def head_to_head(
+    engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None, involving: set[str] | None = None
+) -> pd.DataFrame:
+    """One row per pair of methods at ``budget`` (full cache from its reference budget), most significant
+    first; ``involving``: only pairs with a method of these names (the page's rule beyond
+    :data:`ALL_PAIRS_MAX` methods: all pairs grow as the square). ``Δ lo`` / ``Δ hi``: the interval that goes
+    with the adjusted test (points)."""
     dims = dims or q.dimensions(engine)
     results = identity.pool(budget_results(engine, filters, budget, dims)[0], dims["tasks"])
     labels = {m: dims["methods"][m]["label"] for m in results if m in dims["methods"]}
     methods = sorted(results, key=lambda m: (labels.get(m, ""), m))
-    group = cs.common_set(results, methods)
-    rows = [pair_row(group, a, b, labels) for a, b in itertools.combinations(methods, 2)]
+    s = Slice(results, None)
+    name = lambda m: dims["methods"].get(m, {}).get("name")  # noqa: E731
+    pairs = [
+        (a, b) for a, b in itertools.combinations(methods, 2) if involving is None or {name(a), name(b)} & involving
+    ]
+    rows = [pair_row(s, a, b, labels) for a, b in pairs]
     if not rows:
         return pd.DataFrame(columns=COLUMNS)
-    for r, adjusted in zip(rows, multiplicity.holm([r["p"] for r in rows])):
-        r["p (Holm)"] = adjusted
     df = pd.DataFrame(rows)[COLUMNS]
     return df.sort_values(["p", "A", "B"], kind="stable").reset_index(drop=True)

@@ -55,6 +55,20 @@ def content_key(task: Mapping[str, Any], sample_id: str) -> Hashable:
     return ("row", task.get("id"), json.dumps(options, sort_keys=True), sample_id)
 
 
+#: task options that change what is scored or how, never the prompt: a prompt under two of them is one prompt
+NOT_PROMPT_OPTIONS = frozenset({"fidelity_reference", "timeout_s"})
+
+
+def prompt_key(task: Mapping[str, Any], sample_id: str) -> Hashable:
+    """The prompt a row holds, whatever reference it is scored on (for counting distinct prompts: a math
+    prompt under the dataset's reference and under the model's own continuation is one prompt)."""
+    key = content_key(task, sample_id)
+    if key[0] != "row":
+        return key
+    options = {k: v for k, v in (task.get("options") or {}).items() if k not in NOT_PROMPT_OPTIONS}
+    return ("prompt", task.get("name"), json.dumps(options, sort_keys=True), sample_id)
+
+
 def representatives(
     questions: Iterable[tuple[int, str]], tasks: Mapping[int, Mapping[str, Any]]
 ) -> dict[tuple[int, str], tuple[int, str]]:

@@ -37,6 +37,8 @@ REFERENCE_METHOD: str = _DATA["reference_method"]
 REFERENCE_FAMILY: tuple[str, ...] = tuple(_DATA["families"]["reference"])
 #: the baselines the paper compares EpiKV with, fixed in advance
 PAPER_BASELINES: tuple[str, ...] = tuple(_DATA["families"]["paper_baselines"])
+#: the control every credit is checked against (keeps the most recent tokens)
+RECENCY_CONTROL: str = _DATA["recency_control"]
 #: the methods that score tokens by attention
 ATTENTION_SCORING: tuple[str, ...] = tuple(_DATA["families"]["attention_scoring"])
 
@@ -68,3 +70,12 @@ PUBLISHED_LAYER_RHO: dict[str, tuple[str, int, tuple[float, ...]]] = {
 def band_text(band: tuple[int, int]) -> str:
     """``"22-41%"``: a band of layers as rounded percentages of depth."""
     return f"{round(100 * band[0] / N_LAYERS)}-{round(100 * band[1] / N_LAYERS)}%"
+
+
+_VERDICTS = _DATA["verdicts"]
+#: the significance level every verdict uses
+VERDICT_ALPHA: float = float(_VERDICTS["alpha"])
+#: a comparison's family: the same pair's comparisons across these domains (Bonferroni over their number)
+FAMILY_DOMAINS: tuple[str, ...] = tuple(_VERDICTS["family_domains"])
+#: measure -> equivalence margin (a share for accuracy, nats per token for KL)
+MARGINS: dict[str, float] = {k: float(v) for k, v in _VERDICTS["margins"].items()}

@@ -663,6 +663,7 @@ def benchmark_rows(engine: Engine) -> list[dict[str, Any]]:
             B.c.unit,
             B.c.reference,
             B.c.details,
+            B.c.config,
             B.c.created_at,
             E.c.hostname,
             E.c.platform,

@@ -27,12 +27,15 @@ from kvleague.analysis import identity, paper, tables
 from kvleague.analysis import queries as q
 from kvleague.analysis.head_to_head import head_to_head
 from kvleague.analysis.report_figures import budget_figure
+from kvleague.analysis.verdicts import FAMILY_TEXT, INCONCLUSIVE
 from kvleague.db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
 
 R = SampleResult.__table__
 REPORT = "replication.md"
 FIGURES = "replication_figures"
 EPIKV = paper.REFERENCE_METHOD
+RECENCY = paper.RECENCY_CONTROL
+RECENCY_LABEL = "StreamingLLM" if RECENCY == "streaming_llm" else RECENCY
 ALPHA = 0.05
 
 
@@ -115,8 +118,8 @@ def slices(engine, opts: q.Options) -> list[Slice]:
 
 
 def totals(engine, filters: q.Filters | None = None, tasks: Mapping[int, Any] | None = None) -> dict[str, Any]:
-    """Cells, failed cells, samples (distinct contents, :mod:`analysis.identity`, with ``tasks`` the
-    dimensions' tasks; else distinct (task, sample id)), tokens through the model (prompt + generated or
+    """Cells, failed cells, samples (distinct prompts by content, :func:`analysis.identity.prompt_key`, across
+    every reference row, with ``tasks`` the dimensions' tasks; else distinct (task, sample id)), tokens through the model (prompt + generated or
     scored) and the cells' summed wall time (one CPU-bound worker per cell: its CPU time)."""
     cond = filters.conditions() if filters else []
     tokens = (
@@ -138,7 +141,11 @@ def totals(engine, filters: q.Filters | None = None, tasks: Mapping[int, Any] | 
             (int(t), str(s)) for t, s in conn.execute(select(R.c.task_id, R.c.sample_id).distinct().where(*cond))
         ]
     n, failed, tok, seconds, fidelity_cells = row
-    samples = len(set(identity.representatives(questions, tasks).values())) if tasks is not None else len(questions)
+    samples = (
+        len({identity.prompt_key({"id": t, **tasks.get(t, {})}, sid) for t, sid in questions})
+        if tasks is not None
+        else len(questions)
+    )
     return {
         "cells": int(n or 0),
         "failed": int(failed or 0),
@@ -184,11 +191,14 @@ def _who(label: str) -> str:
     return "EpiKV" if label == EPIKV else f"EpiKV ({label})"
 
 
-def _direction(p_holm: float, sign: int, lower_is_better: bool) -> str:
-    """What a paired test says: "no different" unless its Holm-adjusted p is under ALPHA, else "better" or
-    "worse" by the direction the test found (``sign`` +1: the first of the pair higher)."""
-    if not (p_holm < ALPHA) or sign == 0:
-        return "no different"
+def _direction(row: pd.Series, sign: int, lower_is_better: bool) -> str:
+    """What a pair's verdict (:func:`analysis.verdicts.judge`, the same on every page) says: "better" or
+    "worse" by the direction the test found (``sign`` +1: the first of the pair higher) when the adjusted
+    test rejects; "equivalent" when the equivalence test at the declared margin rejects; else "inconclusive"."""
+    if str(row.get("verdict", "")).startswith("equivalent"):
+        return "equivalent"
+    if not (row["p (adj.)"] < ALPHA) or sign == 0:
+        return "inconclusive"
     return "better" if (sign < 0) == lower_is_better else "worse"
 
 
@@ -200,12 +210,20 @@ def _against_baselines(
     pairs: pd.DataFrame, label: str, delta: str, lower_is_better: bool, fmt, name_of: Mapping[str, str], fidelity: bool
 ) -> dict[str, list[tuple[str, str]]]:
     """The pairs of ``label`` (an EpiKV spec) with an attention baseline, grouped by what the paired test
-    says at Holm-adjusted p < 0.05: "better", "worse" or "no different", each as (baseline, its figures).
+    says (:func:`_direction`): "better", "worse", "equivalent" or "inconclusive", each as (baseline, its figures);
+    every credit ("better") carries the recency control (:func:`_recency`).
     ``delta``: the A−B column, turned into EpiKV minus the baseline; ``fmt(row, d, epikv_first)``: the
     figures shown. The direction is the test's: for KL the signed ranks (``sign``), which the mean can
     contradict when a few samples carry it; for accuracy the sign of b − c, which is the difference's.
     ``fidelity``: a pair whose every KL difference is within float rounding (all ``tied``) is "the same"."""
-    out: dict[str, list[tuple[str, str]]] = {"better": [], "worse": [], "no different": [], "same": []}
+    out: dict[str, list[tuple[str, str]]] = {
+        "better": [],
+        "worse": [],
+        "equivalent": [],
+        "inconclusive": [],
+        "same": [],
+    }
+    recency = next((x for x in set(pairs["A"]) | set(pairs["B"]) if name_of.get(x, x) == RECENCY), None)
     for _, row in pairs.iterrows():
         if label not in (row["A"], row["B"]):
             continue
@@ -217,10 +235,44 @@ def _against_baselines(
             continue  # the protocol chose what was kept: nothing to say about either method
         d = row[delta] if first else -row[delta]
         sign = int(row["sign"]) * (1 if first else -1) if fidelity else (d > 0) - (d < 0)  # EpiKV's side
-        kind = _direction(row["p (Holm)"], sign, lower_is_better)
+        kind = _direction(row, sign, lower_is_better)
         if fidelity and row["samples"] and row["tied"] == row["samples"]:
             kind = "same"
-        out[kind].append((other, f"{fmt(row, d, first)}{_tied(row) if fidelity else ''}, p Holm {_p(row['p (Holm)'])}"))
+        n = int(row["samples"] if fidelity else row["problems"])
+        figures = f"{fmt(row, d, first)}{_tied(row) if fidelity else ''}, n={n}, p adj. {_p(row['p (adj.)'])}"
+        if kind == "better" and recency is not None and label != recency:
+            figures += _recency(pairs, label, other, recency, delta, lower_is_better, fmt, fidelity)
+        out[kind].append((other, figures))
+    return out
+
+
+#: what EpiKV against the recency control found, where it is not a win
+_AGAINST_RECENCY = {
+    "worse": "worse",
+    "inconclusive": "inconclusive",
+    "equivalent": "equivalent",
+    "same": "the same",
+}
+
+
+def _recency(
+    pairs, label: str, baseline: str, recency: str, delta: str, lower_is_better: bool, fmt, fidelity: bool
+) -> str:
+    """The control for a credit: StreamingLLM (keeps the most recent tokens) against the same baseline on the
+    same table, and "no better than recency" when EpiKV does not beat StreamingLLM itself."""
+    out = ""
+    for a, b, what in ((recency, baseline, f"{RECENCY_LABEL} vs {baseline}"), (label, recency, None)):
+        row = _pair_of(pairs, a, b)
+        if row is None:
+            continue
+        first = row["A"] == a
+        sign = (int(row["sign"]) if fidelity else int(row[delta] > 0) - int(row[delta] < 0)) * (1 if first else -1)
+        kind = _direction(row, sign, lower_is_better)
+        if what is not None:
+            d = row[delta] if first else -row[delta]
+            out += f"; control: {what} {fmt(row, d, first)}, p adj. {_p(row['p (adj.)'])}"
+        elif kind != "better":
+            out += f"; no better than recency (against {RECENCY_LABEL} itself: {_AGAINST_RECENCY[kind]})"
     return out
 
 
@@ -228,7 +280,8 @@ def _said(groups: dict[str, list[tuple[str, str]]], better: str, worse: str) -> 
     words = {
         "better": better,
         "worse": worse,
-        "no different": "not significantly different from",
+        "equivalent": "equivalent (within the declared margin, tested) to",
+        "inconclusive": "not shown different from, and not shown equivalent to (inconclusive),",
         "same": "the same within float32 rounding (every per-sample difference) as",
     }
     return "; ".join(
@@ -253,7 +306,8 @@ GLANCE = [
     "measure",
     "EpiKV vs full cache",
     "baselines EpiKV beats",
-    "no significant difference",
+    "equivalent (tested margin)",
+    "inconclusive",
     "baselines that beat EpiKV",
 ]
 
@@ -264,7 +318,7 @@ def _glance(
     def names(kind: str) -> list[str]:
         return [name for name, _ in groups.get(kind, [])]
 
-    level = names("no different") + [f"{n} (same within rounding)" for n in names("same")]
+    level = names("equivalent") + [f"{n} (same within rounding)" for n in names("same")]
     return {
         "domain": domain,
         "budget": budget,
@@ -272,7 +326,8 @@ def _glance(
         "measure": measure,
         "EpiKV vs full cache": vs_full,
         "baselines EpiKV beats": ", ".join(names("better")) or "-",
-        "no significant difference": ", ".join(level) or "-",
+        "equivalent (tested margin)": ", ".join(level) or "-",
+        "inconclusive": ", ".join(names("inconclusive")) or "-",
         "baselines that beat EpiKV": ", ".join(names("worse")) or "-",
     }
 
@@ -284,8 +339,10 @@ def _signed(v: float) -> str:
 
 
 def _kl_delta(row: pd.Series, d: float, epikv_first: bool) -> str:
+    """The Hodges–Lehmann shift with the interval of its test (``d``, the mean, is descriptive only)."""
+    sign = 1 if epikv_first else -1
     lo, hi = (row["Δ KL lo"], row["Δ KL hi"]) if epikv_first else (-row["Δ KL hi"], -row["Δ KL lo"])
-    return f"Δ {_signed(d)} [{_signed(lo)}, {_signed(hi)}]"
+    return f"HL shift {_signed(sign * row['HL shift'])} [{_signed(lo)}, {_signed(hi)}] (mean Δ {_signed(d)})"
 
 
 def _heading(domain: str, budget: int | str, protocol: int | None) -> str:
@@ -303,7 +360,7 @@ def fidelity_findings(
     protocol: int | None = None,
 ) -> list[Finding]:
     """How close each EpiKV spec stays to the full cache, and whether it matches the attention
-    baselines, at one budget in one domain; only what the paired tests (Wilcoxon, Holm) support."""
+    baselines, at one budget in one domain; only what the pairs' verdicts (signed-rank, adjusted) support."""
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         if e.get("ranked", 1) == 0:  # (a board without the column: every method ranked)
@@ -324,7 +381,8 @@ def fidelity_findings(
                             f"not a finding: the protocol chose ({int(e['samples'])} samples)",
                             {},
                         ),
-                        "no significant difference": "-",
+                        "equivalent (tested margin)": "-",
+                        "inconclusive": "-",
                     },
                 )
             )
@@ -363,9 +421,8 @@ def accuracy_findings(
     protocol: int | None = None,
 ) -> list[Finding]:
     """Each EpiKV spec's accuracy against full cache and against the attention baselines, at one budget in
-    one domain: the paired tests of the head-to-head table (on the domain table's problems, Holm over its
-    pairs), the verdict from the adjusted p; the difference from full cache with the board's interval,
-    which goes with the same test."""
+    one domain: each pair's verdict (:func:`analysis.verdicts.judge`, the leaderboard's and the head-to-head
+    table's), with StreamingLLM against the same baseline as the control for every credit."""
     full = board[board["test"] == "reference"]
     if full.empty:
         return []
@@ -373,15 +430,18 @@ def accuracy_findings(
     out = []
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         pair = _pair_of(pairs, e["method"], f["method"])
-        p_holm = pair["p (Holm)"] if pair is not None else math.nan
-        close = (
-            "not significantly different from" if not (p_holm < ALPHA) else "below" if e["delta_full"] < 0 else "above"
-        )
+        p_adj = pair["p (adj.)"] if pair is not None else math.nan
+        close = {"lower": "below", "higher": "above"}.get(e["verdict_full"], e["verdict_full"])
+        if close.startswith("equivalent"):
+            close = f"{close} of"
+        elif close == INCONCLUSIVE:
+            close = "inconclusive (neither shown different nor shown equivalent) against"
         line = (
             f"{_heading(domain, budget, protocol)} (accuracy, {int(e['problems'])} problems): {_who(e['method'])} {e['accuracy']:.1f}% "
-            f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (Δ "
-            f"{e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
-            f"p Holm {_p(p_holm)})."
+            f"{e['interval']} against full cache {f['accuracy']:.1f}% {f['interval']}: {close} full cache (on the "
+            f"{int(e['delta_n'])} problems the two have: Δ {e['delta_full']:+.1f} pts [{e['delta_lo']:+.1f}, "
+            f"{e['delta_hi']:+.1f}], {e['test']} p {_p(e['p_value'])}, "
+            f"p adj. {_p(p_adj)})."
         )
         groups = _against_baselines(
             pairs,
@@ -395,7 +455,7 @@ def accuracy_findings(
         said = _said(groups, "above", "below")
         vs_full = (
             f"{e['accuracy']:.1f}% vs {f['accuracy']:.1f}%, Δ {e['delta_full']:+.1f} pts "
-            f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], p {_p(e['p_value'])}, p Holm {_p(p_holm)} "
+            f"[{e['delta_lo']:+.1f}, {e['delta_hi']:+.1f}], p {_p(e['p_value'])}, p adj. {_p(p_adj)} "
             f"({int(e['problems'])} problems)"
         )
         out.append(
@@ -419,7 +479,8 @@ _BOARD = [
     "delta_lo",
     "delta_hi",
     "p_value",
-    "rank_interval",
+    "verdict_full",
+    "vs_best",
     "problems",
     "failed",
 ]
@@ -430,14 +491,16 @@ _FID_PAIRS = [
     "samples",
     "tied",
     "Δ KL (A−B)",
-    "Δ KL 95% CI",
+    "HL shift",
+    fid.HL_CI,
     "Δ top-1 (pts)",
     "Δ top-1 95% CI",
     "signed ranks",
     "p (Wilcoxon)",
-    "p (Holm)",
+    "p (adj.)",
+    "verdict",
 ]
-_ACC_PAIRS = ["A", "B", "problems", "A only", "B only", "A %", "B %", "Δ A−B (pts)", "test", "p", "p (Holm)"]
+_ACC_PAIRS = ["A", "B", "problems", "A only", "B only", "A %", "B %", "Δ A−B (pts)", "test", "p", "p (adj.)", "verdict"]
 
 
 def _hours(seconds: float) -> str:
@@ -546,21 +609,23 @@ def _domain_section(
         if non_full:
             w.add(
                 "Accuracy (95% interval; Δ vs full cache with the interval of its test: exact McNemar below 25 discordant "
-                "problems, else McNemar's score test; rank interval):",
+                "problems, else McNemar's score test; each comparison alone, on the problems the two have; vs best: against the "
+                "table's best, equivalence only within a tested ±5-point margin):",
                 "",
                 markdown_table(board, _BOARD, {"accuracy": 1, "delta_full": 1, "delta_lo": 1, "delta_hi": 1}),
                 "",
             )
-            pairs = _involves(head_to_head(w.engine, f_dom, b, dims), ("full", EPIKV), w.name_of)
+            all_pairs = head_to_head(w.engine, f_dom, b, dims, {"full", EPIKV, RECENCY})
+            pairs = _involves(all_pairs, ("full", EPIKV), w.name_of)
             if not pairs.empty:
                 w.add(
                     "Paired accuracy tests against full cache and against EpiKV, on the problems of the table above (A only / "
-                    "B only: the discordant problems; Holm over all pairs in the domain):",
+                    f"B only: the discordant problems; {FAMILY_TEXT}):",
                     "",
                     markdown_table(pairs, _ACC_PAIRS, {"A %": 1, "B %": 1, "Δ A−B (pts)": 1}),
                     "",
                 )
-            w.found(s, accuracy_findings(board, pairs, domain, s.budget(b), w.name_of, s.protocol_id))
+            w.found(s, accuracy_findings(board, all_pairs, domain, s.budget(b), w.name_of, s.protocol_id))
         if not fboard.empty:
             fpairs = fid.fidelity_pairs(w.engine, f_dom, b, dims)
             fpairs = fpairs[fpairs["domain"] == domain] if not fpairs.empty else fpairs
@@ -580,10 +645,11 @@ def _domain_section(
             if not shown.empty:
                 w.add(
                     "Paired fidelity tests against full cache and against EpiKV, on the samples of the table above (Δ of "
-                    "per-sample means, bootstrap interval; Wilcoxon signed-rank: differences within float32 rounding are "
-                    "tied and left out, the signed ranks give the direction; Holm over all pairs in the domain):",
+                    "per-sample means, descriptive; Wilcoxon signed-rank: differences within float32 rounding are tied and left "
+                    "out, the signed ranks give the direction, the Hodges–Lehmann shift and the interval inverting the test; "
+                    f"{FAMILY_TEXT}):",
                     "",
-                    markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "Δ top-1 (pts)": 1}),
+                    markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "HL shift": 4, "Δ top-1 (pts)": 1}),
                     "",
                 )
             w.found(s, fidelity_findings(fpairs, fboard, domain, s.budget(b), w.name_of, s.protocol_id))
@@ -609,7 +675,7 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
     w.add("### Scorecard of the paper's claims", "")
     if not claims.empty:
         w.add(
-            "By accuracy (score tests; Holm over the table):",
+            f"By accuracy (score tests, each claim on the problems the method and its reference have; {FAMILY_TEXT}):",
             "",
             markdown_table(
                 claims,
@@ -621,11 +687,11 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
                     "accuracy",
                     "reference %",
                     "Δ",
-                    "Δ 95% CI",
+                    tables.CI,
                     "problems",
                     "test",
                     "p",
-                    "p (Holm)",
+                    "p (adj.)",
                     "verdict",
                 ],
                 {"accuracy": 1, "reference %": 1, "Δ": 1},
@@ -635,7 +701,7 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
     if not fclaims.empty:
         w.add(
             f"By fidelity, where accuracy cannot separate methods (full-cache accuracy below {fid.ACCURACY_FLOOR:g}% "
-            "or not measured; Wilcoxon signed-rank with float-rounding ties left out, Holm over the table):",
+            f"or not measured; Wilcoxon signed-rank with float-rounding ties left out, Hodges–Lehmann shift; {FAMILY_TEXT}):",
             "",
             markdown_table(
                 fclaims,
@@ -648,15 +714,16 @@ def _slice_section(w: _Writer, s: Slice, dims: dict[str, Any], index: int) -> No
                     "KL",
                     "reference KL",
                     "Δ KL",
-                    "Δ KL 95% CI",
+                    "HL shift",
+                    fid.HL_CI,
                     "samples",
                     "tied",
                     "signed ranks",
                     "p",
-                    "p (Holm)",
+                    "p (adj.)",
                     "verdict",
                 ],
-                {"KL": 4, "reference KL": 4, "Δ KL": 4},
+                {"KL": 4, "reference KL": 4, "Δ KL": 4, "HL shift": 4},
             ),
             "",
         )
@@ -683,24 +750,25 @@ def _ablations(w: _Writer, opts: q.Options) -> None:
             "",
             "The same method, budget and samples under two protocols that differ in exactly one setting (per pair of "
             "protocols, budget and domain, the samples every method there has under both): mean KL to the full cache "
-            "under each, the paired difference B−A with its bootstrap interval, Wilcoxon signed-rank (differences within "
-            "float32 rounding tied and left out; the signed ranks give the direction), Holm over the table.",
+            "under each, the paired mean difference B−A, Wilcoxon signed-rank (differences within float32 rounding tied "
+            f"and left out; the signed ranks give the direction) with its Hodges–Lehmann shift and interval; {FAMILY_TEXT}.",
             "",
-            markdown_table(df, fid.ABLATION_COLUMNS, {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4}),
+            markdown_table(df, fid.ABLATION_COLUMNS, {"KL A": 4, "KL B": 4, "Δ KL (B−A)": 4, "HL shift": 4}),
             "",
         )
         for (field, a, b, domain, budget), g in df.groupby(["field", "A", "B", "domain", "budget"], sort=False):
-            groups: dict[str, list[str]] = {"better": [], "worse": [], "no different": [], "same": []}
+            groups: dict[str, list[str]] = {"better": [], "worse": [], "equivalent": [], "inconclusive": [], "same": []}
             for _, r in g.iterrows():
-                kind = "same" if r["tied"] == r["samples"] else _direction(r["p (Holm)"], int(r["sign"]), True)
+                kind = "same" if r["tied"] == r["samples"] else _direction(r, int(r["sign"]), True)
                 groups[kind].append(
-                    f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, Δ {_signed(r['Δ KL (B−A)'])} "
-                    f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}]{_tied(r)}, p Holm {_p(r['p (Holm)'])})"
+                    f"{r['method']} ({r['KL A']:.3f} → {r['KL B']:.3f}, HL shift {_signed(r['HL shift'])} "
+                    f"[{_signed(r['Δ KL lo'])}, {_signed(r['Δ KL hi'])}]{_tied(r)}, p adj. {_p(r['p (adj.)'])})"
                 )
             words = {
                 "better": "lower",
                 "worse": "higher",
-                "no different": "not significantly different",
+                "equivalent": "equivalent within the declared margin",
+                "inconclusive": "inconclusive",
                 "same": "the same within float32 rounding (every per-sample difference)",
             }
             said = "; ".join(f"{words[kind]} for {', '.join(items)}" for kind, items in groups.items() if items)
@@ -812,7 +880,8 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
         "# kvleague replication report",
         "",
         f"Generated by `kvleague report` from {source or 'a kvleague database'}. Every number below comes from the "
-        "dashboard's own tables; intervals are 95%; p-values are two-sided, with Holm's adjustment over each table.",
+        "dashboard's own tables; p-values are two-sided; every comparison's adjusted p, interval and verdict follow one "
+        f"declared rule (analysis/paper.yaml): {FAMILY_TEXT}.",
         "",
         f"**Totals:** {every['cells']} cells ({every['fidelity_cells']} fidelity, {every['failed']} failed), "
         f"{every['samples']} samples (distinct prompts), {every['tokens']:,} tokens through the model, {_hours(every['seconds'])} of cell time "
@@ -823,16 +892,18 @@ def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path
         "## Findings",
         "",
         "Each sentence restates rows of the tables below, on the same samples (the n it states is the table's): a "
-        "difference is called lower, higher, above or below only when its Holm-adjusted p is under 0.05, and in the "
+        "difference is called lower, higher, above or below only when its adjusted p is under 0.05, and in the "
         "direction its test found (for KL the signed ranks, which a mean carried by a few samples can contradict). "
         "KL differences within float32 rounding are ties (`tied`), left out of the signed-rank test; a prompt that two "
-        "task variants share counts once.",
+        'task variants share counts once. "Equivalent" is said only where both one-sided tests at the declared margin '
+        'reject; a difference neither shown nor excluded is "inconclusive". Every credit of EpiKV over a baseline '
+        "also reports StreamingLLM (recency) against the same baseline on the same samples.",
         "",
     ]
     if w.glance:
         head += [
             "At a glance: per protocol, domain and budget, how close each EpiKV spec stays to the full cache and which "
-            "attention-scoring baselines it beats, matches or loses to (paired tests, Holm-adjusted p < 0.05; by KL "
+            "attention-scoring baselines it beats, is shown equivalent to, or loses to (paired tests, adjusted p < 0.05; by KL "
             "for fidelity, by accuracy for accuracy):",
             "",
             markdown_table(pd.DataFrame(w.glance), ["protocol", *GLANCE]),

@@ -144,6 +144,7 @@ def two_sided_p(z: float) -> float:
     return math.erfc(abs(z) / math.sqrt(2))
 
 
+@lru_cache(maxsize=1 << 16)  # a pure function of four floats; a leaderboard of many methods repeats them often
 def tango_bounds(mean: float, abs_mean: float, n: float, level: float) -> tuple[float, float]:
     """Tango's interval ``{delta: |z(delta)| <= z_crit}``: z decreases in delta, so each end is the root of
     ``z = +-z_crit`` between -1 (or 1) and the estimate, or -1 (1) itself when z never gets there."""

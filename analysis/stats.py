@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from functools import lru_cache
 
 import numpy as np
 from scipy.stats import binomtest
@@ -137,6 +138,8 @@ class Comparison:
 NONE = Comparison(math.nan, math.nan, math.nan, math.nan, "none", 0)
 TEST_NAME = "Tango score"
 EXACT_NAME = "exact McNemar"
+#: where Tango's asymptotic p is larger than exact McNemar's and is the one printed
+TANGO_LARGER = "Tango score (asymptotic; larger than exact McNemar)"
 #: below this many discordant questions (one sample each) the test is exact McNemar's: the usual rule
 #: for when the normal approximation to the binomial of b among b + c is not to be trusted
 EXACT_DISCORDANT = 25
@@ -154,18 +157,25 @@ def compare(diffs: Scores, level: float = LEVEL) -> Comparison:
     return c
 
 
+@lru_cache(maxsize=1 << 16)  # (b, n) repeat across the many pairs of a large leaderboard
+def exact_mcnemar(b: int, n: int) -> float:
+    """Two-sided exact McNemar p: the binomial test of ``b`` among ``n`` discordant pairs at 1/2."""
+    return float(binomtest(b, n, 0.5).pvalue) if n else 1.0
+
+
 def exact_small(c: Comparison, b: int, d: int, level: float = LEVEL) -> Comparison:
     """``c`` (Tango's, on a 2x2 table of questions) with ``b`` questions where the method alone is right and
     ``d`` where the reference alone is: p is the larger of exact McNemar's (binomial of b among b + d at
     1/2) and Tango's, and where that p does not reject, Tango's interval is stretched to reach 0, so that
     p < 1 - level exactly when the interval excludes 0. :func:`shifted_pvalue` keeps values between 0 and
     the estimate in step (a test that cannot reject 0 cannot reject them either)."""
-    exact = binomtest(b, b + d, 0.5).pvalue if b + d else 1.0
-    p = max(float(exact), c.pvalue)
+    exact = exact_mcnemar(b, b + d)
+    p = max(exact, c.pvalue)
     lo, hi = c.lo, c.hi
     if not p < 1 - level:
         lo, hi = min(lo, 0.0), max(hi, 0.0)
-    return replace(c, lo=lo, hi=hi, pvalue=p, test=EXACT_NAME)
+    # the label names the p printed: exact McNemar's, or Tango's asymptotic one where it is the larger
+    return replace(c, lo=lo, hi=hi, pvalue=p, test=EXACT_NAME if exact >= c.pvalue else TANGO_LARGER)
 
 
 def comparison_from(eff: st.Effective, level: float = LEVEL) -> Comparison:
@@ -197,7 +207,7 @@ def shifted_pvalue(c: Comparison, delta: float) -> float:
     if delta == 0:
         return c.pvalue
     p = st.tango_pvalue(c.diff, c.abs_mean, c.n_effective, delta)
-    if c.test == EXACT_NAME and min(0.0, c.diff) <= delta <= max(0.0, c.diff):
+    if c.test in (EXACT_NAME, TANGO_LARGER) and min(0.0, c.diff) <= delta <= max(0.0, c.diff):
         return max(p, c.pvalue)
     return p
 

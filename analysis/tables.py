@@ -6,7 +6,7 @@ Percentages are on the 0-100 scale; differences are percentage points (method mi
 
 Over 500 lines because it is one table function per dashboard page plus the shared helpers
 (method labels, full-cache ids, the paper's reference rows) every one of them uses; the heavier
-boards live in their own modules (fidelity, head_to_head, ranking, signals).
+boards live in their own modules (fidelity, head_to_head, signals); verdicts come from analysis.verdicts.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from kvleague.analysis import common_set as cs
-from kvleague.analysis import identity, multiplicity, score_tests, stats
+from kvleague.analysis import identity, multiplicity, score_tests, stats, verdicts
 from kvleague.analysis import queries as q
 
 # the paper's claims and method families are data (analysis/paper.yaml)
@@ -33,6 +33,8 @@ from kvleague.analysis.paper import (
 )
 
 NOT_MEASURED = stats.NOT_MEASURED
+#: the interval column of every comparison: at the family's level (analysis/verdicts.py)
+CI = f"Δ {verdicts.LEVEL_TEXT} CI"
 
 
 def pct(x: float) -> float:
@@ -66,8 +68,7 @@ def full_reference_budget(engine, filters: q.Filters, budget: int, full_ids: lis
 
 LEADERBOARD_COLUMNS = [
     "rank",
-    "rank_interval",
-    "tied_best",
+    "vs_best",
     "method",
     "domain",
     "task",
@@ -81,6 +82,7 @@ LEADERBOARD_COLUMNS = [
     "delta_hi",
     "p_value",
     "test",
+    "verdict_full",
     "evicted_share",
     "problems",
     "samples",
@@ -125,14 +127,87 @@ def method_label(methods: dict[int, Any], method_id: int) -> str:
     return methods[method_id]["label"] if method_id in methods else f"#{method_id}"
 
 
+@dataclass
+class Slice:
+    """One leaderboard table: the results, the tasks it covers and how it pools them. ``shared``: a common set
+    of the slice already built; a pair whose two methods have exactly its cells is compared on it (the same
+    cells, so the same numbers) instead of building the pair's own."""
+
+    results: cs.Results
+    tasks: set[int] | None
+    weighting: str = "problem"
+    stratum: Callable[[tuple], Any] | None = None
+    shared: cs.CommonSet | None = None
+
+    def group(self, methods) -> cs.CommonSet:
+        return cs.common_set(self.results, methods, self.tasks, self.weighting, self.stratum)
+
+    def cells_of(self, m: int) -> int:
+        if not hasattr(self, "_counts"):
+            self._counts: dict[int, int] = {}
+        if m not in self._counts:
+            self._counts[m] = sum(1 for c in self.results.get(m, {}) if self.tasks is None or c[0] in self.tasks)
+        return self._counts[m]
+
+    def pair(self, a: int, b: int) -> cs.CommonSet:
+        g = self.shared
+        if g is not None and a in g.methods and b in g.methods and self.cells_of(a) == self.cells_of(b) == len(g.cells):
+            return g
+        return self.group([a, b])
+
+
+def pair_verdict(
+    s: Slice, a: int, b: int, words: tuple[str, str] = ("higher", "lower"), margin: float = 0.0
+) -> verdicts.Verdict:
+    """``a`` against ``b`` on the questions the two have in the slice (not on the slice's common set, which
+    shrinks when a method with fewer cells joins), judged by :func:`analysis.verdicts.judge`. ``margin``: test
+    ``difference = -margin`` instead of 0 (a non-inferiority claim)."""
+    pair = s.pair(a, b)
+    if not pair.cells:
+        return verdicts.judge(verdicts.from_comparison(stats.NONE, lambda level: stats.NONE), "accuracy", words)
+    c = pair.compare(a, b, verdicts.LEVEL)  # p does not depend on the level; the interval is the verdicts'
+    t = verdicts.from_comparison(c, lambda level: c if level == verdicts.LEVEL else pair.compare(a, b, level))
+    if not margin:
+        return verdicts.judge(t, "accuracy", words)
+    shifted = verdicts.Tested(
+        c.diff + margin,
+        stats.shifted_pvalue(c, -margin),
+        c.test,
+        c.n,
+        lambda level: tuple(x + margin for x in t.interval(level)),
+    )
+    return verdicts.judge(shifted, "accuracy", words, equivalence=False)
+
+
+def _best(group: cs.CommonSet) -> int | None:
+    """The slice's best method by the point estimate on its common set (ties: the lowest id)."""
+    if not group.cells:
+        return None
+    return max(group.methods, key=lambda m: (group.accuracy(m).mean, -m))
+
+
+def vs_best_words(s: Slice, group: cs.CommonSet) -> dict[int, str]:
+    """Each method against the slice's best, on the questions the two have: "best", "below the best",
+    "equivalent within ±5 pts of the best" (tested margin) or "inconclusive"."""
+    best = _best(group)
+    if best is None:
+        return {}
+    others = [m for m in group.methods if m != best]
+    judged = {m: pair_verdict(s, m, best, ("above the best", "below the best")) for m in others}
+    return {best: "best", **{m: v.word + (" of the best" if v.equivalent else "") for m, v in judged.items()}}
+
+
 def _group_rows(
-    group: cs.CommonSet, methods: dict[int, Any], full_id: int | None, domain: str, task: str
+    s: Slice, group: cs.CommonSet, methods: dict[int, Any], full_id: int | None, domain: str, task: str
 ) -> list[dict]:
-    ranks = group.rank_intervals()
+    has_full = full_id is not None and full_id in s.results
+    others = [m for m in group.methods if m != full_id]
+    vs_full = {m: pair_verdict(s, m, full_id) for m in others} if has_full else {}
+    best = vs_best_words(s, group)
     out = []
     for m_id in group.methods:
         a = group.accuracy(m_id)
-        c = group.compare(m_id, full_id) if full_id is not None and m_id != full_id else None
+        v = vs_full.get(m_id)
         samples = group.total(m_id, "m")
         out.append(
             {
@@ -145,19 +220,20 @@ def _group_rows(
                 "acc_hi": pct(a.hi),
                 "interval": fmt_interval(pct(a.lo), pct(a.hi)),
                 "interval_method": a.method,
-                "delta_full": pct(c.diff) if c else math.nan,
-                "delta_lo": pct(c.lo) if c else math.nan,
-                "delta_hi": pct(c.hi) if c else math.nan,
-                "p_value": c.pvalue if c else math.nan,
-                "test": c.test if c else ("reference" if m_id == full_id else "no full cache"),
+                "delta_full": pct(v.estimate) if v else math.nan,
+                "delta_lo": pct(v.lo) if v else math.nan,
+                "delta_hi": pct(v.hi) if v else math.nan,
+                "p_value": v.p if v else math.nan,
+                "test": v.test if v else ("reference" if m_id == full_id else "no full cache"),
+                "verdict_full": v.word if v else "-",
+                "delta_n": v.n if v else 0,
                 "evicted_share": 100.0 * group.total(m_id, "fired") / ok
                 if (ok := samples - group.total(m_id, "failed"))
                 else math.nan,
                 "problems": a.problems,
                 "samples": samples,
                 "failed": group.total(m_id, "failed"),
-                "rank_interval": str(ranks[m_id]) if m_id in ranks else "-",
-                "tied_best": ranks[m_id].tied_with_best if m_id in ranks else False,
+                "vs_best": best.get(m_id, "-"),
                 "note": stats.TOO_FEW if a.problems < stats.MIN_PROBLEMS else "",
             }
         )
@@ -167,9 +243,11 @@ def _group_rows(
 def leaderboard(
     engine, filters: q.Filters, budget: int, dims: dict[str, Any] | None = None, weighting: str = "problem"
 ) -> Leaderboard:
-    """Methods x domains (and x tasks) at ``budget``, each table on the cells every method in it has
-    (failed samples counted as wrong): accuracy with a 95% interval, difference from full cache with
-    Tango's interval and score test, share of samples where eviction fired, rank and rank interval."""
+    """Methods x domains (and x tasks) at ``budget``. Accuracy (95% Wilson interval) on the cells every method
+    in the table has (failed samples counted as wrong); each method against full cache and against the
+    table's best on the cells the two have (:func:`pair_verdict`: a method's verdicts do not move when another
+    joins); share of samples where eviction fired;
+    rank by the point estimate. Linear in the methods: no all-pairs tests."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
     results, full_id, full_budget = budget_results(engine, filters, budget, dims)
@@ -180,16 +258,16 @@ def leaderboard(
             present[c[0]].add(m_id)
     task_rows, domain_rows = [], []
     for t_id in sorted(present, key=lambda t: (task_of(t)["domain"], task_of(t)["name"], t)):
-        group = cs.common_set(results, present[t_id], tasks={t_id})
-        task_rows += _group_rows(group, methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"])
+        s = Slice(results, {t_id})
+        s.shared = s.group(present[t_id])
+        task_rows += _group_rows(s, s.shared, methods, full_id, task_of(t_id)["domain"], task_of(t_id)["name"])
     domains = sorted({task_of(t)["domain"] for t in present})
     pooled = identity.pool(results, tasks)  # a prompt two task rows hold counts once where tasks are pooled
     for d in domains:
         in_domain = {m for t in present if task_of(t)["domain"] == d for m in present[t]}
-        group = cs.common_set(
-            pooled, in_domain, tasks={t for t in present if task_of(t)["domain"] == d}, weighting=weighting
-        )
-        domain_rows += _group_rows(group, methods, full_id, d, "(all)")
+        s = Slice(pooled, {t for t in present if task_of(t)["domain"] == d}, weighting)
+        s.shared = s.group(in_domain)
+        domain_rows += _group_rows(s, s.shared, methods, full_id, d, "(all)")
     by_task, by_domain = pd.DataFrame(task_rows), pd.DataFrame(domain_rows)
     for df, group_col in ((by_task, "task"), (by_domain, "domain")):
         if not df.empty:
@@ -199,9 +277,15 @@ def leaderboard(
         for m in here:
             domains_of[m].add(task_of(t)["domain"])
     in_every_domain = [m for m in results if domains_of[m] == set(domains)]
-    overall = cs.common_set(pooled, in_every_domain, weighting=weighting, stratum=lambda qn: task_of(qn[0])["domain"])
+    overall = Slice(pooled, None, weighting, lambda qn: task_of(qn[0])["domain"])
     return Leaderboard(
-        budget, full_budget, by_domain, by_task, _wide(by_domain, domains, overall, methods), domains, weighting
+        budget,
+        full_budget,
+        by_domain,
+        by_task,
+        _wide(by_domain, domains, overall, in_every_domain, methods),
+        domains,
+        weighting,
     )
 
 
@@ -209,37 +293,41 @@ def _rank(df: pd.DataFrame, group: str) -> pd.Series:
     return df.groupby(group)["accuracy"].rank(ascending=False, method="min").astype("Int64")
 
 
-def _wide(by_domain: pd.DataFrame, domains: list[str], overall: cs.CommonSet, methods: dict[int, Any]) -> pd.DataFrame:
+def _wide(
+    by_domain: pd.DataFrame, domains: list[str], overall: Slice, in_every_domain: list[int], methods: dict[int, Any]
+) -> pd.DataFrame:
     """One row per method: the mean accuracy over domains (each domain weighs the same) on the cells
-    every method has in every domain, its rank and rank interval; then per domain the accuracy, its
-    interval and the difference from full cache (from the domain's table)."""
+    every method has in every domain, its rank and its comparison with the best there; then per domain the
+    accuracy, its interval and the difference from full cache (from the domain's table)."""
     if by_domain.empty:
-        return pd.DataFrame(columns=["rank", "rank interval", "tied with best", "method", "mean accuracy", "evicted %"])
-    ranks = overall.rank_intervals()
-    means = {m: pct(overall.accuracy(m).mean) for m in overall.methods} if overall.cells else {}
+        return pd.DataFrame(columns=["rank", "vs best", "method", "mean accuracy", "evicted %"])
+    group = overall.shared = overall.group(in_every_domain)
+    best = vs_best_words(overall, group)
+    means = {m: pct(group.accuracy(m).mean) for m in group.methods} if group.cells else {}
     rows = []
-    for m_id, g in by_domain.groupby("method_id", sort=False):
+    cells: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)  # method -> domain -> its row (no pandas per cell)
+    for rec in by_domain.to_dict("records"):
+        cells[rec["method_id"]].setdefault(rec["domain"], rec)
+    for m_id, by_d in cells.items():
         r: dict[str, Any] = {"method": method_label(methods, m_id)}
         fired = samples = 0.0
         for d in domains:
-            sub = g[g["domain"] == d]
-            if sub.empty:
+            s = by_d.get(d)
+            if s is None:
                 r[f"{d} %"], r[f"{d} 95% CI"], r[f"{d} Δ full"] = math.nan, "-", math.nan
                 continue
-            s = sub.iloc[0]
             r[f"{d} %"], r[f"{d} 95% CI"], r[f"{d} Δ full"] = s["accuracy"], s["interval"], s["delta_full"]
             fired += (s["evicted_share"] if not math.isnan(s["evicted_share"]) else 0) * s["samples"] / 100
             samples += s["samples"]
         r["mean accuracy"] = means.get(m_id, math.nan)
-        r["rank interval"] = str(ranks[m_id]) if m_id in ranks else "-"
-        r["tied with best"] = ranks[m_id].tied_with_best if m_id in ranks else False
+        r["vs best"] = best.get(m_id, "-")
         r["evicted %"] = 100 * fired / samples if samples else math.nan
         rows.append(r)
     wide = pd.DataFrame(rows)
     wide.insert(0, "rank", wide["mean accuracy"].rank(ascending=False, method="min").astype("Int64"))
     wide = wide.sort_values(["rank", "method"], na_position="last").reset_index(drop=True)
     cols = (
-        ["rank", "rank interval", "tied with best", "method", "mean accuracy"]
+        ["rank", "vs best", "method", "mean accuracy"]
         + [c for d in domains for c in (f"{d} %", f"{d} 95% CI", f"{d} Δ full")]
         + ["evicted %"]
     )
@@ -336,6 +424,18 @@ def budget_curves(
     return curves_df, full_df
 
 
+def coincident_lines(curves: pd.DataFrame, value: str, group: str = "domain") -> list[tuple[str, list[str]]]:
+    """Per ``group`` (a chart), the methods whose plotted points are the same (budget, ``value``) series: one line
+    hides the others, whatever their samples (two methods with equal aggregates but different answers included)."""
+    out = []
+    for g, sub in curves.groupby(group, sort=True):
+        series: dict[tuple, list[str]] = defaultdict(list)
+        for m, line in sub.groupby("method", sort=True):
+            series[tuple(sorted((int(b), round(float(v), 9)) for b, v in zip(line["budget"], line[value])))].append(m)
+        out += [(str(g), methods) for methods in series.values() if len(methods) > 1]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Replication scorecard
 # ------------------------------------------------------------------------------------------------
@@ -349,11 +449,11 @@ SCORECARD_COLUMNS = [
     "accuracy",
     "reference %",
     "Δ",
-    "Δ 95% CI",
+    CI,
     "problems",
     "test",
     "p",
-    "p (Holm)",
+    "p (adj.)",
     "verdict",
 ]
 
@@ -363,8 +463,8 @@ def scorecard(
 ) -> pd.DataFrame:
     """Per domain, budget and EpiKV-family method, one row per claim: better than each paper baseline
     (H2O, ThinKV; score test of difference = 0) and within ``margin`` points of full cache (score test of
-    difference = -margin). All on the cells every method in the (domain, budget) has; the p-values of
-    the whole table are one family, Holm-adjusted, and the verdicts use the adjusted p."""
+    difference = -margin), each on the cells the two have in the (domain, budget), judged by
+    :func:`pair_verdict` (the same comparison has the same verdict on every page)."""
     dims = dims or q.dimensions(engine)
     methods, tasks = dims["methods"], dims["tasks"]
     name = lambda i: methods.get(i, {}).get("name")  # noqa: E731
@@ -379,7 +479,6 @@ def scorecard(
     if filters.budgets is not None:
         family_budgets = [b for b in family_budgets if b in filters.budgets]
     rows: list[dict[str, Any]] = []
-    comparisons: list[tuple[stats.Comparison, float]] = []
     for b in family_budgets:
         results, full_id, _ = budget_results(engine, filters, b, dims)
         results = identity.pool(results, tasks)
@@ -388,16 +487,18 @@ def scorecard(
             family = [m for m in here if name(m) in REFERENCE_FAMILY]
             if not family:
                 continue
-            refs = [m for m in here if name(m) in PAPER_BASELINES] + ([full_id] if full_id in here else [])
-            group = cs.common_set(results, family + refs, tasks=_tasks_in(tasks, d), weighting=weighting)
-            claims = [(f"better than {name(r)}", r, 0.0) for r in refs if r != full_id]
-            claims.append((f"within {margin:g} pts of full cache", full_id if full_id in refs else None, -margin / 100))
+            s = Slice(results, _tasks_in(tasks, d), weighting)
+            refs = [m for m in here if name(m) in PAPER_BASELINES]
+            claims = [(f"better than {name(r)}", r, 0.0) for r in refs]
+            claims.append((f"within {margin:g} pts of full cache", full_id if full_id in here else None, margin / 100))
             for f in family:
-                a = group.accuracy(f)
-                for claim, ref, threshold in claims:
-                    c = group.compare(f, ref) if ref is not None else stats.NONE
-                    p = stats.shifted_pvalue(c, threshold) if c.n else math.nan
-                    comparisons.append((c, threshold))
+                for claim, ref, shift in claims:
+                    v = (
+                        pair_verdict(s, f, ref, ("replicates", "does not replicate"), shift)
+                        if ref is not None
+                        else verdicts.judge(verdicts.from_comparison(stats.NONE, lambda lv: stats.NONE), "accuracy")
+                    )
+                    pair = s.group([f, ref]) if ref is not None else None
                     rows.append(
                         {
                             "domain": d,
@@ -405,24 +506,17 @@ def scorecard(
                             "method": method_label(methods, f),
                             "claim": claim,
                             "reference": method_label(methods, ref) if ref is not None else "-",
-                            "accuracy": pct(a.mean),
-                            "reference %": pct(group.accuracy(ref).mean) if ref is not None and c.n else math.nan,
-                            "Δ": pct(c.diff),
-                            "Δ 95% CI": fmt_interval(pct(c.lo), pct(c.hi)),
-                            "problems": c.n,
-                            "test": c.test if c.n else "-",
-                            "p": p,
+                            "accuracy": pct(pair.accuracy(f).mean) if pair and pair.cells else math.nan,
+                            "reference %": pct(pair.accuracy(ref).mean) if pair and pair.cells else math.nan,
+                            "Δ": pct(v.estimate - shift),
+                            CI: fmt_interval(pct(v.lo - shift), pct(v.hi - shift)),
+                            "problems": v.n,
+                            "test": v.test if v.n else "-",
+                            "p": v.p,
+                            "p (adj.)": v.p_adjusted,
+                            "verdict": v.word,
                         }
                     )
-    if not rows:
-        return pd.DataFrame(columns=SCORECARD_COLUMNS)
-    # the family: every verdict the table gives (a comparison on too few problems gives none)
-    adjusted = multiplicity.holm(
-        [r["p"] if c.n >= stats.MIN_PROBLEMS else math.nan for r, (c, _) in zip(rows, comparisons)]
-    )
-    for r, (c, threshold), p_adj in zip(rows, comparisons, adjusted):
-        r["p (Holm)"] = p_adj
-        r["verdict"] = stats.verdict(c, p_adj if c.n >= stats.MIN_PROBLEMS else r["p"], threshold)
     return pd.DataFrame(rows, columns=SCORECARD_COLUMNS)
 
 
@@ -519,7 +613,10 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
         {
             "claim": "decoding speed vs full cache (tokens/s), best setting",
             "paper": f"up to {SPEEDUP_VS_FULL:g}x",
-            "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]})" if best_speed else NOT_MEASURED,
+            "kvleague": f"{best_speed[0]:.2f}x ({best_speed[1]}; sweep timings, not a speed benchmark: batch "
+            "composition and machine load not controlled, not comparable with the systems benchmark)"
+            if best_speed
+            else NOT_MEASURED,
             **no_test,
         }
     )
@@ -527,7 +624,10 @@ def paper_claims(engine, filters: q.Filters, dims: dict[str, Any] | None = None)
         {
             "claim": "feasible context in the same KV memory (full / method peak cache entries)",
             "paper": f"{CONTEXT_VS_ATTENTION:g}x",
-            "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]})" if best_ctx else NOT_MEASURED,
+            "kvleague": f"{best_ctx[0]:.1f}x ({best_ctx[1]}; peak cache entries at a fixed budget, which the budget "
+            "sets: not a feasible-context measurement, see the systems benchmark's row)"
+            if best_ctx
+            else NOT_MEASURED,
             **no_test,
         }
     )
@@ -542,6 +642,18 @@ def _ratio_text(fig: dict[str, Any]) -> str:
     if details.get("undetermined"):  # both methods fit the search cap: the ratio says nothing
         return f"undetermined: both reached the search cap (budget {fig['budget']})"
     return f"{'>= ' if details.get('at_least') else ''}{fig['value']:.2f}x at budget {fig['budget']}"
+
+
+def setup_text(fig: dict[str, Any]) -> str:
+    """The set-up a speed figure was measured under: model, backend, batch, machine, when, quick or not. Figures of
+    different set-ups are never one claim; the reader compares these."""
+    config = fig.get("config") or {}
+    batch = config.get("batch_size", config.get("batch_sizes", "-"))
+    quick = "quick run" if config.get("quick") else "full run" if "quick" in config else "mode not recorded"
+    return (
+        f"model {fig.get('model') or '-'}, backend {config.get('backend', config.get('attn_implementation', '-'))}, "
+        f"batch {batch}, {_hardware(fig)}, measured {fig.get('created_at') or '-'}, {quick}"
+    )
 
 
 def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -564,7 +676,7 @@ def _systems_claims(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "claim": f"{label} (systems benchmark)",
                 "paper": paper,
-                "kvleague": _ratio_text(best) if best else NOT_MEASURED,
+                "kvleague": f"{_ratio_text(best)} [{setup_text(best)}]" if best else NOT_MEASURED,
             }
         )
     return rows

@@ -144,9 +144,7 @@ def test_float_noise_is_a_tie_and_the_direction_is_the_tests(rows, report):
         assert (row["samples"], row["tied"], row["p (Wilcoxon)"]) == ("30", "29", f"{wilcoxon(kept).pvalue:.2g}")
         assert float(row["Δ KL (A−B)"]) == pytest.approx(np.mean(d), abs=5e-5)
     for line in [f for f in finding(report, "protocol #1, math, budget 192** (fidelity") if "series=" in f]:
-        assert "higher than h2o" not in line and re.search(
-            r"not significantly different from h2o \(Δ [^)]*29 of 30 tied", line
-        )
+        assert "higher than h2o" not in line and re.search(r"\(inconclusive\), h2o \(HL shift .*29 of 30 tied", line)
 
 
 def test_an_ablation_is_not_split_by_the_sign_of_one_noise_difference(rows, report):
@@ -170,14 +168,16 @@ def test_an_ablation_is_not_split_by_the_sign_of_one_noise_difference(rows, repo
         assert len(keys) >= int(r["samples"]) and int(r["tied"]) == int(r["samples"]) - len(kept) == 1
         assert r["p (Wilcoxon)"] == f"{wilcoxon(kept).pvalue:.2g}"
     line = next(f for f in finding(report, "code, budget 256, protocol ablation"))
-    assert "lower for" not in line and "higher for" not in line, line
+    # not split: every method's 9 ranked differences share one sign (exact p 2/512, 0.016 over the pair's 4 domains)
+    assert len({r["p (adj.)"] for r in ablation_rows}) == 1 and len({r["verdict"] for r in ablation_rows}) == 1
+    assert "higher for" not in line and "inconclusive for" not in line, line
 
 
 # 2 ---------------------------------------------------------------------------------------------------
 
 
 def test_every_sentence_states_the_n_of_its_table(report):
-    """Each fidelity section: the board, every paired row and the glance row rest on one sample set."""
+    """Each fidelity section: the board and the glance row rest on one sample set; each paired row on its pair's."""
     glance = table(report.split("At a glance")[1].split("\n- **")[0], "protocol")
     checked = 0
     for number in sorted({int(n) for n in re.findall(r"— protocol #(\d+):", report)}):
@@ -188,7 +188,8 @@ def test_every_sentence_states_the_n_of_its_table(report):
                 continue
             board, pairs = block.split("Paired fidelity tests")
             (n,) = {r["samples"] for r in table(board, "method")}
-            assert {r["samples"] for r in table(pairs, "A")} == {n}, heading
+            # each pair rests on the samples its two methods have: the board's set or more, and the finding says its n
+            assert all(int(r["samples"]) >= int(n) for r in table(pairs, "A")), heading
             domain, budget = re.match(r"#### (\w+), budget ([\w+]+)", heading).groups()
             for g in glance:
                 if (g["protocol"], g["domain"], g["budget"], g["measure"]) == (
@@ -304,14 +305,16 @@ def test_few_discordant_needles_get_exact_mcnemar_and_the_adjusted_verdict(rows,
         for r in table(block.split("Paired accuracy tests")[1], "A")
         if {r["A"], r["B"]} == {"full", "epikv(series=generated)"}
     )
-    assert (pair["problems"], pair["test"], pair["p"]) == ("30", "exact McNemar", f"{exact:.2g}")
+    # the pair on the needles the two have (the 30 here and the other variants' copies, all concordant)
+    assert int(pair["problems"]) >= 30 and (pair["test"], pair["p"]) == ("exact McNemar", f"{exact:.2g}")
     assert {pair["A only"], pair["B only"]} == {"0", "5"}
     board = next(r for r in table(block, "method") if r["method"] == "epikv(series=generated)")
     assert board["p_value"] == f"{exact:.2g}" and float(board["delta_lo"]) < 0 <= float(
         board["delta_hi"]
     )  # the interval agrees
     (line,) = [f for f in finding(report, "protocol #1, longqa, budget 512** (accuracy")]
-    assert "not significantly different from full cache" in line and f"p Holm {pair['p (Holm)']}" in line, line
+    assert "inconclusive (neither shown different nor shown equivalent) against full cache" in line, line
+    assert f"p adj. {pair['p (adj.)']}" in line, line
 
 
 # 5 ---------------------------------------------------------------------------------------------------

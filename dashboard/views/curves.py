@@ -121,6 +121,16 @@ def fidelity_chart(curves, domain: str, measure: str) -> alt.LayerChart | alt.Fa
     return alt.layer(band, line).properties(title=domain, height=height_with_legend(PLOT_HEIGHT, curves["method"]))
 
 
+def coincident_note(curves, value: str) -> None:
+    """Lines that coincide on the chart (the same plotted values), whether or not their samples are identical."""
+    found = tables.coincident_lines(curves, value)
+    if found:
+        named = "; ".join(f"{d}: {' = '.join(ms)}" for d, ms in found)
+        st.warning(
+            f"Lines drawn on top of each other (the same {value} at every budget): {named}. One hides the others."
+        )
+
+
 def render(ctx) -> None:
     st.title("Budget curves")
     measure = st.radio(
@@ -145,6 +155,7 @@ def render(ctx) -> None:
         return
     curves = with_ratio(with_slice(curves, chosen), ctx.opts.budget_labels)
     coinciding_note(ctx, filters)
+    coincident_note(curves, "accuracy")
     st.caption(
         "Accuracy (%) against the KV budget (log scale), with 95% Wilson score bands (design effect when a question "
         "has several samples or cells); failed samples count as wrong. At each budget the methods of a domain share "
@@ -176,6 +187,7 @@ def render_fidelity(ctx, measure: str) -> None:
         return
     curves = with_slice(curves, chosen)
     coinciding_note(ctx, filters)
+    coincident_note(curves, FIDELITY_MEASURES[measure][0])
     st.caption(
         f"{measure.capitalize()} against the KV budget (log scale), per domain: the mean over samples of each "
         "sample's mean over its scored tokens, with 95% percentile bootstrap bands over samples. At each budget the "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvleague.analysis import fidelity_tables
+from kvleague.analysis import fidelity_tables, verdicts
 from kvleague.dashboard.views.common import INT, styled
 
 BOARD_SHOWN = ["method", "domain", "KL", "KL 95% CI", "top-1 %", "top-1 95% CI", "ΔNLL", "samples", "tokens"]
@@ -13,7 +13,7 @@ KL_FORMAT = {"KL": "{:.4f}", "ΔNLL": "{:+.4f}", "Δ KL (A−B)": "{:+.4f}", "KL
 
 
 def _formats(df):
-    return styled(df, pct=("top-1 %",), pp=("Δ top-1 (pts)",), p=("p (Wilcoxon)", "p (Holm)"), formats=KL_FORMAT)
+    return styled(df, pct=("top-1 %",), pp=("Δ top-1 (pts)",), p=("p (Wilcoxon)", "p (adj.)"), formats=KL_FORMAT)
 
 
 def section(ctx, budget: int) -> bool:
@@ -29,7 +29,8 @@ def section(ctx, budget: int) -> bool:
         "Teacher-forced on each task's reference continuation (runner/fidelity.py): per sample, the mean over its scored "
         "tokens of **KL**(full cache || method) in nats and of **top-1** agreement (the method's most likely next token "
         "is the full cache's); **ΔNLL**: the change in the reference token's negative log-likelihood. Means over samples "
-        "(the unit; a sample's cells averaged), 95% percentile bootstrap intervals over samples (2,000 resamples). Each "
+        "(the unit; a sample's cells averaged), 95% bootstrap intervals over samples (2,000 resamples; BCa below 30 "
+        "samples), descriptive. Each "
         "table uses the samples every method in it has. Lowest KL first." + note
     )
     st.dataframe(
@@ -43,11 +44,12 @@ def section(ctx, budget: int) -> bool:
     if not pairs.empty:
         st.markdown("**Paired differences between methods**")
         st.caption(
-            "Each pair on the samples of the domain's table above, per domain: mean difference A − B of per-sample "
-            "KL and of top-1 agreement with 95% bootstrap intervals (samples resampled, pairs kept); **tied**: "
-            "samples whose KLs differ by float32 rounding only, left out of **p (Wilcoxon)**, the two-sided "
-            "signed-rank test of the KL differences, whose direction is **signed ranks**; **p (Holm)**: adjusted "
-            "over every pair in this table."
+            "Each pair on the samples the two have, per domain: mean difference A − B of per-sample KL (descriptive) "
+            "and of top-1 agreement (95% bootstrap interval); **tied**: samples whose KLs differ by float32 rounding "
+            "only, left out of **p (Wilcoxon)**, the two-sided signed-rank test of the KL differences, whose direction "
+            "is **signed ranks**; **HL shift**: the Hodges–Lehmann estimate with the interval inverting that test; "
+            f"**p (adj.)** and **verdict**: {verdicts.FAMILY_TEXT} (equivalence only within a tested "
+            f"±{verdicts.margin_text('kl')}); the same for the pair on every page."
         )
         st.dataframe(
             _formats(pairs.drop(columns=["Δ KL lo", "Δ KL hi", "sign"])),

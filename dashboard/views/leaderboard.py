@@ -6,23 +6,24 @@ import math
 
 import streamlit as st
 
-from kvleague.analysis import stats, tables
+from kvleague.analysis import stats, tables, verdicts
+from kvleague.analysis.paper import MARGINS
 from kvleague.dashboard.views import fidelity, head_to_head
 from kvleague.dashboard.views.common import INT, budget_text, empty, pick_budget, pick_weighting, styled
 
 DETAIL_COLUMNS = {
     "rank": "rank",
-    "rank_interval": "rank interval",
-    "tied_best": "tied with best",
+    "vs_best": "vs best",
     "method": "method",
     "domain": "domain",
     "accuracy": "accuracy %",
     "interval": "95% CI",
     "interval_method": "interval",
     "delta_full": "Δ vs full (pts)",
-    "delta_ci": "Δ 95% CI",
+    "delta_ci": f"Δ {verdicts.LEVEL_TEXT} CI",
     "p_value": "p",
     "test": "test",
+    "verdict_full": "vs full",
     "evicted_share": "eviction fired %",
     "problems": "problems",
     "samples": "samples",
@@ -67,15 +68,20 @@ def render(ctx) -> None:
         note = f" Full cache has no results at this budget; the reference is its run at budget {lb.full_budget:,}."
     st.caption(
         f"Budget {budget_text(ctx, budget)}. **Problems**: each table uses only the problem cells (problem x model x protocol x "
-        "generation setting) that *every* method in it has, so accuracy, Δ and rank rest on the same problems; **problems** "
+        "generation setting) that *every* method in it has, so accuracy and rank rest on the same problems (Δ and the "
+        "verdicts on the problems the two compared methods have, the same set when every method ran them all); **problems** "
         "is how many questions that is, **failed** how many of those samples raised: a failed sample counts as wrong. "
         "The unit is the question: its cells (models, seeds, settings) are averaged, never counted as separate problems. "
         f"Tasks are pooled per {weighting}. **Accuracy** (%): mean share correct, 95% Wilson score interval (with a design "
-        "effect when a question has several samples or cells). **Δ vs full**: method minus full cache in points, 95% Tango "
-        "score interval; **p**: the same score test (McNemar's statistic without continuity correction for one sample per "
-        "question), so p < 0.05 exactly when the interval excludes 0; not adjusted for multiple comparisons. "
-        "**Rank**: by the point estimate; **rank interval**: from all pairwise score tests between the methods, Holm-adjusted "
-        "(a method's best rank is 1 + the methods significantly better); **tied with best**: none is significantly better. "
+        "effect when a question has several samples or cells). **Δ vs full**: method minus full cache in points with the "
+        "interval of its test; **p**: the same score test (McNemar's statistic without continuity correction for one sample "
+        f"per question; exact McNemar below 25 discordant questions); the interval and the verdicts: {verdicts.FAMILY_TEXT}, "
+        "so the interval excludes 0 exactly when the adjusted test rejects. "
+        "**vs full** and **vs best** (the table's best by the point estimate) compare the two on the questions both have, "
+        "the rule declared in analysis/paper.yaml, so adding a method never changes another's "
+        f"verdict: higher / lower when the adjusted test rejects, *equivalent within ±{100 * MARGINS['accuracy']:g} pts* only when "
+        "both one-sided tests at that margin reject, else *inconclusive* (not significant is not the same). "
+        "**Rank**: by the point estimate. "
         f"Fewer than {stats.MIN_PROBLEMS} questions: the numbers are shown but the calibration (docs/statistics.md) does not "
         "hold. The wide table's mean weighs each domain the same." + note
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvleague.analysis import fidelity_tables, paper, stats, tables
+from kvleague.analysis import fidelity_tables, paper, stats, tables, verdicts
 from kvleague.dashboard.views.common import empty, pick_weighting, styled
 
 
@@ -14,11 +14,12 @@ def render(ctx) -> None:
     st.caption(
         f"Reference family: {', '.join(paper.REFERENCE_FAMILY)}. Baselines: {', '.join(paper.PAPER_BASELINES)}, the ones the "
         "paper compares with, fixed in advance (never the best one on the same data). One row per claim: *better than* a "
-        "baseline (score test of Δ = 0) and *within the margin of full cache* (score test of Δ = -margin). Each (domain, "
-        "budget) uses the problem cells every method in it has, failed samples counted as wrong, questions as the unit. "
-        "Δ: method minus reference in points with its 95% Tango score interval; p: the raw p of the claim's score test; "
-        "p (Holm): adjusted over every claim in the table (one family). Verdict: replicates when p (Holm) < 0.05 with the "
-        "estimate on the claimed side, does not replicate when p (Holm) < 0.05 on the other side, else inconclusive; "
+        "baseline (score test of Δ = 0) and *within the margin of full cache* (score test of Δ = -margin). Each claim "
+        "uses the problem cells the method and its reference have in the (domain, budget), failed samples counted as "
+        "wrong, questions as the unit. Δ: method minus reference in points with the interval of its test; p: the raw p "
+        f"of the claim's test; p (adj.): {verdicts.FAMILY_TEXT}, the same for this pair on every page. Verdict: replicates "
+        "when p (adj.) < 0.05 with the estimate on the claimed side, does not replicate when p (adj.) < 0.05 on the other "
+        "side, else inconclusive; "
         f"fewer than {stats.MIN_PROBLEMS} questions: too few problems, no verdict."
     )
     c1, c2 = st.columns(2)
@@ -56,7 +57,7 @@ def render(ctx) -> None:
         empty("No EpiKV-family accuracy results match the filters.")
     else:
         st.dataframe(
-            styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (Holm)")),
+            styled(card, pct=("accuracy", "reference %"), pp=("Δ",), p=("p", "p (adj.)")),
             hide_index=True,
             placeholder="—",
             key="sc_card",
@@ -81,14 +82,14 @@ def protocol_ablations(ctx) -> None:
     st.caption(
         "Two protocols that differ in exactly one setting (field: which one), the same method at the same budget on the "
         "samples every method there has under both: mean KL(full || method) under A and under B, the paired mean "
-        "difference B − A with its 95% bootstrap interval over samples, the two-sided Wilcoxon signed-rank p of the "
-        "differences (float32-rounding ties left out: **tied**) and its Holm adjustment over this table. It shows what "
+        "difference B − A, the two-sided Wilcoxon signed-rank p of the differences (float32-rounding ties left out: "
+        f"**tied**) with its Hodges–Lehmann shift and interval; {verdicts.FAMILY_TEXT}. It shows what "
         "the protocol, not the method, decides."
     )
     st.dataframe(
         styled(
             table.drop(columns=["Δ KL lo", "Δ KL hi", "sign"]),
-            p=("p (Wilcoxon)", "p (Holm)"),
+            p=("p (Wilcoxon)", "p (adj.)"),
             formats={"KL A": "{:.4f}", "KL B": "{:.4f}", "Δ KL (B−A)": "{:+.4f}"},
         ),
         hide_index=True,
@@ -107,13 +108,15 @@ def fidelity_claims(ctx) -> None:
         "questions (a small model on math, code or agentic tasks), or where there are no accuracy results, every method "
         "sits near the floor and accuracy cannot tell them apart; there the claim *better than* a paper baseline is "
         "judged by fidelity to the full cache instead: *closer to full cache* = lower mean KL(full || method) on the "
-        "samples both have. Δ KL: method minus baseline with its 95% bootstrap interval over samples; p: two-sided "
-        "Wilcoxon signed-rank test of the paired KL differences; p (Holm): adjusted over this table. Verdict: replicates "
-        "when p (Holm) < 0.05 with lower KL, does not replicate when p (Holm) < 0.05 with higher KL, else inconclusive; "
+        "samples both have. Δ KL: mean difference, descriptive; HL shift: the Hodges–Lehmann estimate with the interval "
+        "inverting the test; p: two-sided Wilcoxon signed-rank test of the paired KL differences; p (adj.): "
+        f"{verdicts.FAMILY_TEXT}, the same as in the fidelity pairs table. Verdict: replicates when p (adj.) < 0.05 with "
+        "lower KL, does not replicate when p (adj.) < 0.05 with higher KL, equivalent within the declared margin when "
+        "that is tested, else inconclusive; "
         f"fewer than {stats.MIN_PROBLEMS} samples: no verdict."
     )
     st.dataframe(
-        styled(card, p=("p", "p (Holm)"), formats={"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
+        styled(card, p=("p", "p (adj.)"), formats={"KL": "{:.4f}", "reference KL": "{:.4f}", "Δ KL": "{:+.4f}"}),
         hide_index=True,
         placeholder="—",
         key="sc_fidelity",

@@ -1,12 +1,15 @@
-"""Time to compute the leaderboard page's data on a 200k-row results table (target: under 2 s).
+"""Time to compute the leaderboard page's data on a 200k-row results table (target: under 2 s; with
+``--methods 1000``, under 10 s).
 
 Seeds a fresh SQLite database through the db layer (migrations, ``db.store.write_results`` in bulk
 batches) with a synthetic sweep of ``--rows`` sample results (10 methods x 4 budgets x 5 tasks), then
 times, without Streamlit's cache, what the Leaderboard page computes on a first visit: the filter
 options and the leaderboard (per-cell rows, the common problem set of each table, Wilson and Tango
-score intervals and tests, rank intervals from all pairwise tests). Best and median of ``--repeats`` runs.
+score intervals and tests, each method against full cache and against the table's best: linear in the
+methods). Best and median of ``--repeats`` runs. ``--methods N``: the seeder's methods plus synthetic
+variants up to N (each a spec of its own), for the leaderboard at scale.
 
-    python -m runner.bench.dashboard_load [--rows 200000] [--n-samples 1] [--completion-chars 300] [--db URL] [--json OUT]
+    python -m runner.bench.dashboard_load [--rows 200000] [--methods N] [--n-samples 1] [--db URL] [--json OUT]
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from kvleague.analysis import tables
 from kvleague.db.seed import METHODS, ROBUSTNESS, TASKS, RealisticSpec, Seeder, realistic_rows
 
 TARGET_S = 2.0
+#: the target with 1,000 methods (issue 45)
+TARGET_MANY_S = 10.0
 BUDGETS = (1024, 2048, 4096, 8192)
 #: share of the problems per task
 SHARES = {"math500": 0.30, "aime24": 0.10, "humaneval": 0.20, "kv_agent": 0.20, "niah": 0.20}
@@ -33,8 +38,9 @@ SHARES = {"math500": 0.30, "aime24": 0.10, "humaneval": 0.20, "kv_agent": 0.20, 
 TASK_MIX = tuple((name, domain, SHARES[name], acc, typical) for name, domain, _, acc, typical in TASKS)
 
 
-def spec_for(rows: int, n_samples: int, completion_chars: int) -> RealisticSpec:
+def spec_for(rows: int, n_samples: int, completion_chars: int, n_methods: int = 0) -> RealisticSpec:
     methods = tuple(METHODS) + tuple(m for m in ("knorm",) if m in ROBUSTNESS)
+    methods += tuple(f"variant_{i:04d}" for i in range(max(0, n_methods - len(methods))))
     per_problem = len(methods) * len(BUDGETS) * n_samples
     problems = max(len(TASK_MIX), rows // per_problem)
     tasks = []
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "--n-samples", type=int, default=1, help="samples per problem (>1: sampled decoding, design-effect path)"
     )
     p.add_argument("--completion-chars", type=int, default=300)
+    p.add_argument("--methods", type=int, default=0, help="method specs in all (synthetic variants added)")
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--db", default=None, help="seed this database instead of a temporary SQLite file (must be empty)")
@@ -76,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         url = args.db
     writer = get_engine(url)
-    spec = spec_for(args.rows, args.n_samples, args.completion_chars)
+    spec = spec_for(args.rows, args.n_samples, args.completion_chars, args.methods)
+    target = TARGET_MANY_S if len(spec.methods) > 100 else TARGET_S
     t0 = time.perf_counter()
     seeder = Seeder(writer)
     n = seeder.write(realistic_rows(seeder, spec), chunk=20_000)
@@ -101,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"leaderboard page data (budget {args.budget}, {len(lb.by_domain)} method x domain cells, "
         f"{int(lb.by_domain['problems'].sum()):,} problem results): best {best:.3f}s, median {median:.3f}s "
-        f"(options {min(opt_t):.3f}s + leaderboard {min(lb_t):.3f}s); target < {TARGET_S:.1f}s: "
-        f"{'met' if best < TARGET_S else 'NOT met'}"
+        f"(options {min(opt_t):.3f}s + leaderboard {min(lb_t):.3f}s), {len(spec.methods)} methods; target < "
+        f"{target:.1f}s: {'met' if best < target else 'NOT met'}; load average {os.getloadavg()[0]:.1f}"
     )
     print(f"methods x domains at budget {args.budget}:")
-    print(lb.wide[["rank", "method", "mean accuracy"]].to_string(index=False))
+    print(lb.wide[["rank", "method", "mean accuracy"]].head(15).to_string(index=False))
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -116,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                     "median_seconds": median,
                     "options_seconds": min(opt_t),
                     "leaderboard_seconds": min(lb_t),
-                    "target_seconds": TARGET_S,
+                    "methods": len(spec.methods),
+                    "target_seconds": target,
                 },
                 indent=2,
             )
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     reader.dispose()
     if tmp is not None:
         tmp.cleanup()
-    return 0 if best < TARGET_S else 1
+    return 0 if best < target else 1
 
 
 if __name__ == "__main__":
