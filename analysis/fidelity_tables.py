@@ -95,7 +95,7 @@ def bootstrap_mean_interval(values: Iterable[float], level: float = LEVEL) -> tu
         n_resamples=N_RESAMPLES,
         confidence_level=level,
         method="percentile" if len(v) >= PERCENTILE_MIN else "BCa",
-        random_state=np.random.default_rng(0),
+        rng=np.random.default_rng(0),
     )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
@@ -169,7 +169,8 @@ def signed_rank(first: Iterable[float], second: Iterable[float]) -> SignedRank:
         return SignedRank(len(d), ties, 0.0, 0.0, 1.0)
     ranks = rankdata(np.abs(nz))
     exact = len(nz) <= EXACT_MAX and len(np.unique(np.abs(nz))) == len(nz)
-    p = float(wilcoxon(nz, method="exact" if exact else "approx").pvalue)
+    test: Any = wilcoxon(nz, method="exact" if exact else "approx")  # scipy's result types are not declared
+    p = float(test.pvalue)
     return SignedRank(len(d), ties, float(ranks[nz > 0].sum()), float(ranks[nz < 0].sum()), p, tuple(nz.tolist()))
 
 

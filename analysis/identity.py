@@ -62,7 +62,7 @@ NOT_PROMPT_OPTIONS = frozenset({"fidelity_reference", "timeout_s"})
 def prompt_key(task: Mapping[str, Any], sample_id: str) -> Hashable:
     """The prompt a row holds, whatever reference it is scored on (for counting distinct prompts: a math
     prompt under the dataset's reference and under the model's own continuation is one prompt)."""
-    key = content_key(task, sample_id)
+    key: Any = content_key(task, sample_id)
     if key[0] != "row":
         return key
     options = {k: v for k, v in (task.get("options") or {}).items() if k not in NOT_PROMPT_OPTIONS}

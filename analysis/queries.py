@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from typing import cast as typed
 
-from sqlalchemy import Integer, and_, case, cast, create_engine, distinct, event, func, literal, select
+from sqlalchemy import Integer, Table, and_, case, cast, create_engine, distinct, event, func, literal, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -38,15 +39,15 @@ from kvleague.db.models import (
 from kvleague.db.session import default_url
 from kvleague.engine.errors import KvleagueError
 
-R = SampleResult.__table__
-T = TaskSpec.__table__
-M = MethodSpec.__table__
-MO = Model.__table__
-P = ProtocolSpec.__table__
-G = GenerationSpec.__table__
-S = Sweep.__table__
-E = Environment.__table__
-B = BenchmarkResult.__table__
+R = typed(Table, SampleResult.__table__)
+T = typed(Table, TaskSpec.__table__)
+M = typed(Table, MethodSpec.__table__)
+MO = typed(Table, Model.__table__)
+P = typed(Table, ProtocolSpec.__table__)
+G = typed(Table, GenerationSpec.__table__)
+S = typed(Table, Sweep.__table__)
+E = typed(Table, Environment.__table__)
+B = typed(Table, BenchmarkResult.__table__)
 
 
 FULL = "full"

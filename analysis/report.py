@@ -431,7 +431,7 @@ def accuracy_findings(
     for _, e in board[_named(board["method"], name_of) == EPIKV].iterrows():
         pair = _pair_of(pairs, e["method"], f["method"])
         p_adj = pair["p (adj.)"] if pair is not None else math.nan
-        close = {"lower": "below", "higher": "above"}.get(e["verdict_full"], e["verdict_full"])
+        close = str({"lower": "below", "higher": "above"}.get(e["verdict_full"], e["verdict_full"]))
         if close.startswith("equivalent"):
             close = f"{close} of"
         elif close == INCONCLUSIVE:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 from scipy.optimize import brentq
@@ -84,6 +85,12 @@ def effective_ints(
 
 
 @lru_cache(maxsize=8)
+def _root(*args: Any, **kwargs: Any) -> float:
+    """``brentq``'s root (scipy declares its result loosely)."""
+    root: Any = brentq(*args, **kwargs)
+    return float(root)
+
+
 def critical_z(level: float) -> float:
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
@@ -152,11 +159,11 @@ def tango_bounds(mean: float, abs_mean: float, n: float, level: float) -> tuple[
     lo = (
         -1.0
         if tango_z(mean, abs_mean, n, -1.0) <= zc
-        else brentq(lambda d: tango_z(mean, abs_mean, n, d) - zc, -1.0, mean, xtol=ROOT_TOLERANCE)
+        else _root(lambda d: tango_z(mean, abs_mean, n, d) - zc, -1.0, mean, xtol=ROOT_TOLERANCE)
     )
     hi = (
         1.0
         if tango_z(mean, abs_mean, n, 1.0) >= -zc
-        else brentq(lambda d: tango_z(mean, abs_mean, n, d) + zc, mean, 1.0, xtol=ROOT_TOLERANCE)
+        else _root(lambda d: tango_z(mean, abs_mean, n, d) + zc, mean, 1.0, xtol=ROOT_TOLERANCE)
     )
     return lo, hi

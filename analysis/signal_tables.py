@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, cast
 
 import pandas as pd
 from sqlalchemy import inspect, select
@@ -233,7 +234,8 @@ def setting_comparison(df: pd.DataFrame, label: str = "occlusion_nll", kind: str
     if both.empty:
         return pd.DataFrame(columns=[*keys, "group", "sign", "overlap"])
     signs = [
-        (_sign(r.rho_lo_context, r.rho_hi_context), _sign(r.rho_lo_trace, r.rho_hi_trace)) for r in both.itertuples()
+        (_sign(r.rho_lo_context, r.rho_hi_context), _sign(r.rho_lo_trace, r.rho_hi_trace))
+        for r in cast("list[Any]", list(both.itertuples()))
     ]
     both["sign"] = [
         "same" if a and a == b else "opposite" if a and b else "both cover 0" if not a and not b else "one covers 0"
@@ -258,7 +260,10 @@ def setting_agreement(df: pd.DataFrame, label: str = "occlusion_nll", kind: str 
     comp = setting_comparison(df, label, kind)
     rows = []
     for (model, domain, task, group), g in comp.groupby(["model", "domain", "task", "group"], sort=False):
-        rank = spearmanr(g["rho_context"], g["rho_trace"]).statistic if len(g) > 2 else float("nan")
+        test: Any = (
+            spearmanr(g["rho_context"], g["rho_trace"]) if len(g) > 2 else None
+        )  # scipy's result types are not declared
+        rank = float(test.statistic) if test is not None else float("nan")
         rows.append(
             {
                 "model": model,
@@ -390,7 +395,7 @@ def markdown(df: pd.DataFrame, label: str = "occlusion_nll") -> str:
             depth_table(rows, label=label).dropna(subset=["rho"]) if kind == PARTIAL else depth_table(rows, label=label)
         )
         for model, g in depth.groupby("model"):
-            out += _depth_markdown(g, model, label, kind)
+            out += _depth_markdown(g, str(model), label, kind)
     verdicts = verdict_table(df, label)
     if not verdicts.empty:
         verdicts = verdicts.sort_values("domain", key=_domain_order, kind="stable")

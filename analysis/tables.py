@@ -169,13 +169,12 @@ def pair_verdict(
     t = verdicts.from_comparison(c, lambda level: c if level == verdicts.LEVEL else pair.compare(a, b, level))
     if not margin:
         return verdicts.judge(t, "accuracy", words)
-    shifted = verdicts.Tested(
-        c.diff + margin,
-        stats.shifted_pvalue(c, -margin),
-        c.test,
-        c.n,
-        lambda level: tuple(x + margin for x in t.interval(level)),
-    )
+
+    def shifted_interval(level: float) -> tuple[float, float]:
+        lo, hi = t.interval(level)
+        return lo + margin, hi + margin
+
+    shifted = verdicts.Tested(c.diff + margin, stats.shifted_pvalue(c, -margin), c.test, c.n, shifted_interval)
     return verdicts.judge(shifted, "accuracy", words, equivalence=False)
 
 
@@ -202,7 +201,7 @@ def _group_rows(
 ) -> list[dict]:
     has_full = full_id is not None and full_id in s.results
     others = [m for m in group.methods if m != full_id]
-    vs_full = {m: pair_verdict(s, m, full_id) for m in others} if has_full else {}
+    vs_full = {m: pair_verdict(s, m, full_id) for m in others} if has_full and full_id is not None else {}
     best = vs_best_words(s, group)
     out = []
     for m_id in group.methods:
@@ -305,7 +304,7 @@ def _wide(
     best = vs_best_words(overall, group)
     means = {m: pct(group.accuracy(m).mean) for m in group.methods} if group.cells else {}
     rows = []
-    cells: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)  # method -> domain -> its row (no pandas per cell)
+    cells: dict[int, dict[str, dict[Any, Any]]] = defaultdict(dict)  # method -> domain -> its row (no pandas per cell)
     for rec in by_domain.to_dict("records"):
         cells[rec["method_id"]].setdefault(rec["domain"], rec)
     for m_id, by_d in cells.items():
@@ -339,7 +338,7 @@ def _wide(
 # ------------------------------------------------------------------------------------------------
 
 
-def _by_budget(rows: list[dict[str, Any]]) -> dict[int, cs.Results]:
+def _by_budget(rows: list[Any]) -> dict[int, cs.Results]:
     grouped: dict[int, list] = defaultdict(list)
     at = q.QUESTION_CELL_COLUMNS.index("budget")
     for r in rows:
@@ -431,7 +430,9 @@ def coincident_lines(curves: pd.DataFrame, value: str, group: str = "domain") ->
     for g, sub in curves.groupby(group, sort=True):
         series: dict[tuple, list[str]] = defaultdict(list)
         for m, line in sub.groupby("method", sort=True):
-            series[tuple(sorted((int(b), round(float(v), 9)) for b, v in zip(line["budget"], line[value])))].append(m)
+            series[tuple(sorted((int(b), round(float(v), 9)) for b, v in zip(line["budget"], line[value])))].append(
+                str(m)
+            )
         out += [(str(g), methods) for methods in series.values() if len(methods) > 1]
     return out
 
@@ -489,7 +490,7 @@ def scorecard(
                 continue
             s = Slice(results, _tasks_in(tasks, d), weighting)
             refs = [m for m in here if name(m) in PAPER_BASELINES]
-            claims = [(f"better than {name(r)}", r, 0.0) for r in refs]
+            claims: list[tuple[str, int | None, float]] = [(f"better than {name(r)}", r, 0.0) for r in refs]
             claims.append((f"within {margin:g} pts of full cache", full_id if full_id in here else None, margin / 100))
             for f in family:
                 for claim, ref, shift in claims:
@@ -507,7 +508,9 @@ def scorecard(
                             "claim": claim,
                             "reference": method_label(methods, ref) if ref is not None else "-",
                             "accuracy": pct(pair.accuracy(f).mean) if pair and pair.cells else math.nan,
-                            "reference %": pct(pair.accuracy(ref).mean) if pair and pair.cells else math.nan,
+                            "reference %": pct(pair.accuracy(ref).mean)
+                            if pair and pair.cells and ref is not None
+                            else math.nan,
                             "Δ": pct(v.estimate - shift),
                             CI: fmt_interval(pct(v.lo - shift), pct(v.hi - shift)),
                             "problems": v.n,

@@ -433,6 +433,10 @@ class _Tap:
         self.hidden: dict[int, torch.Tensor] = {}
         self.attention: dict[int, tuple] = {}
 
+    def eager_rows(self, batch: int, heads: int, queries: int, keys: int) -> str:
+        """Every row: a decode step's one query per sequence always fits the attention memory."""
+        return "all"
+
     def record(self, layer: int, query, key, value, weights, scaling: float) -> None:
         self.attention[layer] = (query, weights, scaling)
 

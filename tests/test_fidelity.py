@@ -255,7 +255,7 @@ def test_generate_and_fidelity_read_the_protocol_flags_alike(command):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--protocol", "nope"], "kvleague: error: --protocol: unknown preset 'nope'; allowed: epikv_paper"),
+        (["--protocol", "nope"], "kvleague: error: --protocol: unknown preset 'nope'; allowed: epikv_paper, kvpress"),
         (
             ["--protocol", "epikv_paper", "--sink", "4", "--protect-prompt"],
             "kvleague: error: --protocol: the preset epikv_paper sets every protocol field; drop --sink, --protect-prompt",
@@ -350,8 +350,11 @@ def test_fidelity_cli_reports_progress_before_the_first_sample_is_done(tiny_mode
     ]
     assert main(argv) == 0
     before = seen[0].splitlines()
-    assert before[0] == f"[gsm8k] loading {tiny_models['llama']} and up to 2 samples"
-    assert before[1].startswith("[gsm8k] 2 samples x 3 runs (methods x budgets), loaded in ")
+    assert before[0] == (
+        "[gsm8k] up to 2 samples x 2 methods x 2 budgets (3 runs per sample, a method that never evicts once); "
+        f"loading {tiny_models['llama']}; the time per sample, measured on the first, follows it"
+    )
+    assert before[1].startswith("[gsm8k] 2 samples, loaded in ")
     assert before[2].startswith("[gsm8k] sample 1/2: a full-cache pass and 3 runs over ") and before[2].endswith(
         " (12 scored)"
     )

@@ -57,7 +57,7 @@ def test_prompt_plus_n_budgets_set_the_protocol_and_bad_ones_are_one_line(tiny_m
     assert cfg.budgets == [8, 16] and cfg.protocol.budget_base == "prompt"
     assert cfg.protocol_for("math", False) == Protocol.preset("epikv_paper", budget_base="prompt")
     for bad, says in (
-        (["prompt+8", 16], "all integers, or all prompt\\+N"),
+        (["prompt+8", 16], "all integers, all prompt\\+N"),
         (["prompt+x"], "got 'prompt\\+x'"),
         (["prompt-8"], "got 'prompt-8'"),
     ):
