@@ -276,6 +276,7 @@ def test_bench_speed_measures_each_method_beside_full_and_stores(tiny_models, tm
     assert len(stored) == len(s["figures"]) and "stored" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
 def test_bench_context_searches_each_method_in_subprocesses(tiny_models, tmp_path):
     _cli(
         [

@@ -81,6 +81,7 @@ def run_cli(*args, pythonpath=None, timeout=180):
     )
 
 
+@pytest.mark.slow  # the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
 def test_plugin_method_is_listed_and_runs(plugin_path, tiny_models):
     listed = run_cli("methods", "--json", pythonpath=plugin_path)
     assert listed.returncode == 0, listed.stderr

@@ -53,6 +53,9 @@ from kvleague.db import seed  # noqa: E402
 from kvleague.db.seed import RealisticSpec, Seeder, realistic_rows  # noqa: E402
 from kvleague.db.session import get_engine  # noqa: E402
 
+# minutes of Ray, subprocesses or a browser: the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
+pytestmark = pytest.mark.slow
+
 #: the seeder's tasks with fewer problems (a quick screenshot database)
 PROBLEMS = {"math500": 100, "aime24": 30, "humaneval": 80, "kv_agent": 60, "niah": 60}
 TASKS = tuple((name, domain, PROBLEMS[name], acc, typical) for name, domain, _, acc, typical in seed.TASKS)

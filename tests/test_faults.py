@@ -29,6 +29,9 @@ from tests.test_sweep import REPO, project, ray_head, small_config  # noqa: F401
 
 KILLS = int(os.environ.get("KVLEAGUE_FAULT_KILLS", "2"))
 
+# minutes of Ray, subprocesses or a browser: the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
+pytestmark = pytest.mark.slow
+
 DRIVER = r"""
 import json, os, signal, sys
 from kvleague.runner.sweep import SweepRunner

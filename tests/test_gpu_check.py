@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# minutes of Ray, subprocesses or a browser: the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 
 

@@ -81,6 +81,7 @@ def test_tokenizer_special_tokens_match_the_gguf_and_chat_template(smollm2_dir):
     assert tok.convert_ids_to_tokens(tok(" Hello")["input_ids"]) == ["ĠHello"]  # byte-level, no prefix space
 
 
+@pytest.mark.slow  # the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
 def test_a_gguf_path_loads_through_the_same_code(smollm2_dir, tmp_path, monkeypatch):
     """A .gguf file, or a directory holding one, converts to the same weights as the known name, the
     file parsed once (transformers alone parses it for the config, the tokenizer twice and the weights)."""
@@ -225,6 +226,7 @@ def test_engine_matches_model_generate_on_the_real_model(smollm2):
     assert ours.token_ids == ref[: len(ours.token_ids)] and len(ours.token_ids) > 3
 
 
+@pytest.mark.slow  # the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
 def test_a_slice_of_the_kvpress_cpu_sweep_equals_kvpress_pipeline(smollm2):
     """A slice of sweeps/kvpress_ruler_cpu.yaml on the default model (float32): its first task's first
     sample (RULER niah_single_1, at 512 tokens to keep CI short) under its protocol at ratio 0.5, a bridged press that

@@ -21,6 +21,9 @@ from kvleague.db.session import get_engine
 from kvleague.runner.sweep import SweepRunner, expand
 from kvleague.runner.sweep_config import load_config, parse_config
 
+# minutes of Ray, subprocesses or a browser: the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVLEAGUE_DATA_DIR") or REPO.parent / "shared" / "data")
 HAVE_MATH_DATA = (DATA_DIR / "math500" / "test.jsonl").is_file()

@@ -27,6 +27,9 @@ import json, sys
 from kvleague.runner.sweep import SweepRunner
 from kvleague.runner.sweep_config import parse_config
 
+# minutes of Ray, subprocesses or a browser: the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
+pytestmark = pytest.mark.slow
+
 config, stop_after = json.loads(sys.argv[1]), int(sys.argv[2])
 seen = [0]
 
