@@ -111,6 +111,9 @@ class SequenceInfo:
     #: (``methods/kvpress_bridge.py``: a kvpress press takes an attention module); None where the
     #: backend has none. The engine's own methods never read it
     model: Any = None
+    #: the compression ratio a ratio budget was given as (``budget: ratio R``; ``Protocol.ratio``),
+    #: for a method defined by the ratio rather than the kept count; None under an absolute budget
+    ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is None:

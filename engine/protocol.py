@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic_core import core_schema
 
 from kvleague.engine.errors import KvleagueError
@@ -125,6 +125,7 @@ class Protocol(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _ratio: float | None = PrivateAttr(default=None)
 
     cadence: Cadence = Field(default=Cadence(), description="every_step or buffer=N")
     positions: Literal["absolute", "compact"] = Field(default="absolute", description="absolute or compact")
@@ -166,6 +167,13 @@ class Protocol(BaseModel):
             super().__init__(**values)
         except ValidationError as exc:
             raise KvleagueError(_one_line(exc)) from None
+
+    @property
+    def ratio(self) -> float | None:
+        """The compression ratio a ratio budget was given as (B / 1000), on the protocol
+        :meth:`for_prompt` resolved from it; None otherwise. Not a field: the budget is the cell's, and
+        a press defined by its ratio (kvpress's ``CompactorPress`` blends by it) reads it."""
+        return self._ratio
 
     @property
     def buffer(self) -> int:
@@ -220,9 +228,9 @@ class Protocol(BaseModel):
         if self.budget_base == "none":
             return self, budget
         if self.budget_base == "ratio":
-            return type(self)(**{**self.model_dump(), "budget_base": "none"}), max(
-                1, int(prompt_tokens * (1 - budget / 1000))
-            )
+            resolved = type(self)(**{**self.model_dump(), "budget_base": "none"})
+            resolved._ratio = budget / 1000
+            return resolved, max(1, int(prompt_tokens * (1 - budget / 1000)))
         fields = {
             **self.model_dump(),
             "budget_base": "none",

@@ -132,6 +132,7 @@ class Session:
                 device=engine.device,
                 dtype=backend.dtype,
                 model=getattr(backend, "model", None),
+                ratio=protocol.ratio,
             )
         )
 

@@ -7,7 +7,11 @@ weights for ``ObservedAttentionPress``), and kvleague's engine keeps the best sl
 budget and protocol (``protocol: kvpress`` for kvpress's pipeline; equal scores keep the newer
 position, where kvpress leaves them to ``topk``). The press's dataclass fields, but
 ``compression_ratio`` (the budget is kvleague's), are the method's hyperparameters, validated by
-their types; a ``seed`` left null is the run's seed, so a run is reproducible.
+their types; a ``seed`` left null is the run's seed, so a run is reproducible. Presses that draw from
+torch's global generator (``LeverageScorePress``'s Gaussian sketch, ``CompactorPress``) draw from it
+seeded with the run's seed at each scoring, the caller's generator state left as it was: the same
+run scores the same, whatever ran before it, and kvpress's pipeline after ``torch.manual_seed(seed)``
+draws the same sketches.
 
 When a press scores:
 
@@ -180,6 +184,7 @@ class KvpressMethod(EvictionMethod):
         for layer in self.decoder.layers:  # what kvpress's hook sets: presses read module.rotary_emb
             layer.self_attn.rotary_emb = self.decoder.rotary_emb
         self.context: Observation | None = None
+        self.scorings = 0
 
     def observe(self, obs: Observation) -> None:
         if obs.phase == "prefill" and not self.keys_only:
@@ -188,9 +193,27 @@ class KvpressMethod(EvictionMethod):
     def score(self, cache: CacheView) -> Any:
         import torch
 
-        # presses that cut by the ratio themselves (StreamingLLM, Compactor's blending) see the one the
-        # engine applies now
-        self.press.compression_ratio = ratio_keeping(cache.budget, cache.length)
+        # the first scoring draws from the run's seed (as kvpress after torch.manual_seed(seed)), later
+        # ones from seeds of their own; the caller's generators are restored
+        device = self.info.device
+        devices = (
+            [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        )
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.info.seed + 1_000_003 * self.scorings)
+            self.scorings += 1
+            return self._score_all(cache)
+
+    def _score_all(self, cache: CacheView) -> Any:
+        import torch
+
+        # presses that cut by the ratio themselves (StreamingLLM, Compactor's blending) see the ratio
+        # the budget was given as where it keeps what the engine keeps now (kvpress's prefill), else
+        # the one the engine applies
+        ratio = self.info.ratio
+        if ratio is None or max(1, int(cache.length * (1 - ratio))) != cache.budget:
+            ratio = ratio_keeping(cache.budget, cache.length)
+        self.press.compression_ratio = ratio
         if self.keys_only:
             return torch.stack([self._score(l, None, cache, None, {}) for l in range(len(cache.keys))])
         obs = self.context

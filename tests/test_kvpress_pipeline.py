@@ -39,6 +39,7 @@ CONTEXT = (
 QUESTION = " Which ledger was locked?"
 NEW_TOKENS = 4
 RATIO = 0.5
+SEED = 0  # the run's seed (engine.generate's default)
 
 #: (kvleague method, params, kvpress press, protocol overrides): the rule both sides share
 NATIVE = {
@@ -88,6 +89,7 @@ def kvpress_run(engine, press, context: str, question: str, answer_prefix: str =
 
     press.score = score_ranked
     eager = isinstance(press, kvpress.ObservedAttentionPress)  # kvpress reads the eager weights
+    torch.manual_seed(SEED)  # the sketches LeverageScorePress draws: kvleague draws them from the run's seed
     with engine.backend.observing("eager" if eager else engine.attn_implementation, [], None):
         answer = pipe(context, question=question, answer_prefix=answer_prefix, press=press, max_new_tokens=NEW_TOKENS)[
             "answer"
@@ -103,7 +105,7 @@ def kvpress_run(engine, press, context: str, question: str, answer_prefix: str =
 def kvleague_run(engine, method, context_ids, question_ids, protocol):
     protocol, budget = protocol.for_prompt(round(RATIO * 1000), len(context_ids))
     result = engine.generate(
-        (context_ids, question_ids), method, budget, protocol, GenerationSettings(max_new_tokens=NEW_TOKENS)
+        (context_ids, question_ids), method, budget, protocol, GenerationSettings(max_new_tokens=NEW_TOKENS), seed=SEED
     )
     n = len(context_ids)
     kept = []
@@ -169,3 +171,21 @@ def test_presses_equal_kvpress_pipeline(engines, arch, kvpress_protocol):
         params, press, overrides = NATIVE[name]
         protocol = Protocol(**{**kvpress_protocol.model_dump(), **overrides})
         compare(engine, build_method(name, params), press(), protocol)
+
+
+def test_a_press_that_draws_random_sketches_scores_from_the_runs_seed(engines, kvpress_protocol):
+    """LeverageScorePress draws its Gaussian sketch from torch's global generator: bridged, it draws
+    from the run's seed, so whatever ran before the same run keeps the same slots, and the caller's
+    generator is left where it was."""
+    engine = engines["llama"]
+    context_ids, question_ids = Task().split_prompt(
+        Sample("s", "t", "", None, {"context": CONTEXT, "question": QUESTION}), engine.tokenizer
+    )
+    runs = []
+    for before in (1, 2):
+        torch.manual_seed(before)
+        state = torch.get_rng_state()
+        method = build_method("kvpress:LeverageScorePress", {})
+        runs.append(kvleague_run(engine, method, context_ids, question_ids, kvpress_protocol)[1])
+        assert torch.equal(torch.get_rng_state(), state)
+    assert runs[0] == runs[1]
