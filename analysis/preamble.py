@@ -6,8 +6,9 @@ A placeholder is ``{{QUANTITY KEY=VALUE ... each=KEY}}``:
 * QUANTITY, over the selected result rows: ``cells``; ``failed`` (cells whose status is not ok: may be 0);
   ``samples`` (distinct prompts, :func:`analysis.identity.prompt_key`, as the report's totals count them);
   ``methods`` (distinct method specs); ``budgets`` (the distinct budgets as the tables write them,
-  ``48/96/192`` or ``prompt+64``); ``prompt_tokens`` (the mean prompt length, rounded). And
-  ``signal_samples``: the samples of each selected signal study (``kvleague signals``).
+  ``48/96/192`` or ``prompt+64``); ``prompt_tokens`` (the mean prompt length, rounded); ``seconds`` (the
+  median cell time, as the report's totals sum it, rounded). And ``signal_samples``: the samples of each
+  selected signal study (``kvleague signals``).
 * KEY=VALUE selects rows by a stored column; ``VALUE`` may list several, ``task=math500,niah``. Result rows:
   ``sweep`` (the name of the sweep that wrote the row), ``protocol`` (its id, the report's ``#4``),
   ``task`` (name), ``domain``, ``method`` (name), ``measure`` (``fidelity`` or ``generation``), ``budget``.
@@ -22,6 +23,7 @@ an error naming the placeholder and what is allowed: a typo never prints 0.
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,6 +56,7 @@ _RESULT_EXTRA = (
     R.c.sample_id,
     R.c.method_spec_id,
     R.c.prompt_tokens,
+    R.c.wall_seconds,
     P.c.budget_base,
 )
 _SIGNAL_EXTRA = (SC.c.run_id, SC.c.n_samples)
@@ -89,6 +92,14 @@ def _prompt_tokens(rows: Rows, _tasks) -> Range:
     return n, n
 
 
+def _seconds(rows: Rows, _tasks) -> Range:
+    times = [r["wall_seconds"] for r in rows if r["wall_seconds"] is not None]
+    if not times:
+        raise ValueError("its rows store no cell time")
+    n = round(statistics.median(times))
+    return n, n
+
+
 def _signal_samples(rows: Rows, _tasks) -> Range:
     per_run = [r["n_samples"] for r in rows]
     return min(per_run), max(per_run)
@@ -101,6 +112,7 @@ QUANTITIES: dict[str, tuple[Callable[[Rows, Mapping[int, Any]], Range], str]] = 
     "samples": (_samples, "results"),
     "methods": (_methods, "results"),
     "prompt_tokens": (_prompt_tokens, "results"),
+    "seconds": (_seconds, "results"),
     "signal_samples": (_signal_samples, "signals"),
 }
 #: ``budgets`` writes labels, not a number

@@ -50,6 +50,7 @@ def engine(tmp_path_factory):
                 "sample": f"s{i}",
                 "status": extra.get("status", "ok"),
                 "prompt_tokens": extra.get("prompt_tokens"),
+                "wall_seconds": extra.get("wall_seconds"),
             }
         )
         return {
@@ -69,7 +70,7 @@ def engine(tmp_path_factory):
 
     rows = [row(alpha, p1, math, m, b, i) for m in (full, h2o) for b in (64, 128) for i in range(5)]
     rows.append(row(alpha, p1, math, h2o, 64, 5, status="failed"))
-    rows += [row(beta, p2, code, h2o, 64, i, prompt_tokens=100 + i) for i in range(3)]
+    rows += [row(beta, p2, code, h2o, 64, i, prompt_tokens=100 + i, wall_seconds=2.0**i) for i in range(3)]
     rows += [row(beta, p2, math_self, h2o, 64, i, prompt_tokens=200) for i in range(2, 9)]  # s2-s4 again
     s.write(rows)
     with s.engine.begin() as conn:
@@ -120,6 +121,8 @@ def test_each_placeholder_counts_what_the_rows_hold(engine):
     assert got("{{cells sweep=alpha method=full each=budget}}") == "5"
     lengths = [r["prompt_tokens"] for r in _count(task=ids["code"])]
     assert got("{{prompt_tokens task=humaneval}}") == str(round(sum(lengths) / len(lengths))) == "101"
+    times = sorted(r["wall_seconds"] for r in _count(task=ids["code"]))
+    assert got("{{seconds task=humaneval}}") == str(round(times[len(times) // 2])) == "2"
     assert got("{{signal_samples}}") == "20-30" and got("{{signal_samples occluded=trace}}") == "30"
     assert got("a {{cells measure=fidelity}} b {{\n  cells\n  sweep=beta }}") == "a 10 b 10"
 
@@ -137,6 +140,7 @@ def test_each_placeholder_counts_what_the_rows_hold(engine):
         ("{{cellz sweep=alpha}}", "the quantity must be one of cells, failed, samples"),
         ("{{cells sweep}}", "'sweep': write KEY=VALUE"),
         ("{{samples each=tsk}}", "each=tsk: unknown key"),
+        ("{{seconds sweep=alpha}}", "its rows store no cell time"),
         ("{{signal_samples sweep=alpha}}", "signal_samples takes task, domain, occluded, each"),
     ],
 )
