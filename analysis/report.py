@@ -7,6 +7,9 @@ dashboard's tests check: per (model, protocol) and domain, accuracy and fidelity
 and against EpiKV; the scorecard of the paper's claims (accuracy, fidelity where accuracy cannot
 separate methods, and the paper's own numbers); the totals (cells, samples, tokens, CPU time) and
 provenance. The findings at the top are sentences generated from those tests, never written by hand.
+The preamble (``--preamble``, what the data is) is written by hand, but its counts are placeholders such as
+``{{samples protocol=4 each=domain}}`` that the report computes from the database (:mod:`analysis.preamble`;
+an unknown key or a selection that matches nothing is an error, never a 0).
 Output depends only on the database's content (bootstraps are seeded; figures carry no timestamp), so
 the same export always gives the same bytes.
 """
@@ -26,6 +29,7 @@ from kvleague.analysis import fidelity_tables as fid
 from kvleague.analysis import identity, paper, tables
 from kvleague.analysis import queries as q
 from kvleague.analysis.head_to_head import head_to_head
+from kvleague.analysis.preamble import resolve as resolve_preamble
 from kvleague.analysis.report_figures import budget_figure
 from kvleague.analysis.verdicts import FAMILY_TEXT, INCONCLUSIVE
 from kvleague.db.models import MEASURE_FIDELITY, STATUS_OK, SampleResult
@@ -862,10 +866,12 @@ def _provenance(w: _Writer) -> None:
 
 def build(engine, out: str | Path, source: str = "", preamble: str = "") -> Path:
     """Write ``out/replication.md`` and its figures from ``engine``'s results; returns the markdown's path.
-    ``preamble``: markdown placed before the findings (what the data is, what it leaves out)."""
+    ``preamble``: markdown placed before the findings (what the data is, what it leaves out), its
+    ``{{...}}`` counts computed from the database (:mod:`analysis.preamble`) before anything is written."""
+    dims = q.dimensions(engine)
+    preamble = resolve_preamble(engine, preamble, dims["tasks"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    dims = q.dimensions(engine)
     w = _Writer(engine, out, dims)
     for stale in sorted(w.figures.glob("*.png")) if w.figures.is_dir() else []:  # figures of an earlier report
         stale.unlink()
