@@ -85,6 +85,7 @@ class AttentionRecorder:
                 self.rows[layer] = attention_rows(query[0, :, -self.window :], key[0], scaling)
 
 
+@dataclass
 class BatchAttentionRecorder(AttentionRecorder):
     """The recorder of a batched decode step (one new token per row; engine/decode.py).
 
@@ -150,12 +151,19 @@ class BatchAttentionRecorder(AttentionRecorder):
             self._stacked_queries = torch.stack([q for q, _, _, _, _ in self.raw], dim=1)
         return self._stacked_queries
 
-    def row(self, i: int, queries: bool, new_keys_values: bool, attention: bool) -> dict:
+    def row(
+        self, i: int, queries: bool, new_keys_values: bool, attention: bool
+    ) -> dict[str, torch.Tensor | list[torch.Tensor] | None]:
         """Row i's ``queries`` (one ``[L, H_q, 1, d]`` tensor), ``new_keys`` / ``new_values`` (one
         ``[L, H, 1, d]`` each) and ``attention`` (one ``[L, H_q, 1, T]`` tensor; per layer where the
         kernels differ between layers); ``None`` unless asked."""
         n = self.lengths[i]
-        out = {"queries": None, "new_keys": None, "new_values": None, "attention": None}
+        out: dict[str, torch.Tensor | list[torch.Tensor] | None] = {
+            "queries": None,
+            "new_keys": None,
+            "new_values": None,
+            "attention": None,
+        }
         if queries:
             out["queries"] = self._queries()[i]
         if new_keys_values:
@@ -260,7 +268,8 @@ def _make_wrapper(inner: str):
             scaling = module.scaling
         recorder = _ACTIVE.get()
         if inner == "eager":  # over query chunks within the worker's attention memory
-            rows = "all" if recorder is None else recorder.eager_rows(*query.shape[:3], key.shape[-2])
+            batch, heads, queries = query.shape[:3]
+            rows = "all" if recorder is None else recorder.eager_rows(batch, heads, queries, key.shape[-2])
             out, weights = eager_attention(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, rows=rows, **kwargs
             )
