@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -24,7 +25,15 @@ from kvleague.engine.contract import over_chunks
 from kvleague.engine.eager import Rows, budget_bytes, eager_attention
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-_ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar("kvleague_recorder", default=None)
+_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("kvleague_recorder", default=None)
+
+
+class Recorder(Protocol):
+    """What the attention wrappers hand each call to: an :class:`AttentionRecorder`, or a captured
+    step's tap (``slab.py``), which stands in for one while the step's body runs."""
+
+    def eager_rows(self, batch: int, heads: int, queries: int, keys: int) -> Rows: ...
+    def record(self, layer: int, query, key, value, weights, scaling: float) -> None: ...
 
 
 def wrapper_name(inner: str) -> str:
@@ -241,7 +250,7 @@ class BatchAttentionRecorder(AttentionRecorder):
         return keys
 
 
-def active_recorder() -> AttentionRecorder | None:
+def active_recorder() -> Recorder | None:
     """The recorder of the forward passes running now (None when nothing records)."""
     return _ACTIVE.get()
 
@@ -249,7 +258,7 @@ def active_recorder() -> AttentionRecorder | None:
 class recording:
     """Context manager activating a recorder for the forward passes run inside it."""
 
-    def __init__(self, recorder: AttentionRecorder | None):
+    def __init__(self, recorder: Recorder | None):
         self.recorder = recorder
 
     def __enter__(self):
