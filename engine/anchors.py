@@ -47,7 +47,9 @@ def kvpress_reference_tokens(engine, decoding, prompt: list[int], new_tokens: in
         for step in range(new_tokens):
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-            length = cache.layers[0].keys.shape[2]
+            first = cache.layers[0].keys
+            assert first is not None  # the forward pass above filled every layer
+            length = first.shape[2]
             position = len(prompt) + step
             out = model(
                 torch.tensor([[token]], device=engine.device),
@@ -57,19 +59,21 @@ def kvpress_reference_tokens(engine, decoding, prompt: list[int], new_tokens: in
                 use_cache=True,
             )
             for i, layer in enumerate(cache.layers):
+                keys, values = layer.keys, layer.values
+                assert keys is not None and values is not None  # the forward pass above filled every layer
                 pos = torch.cat([positions[i], torch.full((n_kv, 1), position)], dim=1)
-                k_len = layer.keys.shape[2]
+                k_len = keys.shape[2]
                 if k_len > budget:
                     press.compression_ratio = decoding._find_target_compression_ratio(k_len, budget)
-                    scores = press.score(layers[i].self_attn, None, layer.keys, layer.values, None, {})[0].cpu()
+                    scores = press.score(layers[i].self_attn, None, keys, values, None, {})[0].cpu()
                     n_kept = int(k_len * (1 - press.compression_ratio))
                     by_recency = torch.argsort(pos, dim=-1, descending=True, stable=True)
                     ranked = by_recency.gather(
                         1, torch.argsort(scores.gather(1, by_recency), dim=-1, descending=True, stable=True)
                     )
                     keep = ranked[:, :n_kept].sort(dim=-1).values  # position order (slots are in position order)
-                    index = keep.to(layer.keys.device)[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
-                    layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+                    index = keep.to(keys.device)[None, :, :, None].expand(1, -1, -1, keys.shape[-1])
+                    layer.keys, layer.values = keys.gather(2, index), values.gather(2, index)
                     pos = pos.gather(1, keep)
                 positions[i] = pos
     return tokens

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvleague.engine.cache import BudgetedCache
+from kvleague.engine.cache_layers import held
 from kvleague.engine.decode import BatchSlabLayer
 from kvleague.engine.probe import wrapper_name
 
@@ -181,8 +182,8 @@ class HFBackend:
             logits=out.logits[0],
             hidden_states=[h[0] for h in out.hidden_states],
             attentions=[a[0] for a in out.attentions],
-            keys=[layer.keys[0] for layer in cache.layers],
-            values=[layer.values[0] for layer in cache.layers],
+            keys=[held(layer.keys)[0] for layer in cache.layers],
+            values=[held(layer.values)[0] for layer in cache.layers],
             prefix=Prefix(self, cache),
         )
 

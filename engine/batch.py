@@ -81,7 +81,7 @@ def generate_batch(
     for i, p in enumerate(ids):
         if not p:
             raise KvleagueError(f"prompts: prompt {i} is an empty token list")
-    results: list[GenerationResult | None] = [None] * n
+    results: dict[int, GenerationResult] = {}  # by prompt, as each finishes
     index: dict[int, int] = {}  # id(session) -> its prompt
 
     def fed(i: int) -> Session:
@@ -94,9 +94,9 @@ def generate_batch(
 
     def done(session: Session) -> None:
         i = index.pop(id(session))
-        results[i] = session.result()
+        results[i] = result = session.result()
         if on_result is not None:
-            on_result(i, results[i])
+            on_result(i, result)
 
     # one kernel per batch: the sequences run under the attention they would use alone
     groups: dict[bool, list[int]] = defaultdict(list)
@@ -124,7 +124,7 @@ def generate_batch(
                 on_done=done,
                 refill=lambda: None if (i := next(waiting, None)) is None else fed(i),  # noqa: B023 - called before the loop moves on
             ).run()
-    return results
+    return [results[i] for i in range(n)]
 
 
 def check_batch_arguments(methods: Sequence[EvictionMethod], batch_size: int | None) -> None:

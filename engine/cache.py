@@ -14,10 +14,11 @@ to its reserve once a long prompt has been compressed, so memory does shrink.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
-from kvleague.engine.cache_layers import SlabLayer, slab_cache
+from kvleague.engine.cache_layers import SlabLayer, held, slab_cache
 from kvleague.engine.compaction import Plan, fill_holes, row_order, shift_left
 from kvleague.engine.contract import CacheView, PerLayer, Phase
 from kvleague.engine.errors import KvleagueError
@@ -60,6 +61,12 @@ class BudgetedCache:
         return self._pos.shape[-1]
 
     @property
+    def slab_layers(self) -> list[SlabLayer]:
+        """The layers, where every one is a :class:`SlabLayer`: a batch's rows (``decode.py`` checks
+        each sequence that joins one) and the slab store's (it holds no other kind)."""
+        return cast("list[SlabLayer]", self.cache.layers)  # Hugging Face types them as its base layer class
+
+    @property
     def positions(self) -> PerLayer:
         """Per layer ``[H, T]`` absolute positions (fresh tensors after every change: never mutated)."""
         if self._views[0] is None:
@@ -76,7 +83,8 @@ class BudgetedCache:
         self, pos: torch.Tensor, prompt: torch.Tensor, uniform: bool, layers: Sequence[torch.Tensor] | None = None
     ) -> None:
         """New bookkeeping; ``layers``: ``pos``'s per-layer tensors cut already (``positions``)."""
-        self._pos, self._prompt, self.uniform, self._views = pos, prompt, uniform, [None, None]
+        self._pos, self._prompt, self.uniform = pos, prompt, uniform
+        self._views = [None, None]
         if layers is not None:
             self._views[0] = PerLayer(pos, layers=layers)
 
@@ -94,18 +102,19 @@ class BudgetedCache:
         batch's evictions gather for all rows at once)."""
         self.pinned = True
         self._scratch = self._scratch_last = None
-        for layer, (keys, values) in zip(self.cache.layers, layers):
+        for layer, (keys, values) in zip(self.slab_layers, layers):
             layer.bind(keys, values, self.length)
 
     def kv_bytes(self) -> int:
         """Bytes of the K/V entries held (slots x layers x heads x head dim x 2 x element size)."""
         if not self.bytes_per_slot:
-            self.bytes_per_slot = sum(
-                layer.keys.nbytes // max(1, layer.keys.shape[-2])
-                + layer.values.nbytes // max(1, layer.values.shape[-2])
-                for layer in self.cache.layers
-                if layer.is_initialized and layer.keys is not None and layer.keys.dim() >= 2 and layer.keys.shape[-2]
-            )
+            per_slot = 0
+            for layer in self.cache.layers:
+                keys = layer.keys
+                if layer.is_initialized and keys is not None and keys.dim() >= 2 and keys.shape[-2]:
+                    values = held(layer.values)
+                    per_slot += keys.nbytes // keys.shape[-2] + values.nbytes // max(1, values.shape[-2])
+            self.bytes_per_slot = per_slot
         return self.bytes_per_slot * self.length
 
     def track(self, new_positions: torch.Tensor, prompt: bool) -> None:
@@ -139,7 +148,7 @@ class BudgetedCache:
 
     def layer_tensors(self, which: int) -> list[torch.Tensor]:
         """Per layer ``[H, T, d]``: the keys (``which`` 0) or the values (1) held."""
-        return [(layer.keys if which == 0 else layer.values)[0] for layer in self.cache.layers]
+        return [held(layer.keys if which == 0 else layer.values)[0] for layer in self.cache.layers]
 
     def _protected(
         self, pos: torch.Tensor, prompt: torch.Tensor, protocol: Protocol, current_position: int, budget: int

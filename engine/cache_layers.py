@@ -76,15 +76,16 @@ class SlabLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
-        if not self.is_initialized or self._k.dim() < 2:
+        if not self.is_initialized or self._k is None or self._k.dim() < 2:
             self.lazy_initialization(key_states, value_states)
         n, c = self._nk, key_states.shape[-2]
         if self._nv != n:
             raise KvleagueError(f"cache: keys hold {n} slots but values {self._nv}")
         if n + c > self.capacity:
             self.resize(self._grown(n + c))
-        self._k.narrow(-2, n, c).copy_(key_states)
-        self._v.narrow(-2, n, c).copy_(value_states)
+        k, v = self.buffers
+        k.narrow(-2, n, c).copy_(key_states)
+        v.narrow(-2, n, c).copy_(value_states)
         self._nk = self._nv = n + c
         self._refresh()
         return self.keys, self.values
@@ -126,7 +127,10 @@ class SlabLayer(DynamicLayer):
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._k, self._v
+        """The slabs, once allocated (``lazy_initialization``, ``bind`` or an assignment)."""
+        k, v = self._k, self._v
+        assert k is not None and v is not None, "cache layer read before its first update"
+        return k, v
 
     def bind(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Adopt ``keys`` / ``values`` (``[1, H, capacity, d]``, e.g. one row of a batched slab) as the
@@ -140,6 +144,13 @@ class SlabLayer(DynamicLayer):
         """The buffers hold ``length`` slots (someone else, the batched cache, wrote the new ones)."""
         self._nk = self._nv = length
         self._refresh()
+
+
+def held(tensor: torch.Tensor | None) -> torch.Tensor:
+    """A cache layer's keys or values, which Hugging Face types as optional: set once the layer holds
+    a forward pass's entries (every reader here comes after one)."""
+    assert tensor is not None, "cache layer read before its first update"
+    return tensor
 
 
 def slab_cache(config, reserve: int | None) -> DynamicCache:

@@ -147,8 +147,8 @@ def evict_rows(
     keep = keep_top(ranked, keep_n, pos)  # [N, (L, (H,)) t]; padding never kept
     order = row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
     contiguous = rows == list(range(rows[0], rows[0] + n))
-    index = None if contiguous else torch.tensor(rows, device=device)
-    part = kv[:, :, rows[0] : rows[0] + n] if contiguous else kv.index_select(2, index)  # [L, 2, n, H, capacity, d]
+    index = None if contiguous else torch.tensor(rows, device=device)  # None: the rows are one slice
+    part = kv[:, :, rows[0] : rows[0] + n] if index is None else kv.index_select(2, index)  # [L, 2, n, H, capacity, d]
     if ordered:
         # every slot before the first dropped one (of any row, layer or head) stays where it is: on a
         # CPU only the slots from there on move (a few, where a method drops recent tokens); on a GPU
@@ -158,7 +158,7 @@ def evict_rows(
         gather_slots(part, order[..., start:], start, t)
     else:  # the holes below each row's count alone take its kept slots above it
         fill_slab_holes(part, keep, keep_n, max(length - k for length, k in zip(lengths, kept)))
-    if not contiguous:  # a copy of the rows: written back
+    if index is not None:  # a copy of the rows: written back
         kv.index_copy_(2, index, part)
     if dim == 1:
         at = order[:, None, :].expand(n, first.n_kv_heads, k_max)
@@ -177,7 +177,7 @@ def evict_rows(
         ):
             c._finish(row_pos, row_prompt, heads_same[r], layers_same[r], first_layer)
     for c, k in zip(caches, kept):
-        for layer in c.cache.layers:
+        for layer in c.slab_layers:
             layer.truncate(k)
     return [length - k for length, k in zip(lengths, kept)]
 

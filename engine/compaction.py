@@ -106,58 +106,61 @@ class Plan:
     def __init__(self, keep: torch.Tensor, budget: int, ordered: bool):
         self.keep, self.budget, self.ordered = keep, budget, ordered
         self.length = keep.shape[-1]
-        self._cache: dict[str, object] = {}
+        self._order: torch.Tensor | None = None
+        self._gather: dict[tuple[int, ...], torch.Tensor] = {}
+        self._holes_donors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._drops: list[list[int]] | None = None
+        self._tail: tuple[int, torch.Tensor | None] | None = None
 
     def order(self) -> torch.Tensor:
         """``[B]`` or ``[H, B]``: the old slot of every new slot."""
-        if "order" not in self._cache:
-            self._cache["order"] = row_order(self.keep, self.budget, self.budget, self.ordered)
-        return self._cache["order"]
+        if self._order is None:
+            self._order = row_order(self.keep, self.budget, self.budget, self.ordered)
+        return self._order
 
     def gather_index(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The index that gathers a ``shape`` (``[1, H, capacity, d]``) buffer's kept slots into
         ``[1, H, B, d]``: :meth:`order` expanded, shared by every buffer of that shape."""
-        key = ("gather", shape)
-        if key not in self._cache:
+        if shape not in self._gather:
             order = self.order()
             index = order[None, None, :, None] if order.dim() == 1 else order[None, :, :, None]
-            self._cache[key] = index.expand(shape[0], shape[1], self.budget, shape[-1])
-        return self._cache[key]
+            self._gather[shape] = index.expand(shape[0], shape[1], self.budget, shape[-1])
+        return self._gather[shape]
 
     def holes_donors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Order-free: dropped slots below B and the kept slots from B on that refill them.
 
         ``[k]`` slot indices for a ``[T]`` mask; ``[k, 2]`` (head, slot) pairs for ``[H, T]``."""
-        if "holes" not in self._cache:
+        if self._holes_donors is None:
             b = self.budget
             holes, donors = (~self.keep[..., :b]).nonzero(), self.keep[..., b:].nonzero()
             if self.keep.dim() == 1:
                 holes, donors = holes[:, 0], donors[:, 0] + b
             else:
                 donors = torch.stack([donors[:, 0], donors[:, 1] + b], dim=1)
-            self._cache["holes"] = (holes, donors)
-        return self._cache["holes"]
+            self._holes_donors = (holes, donors)
+        return self._holes_donors
 
     def drops(self) -> list[list[int]]:
         """Per head (one list when all heads agree): the dropped slots, ascending."""
-        if "drops" not in self._cache:
+        if self._drops is None:
             rows = self.keep.reshape(-1, self.length)
             out: list[list[int]] = [[] for _ in range(rows.shape[0])]
             for r, slot in (~rows).nonzero().tolist():
                 out[r].append(slot)
-            self._cache["drops"] = out
-        return self._cache["drops"]
+            self._drops = out
+        return self._drops
 
     def tail(self) -> tuple[int, torch.Tensor | None]:
         """Ordered: the earliest hole over the heads, and the kept slots from it on (``[m]`` / ``[H, m]``)."""
-        if "tail" not in self._cache:
+        if self._tail is None:
             first = first_dropped(self.keep)
             m = self.budget - first
             tail = None
             if m > 0:
                 tail = self.keep[..., first:].nonzero()[:, -1].view(*self.keep.shape[:-1], m) + first
-            self._cache["tail"] = (first, tail)
-        return self._cache["tail"]
+            self._tail = (first, tail)
+        return self._tail
 
 
 def fill_holes(buffers, plan: Plan) -> None:

@@ -182,6 +182,9 @@ class PerLayer(tuple):
     as ``[L, H, T]`` with no op (a broadcast view where every layer shares one ``[H, T]``, ``n_layers``
     given), so a batched method reads it without stacking the layers again."""
 
+    _table: torch.Tensor
+    _n_layers: int | None
+
     def __new__(
         cls, table: torch.Tensor, n_layers: int | None = None, layers: Sequence[torch.Tensor] | None = None
     ) -> PerLayer:
@@ -220,13 +223,18 @@ def batch_hidden(observations: Sequence[Observation], layer: int) -> torch.Tenso
     own, or its rows, where the observations are rows of one batched step; else stacked)."""
     import torch
 
-    hidden = [o.hidden_states for o in observations]
+    hidden: list[Mapping[int, torch.Tensor]] = []
+    for o in observations:
+        assert o.hidden_states is not None  # only a method that declared Needs.hidden_states reads them
+        hidden.append(o.hidden_states)
     first = hidden[0]
-    if isinstance(first, RowHidden) and all(isinstance(h, RowHidden) and h.batch is first.batch for h in hidden):
-        batch, rows = first.batch[layer], [h.row for h in hidden]
-        if rows == list(range(batch.shape[0])):
-            return batch
-        return batch.index_select(0, torch.tensor(rows, device=batch.device))
+    if isinstance(first, RowHidden):
+        of_batch = [h for h in hidden if isinstance(h, RowHidden) and h.batch is first.batch]
+        if len(of_batch) == len(hidden):
+            batch, rows = first.batch[layer], [h.row for h in of_batch]
+            if rows == list(range(batch.shape[0])):
+                return batch
+            return batch.index_select(0, torch.tensor(rows, device=batch.device))
     return torch.stack([h[layer] for h in hidden])
 
 
@@ -280,9 +288,12 @@ class CacheView:
         self.current_position = current_position
 
     def _tensors(self, which: int) -> list[torch.Tensor]:
-        if self._kv[which] is None and self._layers is not None:
-            self._kv[which] = self._layers(which)
-        return self._kv[which]
+        tensors = self._kv[which]
+        if tensors is None:
+            if self._layers is None:
+                raise ValueError("CacheView: give keys and values, or layers")
+            tensors = self._kv[which] = self._layers(which)
+        return tensors
 
     def _read(self, which: int) -> PerLayer:
         given = self._bookkeeping[which]
@@ -381,9 +392,10 @@ class BatchCacheView:
 
     def stacked(self, which: int) -> torch.Tensor:
         """``[L, N, H, S, d]``: every layer's keys (``which`` 0) or values (1), padded as ``keys``."""
-        if self._stacked[which] is None:
-            self._stacked[which] = self._padded(which)
-        return self._stacked[which]
+        stacked = self._stacked[which]
+        if stacked is None:
+            stacked = self._stacked[which] = self._padded(which)
+        return stacked
 
     def _layers(self, which: int, members: list[int] | None) -> list[torch.Tensor]:
         key = (which, None if members is None else tuple(members))

@@ -42,19 +42,20 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 from typing import Protocol as TypingProtocol
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvleague.engine.cache import BudgetedCache
-from kvleague.engine.cache_layers import SlabLayer
+from kvleague.engine.cache_layers import SlabLayer, held
 from kvleague.engine.cache_rows import evict_rows, track_rows
 from kvleague.engine.contract import BatchCacheView, EvictionMethod, Observation, RowHidden
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import BatchAttentionRecorder, recording
 from kvleague.engine.protocol import GenerationSettings, Protocol
-from kvleague.engine.resources import current_rss
+from kvleague.engine.resources import Spans, current_rss
 
 
 class Sequence(TypingProtocol):
@@ -76,8 +77,13 @@ class Sequence(TypingProtocol):
     on_token: Callable[[int], None] | None
     outputs: list[DecodeOutput]
     step_seconds: list[float]
-    #: nothing left to evict: the method keeps everything, or the context was compressed (``scope: context``)
-    never_evicts: bool
+    #: the method's observe + score time (a batched call's shared between the sequences it served)
+    method_time: Spans
+
+    @property
+    def never_evicts(self) -> bool:
+        """Nothing left to evict: the method keeps everything, or the context was compressed (``scope: context``)."""
+        ...
 
     def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> int: ...
     def apply_scores(self, scores: torch.Tensor, scoring: tuple) -> None: ...
@@ -85,6 +91,10 @@ class Sequence(TypingProtocol):
     def after_forward(self, positions: torch.Tensor, prompt: bool, rss: int | None = None) -> None: ...
     def count_appended(self, n: int, rss: int | None = None) -> None: ...
     def book_eviction(self, dropped: int, scoring: tuple, selection: tuple) -> None: ...
+
+
+#: the sequences a loop decodes: it hands each back as given (``on_done``)
+S = TypeVar("S", bound=Sequence)
 
 
 @dataclass
@@ -149,7 +159,7 @@ class BatchSlabLayer(DynamicLayer):
         return self.keys, self.values
 
 
-class DecodeLoop:
+class DecodeLoop(Generic[S]):
     """Decodes prefilled sessions together until each one stops (see the module docstring).
 
     ``scripts``: teacher forcing, one :data:`Script` per session (a script ends only where it ends:
@@ -158,16 +168,16 @@ class DecodeLoop:
     def __init__(
         self,
         engine,
-        sessions: list[Sequence],
+        sessions: list[S],
         settings: GenerationSettings,
         scripts: list[Script] | None = None,
-        refill: Callable[[], Sequence | None] | None = None,
-        on_done: Callable[[Sequence], None] | None = None,
+        refill: Callable[[], S | None] | None = None,
+        on_done: Callable[[S], None] | None = None,
     ):
         self.engine, self.backend, self.settings = engine, engine.backend, settings
         #: every session the loop has decoded, by index (``active`` maps rows to them); one whose row a
         #: refill took is None
-        self.sessions: list[Sequence | None] = list(sessions)
+        self.sessions: list[S | None] = list(sessions)
         self.scripts = scripts
         #: continuous batching (``generate_batch``): called between steps, outside the batch's hooks,
         #: for the next fed session to take a finished sequence's row (None: none is left). A sequence
@@ -188,9 +198,7 @@ class DecodeLoop:
         #: captured per batch size: dropping a row would mean capturing anew)
         self.pad_finished = self.shared and self.backend.pads_finished_rows
         self.rows = _Rows()
-        for s in sessions:
-            self._check_joins(s)
-        self.logits = torch.stack([s.logits for s in sessions])  # every session was fed: its next token's logits
+        self.logits = torch.stack([self._check_joins(s) for s in sessions])
         #: each session's tokens of this decode
         self.tokens: dict[int, list[int]] = {i: [] for i in self.active}
         if self.shared:
@@ -198,26 +206,42 @@ class DecodeLoop:
         self._watch()
         self.stop_window = 4 * max((len(x) for x in settings.stop), default=0) + 8
 
-    def _check_joins(self, session: Sequence) -> None:
+    def _session(self, i: int) -> S:
+        """Session ``i``, one the loop still holds (only a finished one whose row a refill took is let go)."""
+        session = self.sessions[i]
+        assert session is not None, f"decode: session {i} finished and was let go"
+        return session
+
+    def _check_joins(self, session: S) -> torch.Tensor:
+        """Check ``session`` may join this batch; its next token's logits (it was fed)."""
         if session.logits is None:
             raise KvleagueError("decode: every session of a batch must be fed a prompt first")
         if session.attn_implementation != self.attn:
             raise KvleagueError("decode: the sessions of one batch run under one attention kernel")
         if self.shared and not all(isinstance(layer, SlabLayer) for layer in session.cache.cache.layers):
             raise KvleagueError("batched decode: every layer must be a full-attention layer (no sliding-window cache)")
+        return session.logits
 
     def _watch(self) -> None:
         """What the batch observes: the union of what its rows' methods need."""
-        evicting = [s for s in (self.sessions[i] for i in self.active) if not s.never_evicts]
+        evicting = [s for s in (self._session(i) for i in self.active) if not s.never_evicts]
         needs = [s.method.needs for s in evicting]
         self.hidden_layers = sorted({layer for s in evicting for layer in s.hidden_layers})
         self.hidden: dict[int, torch.Tensor] = {}
-        wants = {k: any(getattr(n, k) for n in needs) for k in ("queries", "new_keys_values", "attention")}
-        self.recorder = BatchAttentionRecorder(self.engine.n_layers, **wants) if any(wants.values()) else None
+        queries, new_keys_values, attention = (
+            any(getattr(n, k) for n in needs) for k in ("queries", "new_keys_values", "attention")
+        )
+        self.recorder = (
+            BatchAttentionRecorder(
+                self.engine.n_layers, queries=queries, new_keys_values=new_keys_values, attention=attention
+            )
+            if queries or new_keys_values or attention
+            else None
+        )
 
     # -- the batched slabs ------------------------------------------------------------------------
 
-    def _capacity_for(self, sessions: list[Sequence]) -> int:
+    def _capacity_for(self, sessions: list[S]) -> int:
         """Slots per row: what the longest of ``sessions`` can reach (evicting: B + buffer + the step's
         token; otherwise every new token), so the slabs never grow in the usual case."""
         longest = max(s.cache.length for s in sessions)
@@ -227,7 +251,7 @@ class DecodeLoop:
 
     def _build_slabs(self, capacity: int) -> None:
         n = len(self.active)
-        first = self.sessions[self.active[0]].cache.cache.layers[0].keys
+        first = held(self._session(self.active[0]).cache.slab_layers[0].keys)
         # every layer's K and V in one tensor, so that an eviction moves the kept slots of all of them
         # with one gather (cache_rows.evict_rows); zeros, not empty: a padded slot is masked, but 0 x NaN
         # garbage would still be NaN
@@ -244,19 +268,20 @@ class DecodeLoop:
     def _copy_in(self, r: int) -> None:
         """Row ``r`` of the slabs takes what its session's own cache holds (one copy where the store
         keeps every layer in one tensor, the slab backend's; else two per layer)."""
-        cache = self.sessions[self.active[r]].cache
+        cache = self._session(self.active[r]).cache
         own = cache.slabs()  # [L, 2, 1, H, capacity, d] or None
         if own is not None:
             self.kv[:, :, r : r + 1, :, : cache.length].copy_(own[:, :, :, :, : cache.length])
             return
-        for l, layer in enumerate(cache.cache.layers):
-            length = layer.keys.shape[-2]
-            self.kv[l, 0, r : r + 1, :, :length].copy_(layer.keys)
-            self.kv[l, 1, r : r + 1, :, :length].copy_(layer.values)
+        for l, layer in enumerate(cache.slab_layers):
+            keys, values = held(layer.keys), held(layer.values)
+            length = keys.shape[-2]
+            self.kv[l, 0, r : r + 1, :, :length].copy_(keys)
+            self.kv[l, 1, r : r + 1, :, :length].copy_(values)
 
     def _bind_rows(self, rows: list[int] | None = None) -> None:
         for r in range(len(self.active)) if rows is None else rows:
-            self.sessions[self.active[r]].cache.adopt(
+            self._session(self.active[r]).cache.adopt(
                 [(layer.slab_k[r : r + 1], layer.slab_v[r : r + 1]) for layer in self.cache.layers]
             )
 
@@ -265,7 +290,7 @@ class DecodeLoop:
         capacity = capacity or self.capacity
         index = torch.tensor(keep_rows, device=self.device) if keep_rows is not None else None
         longest = max(
-            self.sessions[self.active[r]].cache.length
+            self._session(self.active[r]).cache.length
             for r in (keep_rows if keep_rows is not None else range(len(self.active)))
         )
         kv = self.kv if index is None else self.kv.index_select(2, index)
@@ -276,6 +301,7 @@ class DecodeLoop:
         for l, layer in enumerate(self.cache.layers):
             layer.bind(kv[l, 0], kv[l, 1])
         if keep_rows is not None:
+            assert index is not None  # made from keep_rows above
             self.active = [self.active[r] for r in keep_rows]
             self.logits = self.logits.index_select(0, index)
         self.kv, self.capacity = kv, capacity
@@ -324,14 +350,15 @@ class DecodeLoop:
                 chosen = suppressed(self.logits, settings).argmax(dim=-1).tolist()
             else:
                 for r in live:
-                    chosen[r] = self.sessions[self.active[r]].sample_token(self.logits[r], settings)
+                    chosen[r] = self._session(self.active[r]).sample_token(self.logits[r], settings)
             keep_rows = []
             for r in live:
                 i = self.active[r]
+                session = self._session(i)
                 own = tokens[i]
                 own.append(chosen[r])
-                if self.sessions[i].on_token is not None:
-                    self.sessions[i].on_token(chosen[r])
+                if session.on_token is not None:
+                    session.on_token(chosen[r])
                 if self.scripts is not None:
                     if len(own) < len(self.scripts[i][0]):
                         keep_rows.append(r)
@@ -351,9 +378,9 @@ class DecodeLoop:
                 cuts = [text.find(x) for x in settings.stop if x in text] if reason == "stop" else []
                 if cuts:  # the completion ends before the first stop string, which it excludes (a special
                     text = text[: min(cuts)]  # token's, such as an end of turn that is no EOS, is skipped already)
-                self.sessions[i].outputs.append(DecodeOutput(own, text, reason))
+                session.outputs.append(DecodeOutput(own, text, reason))
                 if self.on_done is not None:
-                    self.on_done(self.sessions[i])
+                    self.on_done(session)
             if len(keep_rows) < len(live) and self.refill is not None:
                 # the finished rows wait as padding for the next sequences, which are fed between steps
                 # (outside this loop's hooks); the others take their step first
@@ -373,28 +400,30 @@ class DecodeLoop:
         took = self.engine.clock() - step_start
         for r, i in enumerate(self.active):
             if r not in self.dead:
-                self.sessions[i].step_seconds.append(took)
+                self._session(i).step_seconds.append(took)
 
     def _admit(self) -> bool:
         """Finished rows take the next fed sessions (``refill``), each its row's slots; False when no
         sequence is left to decode. Once ``refill`` runs dry, the finished rows leave as ``_retire``
         decides."""
-        placed = []
+        refill = self.refill
+        assert refill is not None  # _loop stops for finished rows to be taken only where a refill is given
+        placed: list[tuple[int, int, torch.Tensor]] = []  # (slab row, session, its next token's logits)
         for r in sorted(self.dead):
-            session = self.refill()
+            session = refill()
             if session is None:
                 self.refill = None
                 break
-            self._check_joins(session)
+            logits = self._check_joins(session)
             self.sessions.append(session)
             self.tokens[len(self.sessions) - 1] = []
-            placed.append((r, len(self.sessions) - 1))
+            placed.append((r, len(self.sessions) - 1, logits))
         if placed:
-            capacity = self._capacity_for([self.sessions[i] for _, i in placed])
+            capacity = self._capacity_for([self._session(i) for _, i, _ in placed])
             if capacity > self.capacity:
                 self._reslab(capacity=capacity)
             self.logits = self.logits.clone()  # the finished sessions keep views of their rows' logits
-            for r, i in placed:
+            for r, i, logits in placed:
                 # the finished sequence is let go (its result was taken when it ended): a group's finished
                 # sessions would otherwise hold their methods' state until the loop ends
                 self.sessions[self.active[r]] = None
@@ -402,8 +431,8 @@ class DecodeLoop:
                 self.active[r] = i
                 self.dead.discard(r)
                 self._copy_in(r)
-                self.logits[r] = self.sessions[i].logits
-            self._bind_rows([r for r, _ in placed])
+                self.logits[r] = logits
+            self._bind_rows([r for r, _, _ in placed])
             self._watch()
         live = [r for r in range(len(self.active)) if r not in self.dead]
         if not live:
@@ -433,7 +462,7 @@ class DecodeLoop:
 
     def _finish(self, i: int, own: list[int], step_start: float) -> None:
         """Sequence i is done: its last token stays pending (fed by the session's next call)."""
-        session = self.sessions[i]
+        session = self._session(i)
         session.pending = [own[-1]]
         session.step_seconds.append(self.engine.clock() - step_start)
         session.generated.extend(own)
@@ -443,7 +472,7 @@ class DecodeLoop:
     def step(self, token_ids: list[int]) -> None:
         """Forward one token per slab row, and for each live row track it, let the methods observe,
         evict where over budget (a padding row's token is fed and nothing else)."""
-        sessions = [self.sessions[i] for i in self.active]
+        sessions = [self._session(i) for i in self.active]
         lengths = [s.cache.length for s in sessions]
         # the tokens, absolute positions and cache lengths of every row: one copy to the device
         tokens, positions, lengths_t = torch.tensor(
@@ -481,7 +510,7 @@ class DecodeLoop:
         logits = self.logits.unbind(0)  # every row's, cut once
         for r, s in live.items():
             if self.shared:
-                for layer in s.cache.cache.layers:
+                for layer in s.cache.slab_layers:
                     layer.set_length(lengths[r] + 1)
                 s.count_appended(1, rss)
             else:
@@ -490,7 +519,7 @@ class DecodeLoop:
         self._observe(live, new_positions, token_ids)
         self._evict(live)
 
-    def _observe(self, sessions: dict[int, Sequence], new_positions: torch.Tensor, token_ids: list[int]) -> None:
+    def _observe(self, sessions: dict[int, S], new_positions: torch.Tensor, token_ids: list[int]) -> None:
         groups: dict[type, list[int]] = defaultdict(list)
         for r, s in sessions.items():
             if not s.never_evicts:
@@ -508,7 +537,7 @@ class DecodeLoop:
             for r in members:
                 sessions[r].method_time.add(start, end, 1 / len(members))
 
-    def _observation(self, r: int, s: Sequence, new_positions: torch.Tensor, token: torch.Tensor) -> Observation:
+    def _observation(self, r: int, s: S, new_positions: torch.Tensor, token: torch.Tensor) -> Observation:
         needs = s.method.needs
         recorded = (
             self.recorder.row(r, needs.queries, needs.new_keys_values, needs.attention)
@@ -524,7 +553,7 @@ class DecodeLoop:
             **recorded,
         )
 
-    def _evict(self, sessions: dict[int, Sequence]) -> None:
+    def _evict(self, sessions: dict[int, S]) -> None:
         groups: dict[type, list[int]] = defaultdict(list)
         for r, s in sessions.items():
             if s.over_budget("decode"):
@@ -543,7 +572,7 @@ class DecodeLoop:
             for s, score in zip(group, scores):
                 s.apply_scores(score, scoring)
 
-    def _evict_together(self, group: list[Sequence], members: list[int], scores, scoring: tuple) -> bool:
+    def _evict_together(self, group: list[S], members: list[int], scores, scoring: tuple) -> bool:
         """Evict rows ``members`` of the slabs in one selection and one gather
         (``cache_rows.evict_rows``) when their sessions share a protocol and slot contract (budgets and
         lengths may differ); False when they cannot (nothing changed: each evicts alone)."""

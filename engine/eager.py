@@ -83,8 +83,9 @@ def eager_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
         return out, (weights.float().sum(dim=-2, keepdim=True) if rows == "sum" else weights)
-    keys = _repeat_kv(key, module.num_key_value_groups).transpose(2, 3)
-    values = _repeat_kv(value, module.num_key_value_groups)
+    groups = h_q // key.shape[1]  # the module's num_key_value_groups: query heads per KV head
+    keys = _repeat_kv(key, groups).transpose(2, 3)
+    values = _repeat_kv(value, groups)
     out = query.new_empty(b, h_q, c, values.shape[-1])
     kept = query.new_empty(b, h_q, c, t) if rows == "all" else None
     summed = torch.zeros(b, h_q, 1, t, dtype=torch.float32, device=query.device) if rows == "sum" else None

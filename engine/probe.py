@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -24,7 +25,15 @@ from kvleague.engine.contract import over_chunks
 from kvleague.engine.eager import Rows, budget_bytes, eager_attention
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-_ACTIVE: contextvars.ContextVar[AttentionRecorder | None] = contextvars.ContextVar("kvleague_recorder", default=None)
+_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("kvleague_recorder", default=None)
+
+
+class Recorder(Protocol):
+    """What the attention wrappers hand each call to: an :class:`AttentionRecorder`, or a captured
+    step's tap (``slab.py``), which stands in for one while the step's body runs."""
+
+    def eager_rows(self, batch: int, heads: int, queries: int, keys: int) -> Rows: ...
+    def record(self, layer: int, query, key, value, weights, scaling: float) -> None: ...
 
 
 def wrapper_name(inner: str) -> str:
@@ -85,6 +94,7 @@ class AttentionRecorder:
                 self.rows[layer] = attention_rows(query[0, :, -self.window :], key[0], scaling)
 
 
+@dataclass
 class BatchAttentionRecorder(AttentionRecorder):
     """The recorder of a batched decode step (one new token per row; engine/decode.py).
 
@@ -150,12 +160,19 @@ class BatchAttentionRecorder(AttentionRecorder):
             self._stacked_queries = torch.stack([q for q, _, _, _, _ in self.raw], dim=1)
         return self._stacked_queries
 
-    def row(self, i: int, queries: bool, new_keys_values: bool, attention: bool) -> dict:
+    def row(
+        self, i: int, queries: bool, new_keys_values: bool, attention: bool
+    ) -> dict[str, torch.Tensor | list[torch.Tensor] | None]:
         """Row i's ``queries`` (one ``[L, H_q, 1, d]`` tensor), ``new_keys`` / ``new_values`` (one
         ``[L, H, 1, d]`` each) and ``attention`` (one ``[L, H_q, 1, T]`` tensor; per layer where the
         kernels differ between layers); ``None`` unless asked."""
         n = self.lengths[i]
-        out = {"queries": None, "new_keys": None, "new_values": None, "attention": None}
+        out: dict[str, torch.Tensor | list[torch.Tensor] | None] = {
+            "queries": None,
+            "new_keys": None,
+            "new_values": None,
+            "attention": None,
+        }
         if queries:
             out["queries"] = self._queries()[i]
         if new_keys_values:
@@ -233,7 +250,7 @@ class BatchAttentionRecorder(AttentionRecorder):
         return keys
 
 
-def active_recorder() -> AttentionRecorder | None:
+def active_recorder() -> Recorder | None:
     """The recorder of the forward passes running now (None when nothing records)."""
     return _ACTIVE.get()
 
@@ -241,7 +258,7 @@ def active_recorder() -> AttentionRecorder | None:
 class recording:
     """Context manager activating a recorder for the forward passes run inside it."""
 
-    def __init__(self, recorder: AttentionRecorder | None):
+    def __init__(self, recorder: Recorder | None):
         self.recorder = recorder
 
     def __enter__(self):
@@ -260,7 +277,8 @@ def _make_wrapper(inner: str):
             scaling = module.scaling
         recorder = _ACTIVE.get()
         if inner == "eager":  # over query chunks within the worker's attention memory
-            rows = "all" if recorder is None else recorder.eager_rows(*query.shape[:3], key.shape[-2])
+            batch, heads, queries = query.shape[:3]
+            rows = "all" if recorder is None else recorder.eager_rows(batch, heads, queries, key.shape[-2])
             out, weights = eager_attention(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, rows=rows, **kwargs
             )

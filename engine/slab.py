@@ -40,13 +40,13 @@ slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from kvleague.engine import slab_attention
 from kvleague.engine.backend import HFBackend
@@ -54,8 +54,9 @@ from kvleague.engine.cache import BudgetedCache
 from kvleague.engine.cache_layers import GROWTH, MIN_GROWTH, SlabLayer
 from kvleague.engine.compaction import fill_slab_holes, gather_slots, row_order
 from kvleague.engine.decode import BatchSlabLayer
+from kvleague.engine.eager import Rows
 from kvleague.engine.errors import KvleagueError
-from kvleague.engine.probe import active_recorder, recording
+from kvleague.engine.probe import AttentionRecorder, active_recorder, recording
 from kvleague.engine.resources import device_clock
 
 
@@ -67,11 +68,11 @@ class FixedSlabLayer(SlabLayer):
     slots: torch.Tensor | None = None
     #: free slots are attended over (masked), and 0 x NaN garbage would still be NaN
     zeroed = True
-    #: the store's reallocation of every layer at once (``SlabStore._grow``); False: this layer alone
-    grow_all: Any = None
+    #: the store's reallocation of every layer at once (``SlabStore._grow``, False: this layer alone)
+    grow_all: Callable[[int, torch.Tensor], bool] | None = None
 
     def resize(self, capacity: int) -> None:
-        if self.grow_all is None or not self.grow_all(capacity, self._k):
+        if self.grow_all is None or not self.grow_all(capacity, self.buffers[0]):
             super().resize(capacity)
 
     def planned(self, needed: int) -> int:
@@ -88,20 +89,21 @@ class FixedSlabLayer(SlabLayer):
         return self.planned(self.get_seq_length() + cache_position.shape[0]), 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
-        if not self.is_initialized or self._k.dim() < 2:
+        if not self.is_initialized or self._k is None or self._k.dim() < 2:
             self.lazy_initialization(key_states, value_states)
         n, c = self._nk, key_states.shape[-2]
         if n + c > self.capacity:
             self.resize(self.planned(n + c))
+        k, v = self.buffers
         if self.slots is not None:  # captured: the slot comes from a device buffer
-            self._k.index_copy_(2, self.slots, key_states)
-            self._v.index_copy_(2, self.slots, value_states)
-            return self._k, self._v
-        self._k.narrow(-2, n, c).copy_(key_states)
-        self._v.narrow(-2, n, c).copy_(value_states)
+            k.index_copy_(2, self.slots, key_states)
+            v.index_copy_(2, self.slots, value_states)
+            return k, v
+        k.narrow(-2, n, c).copy_(key_states)
+        v.narrow(-2, n, c).copy_(value_states)
         self._nk = self._nv = n + c
         self._refresh()
-        return self._k, self._v
+        return k, v
 
 
 class FixedBatchSlabLayer(BatchSlabLayer):
@@ -136,17 +138,18 @@ class SlabStore(BudgetedCache):
         limit = getattr(config, "max_position_embeddings", None)
         if reserve is not None and limit is not None and reserve > limit:
             reserve = None  # a budget past the model's context (no eviction): the slab grows as it fills
-        cache.layers = [FixedSlabLayer(reserve) for _ in cache.layers]
-        for layer in cache.layers:
-            layer.grow_all = self._grow
+        layers: list[CacheLayerMixin] = [FixedSlabLayer(reserve) for _ in cache.layers]
+        cache.layers = layers
         self.cache = cache
+        for layer in self.slab_layers:
+            layer.grow_all = self._grow
         self.kv: torch.Tensor | None = None
         self._kv_views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _grow(self, capacity: int, like: torch.Tensor) -> bool:
         """Reallocate every layer's slabs as views of one tensor of ``capacity`` slots, keeping what they
         hold; False (nothing done) where a layer's shape differs from ``like``'s (``[1, H, *, d]``)."""
-        layers = self.cache.layers
+        layers = self.slab_layers
         shape = (*like.shape[:-2], like.shape[-1])
         if any(
             layer._k is not None and layer._k.dim() == 4 and (*layer._k.shape[:-2], layer._k.shape[-1]) != shape
@@ -157,11 +160,16 @@ class SlabStore(BudgetedCache):
         for l, layer in enumerate(layers):
             n = layer._nk if layer.is_initialized and layer._k is not None and layer._k.dim() == 4 else 0
             if n:
-                kv[l, 0].narrow(-2, 0, n).copy_(layer._k.narrow(-2, 0, n))
-                kv[l, 1].narrow(-2, 0, n).copy_(layer._v.narrow(-2, 0, n))
+                k, v = layer.buffers
+                kv[l, 0].narrow(-2, 0, n).copy_(k.narrow(-2, 0, n))
+                kv[l, 1].narrow(-2, 0, n).copy_(v.narrow(-2, 0, n))
             layer.bind(kv[l, 0], kv[l, 1], n)
         self.kv, self._kv_views = kv, [layer.buffers for layer in layers]
         return True
+
+    @property
+    def slab_layers(self) -> list[FixedSlabLayer]:
+        return cast("list[FixedSlabLayer]", self.cache.layers)  # __init__ made every layer one
 
     def adopt(self, layers) -> None:
         """As ``BudgetedCache.adopt``; the slabs of its own are let go (a finished sequence of a
@@ -173,7 +181,7 @@ class SlabStore(BudgetedCache):
         """``kv`` while every layer's slabs are still its views (a batched decode rebinds them to its
         own slabs' rows), else None."""
         kv = self.kv
-        if kv is None or any(layer._k is not k for layer, (k, _) in zip(self.cache.layers, self._kv_views)):
+        if kv is None or any(layer._k is not k for layer, (k, _) in zip(self.slab_layers, self._kv_views)):
             return None
         return kv
 
@@ -182,7 +190,7 @@ class SlabStore(BudgetedCache):
         kv = self.slabs()
         if kv is None:
             return super().layer_tensors(which)
-        return list(kv[:, which, 0, :, : self.cache.layers[0]._nk].unbind(0))
+        return list(kv[:, which, 0, :, : self.slab_layers[0]._nk].unbind(0))
 
     def _move_kept(self, keep: torch.Tensor, budget: int, ordered: bool) -> torch.Tensor:
         """One gather for every layer's K and V (the HF store's slot layout), while every layer's slabs
@@ -197,7 +205,7 @@ class SlabStore(BudgetedCache):
             )  # a batch of one
         else:  # the holes below the budget alone take the kept slots above it
             fill_slab_holes(kv, keep[None], budget, keep.shape[-1] - budget)
-        for layer in self.cache.layers:
+        for layer in self.slab_layers:
             layer.truncate(budget)
         return order
 
@@ -214,9 +222,10 @@ class SlabStore(BudgetedCache):
         is compressed, before any decode step: every decode step reads the whole slab where one
         length does not serve (a captured step), and a step is captured per capacity. Rows of a
         batch's slabs are never reallocated."""
-        kv, reserve = self.slabs(), self.cache.layers[0].reserve
+        kv, first = self.slabs(), self.slab_layers[0]
+        reserve = first.reserve
         if kv is not None and reserve is not None and kv.shape[-2] > max(reserve, budget):
-            self._grow(max(reserve, budget), self.cache.layers[0]._k)
+            self._grow(max(reserve, budget), first.buffers[0])
 
 
 class SlabBackend(HFBackend):
@@ -325,7 +334,7 @@ class SlabBackend(HFBackend):
         layer = cache.layers[0]
         capacity = layer.slab_k.shape[-2] if isinstance(layer, BatchSlabLayer) else layer.planned(start_slot + c)
         recorder = active_recorder()
-        if recorder is not None:
+        if isinstance(recorder, AttentionRecorder):
             recorder.kv_length = start_slot + c  # a single sequence's valid slots (a batch's recorder cuts per row)
         batched = isinstance(layer, BatchSlabLayer)
         if c == 1 and decode and self.graphs and (batched or layer.capacity):
@@ -413,8 +422,9 @@ class SlabBackend(HFBackend):
 def _copies(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """A copy of each tensor (None stays None): tensors of one shape (every layer's) in one op, views
     of one stack."""
-    if len(tensors) > 1 and None not in tensors and len({(t.shape, t.dtype) for t in tensors}) == 1:
-        return list(torch.stack(tensors).unbind(0))
+    present = [t for t in tensors if t is not None]
+    if len(tensors) > 1 and len(present) == len(tensors) and len({(t.shape, t.dtype) for t in present}) == 1:
+        return list(torch.stack(present).unbind(0))
     return [None if t is None else t.clone() for t in tensors]
 
 
@@ -433,7 +443,7 @@ class _Tap:
         self.hidden: dict[int, torch.Tensor] = {}
         self.attention: dict[int, tuple] = {}
 
-    def eager_rows(self, batch: int, heads: int, queries: int, keys: int) -> str:
+    def eager_rows(self, batch: int, heads: int, queries: int, keys: int) -> Rows:
         """Every row: a decode step's one query per sequence always fits the attention memory."""
         return "all"
 
@@ -537,7 +547,9 @@ class GraphedStep:
     def _rerun(self, cache) -> torch.Tensor:
         """Off CUDA: the body eagerly, its logits and taps rewritten into the first run's tensors, as
         a replay rewrites the graph's, so a consumer that kept a reference sees them change too."""
+        logits = self.logits
+        assert logits is not None  # the first run (_capture) set it
         fresh = _Tap()
-        self.logits.copy_(self._body(cache, fresh))
+        logits.copy_(self._body(cache, fresh))
         self.tap.rewrite(fresh)
-        return self.logits.clone()
+        return logits.clone()

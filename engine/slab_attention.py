@@ -62,6 +62,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling:
             enable_gqa=h_q != h_kv,
         )
         return out.transpose(1, 2)
+    assert lengths.valid is not None  # None only where one length serves the batch (returned above)
     slots = torch.arange(key.shape[-2], device=key.device)
     visible = (slots < lengths.valid[:, None])[:, None, None, :]  # [N, 1, 1, capacity]
     # query head j belongs to KV head j // group (transformers' repeat_kv): fold each group into queries

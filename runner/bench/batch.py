@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from typing import TypedDict
 
 from kvleague.runner.bench.cli import add_backend
 from kvleague.runner.bench.engine_vs_generate import add_static_anchor, static_anchor, time_generate_batch
@@ -30,6 +32,16 @@ from kvleague.runner.bench.engine_vs_generate import add_static_anchor, static_a
 #: targets of the batch-8 / batch-1 speed-up per method, and of engine / generate
 SPEEDUP_TARGETS = {"full": 3.0, "epikv": 2.5}
 GENERATE_TARGET = 0.9
+
+
+class _Conditions(TypedDict):
+    """What every figure of a run records (``harness.figure``: ``budget`` its own field, the rest details)."""
+
+    clock: str
+    threads: int
+    prompt_tokens: int
+    new_tokens: int
+    budget: int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,7 +117,9 @@ def run_one(args) -> dict:
         f"{sizes}, methods {methods}; clock {args.clock}, {threads} thread(s)\n{h.describe_environment(env)}",
         flush=True,
     )
-    runs = {(f"{m}/single", 1): (lambda m=m: time_single(engine, prompts[0], m, budget, new_tokens)) for m in methods}
+    runs: dict[tuple[str, int], Callable[[], dict]] = {
+        (f"{m}/single", 1): (lambda m=m: time_single(engine, prompts[0], m, budget, new_tokens)) for m in methods
+    }
     for b in sizes:
         for m in methods:
             runs[(m, b)] = lambda m=m, b=b: time_engine(engine, prompts[:b], m, budget, new_tokens)
@@ -146,7 +160,9 @@ def run_one(args) -> dict:
         )
     for row in rows:  # batch 1 may come after the others in the dict
         row["speedup_vs_batch_1"] = h.ratio(row["decode_tokens_per_second"], tps.get((row["method"], 1)))
-    common = dict(clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens, budget=budget)
+    common = _Conditions(
+        clock=args.clock, threads=threads, prompt_tokens=prompt_tokens, new_tokens=new_tokens, budget=budget
+    )
     figures = [
         h.figure(
             "decode_tokens_per_second",
