@@ -15,8 +15,10 @@ made a row's float rounding depend on its companions (measured on MKL, AVX2, flo
   length, so a row's output changed with its companions' lengths. :func:`attend_by_length` runs the
   rows of each length together over exactly their slots, with no mask, as each runs alone.
 
-Not covered: the eager kernel (methods with ``Needs.eager``) still attends over the padded length,
-and accelerators (cuBLAS picks kernels by shape too); docs/engine.md says so.
+Thread count is a setting: 1 and 2 threads round differently (a fixed count reproduces), so a
+row records it. Not covered: accelerators (cuBLAS picks kernels by shape too). The eager kernel
+(``Needs.eager``) measured row-invariant under padding (h2o, tova; tests/test_rerun_determinism.py
+covers knorm).
 """
 
 from __future__ import annotations
