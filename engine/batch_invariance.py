@@ -16,7 +16,8 @@ made a row's float rounding depend on its companions (measured on MKL, AVX2, flo
   rows of each length together over exactly their slots, with no mask, as each runs alone.
 
 Thread count is a setting: 1 and 2 threads round differently (a fixed count reproduces), so a
-row records it. Not covered: accelerators (cuBLAS picks kernels by shape too). The eager kernel
+row records it. Not covered: accelerators (cuBLAS picks kernels by shape too), and the slab backend's ragged
+steps (their captured shapes cannot follow the lengths; the default ``hf`` backend is covered). The eager kernel
 (``Needs.eager``) measured row-invariant under padding (h2o, tova; tests/test_rerun_determinism.py
 covers knorm).
 """

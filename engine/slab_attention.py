@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvleague.engine.batch_invariance import attend_by_length
-
 
 @dataclass
 class Lengths:
@@ -64,14 +62,6 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling:
             enable_gqa=h_q != h_kv,
         )
         return out.transpose(1, 2)
-    if lengths.valid is not None and key.device.type == "cpu":  # each row over its own slots, as alone
-        return attend_by_length(
-            lambda q, k, v: (attend(q, k, v, scaling, Lengths(None, k.shape[-2])), None),
-            query,
-            key,
-            value,
-            lengths.valid.tolist(),
-        )
     slots = torch.arange(key.shape[-2], device=key.device)
     visible = (slots < lengths.valid[:, None])[:, None, None, :]  # [N, 1, 1, capacity]
     # query head j belongs to KV head j // group (transformers' repeat_kv): fold each group into queries
