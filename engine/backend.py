@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvleague.engine.batch_invariance import pad_linear_rows
 from kvleague.engine.cache import BudgetedCache
 from kvleague.engine.cache_layers import held
 from kvleague.engine.decode import BatchSlabLayer
@@ -55,6 +56,8 @@ class HFBackend:
             if e is not None
         }
         model.set_attn_implementation(wrapper_name(attn_implementation))
+        if self.device.type == "cpu":  # a row's bits independent of its batch (engine/batch_invariance.py)
+            pad_linear_rows(model)
         if self.device.type == "cuda":
             # SDPA's cuDNN kernel plans per shape, and the cache meets a new length at every decode step
             # (the first pass over new lengths ran at 0.17x the second on an H200, docs/gpu.md); the

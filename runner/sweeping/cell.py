@@ -376,6 +376,7 @@ def _fidelity_row(
         "resolved_budget": r.generation.budget,
         "details": {
             "backend": engine.describe()["backend"],
+            "torch_threads": _threads(),
             "fidelity": {
                 "kl_max": r.kl_max,
                 "nll_full_mean": r.nll_full_mean,
@@ -414,8 +415,16 @@ def _generation_row(score, generation, completion, details: dict[str, Any], engi
         "stop_reason": generation.stop_reason,
         **_instrumentation(generation, engine),
         "resolved_budget": generation.budget,
-        "details": {**details, "backend": engine.describe()["backend"]},
+        "details": {**details, "backend": engine.describe()["backend"], "torch_threads": _threads()},
     }
+
+
+def _threads() -> int:
+    """The worker's torch threads: CPU results are bitwise reproducible at a fixed count, which
+    rounds differently from another (``resources.torch_threads`` pins it; docs/engine.md)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _instrumentation(generation, engine) -> dict[str, Any]:
