@@ -6,15 +6,5 @@ set -euo pipefail
 if ldconfig -p 2>/dev/null | grep 'libseccomp\.so\.2' >/dev/null; then  # no -q: an early exit would fail the pipe
   exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "scripts/seccomp.sh: no apt-get here; install libseccomp (libseccomp.so.2)" >&2
-  exit 1
-fi
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-  SUDO="sudo"
-fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q >/dev/null
-$SUDO apt-get install -y -q libseccomp2 >/dev/null
+bash "$(dirname "$0")/apt_install.sh" scripts/seccomp.sh "install libseccomp (libseccomp.so.2)" libseccomp2
 echo "scripts/seccomp.sh: installed libseccomp2"
