@@ -194,12 +194,7 @@ def _remove_cgroups(dirs: list[Path]) -> int:
                 pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
             except OSError:
                 pids = []
-            for p in pids:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                    killed += 1
-                except OSError:
-                    pass
+            killed += _sigkill(pids)
             try:
                 d.rmdir()
                 break
@@ -310,12 +305,7 @@ def _sweep(marker: str) -> int:
         pids = [p for p in find_marked_processes(marker) if p != os.getpid()]
         if not pids:
             break
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-                killed += 1
-            except OSError:
-                pass
+        killed += _sigkill(pids)
         time.sleep(0.01)
     return killed
 
@@ -463,3 +453,15 @@ def run_many(
     _ready()  # probe once before the threads start
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda p: run_python(p, limits), programs))
+
+
+def _sigkill(pids: list[int]) -> int:
+    """SIGKILL each of ``pids``; how many were still there to kill."""
+    killed = 0
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+            killed += 1
+        except OSError:
+            pass
+    return killed

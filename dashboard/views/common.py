@@ -207,26 +207,23 @@ def _legend() -> alt.Legend:
     )
 
 
+def _method_scale(methods, which: int) -> dict[str, Any]:
+    """A channel's encoding of each method's style (``which``: 0 its colour, 1 its marker), legend below."""
+    styles = method_styles(methods)
+    return {
+        "scale": alt.Scale(domain=list(styles), range=[style[which] for style in styles.values()]),
+        "legend": _legend(),
+    }
+
+
 def method_colour(methods, title: str = "method") -> alt.Color:
     """Each method's colour of :func:`method_styles`, with the legend below the chart."""
-    styles = method_styles(methods)
-    return alt.Color(
-        "method:N",
-        title=title,
-        scale=alt.Scale(domain=list(styles), range=[c for c, _ in styles.values()]),
-        legend=_legend(),
-    )
+    return alt.Color("method:N", title=title, **_method_scale(methods, 0))
 
 
 def method_shape(methods, title: str = "method") -> alt.Shape:
     """Each method's marker of :func:`method_styles`; with :func:`method_colour` one legend shows both."""
-    styles = method_styles(methods)
-    return alt.Shape(
-        "method:N",
-        title=title,
-        scale=alt.Scale(domain=list(styles), range=[s for _, s in styles.values()]),
-        legend=_legend(),
-    )
+    return alt.Shape("method:N", title=title, **_method_scale(methods, 1))
 
 
 #: legend columns under a chart half the page wide, and the height of one legend row
