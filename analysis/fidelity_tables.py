@@ -73,6 +73,8 @@ class SampleFidelity:
     #: whether the method's own ranking decided what was evicted in some cell of the sample
     #: (:func:`ranked`); False: nothing was evicted, or every candidate was, as the protocol dictated
     ranked: bool = True
+    #: the runs (sweep rows: a resume is a run of its own) that stored the sample's cells
+    sweeps: frozenset[int] = frozenset()
 
 
 #: method spec id -> budget -> question -> figures
@@ -224,10 +226,11 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
         n_ranked,
         prompt,
         resolved,
+        sweep,
     ) in q.fidelity_rows(engine, filters, budgets):
         chose = ranked(evicted, n_ranked, prompt, int(resolved or b), protocols[int(proto)])
         cells[(int(m), int(b), (int(t), str(s)))].append(
-            (float(kl), float(top1), float(dnll or 0.0), int(tokens or 0), chose)
+            (float(kl), float(top1), float(dnll or 0.0), int(tokens or 0), chose, int(sweep))
         )
     out: Fidelity = defaultdict(lambda: defaultdict(dict))
     for (m, b, question), vals in cells.items():
@@ -237,7 +240,13 @@ def load(engine, filters: q.Filters, budgets: Iterable[int] | None = None) -> Fi
         shares = [Fraction(round(v[1] * v[3]), v[3]) for v in vals if v[3] > 0]
         share = sum(shares, Fraction(0)) / len(shares) if len(shares) == len(vals) else None
         out[m][b][question] = SampleFidelity(
-            float(kl), float(top1), float(dnll), sum(v[3] for v in vals), share, any(v[4] for v in vals)
+            float(kl),
+            float(top1),
+            float(dnll),
+            sum(v[3] for v in vals),
+            share,
+            any(v[4] for v in vals),
+            frozenset(v[5] for v in vals),
         )
     return out
 
@@ -401,6 +410,7 @@ PAIR_COLUMNS = [
     "A",
     "B",
     "samples",
+    "runs",
     "tied",
     "KL A",
     "KL B",
@@ -417,7 +427,8 @@ PAIR_COLUMNS = [
 
 
 def _paired(samples, a: int, b: int, questions: list[Question]) -> dict[str, Any]:
-    """A − B on ``questions`` (the samples the two have): ``tied`` counts the samples whose KLs differ by
+    """A − B on ``questions`` (the samples the two have): ``runs`` counts the runs (sweep rows) whose rows
+    the pair reads, more than one where its two sides (or its samples) were computed apart; ``tied`` counts the samples whose KLs differ by
     float rounding only; ``signed ranks`` is the direction the test found; the shift, its interval, p (adj.)
     and the verdict are :func:`analysis.verdicts.judge`'s of the signed-rank test."""
     kl_a, kl_b = [samples[a][qn].kl for qn in questions], [samples[b][qn].kl for qn in questions]
@@ -426,8 +437,10 @@ def _paired(samples, a: int, b: int, questions: list[Question]) -> dict[str, Any
     t_lo, t_hi = bootstrap_mean_interval(d_top1)
     test = signed_rank(kl_a, kl_b)
     v = verdicts.judge(test.tested(), "kl", ("A higher", "A lower"))
+    runs = frozenset().union(*(samples[m][qn].sweeps for m in (a, b) for qn in questions))
     return {
         "samples": len(questions),
+        "runs": len(runs),
         "tied": test.ties,
         "KL A": float(np.mean(kl_a)) if questions else math.nan,
         "KL B": float(np.mean(kl_b)) if questions else math.nan,

@@ -537,6 +537,7 @@ FIDELITY_COLUMNS = (
     "ranked_evictions",
     "prompt_tokens",
     "resolved_budget",
+    "sweep_id",
 )
 
 

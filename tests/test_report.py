@@ -191,13 +191,13 @@ def test_paired_fidelity_tests_match_scipy_and_statsmodels(report):
     # each pair on its own samples; p adj. is Bonferroni over the pair's 4 declared domains (analysis/paper.yaml)
     d = [kl("epikv", 64, i) - kl("h2o", 64, i) for i in range(N)]
     cells = table_row(block, "epikv", "h2o")
-    assert cells[2:4] == [str(N), "0"]  # samples, none tied
-    assert float(cells[4]) == pytest.approx(np.mean(d), abs=1e-4)
+    assert cells[2:5] == [str(N), "1", "0"]  # samples, the one run the seeded sweep wrote them in, none tied
+    assert float(cells[5]) == pytest.approx(np.mean(d), abs=1e-4)
     walsh = [(x + y) / 2 for i, x in enumerate(d) for y in d[i:]]
-    assert float(cells[5]) == pytest.approx(np.median(walsh), abs=1e-4)  # the Hodges–Lehmann shift
-    assert cells[9] == "A < B" and cells[-1] == "A lower"
+    assert float(cells[6]) == pytest.approx(np.median(walsh), abs=1e-4)  # the Hodges–Lehmann shift
+    assert cells[10] == "A < B" and cells[-1] == "A lower"
     assert float(cells[-2]) == pytest.approx(min(1, 4 * wilcoxon(d).pvalue), rel=0.05)
-    lo, hi = (float(x) for x in cells[6].strip("[]").split(","))
+    lo, hi = (float(x) for x in cells[7].strip("[]").split(","))
     assert lo <= np.median(walsh) <= hi < 0  # rejects, so the interval excludes 0
     cells = table_row(block, "epikv", "tova")
     p = wilcoxon([kl("epikv", 64, i) - kl("tova", 64, i) for i in range(N)]).pvalue

@@ -44,7 +44,9 @@ def section(ctx, budget: int) -> bool:
     if not pairs.empty:
         st.markdown("**Paired differences between methods**")
         st.caption(
-            "Each pair on the samples the two have, per domain: mean difference A − B of per-sample KL (descriptive) "
+            "Each pair on the samples the two have, per domain (**runs**: the sweep runs, a resume counting as one, "
+            "whose rows it reads; more than one where its sides were computed apart): mean difference A − B of "
+            "per-sample KL (descriptive) "
             "and of top-1 agreement (95% bootstrap interval); **tied**: samples whose KLs differ by float32 rounding "
             "only, left out of **p (Wilcoxon)**, the two-sided signed-rank test of the KL differences, whose direction "
             "is **signed ranks**; **HL shift**: the Hodges–Lehmann estimate with the interval inverting that test; "
@@ -55,7 +57,7 @@ def section(ctx, budget: int) -> bool:
             _formats(pairs.drop(columns=["Δ KL lo", "Δ KL hi", "sign"])),
             hide_index=True,
             placeholder="—",
-            column_config={"samples": INT},
+            column_config={"samples": INT, "runs": INT},
             key="fid_pairs",
         )
     with st.expander("Fidelity per method and task"):
