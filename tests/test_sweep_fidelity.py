@@ -20,6 +20,9 @@ from kvleague.runner.sweep_config import parse_config
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVLEAGUE_DATA_DIR") or REPO.parent / "shared" / "data")
 
+# minutes of Ray, subprocesses or a browser: the slow tier (KVLEAGUE_SLOW=1 bash scripts/test.sh)
+pytestmark = pytest.mark.slow
+
 # run in its own process (Ray's process-global state stays out of pytest): once interrupted after
 # `stop_after` results (as Ctrl-C would), then again to the end
 DRIVER = r"""
