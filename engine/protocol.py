@@ -230,7 +230,7 @@ class Protocol(BaseModel):
         if self.budget_base == "ratio":
             resolved = type(self)(**{**self.model_dump(), "budget_base": "none"})
             resolved._ratio = budget / 1000
-            return resolved, max(1, int(prompt_tokens * (1 - budget / 1000)))
+            return resolved, kept_at_ratio(prompt_tokens, budget / 1000)
         fields = {
             **self.model_dump(),
             "budget_base": "none",
@@ -257,6 +257,12 @@ class Protocol(BaseModel):
                 f"budget: {budget} leaves no evictable slot after sink ({self.sink}) + recent ({recent}); "
                 f"use a budget > {self.sink + recent}"
             )
+
+
+def kept_at_ratio(n: int, ratio: float) -> int:
+    """Entries kept of ``n`` at compression ratio ``ratio``: ``max(1, int(n * (1 - ratio)))``, as
+    kvpress's ``compute_n_kept`` (what a ``ratio`` budget resolves to)."""
+    return max(1, int(n * (1 - ratio)))
 
 
 def _one_line(exc: ValidationError) -> str:

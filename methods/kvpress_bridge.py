@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Literal
 
 from kvleague.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo
 from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import kept_at_ratio
 from kvleague.methods.registry import METHODS
 
 PREFIX = "kvpress"
@@ -211,7 +212,7 @@ class KvpressMethod(EvictionMethod):
         # the budget was given as where it keeps what the engine keeps now (kvpress's prefill), else
         # the one the engine applies
         ratio = self.info.ratio
-        if ratio is None or max(1, int(cache.length * (1 - ratio))) != cache.budget:
+        if ratio is None or kept_at_ratio(cache.length, ratio) != cache.budget:
             ratio = ratio_keeping(cache.budget, cache.length)
         self.press.compression_ratio = ratio
         if self.keys_only:
