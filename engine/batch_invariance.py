@@ -77,3 +77,15 @@ def attend_by_length(
         out.index_copy_(0, index, part)
     assert out is not None
     return out
+
+
+def visible_prefix(attention_mask: torch.Tensor) -> list[int] | None:
+    """Per row, how many slots a one-query step's mask (``[N, 1, 1, T]``, boolean or additive) shows,
+    where each row sees a prefix of its slots (a ragged batch's packed rows); None where a row sees
+    anything else (a sliding window's suffix): such a step keeps its mask."""
+    last = attention_mask[:, 0, -1]
+    visible = last if last.dtype == torch.bool else last == 0
+    lengths = visible.sum(dim=-1)
+    if not torch.equal(visible, torch.arange(visible.shape[-1], device=visible.device) < lengths[:, None]):
+        return None
+    return lengths.tolist()

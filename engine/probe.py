@@ -21,7 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvleague.engine import slab_attention
 from kvleague.engine.attention import attention_rows
-from kvleague.engine.batch_invariance import attend_by_length
+from kvleague.engine.batch_invariance import attend_by_length, visible_prefix
 from kvleague.engine.contract import over_chunks
 from kvleague.engine.eager import Rows, budget_bytes, eager_attention
 
@@ -288,17 +288,20 @@ def _make_wrapper(inner: str):
             kernel = ALL_ATTENTION_FUNCTIONS[inner]
             if lengths is not None:  # a slab decode step: attention by lengths, in the KV heads as they are
                 out, weights = slab_attention.attend(query, key, value, scaling, lengths), None
-            elif inner == "sdpa" and query.shape[2] == 1 and attention_mask is not None and query.device.type == "cpu":
+            elif (
+                inner == "sdpa"
+                and query.shape[2] == 1
+                and attention_mask is not None
+                and query.device.type == "cpu"
+                and (prefix := visible_prefix(attention_mask)) is not None
+            ):
                 # a ragged decode step: each row over its own slots, as alone (engine/batch_invariance.py)
-                visible = (
-                    attention_mask[:, 0, -1] if attention_mask.dtype == torch.bool else attention_mask[:, 0, -1] == 0
-                )
                 out = attend_by_length(
                     lambda q, k, v: kernel(module, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs),
                     query,
                     key,
                     value,
-                    visible.sum(dim=-1).tolist(),
+                    prefix,
                 )
                 weights = None
             else:

@@ -114,3 +114,30 @@ def test_ragged_decode_attention_gives_each_row_its_bits_alone():
     out = attend_by_length(kernel, q, k, v, lengths)
     for i, n in enumerate(lengths):
         assert torch.equal(out[i : i + 1], kernel(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n])[0]), i
+
+
+def test_a_decode_step_whose_mask_is_no_prefix_keeps_its_mask():
+    """Attention by length reads a row's first n slots, so it serves only masks that show each row a
+    prefix (a ragged batch's packed rows); a sliding window shows a suffix, and the probe's sdpa wrapper
+    then runs the masked kernel as it is: the oracle is transformers' own sdpa under the same mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvleague.engine.probe import wrapper_name
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.scaling = True, 2, 0.25
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    slots = torch.arange(64)
+    wrapper = ALL_ATTENTION_FUNCTIONS[wrapper_name("sdpa")]
+    window = (slots >= 64 - 24).expand(2, 1, 1, 64)  # each row sees its last 24 slots
+    out = wrapper(module, q, k, v, window)[0]
+    assert torch.equal(out, sdpa_attention_forward(module, q, k, v, window, scaling=0.25)[0])
+    packed = (slots[None] < torch.tensor([[21], [60]]))[:, None, None]  # rows of 21 and 60 slots
+    out = wrapper(module, q, k, v, packed)[0]
+    for i, n in enumerate((21, 60)):
+        alone = sdpa_attention_forward(
+            module, q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], None, scaling=0.25
+        )
+        assert torch.equal(out[i : i + 1], alone[0]), i
