@@ -375,8 +375,7 @@ def _fidelity_row(
         **_instrumentation(r.generation, engine),
         "resolved_budget": r.generation.budget,
         "details": {
-            "backend": engine.describe()["backend"],
-            "torch_threads": _threads(),
+            **_run_details(engine),
             "fidelity": {
                 "kl_max": r.kl_max,
                 "nll_full_mean": r.nll_full_mean,
@@ -415,16 +414,17 @@ def _generation_row(score, generation, completion, details: dict[str, Any], engi
         "stop_reason": generation.stop_reason,
         **_instrumentation(generation, engine),
         "resolved_budget": generation.budget,
-        "details": {**details, "backend": engine.describe()["backend"], "torch_threads": _threads()},
+        "details": {**details, **_run_details(engine)},
     }
 
 
-def _threads() -> int:
-    """The worker's torch threads: CPU results are bitwise reproducible at a fixed count, which
-    rounds differently from another (``resources.torch_threads`` pins it; docs/engine.md)."""
+def _run_details(engine) -> dict[str, Any]:
+    """What every row records of how it was computed: the backend, and the worker's torch threads (CPU
+    results are bitwise reproducible at a fixed count, which rounds differently from another;
+    ``resources.torch_threads`` pins it, docs/engine.md)."""
     import torch
 
-    return torch.get_num_threads()
+    return {"backend": engine.describe()["backend"], "torch_threads": torch.get_num_threads()}
 
 
 def _instrumentation(generation, engine) -> dict[str, Any]:
