@@ -652,7 +652,7 @@ def _domain_section(
                     "Paired fidelity tests against full cache and against EpiKV, on the samples of the table above (Δ of "
                     "per-sample means, descriptive; Wilcoxon signed-rank: differences within float32 rounding are tied and left "
                     "out, the signed ranks give the direction, the Hodges–Lehmann shift and the interval inverting the test; "
-                    "runs: the sweep runs, a resume counting as one, whose rows the pair reads, more than one where its "
+                    "runs: the sweep runs whose rows the pair reads (a resume is a run of its own), more than one where its "
                     f"sides were computed apart; {FAMILY_TEXT}):",
                     "",
                     markdown_table(shown, _FID_PAIRS, {"Δ KL (A−B)": 4, "HL shift": 4, "Δ top-1 (pts)": 1}),

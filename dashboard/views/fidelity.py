@@ -44,8 +44,8 @@ def section(ctx, budget: int) -> bool:
     if not pairs.empty:
         st.markdown("**Paired differences between methods**")
         st.caption(
-            "Each pair on the samples the two have, per domain (**runs**: the sweep runs, a resume counting as one, "
-            "whose rows it reads; more than one where its sides were computed apart): mean difference A − B of "
+            "Each pair on the samples the two have, per domain (**runs**: the sweep runs whose rows it reads, a "
+            "resume a run of its own; more than one where its sides were computed apart): mean difference A − B of "
             "per-sample KL (descriptive) "
             "and of top-1 agreement (95% bootstrap interval); **tied**: samples whose KLs differ by float32 rounding "
             "only, left out of **p (Wilcoxon)**, the two-sided signed-rank test of the KL differences, whose direction "
