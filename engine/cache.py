@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from kvleague.engine import deferred_reads
 from kvleague.engine.cache_layers import SlabLayer, held, slab_cache
 from kvleague.engine.compaction import Plan, fill_holes, row_order, shift_left
 from kvleague.engine.contract import CacheView, PerLayer, Phase
@@ -51,8 +52,10 @@ class BudgetedCache:
         self.bytes_per_slot = 0
         #: the slabs are rows of a batched slab (engine/decode.py): never reallocate them
         self.pinned = False
-        #: whether the last :meth:`evict` was decided by the method's ranking (not by the protocol alone)
-        self.ranked = False
+        #: evictions decided by the method's ranking (not by the protocol alone), counted as read
+        self.ranked_evictions = 0
+        #: tokens fed (prompt) so far: under ``protect_prompt`` every one of them stays in the cache
+        self.prompt_fed = 0
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -120,6 +123,7 @@ class BudgetedCache:
     def track(self, new_positions: torch.Tensor, prompt: bool) -> None:
         """Record the slots the last forward pass appended (call right after it)."""
         c = new_positions.shape[0]
+        self.prompt_fed += c if prompt else 0
         pos = new_positions.to(self.device).expand(*self._pos.shape[:-1], c)
         if c == 1 and not prompt:  # a decode step's: one constant, made once (cat copies it)
             if self._generated_flag is None or self._generated_flag.shape[:-1] != self._prompt.shape[:-1]:
@@ -166,13 +170,21 @@ class BudgetedCache:
     # -- eviction -------------------------------------------------------------------------------
 
     def evict(
-        self, scores: torch.Tensor, budget: int, protocol: Protocol, current_position: int, ordered: bool = True
+        self,
+        scores: torch.Tensor,
+        budget: int,
+        protocol: Protocol,
+        current_position: int,
+        ordered: bool = True,
+        keeps_fewer: bool = True,
     ) -> int:
         """Keep the ``budget`` best slots (protected ones first); return how many slots were dropped.
 
         A slot the method scores -inf is dropped even when fewer than ``budget`` slots then remain
         (protected slots excepted); every layer and KV head must then keep the same number of slots.
-        ``ordered=False`` lets the kept slots change order (see the module docstring)."""
+        ``ordered=False`` lets the kept slots change order (see the module docstring).
+        ``keeps_fewer=False`` (a method that never scores -inf, ``Needs.keeps_fewer``): the kept count
+        is known on the host, and the eviction's checks are read later (``deferred_reads``)."""
         length = self.length
         scores = self._normalise(scores, length).to(self.device)
         if scores.dim() == 1 and not self.uniform:
@@ -183,6 +195,8 @@ class BudgetedCache:
         window = in_window(pos, protocol, current_position, protocol.recent_for(budget))
         prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
         ranked = tiers(scores, window, prompt_tier)
+        if not keeps_fewer:
+            return self._evict_known(scores, ranked, window, prompt_tier, budget, protocol, pos, ordered)
         # -inf: the method asks for the slot to go even if the cache then holds fewer than B
         keepable = (ranked != float("-inf")).sum(dim=-1)
         # prompt slots, protected slots (most over layers and heads), fewest and most keepable, and
@@ -201,7 +215,6 @@ class BudgetedCache:
         check_protected(n_protected, budget, protocol)
         # prompt_over_budget "keep": the whole prompt stays even beyond B (then nothing else does)
         kept = max(budget, n_prompt)
-        self.ranked = False
         if kept >= length:
             return 0
         if fewest < kept:
@@ -211,19 +224,89 @@ class BudgetedCache:
                     "every layer and KV head of a cache holds the same number of slots"
                 )
             kept = fewest
-        self.ranked = ranking_decided(length, kept, n_protected)
-        keep = keep_top(ranked, kept, pos)  # shape of scores
-        budget = kept
-        order = self._move_kept(keep, budget, ordered)  # the old slot of every new slot
+        self.ranked_evictions += ranking_decided(length, kept, n_protected)
+        self._keep(keep_top(ranked, kept, pos), kept, ordered, deferred=False)
+        return length - kept
+
+    def _evict_known(self, scores, ranked, window, prompt_tier, budget: int, protocol: Protocol, pos, ordered) -> int:
+        """:meth:`evict` for a method that never scores -inf: every layer and head keeps
+        ``max(budget, prompt slots)`` (the prompt's slots are the fed ones, all kept, under
+        ``protect_prompt``), known on the host; the checks an eager read makes (a NaN score, protected
+        slots over the budget, a -inf score) and the ``ranked`` flag are posted, read with the host's
+        next read (:mod:`~engine.deferred_reads`)."""
+        length = self.length
+        kept = max(budget, self.prompt_fed if protocol.protect_prompt else 0)
+        n_protected = (window | prompt_tier).sum(dim=-1).max()
+        found = torch.stack(
+            [
+                torch.isnan(scores).any().long(),
+                n_protected,
+                ((ranked != float("-inf")).sum(dim=-1) < min(kept, length)).any().long(),
+            ]
+        )
+        self.post_checks(found, [budget], [min(kept, length)], [length], protocol, [self])
+        if kept >= length:
+            return 0
+        self._keep(keep_top(ranked, kept, pos), kept, ordered, deferred=True)
+        return length - kept
+
+    @staticmethod
+    def post_checks(found, budgets, kept, lengths, protocol: Protocol, caches: list[BudgetedCache]) -> None:
+        """Post ``found`` (``[3 * N]``: per cache, NaN, protected slots, a -inf score) to be read with
+        the host's next read, which then raises what an eager read would have, and counts the
+        evictions the method's ranking decided."""
+
+        def then(values: list[int]) -> None:
+            for r, c in enumerate(caches):
+                nan, n_protected, dropped = values[3 * r : 3 * r + 3]
+                if nan:
+                    raise KvleagueError("score: the method returned NaN scores")
+                check_protected(n_protected, budgets[r], protocol)
+                if dropped:
+                    raise KvleagueError(
+                        "score: -inf (must drop) from a method that does not declare Needs(keeps_fewer=True); "
+                        "a method that keeps fewer than B slots declares it"
+                    )
+                c.ranked_evictions += ranking_decided(lengths[r], kept[r], n_protected)
+
+        deferred_reads.post(found, then)
+
+    def _keep(self, keep: torch.Tensor, kept: int, ordered: bool, deferred: bool) -> None:
+        """Move the ``kept`` slots of ``keep`` to the front and cut the bookkeeping to them. Per-layer
+        or per-head masks: whether they agreed across heads and layers (the bookkeeping's layout) is
+        read now, or with ``deferred`` posted, the bookkeeping staying per layer until it is read."""
+        order = self._move_kept(keep, kept, ordered)  # the old slot of every new slot
         if keep.dim() == 1:  # one plan for every layer
             self._set(self._pos[:, order], self._prompt[:, order], True)
         else:
             pos, prompt = self._per_layer()
-            index = order[:, None, :].expand(self.n_layers, self.n_kv_heads, budget) if order.dim() == 2 else order
-            heads_same, layers_same = agreement(keep[None]).tolist()
-            self._finish(pos.gather(2, index), prompt.gather(2, index), heads_same[0], layers_same[0])
-        self._shrink(budget)
-        return length - budget
+            index = order[:, None, :].expand(self.n_layers, self.n_kv_heads, kept) if order.dim() == 2 else order
+            new_pos, new_prompt = pos.gather(2, index), prompt.gather(2, index)
+            if deferred:
+                self._finish_later(new_pos, new_prompt, agreement(keep[None])[:, 0], keep.dim() == 2)
+            else:
+                heads_same, layers_same = agreement(keep[None]).tolist()
+                self._finish(new_pos, new_prompt, heads_same[0], layers_same[0])
+        self._shrink(kept)
+
+    def _finish_later(self, pos: torch.Tensor, prompt: torch.Tensor, same: torch.Tensor, heads_known: bool) -> None:
+        """:meth:`_finish` with the agreement flags ``same`` (``[2]``: heads, layers) still on the
+        device: the bookkeeping is stored per layer now (it holds the same positions either way) and
+        collapsed as :meth:`_finish` would have when they are read. Nothing but appends (which add
+        one position to every layer and head) changes it before then: the decode loop reads what is
+        posted before its next eviction. ``heads_known``: ``[L, T]`` scores, whose heads agree."""
+        was_uniform, was_agreeing = self.uniform, self.heads_agree
+        self._set(pos, prompt, False)
+        self._heads_agree = was_agreeing and heads_known
+
+        def then(values: list[int]) -> None:
+            heads_same, layers_same = values
+            heads_agree = was_agreeing and bool(heads_same)
+            if was_uniform and heads_agree and layers_same:
+                self._set(self._pos[0].clone(), self._prompt[0].clone(), True)
+            self._heads_agree = heads_agree
+
+        deferred_reads.post(same, then)
 
     @property
     def heads_agree(self) -> bool:

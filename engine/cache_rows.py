@@ -63,6 +63,7 @@ def evict_rows(
     ordered: bool,
     kv: torch.Tensor,
     rows: list[int],
+    keeps_fewer: bool = True,
 ) -> list[int] | None:
     """:meth:`BudgetedCache.evict` for several caches at once, each the row ``rows[i]`` of the batched
     slabs ``kv`` (every layer's keys and values, ``[L, 2, N, H, capacity, d]``; ``decode.py``), each with
@@ -72,7 +73,9 @@ def evict_rows(
     and bookkeeping as evicting each on its own. Returns the dropped count per cache, or None
     (nothing changed) where the rows do not share one plan shape (different score shapes, a row whose
     heads or layers differ where its scores do not, a ``-inf`` score that would leave fewer than the
-    budget): the caller then evicts each alone."""
+    budget): the caller then evicts each alone. ``keeps_fewer=False`` (methods that never score
+    -inf): each row's count is known on the host and no read is made here; the checks, ``ranked`` and
+    the keep masks' agreement are posted (:meth:`BudgetedCache.evict`)."""
     first = caches[0]
     n = len(caches)
     dim = scores[0].dim()
@@ -119,27 +122,31 @@ def evict_rows(
     window = in_window(pos, protocol, current, recent) & valid
     prompt_tier = prompt if protocol.protect_prompt else torch.zeros_like(prompt)
     ranked = tiers(stacked, window, prompt_tier)
-    # per row: prompt slots, protected slots (most over layers and heads), fewest keepable, and whether
-    # a score is NaN: the one host read
-    counts = torch.stack(
-        [
-            prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values,
-            (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values,
-            ((ranked != float("-inf")) & valid).sum(dim=-1).reshape(n, -1).min(dim=1).values,
-            torch.isnan(stacked).reshape(n, -1).any(dim=1).long(),
+    n_protected = (window | prompt_tier).sum(dim=-1).reshape(n, -1).max(dim=1).values  # most over layers and heads
+    keepable = ((ranked != float("-inf")) & valid).sum(dim=-1).reshape(n, -1).min(dim=1).values  # fewest
+    nan = torch.isnan(stacked).reshape(n, -1).any(dim=1)
+    if keeps_fewer:
+        # per row: prompt slots, protected slots, fewest keepable, and whether a score is NaN: one host read
+        counts = torch.stack(
+            [prompt_tier.sum(dim=-1).reshape(n, -1).max(dim=1).values, n_protected, keepable, nan.long()]
+        ).tolist()
+        if any(counts[3]):
+            raise KvleagueError("score: the method returned NaN scores")
+        n_prompt = counts[0] if protocol.protect_prompt else [0] * n
+        kept = [max(b, p) for b, p in zip(budgets, n_prompt)]
+        if any(keepable < min(k, length) for keepable, k, length in zip(counts[2], kept, lengths)):
+            return None  # a -inf score asks for fewer slots than the budget: evict() settles that row by row
+        for protected, budget in zip(counts[1], budgets):
+            check_protected(protected, budget, protocol)
+        kept = [min(k, length) for k, length in zip(kept, lengths)]  # a row that keeps all drops nothing
+        for c, k, length, protected in zip(caches, kept, lengths, counts[1]):
+            c.ranked_evictions += ranking_decided(length, k, protected)
+    else:  # every row keeps max(budget, its fed slots under protect_prompt): known here
+        kept = [
+            min(max(b, c.prompt_fed if protocol.protect_prompt else 0), t) for b, c, t in zip(budgets, caches, lengths)
         ]
-    ).tolist()
-    if any(counts[3]):
-        raise KvleagueError("score: the method returned NaN scores")
-    n_prompt = counts[0] if protocol.protect_prompt else [0] * n
-    kept = [max(b, p) for b, p in zip(budgets, n_prompt)]
-    if any(keepable < min(k, length) for keepable, k, length in zip(counts[2], kept, lengths)):
-        return None  # a -inf score asks for fewer slots than the budget: evict() settles that row by row
-    for n_protected, budget in zip(counts[1], budgets):
-        check_protected(n_protected, budget, protocol)
-    kept = [min(k, length) for k, length in zip(kept, lengths)]  # a row that keeps all drops nothing
-    for c, k, length, n_protected in zip(caches, kept, lengths, counts[1]):
-        c.ranked = ranking_decided(length, k, n_protected)
+        found = torch.stack([nan.long(), n_protected, (keepable < torch.tensor(kept, device=device)).long()], dim=1)
+        BudgetedCache.post_checks(found, budgets, kept, lengths, protocol, caches)
     if kept == lengths:
         return [0] * n
     k_max = max(kept)
@@ -168,6 +175,11 @@ def evict_rows(
     else:
         at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, k_max) if order.dim() == 3 else order
         new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
+        if not keeps_fewer:  # the keep masks' agreement read later (BudgetedCache._finish_later)
+            same = agreement(keep)
+            for r, (c, row_pos, row_prompt) in enumerate(zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept))):
+                c._finish_later(row_pos, row_prompt, same[:, r], dim == 2)
+            return _truncated(caches, kept, lengths)
         heads_same, layers_same = agreement(keep).tolist()
         # a row that stays uniform keeps a copy of its first layer's: cut for the batch at once
         stays = any(c.uniform and h and l for c, h, l in zip(caches, heads_same, layers_same))
@@ -176,6 +188,11 @@ def evict_rows(
             zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept), firsts)
         ):
             c._finish(row_pos, row_prompt, heads_same[r], layers_same[r], first_layer)
+    return _truncated(caches, kept, lengths)
+
+
+def _truncated(caches: list[BudgetedCache], kept: list[int], lengths: list[int]) -> list[int]:
+    """Each cache's layers cut to its ``kept`` slots; the dropped count per cache."""
     for c, k in zip(caches, kept):
         for layer in c.slab_layers:
             layer.truncate(k)

@@ -22,9 +22,11 @@ prompt) are always kept, the rest of the budget goes to the highest-scoring evic
 cache tensors are physically gathered. Methods therefore never see or enforce the budget rules
 themselves; this keeps every method under identical rules within a run.
 
-**Keeping fewer than B.** A score of ``-inf`` means "must drop": when the engine evicts (the cache
-is above B), it drops every unprotected slot scored ``-inf`` even if the cache then holds fewer than
-B, and fills the rest of B from the other slots as usual. Protected slots stay whatever their score.
+**Keeping fewer than B.** A method that declares ``Needs(keeps_fewer=True)`` may score a slot
+``-inf``, meaning "must drop": when the engine evicts (the cache is above B), it drops every
+unprotected slot scored ``-inf`` even if the cache then holds fewer than B, and fills the rest of B
+from the other slots as usual. (Any other method keeps exactly B, a count known without reading
+the device; a ``-inf`` score from it is an error.) Protected slots stay whatever their score.
 The cache refills to B before the next eviction. Every layer and KV head must then keep the same
 number of slots (a ``[T]`` score always does; ``[L, T]`` / ``[L, H, T]`` scores whose ``-inf`` counts
 leave different numbers are an error). A method that never returns ``-inf`` always keeps exactly B
@@ -90,6 +92,11 @@ class Needs:
     #: the method relies on slots being in increasing position order (the default contract); set
     #: False for an order-free method to get the faster eviction path (see the module docstring)
     ordered_slots: bool = True
+    #: the method may score slots -inf (must drop), so that the cache keeps fewer than B ("Keeping
+    #: fewer than B" above): the engine then reads each eviction's counts from the device before
+    #: moving anything. Any other method keeps exactly B, a count the host knows, so an eviction
+    #: makes the host wait for nothing (``engine/deferred_reads.py``; a -inf score from it is an error)
+    keeps_fewer: bool = False
 
 
 @dataclass

@@ -52,6 +52,7 @@ from kvleague.engine.cache import BudgetedCache
 from kvleague.engine.cache_layers import SlabLayer, held
 from kvleague.engine.cache_rows import evict_rows, track_rows
 from kvleague.engine.contract import BatchCacheView, EvictionMethod, Observation, RowHidden
+from kvleague.engine.deferred_reads import DeferredReads
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import BatchAttentionRecorder, recording
 from kvleague.engine.protocol import GenerationSettings, Protocol
@@ -70,6 +71,7 @@ class Sequence(TypingProtocol):
     attn_implementation: str
     hidden_layers: list[int]
     ordered_slots: bool
+    keeps_fewer: bool
     next_position: int
     pending: list[int]
     generated: list[int]
@@ -198,6 +200,8 @@ class DecodeLoop(Generic[S]):
         #: captured per batch size: dropping a row would mean capturing anew)
         self.pad_finished = self.shared and self.backend.pads_finished_rows
         self.rows = _Rows()
+        #: what the steps' evictions leave to read later, read with the step's tokens
+        self.reads = DeferredReads()
         self.logits = torch.stack([self._check_joins(s) for s in sessions])
         #: each session's tokens of this decode
         self.tokens: dict[int, list[int]] = {i: [] for i in self.active}
@@ -314,6 +318,7 @@ class DecodeLoop(Generic[S]):
         while True:
             with self._observing():
                 waits = self._loop()
+            self.reads.flush()  # before a refill's prompt is fed, and at the end
             if not waits or not self._admit():
                 return
 
@@ -341,13 +346,15 @@ class DecodeLoop(Generic[S]):
             step_start = clock()
             live = [r for r in range(len(self.active)) if r not in self.dead]
             chosen = [0] * len(self.active)  # what a padding row is fed is never read
+            if self.scripts is not None or not settings.greedy:
+                self.reads.flush()  # the last eviction's, before a row's result is taken (greedy: with the tokens)
             if self.scripts is not None:
                 for r in live:
                     script, on_logits = self.scripts[self.active[r]]
                     chosen[r] = script[len(tokens[self.active[r]])]
                     on_logits(self.logits[r], chosen[r])
             elif settings.greedy:
-                chosen = suppressed(self.logits, settings).argmax(dim=-1).tolist()
+                chosen = self.reads.read(suppressed(self.logits, settings).argmax(dim=-1))
             else:
                 for r in live:
                     chosen[r] = self._session(self.active[r]).sample_token(self.logits[r], settings)
@@ -558,6 +565,12 @@ class DecodeLoop(Generic[S]):
         for r, s in sessions.items():
             if s.over_budget("decode"):
                 groups[type(s.method)].append(r)
+        if groups:
+            self.reads.flush()  # the last step's, where its tokens were not read (sampled, scripted)
+            with self.reads.active():
+                self._evict_groups(sessions, groups)
+
+    def _evict_groups(self, sessions: dict[int, S], groups: dict[type, list[int]]) -> None:
         for cls, members in groups.items():
             group = [sessions[r] for r in members]
             start = self.engine.mark()
@@ -577,7 +590,10 @@ class DecodeLoop(Generic[S]):
         (``cache_rows.evict_rows``) when their sessions share a protocol and slot contract (budgets and
         lengths may differ); False when they cannot (nothing changed: each evicts alone)."""
         s0 = group[0]
-        if not self.shared or any(s.protocol != s0.protocol or s.ordered_slots != s0.ordered_slots for s in group):
+        if not self.shared or any(
+            s.protocol != s0.protocol or (s.ordered_slots, s.keeps_fewer) != (s0.ordered_slots, s0.keeps_fewer)
+            for s in group
+        ):
             return False
         start = self.engine.mark()
         dropped = evict_rows(
@@ -589,6 +605,7 @@ class DecodeLoop(Generic[S]):
             s0.ordered_slots,
             self.kv,
             members,
+            keeps_fewer=s0.keeps_fewer,
         )
         if dropped is None:
             return False

@@ -81,6 +81,7 @@ class Session:
         per_pass = max(protocol.buffer + 1, protocol.prefill_chunk or 1)
         self.cache = engine.backend.new_cache(reserve=budget + per_pass)
         self.ordered_slots = needs.ordered_slots
+        self.keeps_fewer = needs.keeps_fewer
         self.generator = torch.Generator(device=engine.device).manual_seed(seed)
         self.hidden_layers = sorted(set(method.hidden_layers(engine.n_layers))) if needs.hidden_states else []
         wants_probe = needs.queries or needs.new_keys_values or needs.attention
@@ -114,7 +115,6 @@ class Session:
         self.method_time, self.selection_time = Spans(), Spans()
         self.evictions = 0
         self.evicted_tokens = 0
-        self.ranked_evictions = 0
         self.peak_entries = 0
         self.peak_kv_bytes = 0
         self.memory = PeakMemory(engine.device)
@@ -259,16 +259,20 @@ class Session:
         """Keep the best slots by ``scores`` (the engine's selection and moves), and book the time."""
         start = self.engine.mark()
         dropped = self.cache.evict(
-            scores, self.budget, self.protocol, self.next_position - 1, ordered=self.ordered_slots
+            scores,
+            self.budget,
+            self.protocol,
+            self.next_position - 1,
+            ordered=self.ordered_slots,
+            keeps_fewer=self.keeps_fewer,
         )
         self.book_eviction(dropped, scoring, (start, self.engine.mark(), 1.0))
 
     def book_eviction(self, dropped: int, scoring: tuple, selection: tuple) -> None:
-        """Count an eviction of this session's cache (``cache.ranked`` set by it) and its time: the
+        """Count an eviction of this session's cache and its time: the
         method's scoring and the engine's selection, each ``(start mark, end mark, this session's share)``."""
         self.evicted_tokens += dropped
         self.evictions += 1
-        self.ranked_evictions += self.cache.ranked
         self.method_time.add(*scoring)
         self.method_time.add(*selection)
         self.selection_time.add(*selection)
@@ -339,7 +343,7 @@ class Session:
             selection_seconds=self.selection_seconds,
             evictions=self.evictions,
             evicted_tokens=self.evicted_tokens,
-            ranked_evictions=self.ranked_evictions,
+            ranked_evictions=self.cache.ranked_evictions,
             peak_cache_entries=self.peak_entries,
             peak_kv_bytes=self.peak_kv_bytes,
             peak_memory_bytes=self.memory.peak,

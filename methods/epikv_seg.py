@@ -84,7 +84,7 @@ class EpiKVSeg(EpiKV):
     stevenkolawole/epiphany-kv-cache ``src/eviction.py`` ``KVSegHSEviction``.
     """
 
-    needs = Needs(hidden_states=True, new_keys_values=True)
+    needs = Needs(hidden_states=True, new_keys_values=True, keeps_fewer=True)
 
     segment: int = 128
     quotas: tuple[int, int, int] = (64, 32, 8)

@@ -68,7 +68,7 @@ class ThinKVAuthors(ScoresOnHost, ObservesTogether, EvictionMethod):
     Paper: ThinKV, arXiv 2510.01290, as adapted in stevenkolawole/epiphany-kv-cache ``src/eviction.py``.
     """
 
-    needs = Needs(attention=True, eager=True)
+    needs = Needs(attention=True, eager=True, keeps_fewer=True)
 
     segment: int = 128
     quotas: tuple[int, int, int] = (64, 32, 8)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from kvleague.engine.contract import EvictionMethod
+from kvleague.engine.contract import EvictionMethod, Needs
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
@@ -594,12 +594,16 @@ def test_lag_kv_key_equals_the_authors_semantics(engines, models, monkeypatch):
 class _DropOdd(EvictionMethod):
     """Asks to drop every odd position (-inf); the rest score by position."""
 
+    needs = Needs(keeps_fewer=True)
+
     def score(self, cache):
         positions = cache.token_positions.double()
         return torch.where(positions.remainder(2) == 1, float("-inf"), positions)
 
 
 class _DropOddInOneHead(EvictionMethod):
+    needs = Needs(keeps_fewer=True)
+
     def score(self, cache):
         scores = cache.positions[0].double()[None].repeat(len(cache.keys), 1, 1)
         scores[0, 0, :20] = float("-inf")  # one KV head of one layer asks for fewer slots than the others

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvleague.engine.batch import auto_batch_size
-from kvleague.engine.contract import CacheView, EvictionMethod
+from kvleague.engine.contract import CacheView, EvictionMethod, Needs
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import available_methods, build_method
@@ -305,6 +305,8 @@ def test_rows_of_one_method_apart_in_the_slab_evict_together(engines64, prompts,
 
 class _DropOddLate(EvictionMethod):
     """Scores by position, and after its first few evictions asks to drop every odd position (-inf)."""
+
+    needs = Needs(keeps_fewer=True)
 
     def reset(self, info):
         super().reset(info)

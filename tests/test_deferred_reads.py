@@ -1,0 +1,176 @@
+"""An eviction that makes the host wait for nothing (``engine/deferred_reads.py``, issue 49).
+
+A method that never scores -inf keeps exactly B, so its eviction's count is known on the host; its
+checks (NaN, protected slots over B, a -inf score), ``ranked`` flag and keep masks' agreement are
+read with the step's tokens. The oracle is the eager read path of the same engine (the method
+declared ``keeps_fewer``, read before moving anything, as every eviction did before): the same
+tokens, kept positions and counts, alone and batched, for methods scoring per token, per layer and
+per head, ordered and order-free. Then the reads themselves, counted: one per greedy step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvleague.engine.contract import EvictionMethod, Needs
+from kvleague.engine.deferred_reads import DeferredReads, post
+from kvleague.engine.errors import KvleagueError
+from kvleague.engine.protocol import GenerationSettings, Protocol
+from kvleague.methods import build_method
+from kvleague.methods.knorm import KeyNorm
+
+BUDGET = 12
+#: per token (knorm, epikv), per layer (lag_kv), per head (snapkv, h2o, tova); ordered and order-free
+METHODS = ("knorm", "epikv", "lag_kv", "snapkv", "h2o", "tova", "rkv")
+PROTOCOLS = {
+    "sinks": Protocol(sink=2, recent=3),
+    "prompt kept": Protocol(protect_prompt=True, prompt_over_budget="keep", cadence="buffer=2", recent=2),
+}
+
+
+def _read_eagerly(method):
+    """``method`` with every eviction read before it moves anything (the path of a -inf method)."""
+    method.needs = dataclasses.replace(method.needs, keeps_fewer=True)
+    return method
+
+
+def _same(oracle, result) -> None:
+    assert result.token_ids == oracle.token_ids
+    assert result.kept_positions == oracle.kept_positions
+    for name in ("evictions", "evicted_tokens", "ranked_evictions", "peak_cache_entries"):
+        assert getattr(result, name) == getattr(oracle, name), name
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+@pytest.mark.parametrize("name", METHODS)
+def test_deferred_evictions_equal_the_eager_read_alone_and_batched(engines, prompt_ids, name, protocol):
+    engine = engines["llama"]
+    proto = PROTOCOLS[protocol]
+    settings = GenerationSettings(max_new_tokens=14)
+    prompts = [prompt_ids[:9], prompt_ids[3:23], prompt_ids[5:32]]
+    deferred = [engine.generate(p, build_method(name), BUDGET, proto, settings) for p in prompts]
+    eager = [engine.generate(p, _read_eagerly(build_method(name)), BUDGET, proto, settings) for p in prompts]
+    for oracle, result in zip(eager, deferred):
+        _same(oracle, result)
+    assert sum(r.evictions for r in deferred) > 0
+    assert sum(r.ranked_evictions for r in deferred) > 0
+    batched = engine.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, proto, settings)
+    eager_batched = engine.generate_batch(
+        prompts, [_read_eagerly(build_method(name)) for _ in prompts], BUDGET, proto, settings
+    )
+    for oracle, result in zip(eager_batched, batched):
+        _same(oracle, result)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("name", ["full", "knorm", "snapkv", "h2o", "tova"])
+def test_a_greedy_step_reads_the_device_once(engines, prompt_ids, name, batch):
+    """Every read of a device value on the host while the sequences decode (``tolist``, ``item``,
+    ``cpu``, ``bool``): the tokens' read per step, and nothing else (the eager read path made two or
+    three per step: the eviction's counts, and per-head masks' agreement)."""
+    from tests.host_syncs import HostSyncs
+
+    engine = engines["llama"]
+    steps = 12
+    sessions = [engine.session(build_method(name), BUDGET, Protocol(sink=2, recent=3)) for _ in range(batch)]
+    for i, s in enumerate(sessions):
+        s.__enter__()
+        s.feed(prompt_ids[i : i + 20])
+    from kvleague.engine.decode import DecodeLoop
+
+    loop = DecodeLoop(engine, sessions, GenerationSettings(max_new_tokens=steps))
+    try:
+        with HostSyncs() as spy:
+            loop.run()
+    finally:
+        for s in sessions:
+            s.__exit__(None, None, None)
+    reads = [(op, where) for op, where in spy.found if op in ("tolist", "item", "cpu", "_local_scalar_dense")]
+    evictions = sessions[0].evictions
+    assert name == "full" or evictions >= steps - 1
+    # the first step's tokens come from the prompt's logits; each later step reads its own once
+    assert len(reads) <= steps, reads
+    assert all("decode.py" in where or "deferred_reads.py" in where for _, where in reads), reads
+
+
+class _NaNLate(KeyNorm):
+    """knorm, with one NaN score from the fourth eviction on (batched too: not knorm's vectorised score)."""
+
+    score_batch = classmethod(EvictionMethod.score_batch.__func__)
+
+    def reset(self, info):
+        super().reset(info)
+        self.calls = 0
+
+    def score(self, cache):
+        self.calls += 1
+        scores = super().score(cache).clone()
+        if self.calls > 3:
+            scores[..., 1] = float("nan")
+        return scores
+
+
+class _MinusInfUndeclared(KeyNorm):
+    """knorm asking to drop every slot but two (-inf) without declaring ``keeps_fewer``."""
+
+    score_batch = classmethod(EvictionMethod.score_batch.__func__)
+
+    def score(self, cache):
+        scores = super().score(cache).clone()
+        scores[..., 2:] = float("-inf")
+        return scores
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_what_the_eviction_reads_later_is_still_refused(engines, prompt_ids, batch):
+    """A NaN score found at a decode step, protected slots over the budget and an undeclared -inf
+    are each refused in one line, alone and batched, though read a step later."""
+    engine = engines["llama"]
+    prompts = [prompt_ids[i : i + 20] for i in range(batch)]
+    settings = GenerationSettings(max_new_tokens=12)
+
+    def run(make, budget=BUDGET, protocol=None):
+        engine.generate_batch(prompts, [make() for _ in prompts], budget, protocol or Protocol(), settings)
+
+    with pytest.raises(KvleagueError, match="score: the method returned NaN scores"):
+        run(_NaNLate)
+    with pytest.raises(KvleagueError, match=r"declare Needs\(keeps_fewer=True\)"):
+        run(_MinusInfUndeclared)
+    # declared, the same scores keep fewer than B
+    declared = type("Declared", (_MinusInfUndeclared,), {"needs": Needs(keeps_fewer=True)})
+    result = engine.generate(prompts[0], declared(), BUDGET, Protocol(), settings)
+    assert result.evictions > 0 and all(len(row) < BUDGET for row in result.kept_positions)
+    # a 10-token prompt kept whole and a recent window of 3: 13 protected slots at the first eviction
+    prompts = [p[:10] for p in prompts]
+    with pytest.raises(KvleagueError, match="13 protected tokens"):
+        run(lambda: build_method("knorm"), protocol=Protocol(protect_prompt=True, recent=3))
+
+
+def test_posts_are_read_in_one_copy_with_the_read_the_host_makes(monkeypatch):
+    """Three posts and a read: one ``tolist``, the callbacks in order with their own values; a post
+    with none active is read at once."""
+    calls = []
+    real = torch.Tensor.tolist
+
+    def counted(self):
+        calls.append(self.numel())
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    reads = DeferredReads()
+    got = []
+    with reads.active():
+        post(torch.tensor([1, 2]), lambda v: got.append(("a", v)))
+        post(torch.tensor(True), lambda v: got.append(("b", v)))
+    reads.post(torch.tensor([[7, 8], [9, 10]]), lambda v: got.append(("c", v)))
+    assert reads.pending and got == [] and calls == []
+    assert reads.read(torch.tensor([5, 6, 7])) == [5, 6, 7]
+    assert calls == [3 + 2 + 1 + 4] and reads.reads == 1
+    assert got == [("a", [1, 2]), ("b", [1]), ("c", [7, 8, 9, 10])]
+    reads.flush()  # nothing posted: no read
+    assert calls == [10]
+    post(torch.tensor([4]), lambda v: got.append(("now", v)))
+    assert got[-1] == ("now", [4]) and calls == [10, 1]
