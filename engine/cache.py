@@ -283,28 +283,40 @@ class BudgetedCache:
             index = order[:, None, :].expand(self.n_layers, self.n_kv_heads, kept) if order.dim() == 2 else order
             new_pos, new_prompt = pos.gather(2, index), prompt.gather(2, index)
             if deferred:
-                self._finish_later(new_pos, new_prompt, agreement(keep[None])[:, 0], keep.dim() == 2)
+                self.finish_later([self], [(new_pos, new_prompt)], agreement(keep[None]), keep.dim() == 2)
             else:
                 heads_same, layers_same = agreement(keep[None]).tolist()
                 self._finish(new_pos, new_prompt, heads_same[0], layers_same[0])
         self._shrink(kept)
 
-    def _finish_later(self, pos: torch.Tensor, prompt: torch.Tensor, same: torch.Tensor, heads_known: bool) -> None:
-        """:meth:`_finish` with the agreement flags ``same`` (``[2]``: heads, layers) still on the
+    @staticmethod
+    def finish_later(
+        caches: Sequence[BudgetedCache],
+        rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        same: torch.Tensor,
+        heads_known: bool,
+        firsts: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        """:meth:`_finish` for each cache with its new ``(positions, prompt flags)`` while the
+        agreement flags ``same`` (``[2, N]``: heads, layers; :func:`agreement`) are still on the
         device: the bookkeeping is stored per layer now (it holds the same positions either way) and
-        collapsed as :meth:`_finish` would have when they are read. Nothing but appends (which add
-        one position to every layer and head) changes it before then: the decode loop reads what is
-        posted before its next eviction. ``heads_known``: ``[L, T]`` scores, whose heads agree."""
-        was_uniform, was_agreeing = self.uniform, self.heads_agree
-        self._set(pos, prompt, False)
-        self._heads_agree = was_agreeing and heads_known
+        collapsed as :meth:`_finish` would have when they are read, in one post for the caches. Nothing
+        but appends (one position added to every layer and head) changes it before then: the decode
+        loop reads what is posted before its next eviction. ``heads_known``: ``[L, T]`` scores, whose
+        heads agree. ``firsts``: a copy of each row's first layer made already (a batch's, made for
+        every row at once), which a cache that stays uniform keeps."""
+        before = [(c.uniform, c.heads_agree) for c in caches]
+        for c, (pos, prompt), (_, agreeing) in zip(caches, rows, before):
+            c._set(pos, prompt, False)
+            c._heads_agree = agreeing and heads_known
 
         def then(values: list[int]) -> None:
-            heads_same, layers_same = values
-            heads_agree = was_agreeing and bool(heads_same)
-            if was_uniform and heads_agree and layers_same:
-                self._set(self._pos[0].clone(), self._prompt[0].clone(), True)
-            self._heads_agree = heads_agree
+            n = len(caches)
+            for r, (c, (uniform, agreeing)) in enumerate(zip(caches, before)):
+                heads_agree = agreeing and bool(values[r])
+                if uniform and heads_agree and values[n + r]:
+                    c._set(*(firsts[r] if firsts is not None else (c._pos[0].clone(), c._prompt[0].clone())), True)
+                c._heads_agree = heads_agree
 
         deferred_reads.post(same, then)
 

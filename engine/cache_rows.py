@@ -175,10 +175,15 @@ def evict_rows(
     else:
         at = order[:, :, None, :].expand(n, first.n_layers, first.n_kv_heads, k_max) if order.dim() == 3 else order
         new_pos, new_prompt = full_pos.gather(3, at), full_prompt.gather(3, at)
-        if not keeps_fewer:  # the keep masks' agreement read later (BudgetedCache._finish_later)
-            same = agreement(keep)
-            for r, (c, row_pos, row_prompt) in enumerate(zip(caches, _rows(new_pos, kept), _rows(new_prompt, kept))):
-                c._finish_later(row_pos, row_prompt, same[:, r], dim == 2)
+        if not keeps_fewer:  # the keep masks' agreement read later; a uniform row's first layer copied now
+            rows_kept = list(zip(_rows(new_pos, kept), _rows(new_prompt, kept)))
+            uniform = any(c.uniform for c in caches)
+            firsts = (
+                list(zip(_rows(new_pos[:, 0].clone(), kept), _rows(new_prompt[:, 0].clone(), kept)))
+                if uniform
+                else None
+            )
+            BudgetedCache.finish_later(caches, rows_kept, agreement(keep), dim == 2, firsts)
             return _truncated(caches, kept, lengths)
         heads_same, layers_same = agreement(keep).tolist()
         # a row that stays uniform keeps a copy of its first layer's: cut for the batch at once

@@ -39,7 +39,7 @@ class DeferredReads:
         return bool(self._posted)
 
     def post(self, values: torch.Tensor, then: Then) -> None:
-        self._posted.append((values.reshape(-1).long(), then))
+        self._posted.append((_flat(values), then))
 
     def read(self, now: torch.Tensor) -> list[int]:
         """``now.tolist()`` (a 1-D integer tensor), everything posted read in the same copy; the
@@ -49,7 +49,7 @@ class DeferredReads:
         if not posted:
             self.reads += 1
             return now.tolist()
-        parts = [now.reshape(-1).long(), *(v.to(now.device) for v, _ in posted)]
+        parts = [_flat(now), *(v if v.device == now.device else v.to(now.device) for v, _ in posted)]
         values = torch.cat(parts).tolist()
         self.reads += 1
         cut = parts[0].numel()
@@ -74,10 +74,16 @@ class DeferredReads:
             _active.reset(token)
 
 
+def _flat(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a 1-D integer tensor (no op where it is one)."""
+    values = values if values.dim() == 1 else values.reshape(-1)
+    return values if values.dtype == torch.long else values.long()
+
+
 def post(values: torch.Tensor, then: Then) -> None:
     """Post ``values`` to the active :class:`DeferredReads`, or read them now where none is active."""
     reads = _active.get()
     if reads is None:
-        then(values.reshape(-1).tolist())
+        then(_flat(values).tolist())
     else:
         reads.post(values, then)

@@ -204,9 +204,11 @@ def test_step_ops_counts_the_host_work_around_the_captured_step(tiny_models):
     full = count(engine, "full", 1, 16, prompt, 4)
     h2o = count(engine, "h2o", 2, 16, prompt, 4)
     assert full["host_reads_per_step"] == 0 and h2o["host_reads_per_step"] > 0 and h2o["evictions"] == 5
-    # every step copies its chosen tokens to the host (5 tokens over the 4 steps counted); an
-    # eviction copies its counts as well
-    assert full["to_host_per_step"] == 5 / 4 and h2o["to_host_per_step"] >= 2
+    # every step copies its chosen tokens to the host (5 tokens over the 4 steps counted), and that
+    # is all: an eviction's checks ride on that copy (engine/deferred_reads.py; h2o's host read is
+    # the CPU's own, where the first dropped slot is, which the GPU's path does not make)
+    assert full["to_host_per_step"] == 5 / 4 and h2o["to_host_per_step"] == 5 / 4
+    assert count(engine, "h2o", 2, 16, prompt, 4, as_gpu=True)["host_reads_per_step"] == 0
 
     class All(TorchDispatchMode):
         n = 0
