@@ -83,17 +83,13 @@ def test_a_greedy_step_reads_the_device_once(engines, prompt_ids, name, batch):
     steps = 12
     sessions = [engine.session(build_method(name), BUDGET, Protocol(sink=2, recent=3)) for _ in range(batch)]
     for i, s in enumerate(sessions):
-        s.__enter__()
-        s.feed(prompt_ids[i : i + 20])
+        with s:
+            s.feed(prompt_ids[i : i + 20])
     from kvleague.engine.decode import DecodeLoop
 
     loop = DecodeLoop(engine, sessions, GenerationSettings(max_new_tokens=steps))
-    try:
-        with HostSyncs() as spy:
-            loop.run()
-    finally:
-        for s in sessions:
-            s.__exit__(None, None, None)
+    with HostSyncs() as spy:
+        loop.run()
     reads = [(op, where) for op, where in spy.found if op in ("tolist", "item", "cpu", "_local_scalar_dense")]
     evictions = sessions[0].evictions
     assert name == "full" or evictions >= steps - 1
