@@ -87,6 +87,13 @@ class HFBackend:
         """An empty KV store whose slabs hold ``reserve`` slots before they grow."""
         return BudgetedCache(self.model.config, self.n_layers, self.n_kv_heads, self.device, reserve=reserve)
 
+    def take_slab(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """Zeroed slabs for a batch (``decode.py``); a backend that captures steps reuses them."""
+        return like.new_zeros(shape)
+
+    def give_slab(self, slab: torch.Tensor, tenants=()) -> None:
+        """A batch is done with ``slab`` (``tenants``: sequences that may still be bound to its rows)."""
+
     def empty_batch_cache(self):
         """A cache object to hang batched slab layers on (``decode.py``)."""
         from transformers import DynamicCache

@@ -259,7 +259,7 @@ class DecodeLoop(Generic[S]):
         # every layer's K and V in one tensor, so that an eviction moves the kept slots of all of them
         # with one gather (cache_rows.evict_rows); zeros, not empty: a padded slot is masked, but 0 x NaN
         # garbage would still be NaN
-        self.kv = first.new_zeros((self.engine.n_layers, 2, n, first.shape[1], capacity, first.shape[-1]))
+        self.kv = self.backend.take_slab((self.engine.n_layers, 2, n, first.shape[1], capacity, first.shape[-1]), first)
         self.capacity = capacity
         for r in range(n):
             self._copy_in(r)
@@ -297,11 +297,22 @@ class DecodeLoop(Generic[S]):
             self._session(self.active[r]).cache.length
             for r in (keep_rows if keep_rows is not None else range(len(self.active)))
         )
-        kv = self.kv if index is None else self.kv.index_select(2, index)
-        if capacity != kv.shape[-2]:
-            grown = kv.new_zeros((*kv.shape[:-2], capacity, kv.shape[-1]))
-            grown.narrow(-2, 0, longest).copy_(kv.narrow(-2, 0, longest))
-            kv = grown
+        old = self.kv
+        if index is None and capacity == old.shape[-2]:
+            kv = old
+        else:
+            kv = self.backend.take_slab(
+                (
+                    *old.shape[:2],
+                    len(index) if index is not None else old.shape[2],
+                    *old.shape[3:-2],
+                    capacity,
+                    old.shape[-1],
+                ),
+                old,
+            )
+            kept = old if index is None else old.index_select(2, index)
+            kv.narrow(-2, 0, longest).copy_(kept.narrow(-2, 0, longest))
         for l, layer in enumerate(self.cache.layers):
             layer.bind(kv[l, 0], kv[l, 1])
         if keep_rows is not None:
@@ -310,6 +321,11 @@ class DecodeLoop(Generic[S]):
             self.logits = self.logits.index_select(0, index)
         self.kv, self.capacity = kv, capacity
         self._bind_rows()
+        if kv is not old:  # the dropped rows' sequences may still be bound to theirs
+            self.backend.give_slab(old, self._tenants())
+
+    def _tenants(self) -> list[BudgetedCache]:
+        return [s.cache for s in self.sessions if s is not None]
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -320,6 +336,8 @@ class DecodeLoop(Generic[S]):
                 waits = self._loop()
             self.reads.flush()  # before a refill's prompt is fed, and at the end
             if not waits or not self._admit():
+                if self.shared:  # the sequences stay bound to their rows until the slabs' next owner
+                    self.backend.give_slab(self.kv, self._tenants())
                 return
 
     def feed(self, token_ids: list[int]) -> None:

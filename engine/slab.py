@@ -23,16 +23,17 @@ and the forward pass:
 * **CUDA graphs** (:class:`GraphedStep`, only on CUDA): every decode step is captured once per
   (batch, capacity, kernel, observed layers, slab addresses) and replayed: tokens, RoPE positions,
   write slots and the mask are static device buffers filled before each replay; K/V are written at
-  device-held slots. The graph holds no slab, only its key their addresses: a finished session's
-  memory is freed, and a later one whose slabs land at the same addresses replays the graph. What a
+  device-held slots. The graph holds no slab, only its key their addresses; slabs come from the
+  backend's pool (``slab_pool.py``), so the next session or batch of a shape gets a finished one's
+  slabs and replays its graphs (up to ``max_graphs`` kept, sharing one CUDA memory pool). What a
   method observes inside the step (hidden states, queries, new K/V, attention weights) is tapped
   during the capture (:class:`_Tap`): the tapped tensors live in the graph's memory, each replay
   rewrites them, and after it the backend hands copies to the hooks and the recorder that asked, so
   every method's steps are captured. Prefill and every step on the CPU run eagerly;
   :meth:`SlabBackend.describe` counts which path ran (``decode_steps``: ``eager`` / ``graph`` /
   ``static``) and the captures with their seconds. The method's scoring and the engine's top-k
-  selection run eagerly between steps on either path (they synchronize with the host to decide how
-  many slots to keep).
+  selection run eagerly between steps on either path (for a method that never scores -inf without
+  a host read: ``deferred_reads.py``).
 
 Methods that read attention rows get them from the attention wrapper (``probe.py``) over the valid
 slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s per-row lengths).
@@ -40,7 +41,9 @@ slots of the slab (``AttentionRecorder.kv_length``, ``BatchAttentionRecorder``'s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -58,6 +61,7 @@ from kvleague.engine.eager import Rows
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import AttentionRecorder, active_recorder, recording
 from kvleague.engine.resources import device_clock
+from kvleague.engine.slab_pool import SlabPool
 
 
 class FixedSlabLayer(SlabLayer):
@@ -68,11 +72,14 @@ class FixedSlabLayer(SlabLayer):
     slots: torch.Tensor | None = None
     #: free slots are attended over (masked), and 0 x NaN garbage would still be NaN
     zeroed = True
-    #: the store's reallocation of every layer at once (``SlabStore._grow``, False: this layer alone)
-    grow_all: Callable[[int, torch.Tensor], bool] | None = None
+    #: the store's reallocation of every layer at once (``SlabStore._grow``, False: this layer alone),
+    #: held weakly: a store is freed (and its slabs go back to the pool) when its last user lets go,
+    #: not at the next cycle collection
+    grow_all: weakref.WeakMethod | None = None
 
     def resize(self, capacity: int) -> None:
-        if self.grow_all is None or not self.grow_all(capacity, self.buffers[0]):
+        grow_all = self.grow_all() if self.grow_all is not None else None
+        if grow_all is None or not grow_all(capacity, self.buffers[0]):
             super().resize(capacity)
 
     def planned(self, needed: int) -> int:
@@ -128,8 +135,19 @@ class SlabStore(BudgetedCache):
     Every layer's K and V are views of one ``[L, 2, 1, H, capacity, d]`` tensor (``kv``), grown
     together, so an eviction moves the kept slots of all layers with one gather."""
 
-    def __init__(self, config, n_layers: int, n_kv_heads: int, device: torch.device, reserve: int | None = None):
+    def __init__(
+        self,
+        config,
+        n_layers: int,
+        n_kv_heads: int,
+        device: torch.device,
+        reserve: int | None = None,
+        pool: SlabPool | None = None,
+    ):
         super().__init__(config, n_layers, n_kv_heads, device, reserve)
+        #: where its slabs come from and go back to (the backend's): a captured step replays over them
+        self.pool = pool
+        self._give_back: weakref.finalize | None = None  # the slabs go back to the pool when the store dies
         cache = DynamicCache(config=config)
         if any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise KvleagueError(
@@ -142,13 +160,14 @@ class SlabStore(BudgetedCache):
         cache.layers = layers
         self.cache = cache
         for layer in self.slab_layers:
-            layer.grow_all = self._grow
+            layer.grow_all = weakref.WeakMethod(self._grow)
         self.kv: torch.Tensor | None = None
         self._kv_views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _grow(self, capacity: int, like: torch.Tensor) -> bool:
-        """Reallocate every layer's slabs as views of one tensor of ``capacity`` slots, keeping what they
-        hold; False (nothing done) where a layer's shape differs from ``like``'s (``[1, H, *, d]``)."""
+    def _grow(self, capacity: int, like: torch.Tensor, fresh: bool = False) -> bool:
+        """Reallocate every layer's slabs as views of one tensor of ``capacity`` slots (from the pool,
+        unless ``fresh``), keeping what they hold; False (nothing done) where a layer's shape differs
+        from ``like``'s (``[1, H, *, d]``). The slabs it held of its own go back to the pool."""
         layers = self.slab_layers
         shape = (*like.shape[:-2], like.shape[-1])
         if any(
@@ -156,7 +175,8 @@ class SlabStore(BudgetedCache):
             for layer in layers
         ):
             return False
-        kv = like.new_zeros((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
+        size = (len(layers), 2, *like.shape[:-2], capacity, like.shape[-1])
+        kv = self.pool.take(size, like) if self.pool is not None and not fresh else like.new_zeros(size)
         for l, layer in enumerate(layers):
             n = layer._nk if layer.is_initialized and layer._k is not None and layer._k.dim() == 4 else 0
             if n:
@@ -164,8 +184,34 @@ class SlabStore(BudgetedCache):
                 kv[l, 0].narrow(-2, 0, n).copy_(k.narrow(-2, 0, n))
                 kv[l, 1].narrow(-2, 0, n).copy_(v.narrow(-2, 0, n))
             layer.bind(kv[l, 0], kv[l, 1], n)
-        self.kv, self._kv_views = kv, [layer.buffers for layer in layers]
+        self._own(kv)
+        self._kv_views = [layer.buffers for layer in layers]
+        self.pinned = False
         return True
+
+    def _own(self, kv: torch.Tensor | None) -> None:
+        """Hold ``kv`` (or none) as its own slabs; the ones it held go back to the pool, as ``kv`` will
+        when the store dies."""
+        old, self.kv = self.kv, kv
+        if self._give_back is not None:
+            self._give_back.detach()
+            self._give_back = None
+        if self.pool is None:
+            return
+        if old is not None and old is not kv:
+            self.pool.give(old)
+        if kv is not None:
+            self._give_back = weakref.finalize(self, self.pool.give, kv)
+
+    def move_out(self, slab: torch.Tensor) -> None:
+        """Copy what this store holds in ``slab`` (rows of a finished batch's slabs it is still bound
+        to, which the pool hands to a new owner) to slabs of its own (``SlabPool.take``)."""
+        first = self.slab_layers[0]
+        if not first.is_initialized or first._k is None:
+            return
+        if first._k.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr():
+            return
+        self._grow(first.capacity, first._k, fresh=True)
 
     @property
     def slab_layers(self) -> list[FixedSlabLayer]:
@@ -175,7 +221,8 @@ class SlabStore(BudgetedCache):
         """As ``BudgetedCache.adopt``; the slabs of its own are let go (a finished sequence of a
         continuous batch would otherwise keep its prefill's slabs until the batch ends)."""
         super().adopt(layers)
-        self.kv, self._kv_views = None, []
+        self._own(None)
+        self._kv_views = []
 
     def slabs(self) -> torch.Tensor | None:
         """``kv`` while every layer's slabs are still its views (a batched decode rebinds them to its
@@ -248,13 +295,18 @@ class SlabBackend(HFBackend):
         #: graphs captured (off CUDA: captured bodies first run) and the seconds their warm-up and
         #: capture took, device synchronized around them: what a run pays once per new shape or slab
         self.captures, self.capture_seconds = 0, 0.0
-        #: the (batch, capacity) shapes captured: a run captures each once at best (one live graph now)
+        #: the (batch, capacity) shapes captured: a run captures each once at best
         self.capture_shapes: set[tuple[int, int]] = set()
         #: the hidden-state callbacks of the ``observing`` contexts now open: (layers, on_hidden)
         self._observers: list[tuple[tuple[int, ...], Any]] = []
         #: while a captured step's body runs: where its hooks and attention calls leave what they saw
         self._tap: _Tap | None = None
-        self._graphed: dict[tuple, GraphedStep] = {}
+        #: the captured steps, the most recently used last, at most ``max_graphs`` (their slabs come
+        #: from ``pool``, so the next sequences of a shape replay them)
+        self._graphed: OrderedDict[tuple, GraphedStep] = OrderedDict()
+        self.max_graphs = 16
+        self.pool = SlabPool()
+        self._graph_pool = None
 
     @property
     def pads_finished_rows(self) -> bool:
@@ -270,10 +322,26 @@ class SlabBackend(HFBackend):
             "graph_captures": self.captures,
             "graph_capture_shapes": len(self.capture_shapes),
             "graph_capture_seconds": round(self.capture_seconds, 6),
+            **self.pool.describe(),
         }
 
     def new_cache(self, reserve: int) -> SlabStore:
-        return SlabStore(self.model.config, self.n_layers, self.n_kv_heads, self.device, reserve=reserve)
+        return SlabStore(
+            self.model.config, self.n_layers, self.n_kv_heads, self.device, reserve=reserve, pool=self.pool
+        )
+
+    def take_slab(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        return self.pool.take(shape, like)
+
+    def give_slab(self, slab: torch.Tensor, tenants=()) -> None:
+        self.pool.give(slab, tenants)
+
+    def graph_pool(self):
+        """The one memory pool every captured step allocates in (each step's outputs are copied out
+        before another step replays, so the graphs may share their scratch memory)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def batch_layer(self, keys: torch.Tensor, values: torch.Tensor, rows) -> FixedBatchSlabLayer:
         return FixedBatchSlabLayer(keys, values, rows)
@@ -403,8 +471,11 @@ class SlabBackend(HFBackend):
         )
         step = self._graphed.get(key)
         if step is None:
-            self._graphed = {key: GraphedStep(self, n, capacity)}  # one live graph (its private memory freed with it)
-            step = self._graphed[key]
+            step = self._graphed[key] = GraphedStep(self, n, capacity)
+            while len(self._graphed) > self.max_graphs:
+                self._graphed.popitem(last=False)
+        else:
+            self._graphed.move_to_end(key)
         logits = step.run(
             cache,
             token_ids,
@@ -539,7 +610,7 @@ class GraphedStep:
             self._body(cache, _Tap())
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=self.backend.graph_pool()):
             self.logits = self._body(cache, self.tap)
         self.graph.replay()
         return self.logits.clone()

@@ -333,6 +333,7 @@ def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pa
     init = slab_module.GraphedStep.__init__
     monkeypatch.setattr(slab_module.GraphedStep, "__init__", lambda self, *a: captures.append(a[1]) or init(self, *a))
     slab.backend.graphs = True
+    slab.backend._graphed.clear()  # an earlier test's graphs of these shapes would replay
     before = slab.describe()["graph_captures"]
     try:
         batched = slab.generate_batch(
@@ -348,8 +349,9 @@ def test_finished_rows_stay_as_padding_so_a_batch_captures_about_log2_n_times(pa
 
 
 def test_a_sequence_bound_to_a_batch_row_lets_its_own_slabs_go(pairs, prompts):
-    """A fed sequence joining a batch is copied into its row; its own slabs are freed then, not when
-    the batch ends (a continuous batch's finished sequences would hold a prefill's slabs each)."""
+    """A fed sequence joining a batch is copied into its row; its own slabs go then, not when the
+    batch ends (a continuous batch's finished sequences would hold a prefill's slabs each): back to
+    the backend's pool, which keeps one slab of a shape for the next sequence and lets the rest go."""
     import gc
     import weakref
 
@@ -362,7 +364,11 @@ def test_a_sequence_bound_to_a_batch_row_lets_its_own_slabs_go(pairs, prompts):
             session.feed(prompt)
     own = [weakref.ref(s.cache.kv) for s in sessions]
     assert all(r() is not None for r in own)
+    slab.backend.pool.clear()
     loop = DecodeLoop(slab, sessions, GenerationSettings(max_new_tokens=3))
+    gc.collect()
+    assert all(s.cache.kv is None for s in sessions) and [r() is None for r in own] == [False, True]
+    slab.backend.pool.clear()
     gc.collect()
     assert all(r() is None for r in own)
     loop.run()
@@ -417,8 +423,8 @@ def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pa
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
 def test_a_live_graph_keeps_no_finished_session_s_slabs_alive(pairs, prompts, monkeypatch, batched):
     """The graph reads and writes the slabs by address, its key holds those addresses, and nothing in
-    it holds the slabs: once the sessions end their memory is free (and a new session whose slabs
-    land at the same addresses replays the graph instead of capturing anew)."""
+    it holds the slabs: once the sessions end, only the backend's pool holds theirs (for the next
+    sessions of their shapes, which replay the graph instead of capturing anew), and emptied, nothing."""
     import gc
     import weakref
 
@@ -449,6 +455,7 @@ def test_a_live_graph_keeps_no_finished_session_s_slabs_alive(pairs, prompts, mo
             )
     finally:
         slab.backend.graphs = False
+    slab.backend.pool.clear()
     gc.collect()
     assert slab.backend._graphed and seen  # a graph is live, and it ran over these slabs
     assert all(ref() is None for ref in seen)

@@ -42,6 +42,7 @@ counts grow with layers; they do not depend on the weights). It takes about a mi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -162,6 +163,9 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
                 counter.to_host += 1
             return func(*args, **(kwargs or {}))
 
+    # the last count's sessions are cyclic garbage (this function's classes hold them): collected now,
+    # so that slabs they were bound to are handed on without moving them out inside the counted steps
+    gc.collect()
     counter = Counter()
     sessions = [engine.session(build_method(name), budget, Protocol()) for _ in range(batch)]
     loops: list[DecodeLoop] = []
