@@ -42,7 +42,6 @@ counts grow with layers; they do not depend on the weights). It takes about a mi
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -163,9 +162,6 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
                 counter.to_host += 1
             return func(*args, **(kwargs or {}))
 
-    # the last count's sessions are cyclic garbage (this function's classes hold them): collected now,
-    # so that slabs they were bound to are handed on without moving them out inside the counted steps
-    gc.collect()
     counter = Counter()
     sessions = [engine.session(build_method(name), budget, Protocol()) for _ in range(batch)]
     loops: list[DecodeLoop] = []
@@ -227,7 +223,7 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
     kv = slab_tensors()[-1]
     slot_bytes = kv.shape[0] * kv.shape[3] * kv.shape[5] * 2 * kv.element_size()
     evicted = sum(s.evicted_tokens for s in sessions) - evictions
-    return {
+    row = {
         "method": name,
         "batch_size": batch,
         "ops_per_step": counter.ops / steps,
@@ -240,6 +236,11 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
         "moved_bytes_per_step": counter.moved / steps,
         "moved_ratio": counter.moved / max(evicted * slot_bytes, 1),
     }
+    # this function's classes hold its closures, a cycle: let go of the sessions now, so that the slabs
+    # they were bound to are handed on as they would be, not moved out inside the next count's steps
+    sessions.clear()
+    loops.clear()
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
