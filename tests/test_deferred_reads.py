@@ -72,30 +72,48 @@ def test_deferred_evictions_equal_the_eager_read_alone_and_batched(engines, prom
         _same(oracle, result)
 
 
+@pytest.fixture(scope="module")
+def slab(tiny_models):
+    """The slab backend (the GPU's path) over tiny llama, on its captured body's path."""
+    from kvleague.runner.models import load_engine
+
+    engine = load_engine(str(tiny_models["llama"]), backend="slab")
+    engine.eos_ids = set()
+    engine.backend.graphs = True
+    return engine
+
+
 @pytest.mark.parametrize(("name", "batch"), [("full", 1), ("knorm", 4), ("snapkv", 1), ("h2o", 4), ("tova", 4)])
-def test_a_greedy_step_reads_the_device_once(engines, prompt_ids, name, batch):
-    """Every read of a device value on the host while the sequences decode (``tolist``, ``item``,
-    ``cpu``, ``bool``): the tokens' read per step, and nothing else (the eager read path made two or
-    three per step: the eviction's counts, and per-head masks' agreement)."""
+@pytest.mark.parametrize("reads", ["deferred", "eager"])
+def test_a_greedy_step_reads_the_device_once(slab, prompt_ids, name, batch, reads, monkeypatch):
+    """Every wait of the host on a device value while the sequences decode on the slab backend
+    (``tolist``, ``item``, ``cpu``, ``nonzero``, ...): the tokens' read per step, and nothing else.
+    The eager read path (the method declared ``keeps_fewer``) makes two or three per step: the
+    eviction's counts, and per-head masks' agreement. As a GPU runs it: a batch's ordered eviction
+    moves every kept slot (the CPU's shortcut reads where the first dropped one is)."""
+    import kvleague.engine.cache_rows as cache_rows
+    from kvleague.engine.decode import DecodeLoop
     from tests.host_syncs import HostSyncs
 
-    engine = engines["llama"]
+    monkeypatch.setattr(cache_rows, "first_dropped", lambda keep: 0)
     steps = 12
-    sessions = [engine.session(build_method(name), BUDGET, Protocol(sink=2, recent=3)) for _ in range(batch)]
+    make = (lambda: build_method(name)) if reads == "deferred" else (lambda: _read_eagerly(build_method(name)))
+    sessions = [slab.session(make(), BUDGET, Protocol(sink=2, recent=3)) for _ in range(batch)]
     for i, s in enumerate(sessions):
         with s:
             s.feed(prompt_ids[i : i + 20])
-    from kvleague.engine.decode import DecodeLoop
-
-    loop = DecodeLoop(engine, sessions, GenerationSettings(max_new_tokens=steps))
+    loop = DecodeLoop(slab, sessions, GenerationSettings(max_new_tokens=steps))
     with HostSyncs() as spy:
         loop.run()
-    reads = [(op, where) for op, where in spy.found if op in ("tolist", "item", "cpu", "_local_scalar_dense")]
-    evictions = sessions[0].evictions
-    assert name == "full" or evictions >= steps - 1
-    # the first step's tokens come from the prompt's logits; each later step reads its own once
-    assert len(reads) <= steps, reads
-    assert all("decode.py" in where or "deferred_reads.py" in where for _, where in reads), reads
+    # what makes the host wait (not a tensor built from host data, ``lift_fresh``: a copy to the device)
+    waits = [where for op, where in spy.found if op != "aten.lift_fresh"]
+    assert name == "full" or sessions[0].evictions >= steps - 1
+    tokens = [w for w in waits if "deferred_reads.py" in w]
+    assert len(tokens) == steps, waits  # each of the 12 tokens read once (the first from the prompt's logits)
+    if reads == "deferred" or name == "full":
+        assert waits == tokens
+    else:
+        assert len(waits) >= 2 * (steps - 1), waits
 
 
 class _OneByOne(KeyNorm):
