@@ -344,6 +344,7 @@ class DecodeLoop(Generic[S]):
         """One step over given tokens, one per session (a previous decode's pending last token)."""
         with self._observing():
             self.step(token_ids)
+        self.reads.flush()  # what its eviction posted: no token read follows in this loop
 
     def _observing(self) -> ExitStack:
         stack = ExitStack()

@@ -72,6 +72,27 @@ def test_deferred_evictions_equal_the_eager_read_alone_and_batched(engines, prom
         _same(oracle, result)
 
 
+@pytest.mark.parametrize("name", ["snapkv", "tova"])
+def test_a_turn_s_pending_token_evicts_as_the_eager_read_does(engines, prompt_ids, name):
+    """Multi-turn: the next turn first feeds the last decode's pending token through a one-step loop
+    (``Session.flush_pending``), whose eviction is deferred too: what it posted is read before the
+    loop is let go (its ranked count, per-head masks' agreement), as the eager read path counts."""
+    engine = engines["llama"]
+
+    def turns(method):
+        with engine.session(method, BUDGET, Protocol(sink=1, recent=2)) as session:
+            session.feed(prompt_ids[:20])
+            session.decode(GenerationSettings(max_new_tokens=6))
+            evictions = session.evictions
+            session.flush_pending()
+            assert session.evictions == evictions + 1  # the pending token's feed evicted
+            session.feed(prompt_ids[20:26])
+            session.decode(GenerationSettings(max_new_tokens=6))
+            return session.result()
+
+    _same(turns(_read_eagerly(build_method(name))), turns(build_method(name)))
+
+
 @pytest.fixture(scope="module")
 def slab(tiny_models):
     """The slab backend (the GPU's path) over tiny llama, on its captured body's path."""
