@@ -24,7 +24,7 @@ from kvleague.engine.compaction import Plan, fill_holes, row_order, shift_left
 from kvleague.engine.contract import CacheView, PerLayer, Phase
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import Protocol
-from kvleague.engine.selection import agreement, check_protected, in_window, keep_top, ranking_decided, tiers
+from kvleague.engine.selection import agreement, check_read, in_window, keep_top, ranking_decided, tiers
 
 #: ordered removal of at most this many slots per head moves the tail in place (CPU memmove)
 _MEMMOVE_MAX = 16
@@ -210,9 +210,7 @@ class BudgetedCache:
                 torch.isnan(scores).any().long(),
             ]
         ).tolist()
-        if nan:
-            raise KvleagueError("score: the method returned NaN scores")
-        check_protected(n_protected, budget, protocol)
+        check_read(nan, n_protected, budget, protocol)
         # prompt_over_budget "keep": the whole prompt stays even beyond B (then nothing else does)
         kept = max(budget, n_prompt)
         if kept >= length:
@@ -259,9 +257,7 @@ class BudgetedCache:
         def then(values: list[int]) -> None:
             for r, c in enumerate(caches):
                 nan, n_protected, dropped = values[3 * r : 3 * r + 3]
-                if nan:
-                    raise KvleagueError("score: the method returned NaN scores")
-                check_protected(n_protected, budgets[r], protocol)
+                check_read(nan, n_protected, budgets[r], protocol)
                 if dropped:
                     raise KvleagueError(
                         "score: -inf (must drop) from a method that does not declare Needs(keeps_fewer=True); "

@@ -145,12 +145,14 @@ def evict_rows(
         kept = [
             min(max(b, c.prompt_fed if protocol.protect_prompt else 0), t) for b, c, t in zip(budgets, caches, lengths)
         ]
-        found = torch.stack([nan.long(), n_protected, (keepable < torch.tensor(kept, device=device)).long()], dim=1)
+    kept_t = torch.tensor(kept, device=device)  # one copy to the device
+    if not keeps_fewer:
+        found = torch.stack([nan.long(), n_protected, (keepable < kept_t).long()], dim=1)
         BudgetedCache.post_checks(found, budgets, kept, lengths, protocol, caches)
     if kept == lengths:
         return [0] * n
     k_max = max(kept)
-    keep_n = torch.tensor(kept, device=device).view(n, *lead)
+    keep_n = kept_t.view(n, *lead)
     keep = keep_top(ranked, keep_n, pos)  # [N, (L, (H,)) t]; padding never kept
     order = row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
     contiguous = rows == list(range(rows[0], rows[0] + n))

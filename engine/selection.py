@@ -29,6 +29,13 @@ def tiers(scores: torch.Tensor, window: torch.Tensor, prompt_tier: torch.Tensor)
     return torch.where(prompt_tier, float("inf"), ranked)
 
 
+def check_read(nan: int, n_protected: int, budget: int, protocol: Protocol) -> None:
+    """What an eviction read of its scores refuses: a NaN score, protected slots over the budget."""
+    if nan:
+        raise KvleagueError("score: the method returned NaN scores")
+    check_protected(n_protected, budget, protocol)
+
+
 def check_protected(n_protected: int, budget: int, protocol: Protocol) -> None:
     if n_protected > budget and protocol.prompt_over_budget != "keep":
         raise KvleagueError(
