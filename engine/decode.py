@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 from typing import Protocol as TypingProtocol
@@ -498,6 +498,7 @@ class DecodeLoop(Generic[S]):
     def step(self, token_ids: list[int]) -> None:
         """Forward one token per slab row, and for each live row track it, let the methods observe,
         evict where over budget (a padding row's token is fed and nothing else)."""
+        self.reads.flush()  # an earlier step's, where no token read followed it (sampled, scripted)
         sessions = [self._session(i) for i in self.active]
         lengths = [s.cache.length for s in sessions]
         # the tokens, absolute positions and cache lengths of every row: one copy to the device
@@ -555,10 +556,14 @@ class DecodeLoop(Generic[S]):
         for cls, members in groups.items():
             start = self.engine.mark()
             observations = [self._observation(r, sessions[r], positions[r], tokens[r]) for r in members]
-            if len(members) == 1:
-                sessions[members[0]].method.observe(observations[0])
-            else:
-                cls.observe_batch([sessions[r].method for r in members], observations)
+            # what a method posts waits for the next read where this step's eviction protects the new
+            # tokens (a recent window): their own scores are not ranked before then
+            later = all(sessions[r].protocol.recent_for(sessions[r].budget) >= 1 for r in members)
+            with self.reads.active() if later else nullcontext():
+                if len(members) == 1:
+                    sessions[members[0]].method.observe(observations[0])
+                else:
+                    cls.observe_batch([sessions[r].method for r in members], observations)
             end = self.engine.mark()
             for r in members:
                 sessions[r].method_time.add(start, end, 1 / len(members))
@@ -585,7 +590,6 @@ class DecodeLoop(Generic[S]):
             if s.over_budget("decode"):
                 groups[type(s.method)].append(r)
         if groups:
-            self.reads.flush()  # the last step's, where its tokens were not read (sampled, scripted)
             with self.reads.active():
                 self._evict_groups(sessions, groups)
 

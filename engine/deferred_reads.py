@@ -7,10 +7,15 @@ checks (a NaN score, too many protected tokens, a ``-inf`` score from a method t
 keeps fewer than B), its ``ranked`` flag and whether its layers' and heads' keep masks agreed are
 needed only later. :meth:`DeferredReads.post` holds such a value with what to do with it;
 :meth:`DeferredReads.read` reads a tensor the host needs now and everything posted in one copy, then
-runs the callbacks. The decode loop posts only its steps' evictions here, reads its tokens through it, and flushes it
-before its next eviction and at its end, so a greedy step makes one read, and what a callback
+runs the callbacks. The decode loop posts its steps' evictions here, reads its tokens through it, and flushes it
+before its next step and at its end, so a greedy step makes one read, and what a callback
 changes has changed only by appends since it was posted. Anywhere else (:func:`post` with none
 active: a prompt's evictions) a posted value is read at once.
+
+A method may post what it observes at a decode step (:func:`post_floats`) where the step's newest
+tokens' own scores are all that waits on it: the loop takes such posts only where the protocol's
+recent window protects those tokens at the step's own eviction, so their scores are first ranked
+after the read (the EpiKV family's and KV-key / KV-val's frozen scores).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import numpy as np
 import torch
 
 Then = Callable[[list[int]], None]
@@ -74,10 +80,29 @@ class DeferredReads:
             _active.reset(token)
 
 
+@contextmanager
+def now() -> Iterator[None]:
+    """Posts inside are read at once, whatever is active (a method that ranks what it posts at the
+    step's own eviction)."""
+    token = _active.set(None)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
 def _flat(values: torch.Tensor) -> torch.Tensor:
     """``values`` as a 1-D integer tensor (no op where it is one)."""
     values = values if values.dim() == 1 else values.reshape(-1)
     return values if values.dtype == torch.long else values.long()
+
+
+def post_floats(values: torch.Tensor, then: Callable[[np.ndarray], None]) -> None:
+    """:func:`post` of float64 ``values``: ``then`` gets them as a float64 array of ``values``' shape,
+    every bit as on the device (carried as int64 in the one copy)."""
+    values = values.to(torch.float64).contiguous()
+    shape = tuple(values.shape)
+    post(values.view(torch.int64), lambda bits: then(np.array(bits, dtype=np.int64).view(np.float64).reshape(shape)))
 
 
 def post(values: torch.Tensor, then: Then) -> None:

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from kvleague.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, batch_hidden
+from kvleague.engine.deferred_reads import post_floats
 from kvleague.engine.errors import KvleagueError
-from kvleague.methods.kernels import PositionTable, read_tables
+from kvleague.methods.kernels import PositionTable
 from kvleague.methods.registry import register_method
 
 #: added to the score of a ``value_reserve`` token: far above any z-score difference (|z| < sqrt(W))
@@ -289,49 +290,43 @@ class EpiKVFamily(EvictionMethod):
             return total / len(group)
 
         # reference: every layer's d (a Python sum in layer order below); else each group's mean. With
-        # the positions, one copy to the host (float64 holds each exactly)
+        # the positions, one copy to the host (float64 holds each exactly), read with the step's tokens
+        # where the loop allows (see ``post_floats``): the new tokens' scores are frozen then
         columns = [distance[layer] for layer in layers] if reference else [mean(first.group_a), mean(first.group_b)]
         positions = torch.stack([o.new_positions for o in observations])[:, -1]
-        host = torch.stack([c.double() for c in columns] + [positions.to(columns[0].device).double()]).tolist()
-        if reference:
-            row = {layer: host[k] for k, layer in enumerate(layers)}
-
-            def change(group: list[int]) -> list[float]:
-                return [sum(col) / len(group) for col in zip(*(row[layer] for layer in group))]
-
-            d_a, d_b = change(first.group_a), change(first.group_b)
-        else:
-            d_a, d_b = host[0], host[1]
         rows = {layer: h.unbind(0) for layer, h in newest.items()}  # as _remember
-        for i, (method, position) in enumerate(zip(methods, host[-1])):
-            method._push_one(int(position), d_a[i], d_b[i])
+        for i, method in enumerate(methods):
             for layer, row in rows.items():
                 method.previous[layer] = row[i]
 
+        def push(host: np.ndarray) -> None:
+            if reference:
+                row = {layer: host[k].tolist() for k, layer in enumerate(layers)}
+
+                def change(group: list[int]) -> list[float]:
+                    return [sum(col) / len(group) for col in zip(*(row[layer] for layer in group))]
+
+                d_a, d_b = change(first.group_a), change(first.group_b)
+            else:
+                d_a, d_b = host[0].tolist(), host[1].tolist()
+            for method, position, a, b in zip(methods, host[-1].tolist(), d_a, d_b):
+                method._push_one(int(position), a, b)
+
+        post_floats(torch.stack([c.double() for c in columns] + [positions.to(columns[0].device).double()]), push)
+
     def token_scores(self, cache: CacheView) -> torch.Tensor:
-        """The frozen scores of the cached tokens, float64 ``[T]`` on the CPU."""
-        return self.table.read(cache.token_positions)
+        """The frozen scores of the cached tokens, float64 ``[T]`` on the cache's device (no host read);
+        ``fill`` for a token still to be frozen (the newest, read later: see ``_observe_decode``)."""
+        return self.table.read(cache.token_positions, cache.current_position)
 
     def score(self, cache: CacheView) -> torch.Tensor:
         scores = self.token_scores(cache)
         return self.apply_value_reserve(scores, cache)
 
-    @classmethod
-    def score_batch(cls, methods, caches) -> list[torch.Tensor]:
-        """Equal-length caches, no value reserve: every row's cached positions come to the host in one
-        copy (not one per row), then each reads its own frozen scores, as ``score`` does."""
-        if (
-            cls.score is not EpiKVFamily.score
-            or cls.token_scores is not EpiKVFamily.token_scores
-            or not caches.equal_lengths
-            or any(m.value_reserve for m in methods)
-        ):
-            return super().score_batch(methods, caches)
-        return read_tables([method.table for method in methods], caches.views)
-
     def apply_value_reserve(self, scores: torch.Tensor, cache: CacheView) -> torch.Tensor:
         if self.value_reserve == 0:
             return scores
+        scores = scores.cpu()
         generated = ~cache.is_prompt[0][0].cpu()
         n = min(self.value_reserve, int(generated.sum()))
         if n == 0:

@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 
 from kvleague.engine.contract import BatchCacheView, CacheView, Needs, Observation, SequenceInfo
+from kvleague.engine.deferred_reads import now
 from kvleague.methods.epikv import EpiKV
 from kvleague.methods.kernels import (
     PositionTable,
@@ -110,7 +111,8 @@ class EpiKVSeg(EpiKV):
         self.key_var = PositionTable()
 
     def observe(self, obs: Observation) -> None:
-        super().observe(obs)
+        with now():  # its eviction ranks the new token's score among the others' at once
+            super().observe(obs)
         self._observe_variance(obs)
 
     @classmethod
@@ -118,7 +120,8 @@ class EpiKVSeg(EpiKV):
         """The EpiKV family's batched signals, then each sequence's key variances."""
         if cls.observe is not EpiKVSeg.observe:
             return super().observe_batch(methods, observations)
-        EpiKV._observe_signals(methods, observations)
+        with now():
+            EpiKV._observe_signals(methods, observations)
         for method, obs in zip(methods, observations):
             method._observe_variance(obs)
 
@@ -126,6 +129,10 @@ class EpiKVSeg(EpiKV):
         if self.selection == "fill":  # the authors' selection reads the variances from the cache instead
             assert obs.new_keys is not None, "needs.new_keys_values is declared"
             self.key_var.write(obs.new_positions, key_variance(obs.new_keys))
+
+    def token_scores(self, cache: CacheView) -> torch.Tensor:
+        """The frozen EpiKV scores on the host, where the selection ranks them."""
+        return self.table.read_host(cache.token_positions.cpu())
 
     def _recent(self, budget: int) -> int:
         return self.recent_window if self.recent_window is not None else min(128, budget // 4)

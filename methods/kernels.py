@@ -27,14 +27,25 @@ from kvleague.engine.contract import (
     stacked_layers,
 )
 
+#: keep a :class:`PositionTable`'s mirror on the CPU too (as on a GPU): how tests and ``bench
+#: step_ops`` run and count the GPU's path of :meth:`PositionTable.read`
+MIRROR_ON_CPU = False
+
 
 class PositionTable:
-    """A float64 value per absolute position, growing by doubling (O(1) amortised appends)."""
+    """A float64 value per absolute position, growing by doubling (O(1) amortised appends).
+
+    Written on the host; :meth:`read` reads it where the positions are: on a GPU from a mirror there,
+    which a read first brings up to date (the values written one by one since, each a scalar fill;
+    after a bulk :meth:`write`, the whole table once), so reading makes the host wait for nothing."""
 
     def __init__(self, fill: float = 0.0):
         self.fill = fill
-        self.data = torch.full((1024,), fill, dtype=torch.float64)
-        self._array = None  # a numpy view of ``data`` (see ``write_one``)
+        self._array = np.full(1024, fill)  # the memory of ``data``, read and written by numpy (``write_one``)
+        self.data = torch.from_numpy(self._array)
+        self._mirror: torch.Tensor | None = None
+        #: written since the mirror was last brought up to date: (position, value), or None for "all"
+        self._unsent: list[tuple[int, float]] | None = []
 
     def _grow(self, positions: torch.Tensor) -> None:
         self.reserve(int(positions.max()))
@@ -42,36 +53,59 @@ class PositionTable:
     def reserve(self, position: int) -> None:
         """Make room for every position up to ``position``."""
         if position >= self.data.shape[0]:
-            grown = torch.full((max(position + 1, 2 * self.data.shape[0]),), self.fill, dtype=torch.float64)
-            grown[: self.data.shape[0]] = self.data
-            self.data = grown
+            grown = np.full(max(position + 1, 2 * self.data.shape[0]), self.fill)
+            grown[: self.data.shape[0]] = self.data.numpy()
+            self._array, self.data = grown, torch.from_numpy(grown)
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self._grow(positions)
         self.data[positions.cpu()] = values.to(torch.float64).cpu()
+        self._unsent = None
 
     def write_one(self, position: int, value: float) -> None:
         """``write`` of one value (the batched decode path)."""
         self.array(position)[position] = value
+        if self._mirror is not None and self._unsent is not None:
+            self._unsent.append((position, value))
 
     def array(self, top: int) -> np.ndarray:
         """The table as a numpy array, room made for every position up to ``top``: reads and writes
-        through it are the table's, without a torch op (valid until the table grows again)."""
+        through it are the table's, without a torch op (valid until the table grows again; what is
+        written through it is not mirrored: :meth:`read` is for tables written by ``write`` /
+        ``write_one``)."""
         self.reserve(top)
-        # made again whenever ``data`` is not where it points (grown, or a copied table, whose copied
-        # view would point at the original's)
+        # made again where ``data`` is not where it points (a copied table's would point at the original's)
         array = self._array
-        if array is None or array.ctypes.data != self.data.data_ptr():
+        if array.ctypes.data != self.data.data_ptr():
             self._array = array = self.data.numpy()
         return array
 
     def read(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
-        """The values at ``positions`` (on any device); ``fill`` at positions never written (past the
-        table's end too). ``top``: the largest of ``positions`` when the caller knows it (no host read here)."""
-        return self.read_host(positions.cpu(), top)
+        """The values at ``positions`` on their device; ``fill`` at positions never written. ``top``: the
+        largest of ``positions`` or more where the caller knows it (else read here, from the device)."""
+        if positions.numel():
+            self.reserve(int(positions.max()) if top is None else top)
+        if positions.device.type == "cpu" and not MIRROR_ON_CPU:
+            return self.data[positions]
+        return self._mirrored(positions.device)[positions]
+
+    def _mirrored(self, device: torch.device) -> torch.Tensor:
+        """The table on ``device``, up to date."""
+        mirror, size = self._mirror, self.data.shape[0]
+        if mirror is None or mirror.device != device or self._unsent is None:
+            mirror = self.data.to(device, copy=True)  # the first read, or after a bulk write
+        else:
+            if mirror.shape[0] < size:
+                grown = torch.full((size,), self.fill, dtype=torch.float64, device=device)
+                grown[: mirror.shape[0]] = mirror
+                mirror = grown
+            for position, value in self._unsent:
+                mirror[position] = value  # a scalar: no copy from the host
+        self._mirror, self._unsent = mirror, []
+        return mirror
 
     def read_host(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
-        """:meth:`read` of positions already on the host (no copy)."""
+        """The values at ``positions`` on the host (no copy); ``top`` as :meth:`read`, else read here."""
         if positions.numel():
             self.reserve(int(positions.max()) if top is None else top)
         return self.data[positions]
@@ -88,13 +122,6 @@ def positions_on_host(views, with_prompt: bool = False) -> tuple[torch.Tensor, i
     host = positions.cpu()
     top = host[:, 0] if with_prompt else host
     return host, (int(top.max()) if top.numel() else None)
-
-
-def read_tables(tables: list[PositionTable], views) -> list[torch.Tensor]:
-    """Each table's values at the token positions of its cache view (equal lengths): every view's
-    positions come to the host in one copy, and one host read sizes every table."""
-    positions, top = positions_on_host(views)
-    return [table.read_host(row, top) for table, row in zip(tables, positions)]
 
 
 def newest_on_host(

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from kvleague.engine.contract import CacheView, EvictionMethod, Needs, Observation, SequenceInfo, stacked_layers
-from kvleague.methods.kernels import PositionTable, read_tables
+from kvleague.engine.deferred_reads import post_floats
+from kvleague.methods.kernels import PositionTable
 from kvleague.methods.registry import register_method
 
 
@@ -78,22 +79,20 @@ class RollingVariance(EvictionMethod):
         new = torch.stack([stacked_layers(o.new_keys if tensor == "keys" else o.new_values) for o in observations])
         per_layer = new[..., 0, :].var(dim=-1).mean(dim=-1)  # [n, L]
         positions = torch.stack([o.new_positions for o in observations]).to(per_layer.device)  # [n, 1]
-        host = torch.cat([per_layer.double(), positions.double()], dim=1).tolist()  # float64 holds each exactly
-        for method, row in zip(methods, host):
-            values, position = row[:-1], int(row[-1])
-            method.series.append(sum(values) / len(values))
-            # the float32 tensor observe writes
-            method.table.write_one(position, float(np.float32(sum(method.series) / len(method.series))))
+
+        def push(host: np.ndarray) -> None:
+            for method, row in zip(methods, host.tolist()):
+                values, position = row[:-1], int(row[-1])
+                method.series.append(sum(values) / len(values))
+                # the float32 tensor observe writes
+                method.table.write_one(position, float(np.float32(sum(method.series) / len(method.series))))
+
+        # float64 holds each exactly; read with the step's tokens where the loop allows (``post_floats``)
+        post_floats(torch.cat([per_layer.double(), positions.double()], dim=1), push)
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        return self.table.read(cache.token_positions)
-
-    @classmethod
-    def score_batch(cls, methods, caches) -> list[torch.Tensor]:
-        """Equal-length caches: every row's positions to the host in one copy, then each its own table, as ``score``."""
-        if cls.score is not RollingVariance.score or not caches.equal_lengths:
-            return super().score_batch(methods, caches)
-        return read_tables([method.table for method in methods], caches.views)
+        """The frozen scores on the cache's device (no host read); ``fill`` for a token still to be frozen."""
+        return self.table.read(cache.token_positions, cache.current_position)
 
 
 @register_method("kv_val")

@@ -93,6 +93,89 @@ def test_a_turn_s_pending_token_evicts_as_the_eager_read_does(engines, prompt_id
     _same(turns(_read_eagerly(build_method(name))), turns(build_method(name)))
 
 
+def _at_once(values, then):
+    """``post_floats`` as the methods read before: the values now."""
+    then(values.to(torch.float64).cpu().numpy())
+
+
+@pytest.mark.parametrize(
+    ("name", "protocol"),
+    [
+        ("epikv", Protocol.preset("epikv_paper")),
+        ("epikv_bands", Protocol(sink=2, recent=3)),
+        ("hs_variance", Protocol(sink=1, recent=1, cadence="buffer=2")),
+        ("kv_val", Protocol.preset("epikv_paper")),
+        ("epikv", Protocol(sink=2)),  # no recent window: the new token's own eviction ranks it
+        ("kv_key", Protocol(sink=2)),
+        # its quotas rank the new token among the others (with no window of its own): it reads at once
+        (
+            ("epikv_seg", {"recent_window": 0, "segment": 4, "quotas": (2, 1, 0), "selection": "fill"}),
+            Protocol(recent=3),
+        ),
+    ],
+)
+def test_scores_frozen_a_step_later_equal_those_frozen_at_once(engines, prompt_ids, name, protocol, monkeypatch):
+    """The EpiKV family's and KV-key / KV-val's decode signals ride on the next step's token read, and
+    their scores are read from the table's mirror (as on a GPU): the same tokens, kept positions and
+    counts as reading the signals at once, alone and batched. Without a recent window the loop reads
+    at once (a deferred read would rank the new token by the table's fill: the test then fails)."""
+    from kvleague.methods import epikv, kernels, kv_variance
+
+    engine = engines["llama"]
+    name, params = name if isinstance(name, tuple) else (name, {})
+    settings = GenerationSettings(max_new_tokens=14)
+    prompts = [prompt_ids[:9], prompt_ids[3:23], prompt_ids[5:32]]
+    budget = 16  # room for generated tokens beside the shortest prompt kept whole
+
+    def run():
+        alone = [engine.generate(p, build_method(name, params), budget, protocol, settings) for p in prompts]
+        batch = [build_method(name, params) for _ in prompts]
+        return alone, engine.generate_batch(prompts, batch, budget, protocol, settings)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kernels, "MIRROR_ON_CPU", True)
+        deferred, deferred_batched = run()
+    for module in (epikv, kv_variance):
+        monkeypatch.setattr(module, "post_floats", _at_once)
+    at_once, at_once_batched = run()
+    for oracle, result in zip(at_once + at_once_batched, deferred + deferred_batched):
+        _same(oracle, result)
+    assert sum(r.ranked_evictions for r in deferred) > 0
+
+
+def test_a_table_s_mirror_follows_its_writes():
+    """``PositionTable.read`` from the mirror (a GPU's path) equals the host table after writes one by
+    one, a bulk write and growth past the first 1,024 positions; ``fill`` where never written."""
+    import numpy as np
+
+    from kvleague.methods import kernels
+
+    table = kernels.PositionTable(fill=float("inf"))
+    ref = np.full(3000, float("inf"))
+    rng = np.random.default_rng(0)
+    positions = torch.arange(3000)
+    for step, position in enumerate(rng.permutation(2500)[:400].tolist()):
+        value = float(rng.normal())
+        table.write_one(position, value)
+        ref[position] = value
+        if step % 37 == 0:  # a read between writes brings the mirror up to date
+            kernels.MIRROR_ON_CPU = True
+            try:
+                assert table.read(positions, 2999).tolist() == ref.tolist()
+                if step == 74:
+                    bulk = torch.tensor([5, 1500, 2600])
+                    table.write(bulk, torch.tensor([1.5, -2.0, 3.25]))
+                    ref[bulk.numpy()] = [1.5, -2.0, 3.25]
+            finally:
+                kernels.MIRROR_ON_CPU = False
+    assert table.read(positions, 2999).tolist() == ref.tolist()  # the host table itself
+    kernels.MIRROR_ON_CPU = True
+    try:
+        assert table.read(positions, 2999).tolist() == ref.tolist()
+    finally:
+        kernels.MIRROR_ON_CPU = False
+
+
 @pytest.fixture(scope="module")
 def slab(tiny_models):
     """The slab backend (the GPU's path) over tiny llama, on its captured body's path."""
@@ -104,19 +187,25 @@ def slab(tiny_models):
     return engine
 
 
-@pytest.mark.parametrize(("name", "batch"), [("full", 1), ("knorm", 4), ("snapkv", 1), ("h2o", 4), ("tova", 4)])
+@pytest.mark.parametrize(
+    ("name", "batch"),
+    [("full", 1), ("knorm", 4), ("snapkv", 1), ("h2o", 4), ("tova", 4), ("epikv", 1), ("epikv", 4), ("kv_key", 4)],
+)
 @pytest.mark.parametrize("reads", ["deferred", "eager"])
 def test_a_greedy_step_reads_the_device_once(slab, prompt_ids, name, batch, reads, monkeypatch):
     """Every wait of the host on a device value while the sequences decode on the slab backend
     (``tolist``, ``item``, ``cpu``, ``nonzero``, ...): the tokens' read per step, and nothing else.
     The eager read path (the method declared ``keeps_fewer``) makes two or three per step: the
     eviction's counts, and per-head masks' agreement. As a GPU runs it: a batch's ordered eviction
-    moves every kept slot (the CPU's shortcut reads where the first dropped one is)."""
+    moves every kept slot (the CPU's shortcut reads where the first dropped one is), and frozen
+    scores are read from their table's mirror on the device."""
     import kvleague.engine.cache_rows as cache_rows
     from kvleague.engine.decode import DecodeLoop
+    from kvleague.methods import kernels
     from tests.host_syncs import HostSyncs
 
     monkeypatch.setattr(cache_rows, "first_dropped", lambda keep: 0)
+    monkeypatch.setattr(kernels, "MIRROR_ON_CPU", True)
     steps = 12
     make = (lambda: build_method(name)) if reads == "deferred" else (lambda: _read_eagerly(build_method(name)))
     sessions = [slab.session(make(), BUDGET, Protocol(sink=2, recent=3)) for _ in range(batch)]

@@ -21,7 +21,9 @@ waits for the device's queue too): the step's tokens and positions, and per evic
 tensors and the scores of a method that scores on the host. Prompts are fed before counting
 starts; only decoding is counted. The benchmark counts a batched eviction as a GPU runs it (every
 kept slot of an ordered eviction moves); on a CPU the engine reads where the first dropped slot is
-and moves only the slots from there on (``cache_rows.evict_rows``: one host read and ~9 ops).
+and moves only the slots from there on (``cache_rows.evict_rows``: one host read and ~9 ops). Frozen
+per-position scores (the EpiKV family's, KV-key / KV-val's) are read from their table's mirror, as on
+a GPU (``kernels.MIRROR_ON_CPU``).
 
 And bytes, per decode step, told apart by where a tensor's memory is (the slabs, and the copies the
 forward makes of them, such as K/V repeated per query head):
@@ -89,7 +91,9 @@ def _aliases(out, args) -> bool:
     )
 
 
-def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: int, as_gpu: bool = False) -> dict:
+def count(
+    engine, name: str, batch: int, budget: int, prompt: list[int], steps: int, as_gpu: bool = False, recent: int = 0
+) -> dict:
     """Per decode step of ``batch`` sequences under method ``name``: ops outside the captured body,
     host reads, K/V bytes the forward's attention reads and the bytes an eviction moves. ``as_gpu``:
     a batch's ordered eviction moves every kept slot, as on a GPU (not reading its first dropped slot)."""
@@ -103,7 +107,7 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
     from kvleague.engine.decode import DecodeLoop
     from kvleague.engine.protocol import GenerationSettings, Protocol
     from kvleague.engine.slab import GraphedStep
-    from kvleague.methods import build_method
+    from kvleague.methods import build_method, kernels
 
     def storage(t) -> int:
         return t.untyped_storage().data_ptr()
@@ -163,7 +167,7 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
             return func(*args, **(kwargs or {}))
 
     counter = Counter()
-    sessions = [engine.session(build_method(name), budget, Protocol()) for _ in range(batch)]
+    sessions = [engine.session(build_method(name), budget, Protocol(recent=recent)) for _ in range(batch)]
     loops: list[DecodeLoop] = []
 
     def slab_tensors() -> list[torch.Tensor]:
@@ -201,7 +205,7 @@ def count(engine, name: str, batch: int, budget: int, prompt: list[int], steps: 
             session.feed(prompt)
     evictions = sum(s.evicted_tokens for s in sessions)
     patches = [
-        *([(cache_rows, "first_dropped", lambda keep: 0)] if as_gpu else []),
+        *([(cache_rows, "first_dropped", lambda keep: 0), (kernels, "MIRROR_ON_CPU", True)] if as_gpu else []),
         (GraphedStep, "_body", uncounted),
         (engine.backend, "forward", phase("forward", engine.backend.forward)),
         (decode, "evict_rows", phase("evict", decode.evict_rows)),
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=32, help="decode steps counted")
+    p.add_argument(
+        "--recent", type=int, default=0, help="the protocol's recent window (default 0: the default protocol)"
+    )
     p.add_argument("--model", help="checkpoint (default: a random-weight llama built offline, shaped below)")
     p.add_argument("--layers", type=int, default=4, help="the built llama's layers (16: the 0.57B model's)")
     p.add_argument("--hidden", type=int, default=64)
@@ -281,14 +288,14 @@ def main(argv: list[str] | None = None) -> dict:
         engine.backend.graphs = True  # the captured body's path, run eagerly off CUDA
         prompt = h.random_prompt(args.prompt_tokens, seed=1)
         rows = [
-            count(engine, m, b, args.budget, prompt, args.steps, as_gpu=True)
+            count(engine, m, b, args.budget, prompt, args.steps, as_gpu=True, recent=args.recent)
             for m in args.methods.split(",")
             for b in (int(x) for x in args.batch_sizes.split(","))
         ]
         label = h.model_label(engine, args.model)
     print(
         f"host work per decode step outside the captured step: {label}; prompt {args.prompt_tokens}, "
-        f"B = {args.budget}, {args.steps} steps"
+        f"B = {args.budget}, recent window {args.recent}, {args.steps} steps"
     )
     print(
         h.table(
