@@ -263,3 +263,30 @@ def test_bench_refill_decodes_fixed_chunks_and_continuously_with_the_same_sequen
     )
     report = h.read_report(tmp_path / "random.json")
     assert all(12 <= n <= 24 for n in report["config"]["prompt_tokens"]) and report["rows"][0]["same_sequences"]
+
+
+@pytest.mark.parametrize("warmup", [None, 0])
+def test_bench_batch_captures_every_graph_before_its_timed_rounds(tiny_models, tmp_path, monkeypatch, warmup):
+    """On the slab backend's captured path (run eagerly off CUDA, captures counted as on a GPU), the
+    default warm-up runs each engine run once first: no capture falls in a timed round. Without it the
+    first round captures every shape."""
+    bench_engine = h.bench_engine
+
+    def graphed(args):
+        source, engine, label = bench_engine(args)
+        engine.backend.graphs = True
+        engine.backend.pool.clear()
+        engine.backend._graphed.clear()
+        return source, engine, label
+
+    monkeypatch.setattr(h, "bench_engine", graphed)
+    args = ["bench", "batch", "--model", str(tiny_models["llama"]), "--backend", "slab", "--prompt-tokens", "20"]
+    args += ["--new-tokens", "5", "--batch-sizes", "1,2", "--methods", "full,epikv", "--rounds", "2", "--threads", "1"]
+    _cli([*args, *([] if warmup is None else ["--warmup", str(warmup)]), "--json", str(tmp_path / "b.json")])
+    summary = h.read_report(tmp_path / "b.json")["summary"]
+    engine = summary["engine"]
+    assert engine["decode_steps"]["static"] > 0 and engine["graph_captures"] <= engine["graph_capture_shapes"]
+    if warmup is None:
+        assert summary["warmup_rounds"] == 1 and summary["graph_captures_timed"] == 0
+    else:
+        assert summary["warmup_rounds"] == 0 and summary["graph_captures_timed"] == engine["graph_captures"] > 0

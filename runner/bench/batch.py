@@ -14,6 +14,11 @@ whose decode step transformers compiles on CUDA (``bench generate``'s anchor), p
 ``<method>/single`` rows are ``Engine.generate`` (the single-sequence path) on the first prompt, so
 the batched path at batch 1 is compared with it.
 
+On a backend that captures its decode steps as graphs (``slab`` on CUDA), every engine run first runs
+once untimed (``--warmup``), so each (batch, capacity) shape is captured before any timed round; the
+summary reports the captures made in the timed rounds (``graph_captures_timed``, 0 when the warm-up
+reached every shape).
+
 Targets (2 CPU cores): batch 8 / batch 1 >= 3.0 for full and >= 2.5 for epikv; engine (full) /
 ``model.generate`` >= 0.9 at every batch size.
 """
@@ -53,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="full,epikv,h2o", help="comma-separated method names")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds (the median is reported)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="wall")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed rounds of the engine's runs first (default: 1 where decode steps are captured as graphs, else 0)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, or 1 with the cpu clock)")
     add_static_anchor(p)
 
@@ -143,6 +154,13 @@ def run_one(args) -> dict:
 
         return call
 
+    # captures before any timed round: each engine run once, untimed (model.generate's runs capture nothing)
+    warmup = args.warmup if args.warmup is not None else int(bool(getattr(engine.backend, "graphs", False)))
+    for _ in range(warmup):
+        for key, run in runs.items():
+            if key[0] not in ("generate", "generate_static"):
+                run()
+    captured = engine.describe().get("graph_captures")
     results = h.alternate({key: announced(key, run) for key, run in runs.items()}, args.rounds, warmup=0)
     rows = []
     tps = {}
@@ -237,10 +255,13 @@ def run_one(args) -> dict:
                 )
     summary["targets"] = {"speedup_batch_8": SPEEDUP_TARGETS, "engine_over_generate": GENERATE_TARGET}
     summary["engine"] = engine.describe()  # which paths the decode steps took (slab: captured or eager)
-    if "graph_captures" in summary["engine"]:  # the slab backend: a graph is captured per (batch, capacity) at best
+    summary["warmup_rounds"] = warmup
+    if captured is not None:  # the slab backend: a graph is captured per (batch, capacity) at best
+        summary["graph_captures_timed"] = summary["engine"]["graph_captures"] - captured
         print(
             f"graph captures: {summary['engine']['graph_captures']} over "
-            f"{summary['engine']['graph_capture_shapes']} distinct (batch, capacity) shapes",
+            f"{summary['engine']['graph_capture_shapes']} distinct (batch, capacity) shapes, "
+            f"{summary['graph_captures_timed']} in the timed rounds (warm-up rounds: {warmup})",
             flush=True,
         )
     config = {
@@ -256,6 +277,7 @@ def run_one(args) -> dict:
         "threads": threads,
         "quick": args.quick,
         "static_anchor": args.static_anchor,
+        "warmup": warmup,
     }
     report = h.make_report(
         "batch", config=config, rows=rows, figures=figures, summary=summary, env=env, started=started
