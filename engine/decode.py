@@ -87,7 +87,7 @@ class Sequence(TypingProtocol):
         """Nothing left to evict: the method keeps everything, or the context was compressed (``scope: context``)."""
         ...
 
-    def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> int: ...
+    def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> torch.Tensor: ...
     def apply_scores(self, scores: torch.Tensor, scoring: tuple) -> None: ...
     def over_budget(self, phase: str) -> bool: ...
     def after_forward(self, positions: torch.Tensor, prompt: bool, rss: int | None = None) -> None: ...
@@ -365,18 +365,18 @@ class DecodeLoop(Generic[S]):
             step_start = clock()
             live = [r for r in range(len(self.active)) if r not in self.dead]
             chosen = [0] * len(self.active)  # what a padding row is fed is never read
-            if self.scripts is not None or not settings.greedy:
-                self.reads.flush()  # the last eviction's, before a row's result is taken (greedy: with the tokens)
             if self.scripts is not None:
+                self.reads.flush()  # the last eviction's, before a row's result is taken (else: with the tokens)
                 for r in live:
                     script, on_logits = self.scripts[self.active[r]]
                     chosen[r] = script[len(tokens[self.active[r]])]
                     on_logits(self.logits[r], chosen[r])
             elif settings.greedy:
                 chosen = self.reads.read(suppressed(self.logits, settings).argmax(dim=-1))
-            else:
-                for r in live:
-                    chosen[r] = self._session(self.active[r]).sample_token(self.logits[r], settings)
+            elif live:  # each row with its own generator, every row's token read at once
+                picks = [self._session(self.active[r]).sample_token(self.logits[r], settings) for r in live]
+                for r, token in zip(live, self.reads.read(torch.stack(picks))):
+                    chosen[r] = token
             keep_rows = []
             for r in live:
                 i = self.active[r]

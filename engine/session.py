@@ -204,11 +204,12 @@ class Session:
             pending, self.pending = self.pending, []
             DecodeLoop(self.engine, [self], GenerationSettings()).feed(pending)
 
-    def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> int:
-        """The next token from ``logits`` under ``settings`` (greedy, or sampled with this session's generator)."""
+    def sample_token(self, logits: torch.Tensor, settings: GenerationSettings) -> torch.Tensor:
+        """The next token from ``logits`` under ``settings`` (greedy, or sampled with this session's
+        generator), a 0-d tensor on the logits' device: the caller reads a batch's tokens at once."""
         logits = suppressed(logits, settings)
         if settings.greedy:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         probs = torch.softmax(logits.float() / settings.temperature, dim=-1)
         if settings.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
@@ -216,8 +217,8 @@ class Session:
             drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= settings.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
-            return int(order[choice])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            return order[choice][0]
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
 
     # -- the pieces of a step that prefill and the decode loop share -----------------------------
 

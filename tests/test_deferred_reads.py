@@ -226,6 +226,33 @@ def test_a_greedy_step_reads_the_device_once(slab, prompt_ids, name, batch, read
         assert len(waits) >= 2 * (steps - 1), waits
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_sampled_step_reads_the_device_once(slab, prompt_ids, top_p, monkeypatch):
+    """Sampled decoding of a batch of 4 (each row its own generator): every row's token is drawn on
+    the device and the batch's are read in one copy, with what the evictions posted: one wait per
+    step (a row's own read made one per row). The tokens are each sequence's alone (its seed)."""
+    import kvleague.engine.cache_rows as cache_rows
+    from kvleague.engine.decode import DecodeLoop
+    from tests.host_syncs import HostSyncs
+
+    monkeypatch.setattr(cache_rows, "first_dropped", lambda keep: 0)
+    steps, settings = 10, GenerationSettings(max_new_tokens=10, temperature=0.8, top_p=top_p)
+    sessions = [slab.session(build_method("h2o"), BUDGET, Protocol(sink=2, recent=3), seed=i) for i in range(4)]
+    for i, s in enumerate(sessions):
+        with s:
+            s.feed(prompt_ids[i : i + 20])
+    loop = DecodeLoop(slab, sessions, settings)
+    with HostSyncs() as spy:
+        loop.run()
+    waits = [where for op, where in spy.found if op != "aten.lift_fresh"]
+    assert len(waits) == steps and all("deferred_reads.py" in w for w in waits), waits
+    for i, s in enumerate(sessions):
+        alone = slab.generate(
+            prompt_ids[i : i + 20], build_method("h2o"), BUDGET, Protocol(sink=2, recent=3), settings, seed=i
+        )
+        assert s.result().token_ids == alone.token_ids
+
+
 class _OneByOne(KeyNorm):
     """knorm scoring each sequence of a batch through its own ``score`` (not knorm's vectorised one)."""
 

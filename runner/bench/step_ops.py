@@ -35,7 +35,8 @@ forward makes of them, such as K/V repeated per query head):
   source holds), against ``evicted``: the slots dropped x the same bytes per slot.
 
     python -m kvleague.runner.bench.step_ops [--methods full,epikv,h2o,snapkv] [--batch-sizes 1,8,32]
-                                             [--budget 32] [--prompt-tokens 64] [--steps 32] [--json OUT]
+                                             [--budget 32] [--prompt-tokens 64] [--steps 32] [--recent 0]
+                                             [--json OUT]
 
 The default model is a random-weight llama of 4 layers, hidden 64, 4 / 2 heads, built offline (the
 counts grow with layers; they do not depend on the weights). It takes about a minute.
