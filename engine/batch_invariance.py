@@ -30,6 +30,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kvleague.engine.to_device import to_device
+
 #: the fewest rows a CPU linear layer computes: every row count from here up rounds alike (see above)
 MIN_ROWS = 4
 
@@ -68,7 +70,7 @@ def attend_by_length(
         return kernel(query, key[:, :, :n], value[:, :, :n])[0]
     out = None
     for n, rows in groups.items():
-        index = torch.tensor(rows, device=query.device)
+        index = to_device(rows, query.device)
         part = kernel(
             query.index_select(0, index), key[:, :, :n].index_select(0, index), value[:, :, :n].index_select(0, index)
         )[0]

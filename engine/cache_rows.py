@@ -20,6 +20,7 @@ from kvleague.engine.selection import (
     ranking_decided,
     tiers,
 )
+from kvleague.engine.to_device import to_device
 
 
 def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[int]) -> None:
@@ -35,9 +36,7 @@ def track_rows(caches: list[BudgetedCache], positions: torch.Tensor, rows: list[
             caches[i].track(positions[rows[i] : rows[i] + 1], prompt=False)
             continue
         at = [rows[i] for i in members]
-        new = (
-            positions if at == list(range(positions.shape[0])) else positions[torch.tensor(at, device=positions.device)]
-        )
+        new = positions if at == list(range(positions.shape[0])) else positions[to_device(at, positions.device)]
         pos = torch.stack([caches[i]._pos for i in members])  # [m, (L,) H, T]
         prompt = torch.stack([caches[i]._prompt for i in members])
         new = new.to(pos.device).view(-1, *(1,) * (pos.dim() - 1)).expand(*pos.shape[:-1], 1)
@@ -116,7 +115,7 @@ def evict_rows(
     device = pos.device
     lead = [1] * (pos.dim() - 1)
     # every row's length, newest position and recent window: one copy to the device
-    meta = torch.tensor([lengths, current_positions, [protocol.recent_for(b) for b in budgets]], device=device)
+    meta = to_device([lengths, current_positions, [protocol.recent_for(b) for b in budgets]], device)
     length_t, current, recent = (row.view(n, *lead) for row in meta)
     valid = torch.arange(t, device=device) < length_t
     window = in_window(pos, protocol, current, recent) & valid
@@ -145,7 +144,7 @@ def evict_rows(
         kept = [
             min(max(b, c.prompt_fed if protocol.protect_prompt else 0), t) for b, c, t in zip(budgets, caches, lengths)
         ]
-    kept_t = torch.tensor(kept, device=device)  # one copy to the device
+    kept_t = to_device(kept, device)  # one copy to the device
     if not keeps_fewer:
         found = torch.stack([nan.long(), n_protected, (keepable < kept_t).long()], dim=1)
         BudgetedCache.post_checks(found, budgets, kept, lengths, protocol, caches)
@@ -156,7 +155,7 @@ def evict_rows(
     keep = keep_top(ranked, keep_n, pos)  # [N, (L, (H,)) t]; padding never kept
     order = row_order(keep, keep_n, k_max, ordered)  # [N, (L, (H,)) k_max]: each row's own plan, padded
     contiguous = rows == list(range(rows[0], rows[0] + n))
-    index = None if contiguous else torch.tensor(rows, device=device)  # None: the rows are one slice
+    index = None if contiguous else to_device(rows, device)  # None: the rows are one slice
     part = kv[:, :, rows[0] : rows[0] + n] if index is None else kv.index_select(2, index)  # [L, 2, n, H, capacity, d]
     if ordered:
         # every slot before the first dropped one (of any row, layer or head) stays where it is: on a

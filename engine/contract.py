@@ -241,7 +241,9 @@ def batch_hidden(observations: Sequence[Observation], layer: int) -> torch.Tenso
             batch, rows = first.batch[layer], [h.row for h in of_batch]
             if rows == list(range(batch.shape[0])):
                 return batch
-            return batch.index_select(0, torch.tensor(rows, device=batch.device))
+            from kvleague.engine.to_device import to_device
+
+            return batch.index_select(0, to_device(rows, batch.device))
     return torch.stack([h[layer] for h in hidden])
 
 
@@ -430,7 +432,6 @@ class BatchCacheView:
 
     def stacked_of(self, members: list[int], which: int) -> torch.Tensor:
         """``[L, n, H, T, d]``: :meth:`keys_of` (``which`` 0) or :meth:`values_of` (1), every layer in one tensor."""
-        import torch
 
         key = (tuple(members), which)
         if key not in self._members_rows:
@@ -440,7 +441,9 @@ class BatchCacheView:
             if members == list(range(first, last + 1)):  # a view
                 rows = padded[:, first : last + 1, :, :t]
             else:
-                rows = padded.index_select(1, torch.tensor(members, device=padded.device))[:, :, :, :t]
+                from kvleague.engine.to_device import to_device
+
+                rows = padded.index_select(1, to_device(members, padded.device))[:, :, :, :t]
             self._members_rows[key] = rows
         return self._members_rows[key]
 

@@ -57,6 +57,7 @@ from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import BatchAttentionRecorder, recording
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.engine.resources import Spans, current_rss
+from kvleague.engine.to_device import to_device
 
 
 class Sequence(TypingProtocol):
@@ -292,7 +293,7 @@ class DecodeLoop(Generic[S]):
     def _reslab(self, keep_rows: list[int] | None = None, capacity: int | None = None) -> None:
         """Drop the rows not in ``keep_rows`` and/or move to a larger capacity (one copy of the slabs)."""
         capacity = capacity or self.capacity
-        index = torch.tensor(keep_rows, device=self.device) if keep_rows is not None else None
+        index = to_device(keep_rows, self.device) if keep_rows is not None else None
         longest = max(
             self._session(self.active[r]).cache.length
             for r in (keep_rows if keep_rows is not None else range(len(self.active)))
@@ -502,9 +503,7 @@ class DecodeLoop(Generic[S]):
         sessions = [self._session(i) for i in self.active]
         lengths = [s.cache.length for s in sessions]
         # the tokens, absolute positions and cache lengths of every row: one copy to the device
-        tokens, positions, lengths_t = torch.tensor(
-            [token_ids, [s.next_position for s in sessions], lengths], device=self.device
-        )
+        tokens, positions, lengths_t = to_device([token_ids, [s.next_position for s in sessions], lengths], self.device)
         rope = positions if sessions[0].protocol.positions == "absolute" else lengths_t
         mask = None
         if self.shared:
@@ -647,7 +646,7 @@ class DecodeLoop(Generic[S]):
             return (
                 slab[:, members[0] : members[-1] + 1]
                 if contiguous
-                else slab.index_select(1, torch.tensor(members, device=self.device))
+                else slab.index_select(1, to_device(members, self.device))
             )
 
         return build
@@ -657,4 +656,4 @@ def suppressed(logits: torch.Tensor, settings: GenerationSettings) -> torch.Tens
     """``logits`` with ``settings.suppress``'s tokens at -inf (never chosen)."""
     if not settings.suppress:
         return logits
-    return logits.index_fill(-1, torch.tensor(settings.suppress, device=logits.device), float("-inf"))
+    return logits.index_fill(-1, to_device(settings.suppress, logits.device), float("-inf"))

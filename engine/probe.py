@@ -24,6 +24,7 @@ from kvleague.engine.attention import attention_rows
 from kvleague.engine.batch_invariance import attend_by_length, visible_prefix
 from kvleague.engine.contract import over_chunks
 from kvleague.engine.eager import Rows, budget_bytes, eager_attention
+from kvleague.engine.to_device import to_device
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("kvleague_recorder", default=None)
@@ -148,7 +149,7 @@ class BatchAttentionRecorder(AttentionRecorder):
         if self._stacked_new is None:
             k0 = self.raw[0][1]
             rows = torch.arange(len(self.lengths), device=k0.device)
-            slots = torch.tensor([n - 1 for n in self.lengths], device=k0.device)
+            slots = to_device([n - 1 for n in self.lengths], k0.device)
             self._stacked_new = tuple(
                 torch.stack([x[rows, :, slots] for x in per_layer], dim=1).unsqueeze(-2)
                 for per_layer in ([k for _, k, _, _, _ in self.raw], [v for _, _, v, _, _ in self.raw])
@@ -206,9 +207,7 @@ class BatchAttentionRecorder(AttentionRecorder):
                 by_length.setdefault(self.lengths[i], []).append(i)
             keys = self._stacked_keys()
             for n, rows in by_length.items():
-                index = (
-                    None if rows == list(range(len(self.lengths))) else torch.tensor(rows, device=self.raw[0][0].device)
-                )
+                index = None if rows == list(range(len(self.lengths))) else to_device(rows, self.raw[0][0].device)
                 scaling = self.raw[0][4]
                 if keys is not None:
                     q, k = self._queries()[:, :, :, -1:], keys[:, :, :, :n]  # [N, L, H_q, 1, d], [L, N, H, n, d]

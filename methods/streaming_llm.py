@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import torch
 
 from kvleague.engine.contract import BatchCacheView, CacheView, EvictionMethod, Needs, groups_by
+from kvleague.engine.to_device import to_device
 from kvleague.methods.registry import register_method
 
 
@@ -42,7 +43,7 @@ class StreamingLLM(EvictionMethod):
         for members in groups_by(caches.lengths):
             positions = torch.stack([caches.views[i].token_positions for i in members]).to(torch.float32)  # [n, T]
             order = torch.argsort(positions, dim=-1)
-            n_sink = torch.tensor([methods[i].n_sink for i in members], device=positions.device)[:, None]
+            n_sink = to_device([methods[i].n_sink for i in members], positions.device)[:, None]
             sink = torch.arange(positions.shape[-1], device=positions.device)[None, :] < n_sink  # in sorted order
             scores = positions.scatter(1, order, torch.where(sink, float("inf"), positions.gather(1, order)))
             for i, row in zip(members, scores.unbind(0)):

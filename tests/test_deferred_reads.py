@@ -335,3 +335,24 @@ def test_posts_are_read_in_one_copy_with_the_read_the_host_makes(monkeypatch):
     assert calls == [10]
     post(torch.tensor([4]), lambda v: got.append(("now", v)))
     assert got[-1] == ("now", [4]) and calls == [10, 1]
+
+
+def test_every_copy_to_the_device_of_a_decode_step_goes_through_to_device():
+    """On CUDA a copy from pageable host memory drains the stream (the host waits for every queued
+    kernel): the modules a decode step runs build no device tensor from host data but through
+    ``to_device`` (pinned, not blocking), which elsewhere is ``torch.tensor``."""
+    import re
+    from pathlib import Path
+
+    from kvleague.engine.to_device import to_device
+
+    root = Path(__file__).resolve().parents[1]
+    hot = ["engine/decode.py", "engine/cache_rows.py", "engine/cache.py", "engine/contract.py", "engine/probe.py"]
+    hot += ["engine/selection.py", "engine/compaction.py", "engine/slab.py", "engine/batch_invariance.py"]
+    pattern = re.compile(r"torch\.(tensor|as_tensor)\([^()]*(\([^()]*\)[^()]*)*device=")
+    found = [(p, m.group(0)) for p in hot for m in pattern.finditer((root / p).read_text())]
+    assert not found, found
+    assert pattern.search("x = torch.tensor([a, f(b)], device=d)")  # the check sees one
+    made = to_device([[1, 2], [3, 4]], "cpu")
+    assert made.tolist() == [[1, 2], [3, 4]] and made.dtype == torch.long
+    assert to_device([0.5], torch.device("cpu"), torch.float64).dtype == torch.float64

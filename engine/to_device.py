@@ -1,0 +1,23 @@
+"""Host data copied to the device without waiting for it.
+
+A copy to a CUDA device from pageable host memory synchronizes the stream: the host waits until
+every kernel queued before it has run (PyTorch's blocking copy), so a decode step's few small
+copies (its tokens and positions, an eviction's counts and row indices) would each drain the
+queue. :func:`to_device` stages the data in pinned memory (PyTorch's caching host allocator, which
+keeps the block until the copy is done) and copies it without blocking. Elsewhere it is the plain
+``torch.tensor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def to_device(data: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)``, on CUDA through pinned memory, not blocking."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)
