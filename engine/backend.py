@@ -34,6 +34,9 @@ class HFBackend:
     #: a batch keeps its finished rows as padding (``DecodeLoop._retire``): only a backend that
     #: captures steps per batch size wants that; this one drops them at once
     pads_finished_rows = False
+    #: evict methods whose scores are order-free (``Needs.order_free_scores``) by filling holes, not
+    #: in position order: this backend keeps the order, bit for bit with the methods' references
+    reorders_slots = False
 
     def __init__(self, model, tokenizer, attn_implementation: str = "sdpa"):
         self.model = model.eval()

@@ -80,7 +80,7 @@ class Session:
         # slabs sized for the budget plus the most one forward pass appends before an eviction
         per_pass = max(protocol.buffer + 1, protocol.prefill_chunk or 1)
         self.cache = engine.backend.new_cache(reserve=budget + per_pass)
-        self.ordered_slots = needs.ordered_slots
+        self.ordered_slots = needs.ordered_slots and not (needs.order_free_scores and engine.backend.reorders_slots)
         self.keeps_fewer = needs.keeps_fewer
         self.generator = torch.Generator(device=engine.device).manual_seed(seed)
         self.hidden_layers = sorted(set(method.hidden_layers(engine.n_layers))) if needs.hidden_states else []

@@ -289,6 +289,9 @@ class SlabBackend(HFBackend):
         #: capture decode steps as CUDA graphs (default: on CUDA only; True on the CPU runs the captured
         #: body eagerly, so its static-buffer writes and mask are checked without a GPU)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        #: order-free scores evicted by filling holes (``Needs.order_free_scores``): on CUDA, where its
+        #: kernels part from ``hf``'s float bits anyway; off CUDA the order is kept (``hf``'s bits, tested)
+        self.reorders_slots = self.device.type == "cuda"
         #: decode steps per path: ``eager`` (dynamic), ``graph`` (a CUDA graph replayed), ``static`` (the
         #: graph's body run eagerly over its static buffers: ``graphs=True`` off CUDA, for tests)
         self.steps = {"eager": 0, "graph": 0, "static": 0}

@@ -128,7 +128,9 @@ class EpiKVFamily(EvictionMethod):
       float32, exactly rounded float64 sums, the score kept in float64.
     """
 
-    needs = Needs(hidden_states=True)  # ordered slots, as the authors' cache (attention sums in order)
+    # slots in position order, as the authors' cache (attention sums them in order); the scores are
+    # each slot's own (frozen, by position)
+    needs = Needs(hidden_states=True, order_free_scores=True)
 
     #: rolling z-score window W (values, including the current one)
     window: int = 64

@@ -33,7 +33,7 @@ class RollingVariance(EvictionMethod):
     Paper: Kolawole & Smith, arXiv 2606.26472 (KV-signal baselines).
     """
 
-    needs = Needs(new_keys_values=True)
+    needs = Needs(new_keys_values=True, order_free_scores=True)  # frozen by position; the authors' cache in order
     #: "keys" or "values": which cached tensor the variance is taken of
     tensor: ClassVar[str] = ""
 

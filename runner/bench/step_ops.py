@@ -23,7 +23,9 @@ starts; only decoding is counted. The benchmark counts a batched eviction as a G
 kept slot of an ordered eviction moves); on a CPU the engine reads where the first dropped slot is
 and moves only the slots from there on (``cache_rows.evict_rows``: one host read and ~9 ops). Frozen
 per-position scores (the EpiKV family's, KV-key / KV-val's) are read from their table's mirror, as on
-a GPU (``kernels.MIRROR_ON_CPU``).
+a GPU (``kernels.MIRROR_ON_CPU``), and methods whose scores are order-free but whose references keep
+slots in order (``Needs.order_free_scores``) are evicted by filling holes, as the slab backend does on
+a GPU (``reorders_slots``).
 
 And bytes, per decode step, told apart by where a tensor's memory is (the slabs, and the copies the
 forward makes of them, such as K/V repeated per query head):
@@ -168,7 +170,12 @@ def count(
             return func(*args, **(kwargs or {}))
 
     counter = Counter()
-    sessions = [engine.session(build_method(name), budget, Protocol(recent=recent)) for _ in range(batch)]
+    reorders = engine.backend.reorders_slots
+    engine.backend.reorders_slots = reorders or as_gpu  # order-free scores fill holes, as on a GPU
+    try:
+        sessions = [engine.session(build_method(name), budget, Protocol(recent=recent)) for _ in range(batch)]
+    finally:
+        engine.backend.reorders_slots = reorders
     loops: list[DecodeLoop] = []
 
     def slab_tensors() -> list[torch.Tensor]:
