@@ -130,6 +130,9 @@ class SequenceInfo:
     #: the compression ratio a ratio budget was given as (``budget: ratio R``; ``Protocol.ratio``),
     #: for a method defined by the ratio rather than the kept count; None under an absolute budget
     ratio: float | None = None
+    #: whether the engine keeps this sequence's slots in increasing position order: False for a method
+    #: declaring ``Needs(ordered_slots=False)``, or ``order_free_scores`` where the backend reorders
+    ordered_slots: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is None:

@@ -133,6 +133,7 @@ class Session:
                 dtype=backend.dtype,
                 model=getattr(backend, "model", None),
                 ratio=protocol.ratio,
+                ordered_slots=self.ordered_slots,
             )
         )
 

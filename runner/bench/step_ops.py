@@ -196,6 +196,8 @@ def count(
                 return real(*a, **k)
             finally:
                 counter.phase = outer
+                if name == "forward":  # its copies of K/V are freed: their memory may hold anything next
+                    counter.derived = set()
 
         return run
 
