@@ -338,38 +338,50 @@ def pool(scores: torch.Tensor, kernel: int, how: str = "avg") -> torch.Tensor:
 
 
 def window_importance(
-    window: QueryWindow, cache: CacheView, kernel: int, how: str = "avg"
+    window: QueryWindow, cache: CacheView, kernel: int, how: str = "avg", ordered: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SnapKV's importance ``[L, H_kv, T]`` and the ``[L, H_kv, T]`` mask of the window's own slots.
 
     Per layer: mean over the window's queries of their attention, the window's own slots set to 0,
-    pooled along the slots, then averaged over each GQA group (:func:`importance_of`, a batch of one:
-    the same arithmetic as :func:`window_importance_batch`)."""
-    scores, own = importance_of(window_attention(window, cache), kernel, how)
+    pooled along the positions, then averaged over each GQA group (:func:`importance_of`, a batch of
+    one: the same arithmetic as :func:`window_importance_batch`)."""
+    scores, own = importance_of(window_attention(window, cache), kernel, how, ordered)
     return scores[0], own[0]
 
 
 def window_importance_batch(
-    windows: list[QueryWindow], caches: BatchCacheView, members: list[int], kernel: int, how: str = "avg"
+    windows: list[QueryWindow],
+    caches: BatchCacheView,
+    members: list[int],
+    kernel: int,
+    how: str = "avg",
+    ordered: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`window_importance` of the sequences ``members`` of a batch, which hold equal numbers of
     slots and equal window fills (:func:`window_attention_batch`). ``[n, L, H_kv, T]`` importance and
     the ``[n, L, H_kv, T]`` mask of the window's own slots."""
-    return importance_of(window_attention_batch(windows, caches, members), kernel, how)
+    return importance_of(window_attention_batch(windows, caches, members), kernel, how, ordered)
 
 
 def importance_of(
-    attention: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kernel: int, how: str
+    attention: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kernel: int, how: str, ordered: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SnapKV's importance from a window's attention, chunk by chunk of layers (as the window
-    attention yields them): ``[n, L, H_kv, T]`` and the mask of the window's own slots."""
+    attention yields them): ``[n, L, H_kv, T]`` and the mask of the window's own slots. ``ordered``:
+    the slots are in position order (the engine's contract); else they are put in that order to be
+    pooled over neighbouring positions, and back."""
     scores, owns = [], []
     for attn, key_pos, query_pos in attention:
         n, c, h_q, _, t = attn.shape
         group = h_q // key_pos.shape[2]
         own = key_pos >= query_pos[:, :1, None, None]  # the window's own slots
         attn = attn.mean(dim=3).masked_fill(own.repeat_interleave(group, dim=2), 0.0)  # [n, c, H_q, T]
-        pooled = pool(attn.reshape(n * c * h_q, t), kernel, how)
+        if ordered:
+            pooled = pool(attn.reshape(n * c * h_q, t), kernel, how)
+        else:
+            order = key_pos.expand(n, c, -1, t).argsort(dim=-1).repeat_interleave(group, dim=2)
+            by_position = pool(attn.gather(-1, order).reshape(n * c * h_q, t), kernel, how)
+            pooled = torch.empty_like(attn).scatter_(-1, order, by_position.view(n, c, h_q, t))
         scores.append(pooled.view(n, c, -1, group, t).mean(dim=3))
         owns.append(own)
     if len(scores) == 1:

@@ -42,7 +42,8 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
     custom query scale).
     """
 
-    needs = Needs(queries=True)
+    # pooled along positions (sorted first where the slots are not in order); in order as its references
+    needs = Needs(queries=True, order_free_scores=True)
 
     window: int = 32
     kernel: int = 7
@@ -51,7 +52,7 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
         check_window_kernel(self.window, self.kernel)
 
     def score(self, cache: CacheView) -> torch.Tensor:
-        scores, own = window_importance(self.queries, cache, self.kernel, "avg")
+        scores, own = window_importance(self.queries, cache, self.kernel, "avg", self.info.ordered_slots)
         return scores.masked_fill(own, float("inf"))
 
     @classmethod
@@ -66,8 +67,9 @@ class SnapKV(ObservesQueryWindow, EvictionMethod):
             if len(members) == 1:
                 out[members[0]] = methods[members[0]].score(caches.views[members[0]])
                 continue
+            first = methods[members[0]]
             scores, own = window_importance_batch(
-                [methods[i].queries for i in members], caches, members, methods[members[0]].kernel, "avg"
+                [methods[i].queries for i in members], caches, members, first.kernel, "avg", first.info.ordered_slots
             )
             batch = scores.masked_fill(own, float("inf"))  # [n, L, H_kv, T]
             for i, row in zip(members, batch.unbind(0)):

@@ -46,16 +46,18 @@ def _same(oracle, result) -> None:
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
-@pytest.mark.parametrize("name", ["epikv", "epikv_bands", "hs_variance", "kv_key", "kv_val", "h2o"])
+@pytest.mark.parametrize("name", ["epikv", "epikv_bands", "hs_variance", "kv_key", "kv_val", "h2o", "snapkv"])
 def test_order_free_scores_evicted_by_filling_holes_equal_the_ordered_cache(pair, prompt_ids, name, protocol):
+    """SnapKV with a window of 4 queries, so that it ranks slots outside its window by pooled attention."""
     hf, slab = pair
+    params = {"window": 4} if name == "snapkv" else {}
     proto = PROTOCOLS[protocol]
     settings = GenerationSettings(max_new_tokens=20)
     prompts = [prompt_ids[:6], prompt_ids[3:12], prompt_ids[5:20]]
-    oracle = [hf.generate(p, build_method(name), BUDGET, proto, settings) for p in prompts]
-    for want, got in zip(oracle, (slab.generate(p, build_method(name), BUDGET, proto, settings) for p in prompts)):
-        _same(want, got)
-    batched = slab.generate_batch(prompts, [build_method(name) for _ in prompts], BUDGET, proto, settings)
+    oracle = [hf.generate(p, build_method(name, params), BUDGET, proto, settings) for p in prompts]
+    for p, want in zip(prompts, oracle):
+        _same(want, slab.generate(p, build_method(name, params), BUDGET, proto, settings))
+    batched = slab.generate_batch(prompts, [build_method(name, params) for _ in prompts], BUDGET, proto, settings)
     for want, got in zip(oracle, batched):
         _same(want, got)
     assert sum(r.ranked_evictions for r in oracle) > 0
