@@ -413,6 +413,10 @@ class BudgetedCache:
             self._scratch_last = (shape, s[:numel].view(shape))
         return self._scratch_last[1]
 
+    def expect(self, slots: int) -> None:
+        """Room for ``slots`` entries where the store sizes its slabs ahead (the slab backend's: one
+        size for a decode that never evicts, not a geometric growth while it runs); else nothing."""
+
     def _shrink(self, budget: int) -> None:
         """Give memory back after a long prompt was compressed: slabs far above the reserve shrink."""
         if self.pinned:

@@ -334,6 +334,11 @@ class DecodeLoop(Generic[S]):
         """Decode until every session stops (and, with ``refill``, every session it hands over)."""
         while True:
             with self._observing():
+                first = self._session(self.active[0]) if self.active else None
+                if not self.shared and first is not None and first.never_evicts:
+                    # sized for the whole decode at once, as a batch's slabs are (in inference mode,
+                    # as its steps: a slab made so is taken again only so)
+                    first.cache.expect(first.cache.length + self.settings.max_new_tokens)
                 waits = self._loop()
             self.reads.flush()  # before a refill's prompt is fed, and at the end
             if not waits or not self._admit():

@@ -264,6 +264,14 @@ class SlabStore(BudgetedCache):
             buf.narrow(-2, 0, plan.budget).copy_(tmp)
         layer.truncate(plan.budget)
 
+    def expect(self, slots: int) -> None:
+        """Every layer's slabs grown once to ``slots`` where they hold fewer: a captured step reads its
+        whole slab, and is captured per capacity, so a decode that never evicts runs at one capacity
+        that fits it (its prompt and every new token) rather than growing by half again as it fills."""
+        first = self.slab_layers[0]
+        if self.slabs() is not None and first.capacity < slots:
+            self._grow(slots, first.buffers[0])
+
     def _shrink(self, budget: int) -> None:
         """A slab sized to a long prompt goes back to its reserve (budget + one pass) once the prompt
         is compressed, before any decode step: every decode step reads the whole slab where one
