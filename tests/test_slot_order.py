@@ -65,8 +65,8 @@ def test_order_free_scores_evicted_by_filling_holes_equal_the_ordered_cache(pair
 
 def test_the_slots_are_out_of_order_where_the_backend_reorders_and_in_order_on_hf(pair, prompt_ids):
     """The declaration takes effect: on the reordering slab backend an EpiKV cache's slots leave
-    position order (the holes filled from the top); on ``hf`` they stay in order; a method whose
-    scores need the order (SnapKV pools neighbouring slots) keeps it on both."""
+    position order (the holes filled from the top); on ``hf`` they stay in order; a method that
+    relies on the order and does not declare otherwise (R-KV pools neighbouring slots) keeps it on both."""
     hf, slab = pair
     settings = GenerationSettings(max_new_tokens=20)
 
@@ -80,7 +80,7 @@ def test_the_slots_are_out_of_order_where_the_backend_reorders_and_in_order_on_h
 
     ordered, positions = slots(slab, "epikv")
     assert not ordered and positions != sorted(positions)
-    for engine, name in ((hf, "epikv"), (slab, "snapkv"), (hf, "snapkv")):
+    for engine, name in ((hf, "epikv"), (slab, "rkv"), (hf, "rkv")):
         ordered, positions = slots(engine, name)
         assert ordered and positions == sorted(positions)
 
