@@ -10,12 +10,16 @@ and the forward pass:
   batch's ``DecodeLoop.kv``), allocated zeroed once at ``capacity`` = budget + what one pass appends (the prefill chunk, or the
   cadence's buffer + 1; a prefill longer than that sizes it to the prompt, and the eviction that
   compresses the prompt takes it back to that reserve; a budget past the model's context, i.e. no
-  eviction, grows it geometrically instead). Lengths and absolute positions are device tensors
+  eviction, is sized for the whole decode when it starts, ``SlabStore.expect``, and grows
+  geometrically past that). Lengths and absolute positions are device tensors
   (``BudgetedCache``'s bookkeeping); a decode step's eviction never reallocates the slab.
 * **Compaction in place.** An eviction moves the kept slots of every layer's K and V to the front
   with one gather (``compaction.gather_slots``: into a reused scratch, then one copy back; a few layers at
   a time where the copy would pass 64 MiB): the same slot layout the HF store's memmove / hole
   filling produce (``_Plan.order``), so the two backends hold the same entries in the same slots.
+  On CUDA (``reorders_slots``) a method declaring ``Needs.order_free_scores`` is evicted as an
+  order-free one (holes filled from the top: at most the evicted slots move), where ``hf`` keeps the
+  position order its references keep.
 * **Constant shapes.** Every forward attends over the whole slab (``capacity`` keys) with a 4D mask
   (slot visible iff valid and causally before the query), built here on the device from the start
   slot and the decode loop's padding mask; HF's own mask logic, which synchronizes with the host, is
