@@ -192,34 +192,9 @@ def test_an_eviction_moves_every_layer_with_one_gather(pairs, prompts, monkeypat
         assert all(shape[:3] == (slab.n_layers, 2, 1) for shape in gathered)
 
 
-def test_a_slab_that_must_grow_grows_before_its_step_is_captured(pairs, prompts, monkeypatch):
-    """A method that never evicts fills its slab, which grows (geometrically) on the graph's path
-    before the step is keyed by the slabs' addresses: one capture per capacity, not a second one
-    keyed by the slabs the step itself replaced; the tokens stay hf's. (A decode loop sizes such a
-    slab for the whole decode first, ``SlabStore.expect``: off here, so that it grows.)"""
-    from kvleague.engine.slab import GraphedStep, SlabStore
-
-    hf, slab = pairs["llama"]
-    monkeypatch.setattr(SlabStore, "expect", lambda self, slots: None)
-    captured = []
-    init = GraphedStep.__init__
-    monkeypatch.setattr(
-        GraphedStep,
-        "__init__",
-        lambda self, backend, n, capacity: captured.append(capacity) or init(self, backend, n, capacity),
-    )
-    monkeypatch.setattr(slab.backend, "graphs", True)
-    settings = GenerationSettings(max_new_tokens=300)
-    budget = slab.model.config.max_position_embeddings + 1  # past the context: no eviction, the slab grows
-    oracle = hf.generate(prompts[0], build_method("full"), budget, Protocol(), settings)
-    _same(oracle, slab.generate(prompts[0], build_method("full"), budget, Protocol(), settings))
-    assert len(captured) >= 2 and len(captured) == len(set(captured)), captured
-
-
-def test_a_decode_that_never_evicts_runs_at_one_capacity_sized_for_it(pairs, prompts, monkeypatch):
-    """The decode loop sizes a never-evicting sequence's slab for its prompt and every new token at
-    once (as a batch's slabs are): one capture, at that capacity, and hf's tokens; a captured step
-    reads its whole slab, so a slab grown by half again as it fills reads up to 1.5x what it holds."""
+def _captures_of_a_long_decode(pairs, prompts, monkeypatch) -> list[int]:
+    """The capacities captured while ``full`` decodes 300 tokens on the graph's path (a budget past
+    the context: no eviction), its tokens checked against hf's."""
     from kvleague.engine.slab import GraphedStep
 
     hf, slab = pairs["llama"]
@@ -235,6 +210,26 @@ def test_a_decode_that_never_evicts_runs_at_one_capacity_sized_for_it(pairs, pro
     budget = slab.model.config.max_position_embeddings + 1
     oracle = hf.generate(prompts[0], build_method("full"), budget, Protocol(), settings)
     _same(oracle, slab.generate(prompts[0], build_method("full"), budget, Protocol(), settings))
+    return captured
+
+
+def test_a_slab_that_must_grow_grows_before_its_step_is_captured(pairs, prompts, monkeypatch):
+    """A method that never evicts fills its slab, which grows (geometrically) on the graph's path
+    before the step is keyed by the slabs' addresses: one capture per capacity, not a second one
+    keyed by the slabs the step itself replaced; the tokens stay hf's. (A decode loop sizes such a
+    slab for the whole decode first, ``SlabStore.expect``: off here, so that it grows.)"""
+    from kvleague.engine.slab import SlabStore
+
+    monkeypatch.setattr(SlabStore, "expect", lambda self, slots: None)
+    captured = _captures_of_a_long_decode(pairs, prompts, monkeypatch)
+    assert len(captured) >= 2 and len(captured) == len(set(captured)), captured
+
+
+def test_a_decode_that_never_evicts_runs_at_one_capacity_sized_for_it(pairs, prompts, monkeypatch):
+    """The decode loop sizes a never-evicting sequence's slab for its prompt and every new token at
+    once (as a batch's slabs are): one capture, at that capacity, and hf's tokens; a captured step
+    reads its whole slab, so a slab grown by half again as it fills reads up to 1.5x what it holds."""
+    captured = _captures_of_a_long_decode(pairs, prompts, monkeypatch)
     assert captured == [len(prompts[0]) + 300], captured
 
 
