@@ -40,7 +40,7 @@ position, however the slots are arranged) may say so with ``Needs(ordered_slots=
 engine then evicts by moving kept slots into the holes, O(evicted) instead of O(cache) per step,
 and its slots are in no particular order (results still report kept positions sorted). A method
 whose scores are order-free but whose references keep the order (``Needs(order_free_scores=True)``:
-the EpiKV family, KV-key / KV-val) keeps it on the ``hf`` backend and is evicted as order-free where
+the EpiKV family, KV-key / KV-val, SnapKV) keeps it on the ``hf`` backend and is evicted as order-free where
 the backend reorders for speed (the slab backend on CUDA).
 Slot indices are not stable across evictions: a method that keeps per-token state keys it by
 **absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a

@@ -17,21 +17,15 @@ from kvleague.engine.to_device import to_device
 from kvleague.methods.registry import register_method
 
 
-def carry(
-    values: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor, ordered: bool = True
-) -> torch.Tensor:
+def carry(values: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
     """Re-align per-slot state ``values`` ``[H, T_old]`` from ``old_positions`` to ``new_positions`` ``[H, T_new]``.
 
-    Slots whose absolute position was held before keep their value; new positions get 0. ``ordered``:
-    positions are ascending along each row (the engine appends newer tokens and gathers in slot
-    order); else (slots filled as holes) the old ones are sorted first, with their values.
+    Slots whose absolute position was held before keep their value; new positions get 0. Positions
+    are ascending along each row (the engine appends newer tokens and gathers in slot order).
     """
     t_old = old_positions.shape[-1]
     if t_old == 0:
         return torch.zeros(new_positions.shape, dtype=values.dtype, device=values.device)
-    if not ordered:
-        old_positions, order = old_positions.sort(dim=-1)
-        values = values.gather(-1, order)
     # one path whether or not anything was evicted since: no host read of the positions
     index = torch.searchsorted(old_positions.contiguous(), new_positions.contiguous()).clamp_max(t_old - 1)
     found = old_positions.gather(-1, index) == new_positions
@@ -63,8 +57,9 @@ class H2O(EvictionMethod):
     0 to reproduce the paper; the reference accumulates from fp16 weights, ours in float32.
     """
 
-    # its sums are each slot's own, carried by position; slots in order as its references keep them
-    needs = Needs(attention=True, eager=True, attention_sum=True, order_free_scores=True)
+    # slots kept in position order everywhere: filled as holes on a multi-turn batch, its float32-rounded
+    # eager sums parted from hf's in a fuzz trial (docs/gpu.md)
+    needs = Needs(attention=True, eager=True, attention_sum=True)
 
     recent_ratio: float = 0.5
 
@@ -91,7 +86,7 @@ class H2O(EvictionMethod):
         positions = obs.cache_positions.stacked
         if self.acc is not None:
             assert self.acc_positions is not None  # set together with acc
-            received = received + carry(self.acc, self.acc_positions, positions, self.info.ordered_slots)
+            received = received + carry(self.acc, self.acc_positions, positions)
         self.acc, self.acc_positions = received, positions
 
     @classmethod
@@ -120,10 +115,7 @@ class H2O(EvictionMethod):
         positions = torch.stack([o.cache_positions.stacked for o in observations])  # [N, L, H, T]
         if methods[0].acc is not None:
             received = received + carry(
-                torch.stack([m.acc for m in methods]),
-                torch.stack([m.acc_positions for m in methods]),
-                positions,
-                methods[0].info.ordered_slots,
+                torch.stack([m.acc for m in methods]), torch.stack([m.acc_positions for m in methods]), positions
             )
         for method, acc, pos in zip(methods, received, positions):
             method.acc, method.acc_positions = acc, pos
@@ -131,7 +123,7 @@ class H2O(EvictionMethod):
     def accumulated(self, cache: CacheView) -> torch.Tensor:
         """``[L, H_kv, T]`` accumulated attention of the cached slots."""
         assert self.acc is not None and self.acc_positions is not None, "score() follows an observed pass"
-        return carry(self.acc, self.acc_positions, cache.positions.stacked, self.info.ordered_slots)
+        return carry(self.acc, self.acc_positions, cache.positions.stacked)
 
     def n_recent(self, cache: CacheView) -> int:
         """How many of the newest positions H2O's recent window holds under ``cache.budget``."""
@@ -160,10 +152,7 @@ class H2O(EvictionMethod):
             group, views = [methods[i] for i in members], [caches.views[i] for i in members]
             positions = torch.stack([v.positions.stacked for v in views])  # [n, L, H, T]
             scores = carry(
-                torch.stack([m.acc for m in group]),
-                torch.stack([m.acc_positions for m in group]),
-                positions,
-                group[0].info.ordered_slots,
+                torch.stack([m.acc for m in group]), torch.stack([m.acc_positions for m in group]), positions
             )
             # the recent window per row (with none, the threshold is the newest position: nothing is above it)
             threshold = to_device([v.current_position - m.n_recent(v) for m, v in zip(group, views)], positions.device)
