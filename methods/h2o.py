@@ -57,8 +57,8 @@ class H2O(EvictionMethod):
     0 to reproduce the paper; the reference accumulates from fp16 weights, ours in float32.
     """
 
-    # slots kept in position order everywhere: filled as holes on a multi-turn batch, its float32-rounded
-    # eager sums parted from hf's in a fuzz trial (docs/gpu.md)
+    # slots kept in position order everywhere: declared order-free, a multi-turn batch parted from hf in a
+    # fuzz trial, as one of SnapKV's did (cause not found; docs/gpu.md)
     needs = Needs(attention=True, eager=True, attention_sum=True)
 
     recent_ratio: float = 0.5
