@@ -84,10 +84,12 @@ def fill_slab_holes(kv: torch.Tensor, keep: torch.Tensor, kept, dropped: int) ->
         return
     slots = torch.arange(keep.shape[-1], device=keep.device)
     first = lambda mask: mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :dropped]  # noqa: E731
-    holes = first(~keep)  # a row's dropped slots ascending (then its padding, past its length)
+    dropped_mask = ~keep
+    holes = first(dropped_mask)  # a row's dropped slots ascending (its padding among them), then kept ones
     donors = first(keep & (slots >= kept))  # as many kept slots from the count on as holes below it
-    # a hole at or past the count (or a row that drops fewer) copies itself: the slot is past the length
-    src = torch.where(holes < kept, donors, holes)
+    # only a dropped slot below the count takes a donor; the rest copy themselves. A row that drops
+    # fewer than ``dropped`` has kept slots at the end of ``holes`` (the sort's ties): they must stay.
+    src = torch.where(dropped_mask.gather(-1, holes) & (holes < kept), donors, holes)
     at, src_at = _slab_index(holes), _slab_index(src)
     shape = (kv.shape[0], 2, kv.shape[2], kv.shape[3], holes.shape[-1], kv.shape[-1])
     kv.scatter_(-2, at.expand(shape), torch.gather(kv, -2, src_at.expand(shape)))
