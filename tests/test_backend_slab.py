@@ -637,6 +637,7 @@ def cuda_pair(tiny_models):
     hf = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda")
     slab = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda", backend="slab")
     hf.eos_ids, slab.eos_ids = set(), set()
+    slab.backend.reorders_slots = False  # hf's slot order, so the methods' scores see what hf's do
     return hf, slab
 
 

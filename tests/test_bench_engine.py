@@ -258,7 +258,7 @@ def test_an_order_free_eviction_on_the_slabs_moves_only_the_evicted_slots(tiny_m
     """``bench.step_ops``' moved bytes against the evicted slots' bytes: an order-free method's eviction
     (tova) fills each hole below the budget from above it, alone and in a batch, and so writes twice
     the evicted slots' bytes (gathered, then scattered), not the whole cache (before: 64x at B = 32);
-    so does one whose scores are order-free where the backend reorders (the opt-in: snapkv, epikv);
+    so does one whose scores are order-free where the backend reorders, as on a GPU (snapkv, epikv, h2o);
     an ordered one (R-KV) still moves every kept slot, as a GPU does (its slot order is the contract)."""
     from kvleague.runner.bench.step_ops import count
     from kvleague.runner.models import load_engine
@@ -267,9 +267,9 @@ def test_an_order_free_eviction_on_the_slabs_moves_only_the_evicted_slots(tiny_m
     engine.eos_ids = set()
     engine.backend.graphs = True
     prompt = list(range(40, 80))
-    for name in ("tova", "snapkv", "epikv"):
+    for name in ("tova", "snapkv", "epikv", "h2o"):
         for batch in (1, 2):
-            row = count(engine, name, batch, 16, prompt, 4, as_gpu=True, reorder=True)
+            row = count(engine, name, batch, 16, prompt, 4, as_gpu=True)
             assert row["evicted_bytes_per_step"] > 0 and row["moved_ratio"] == 2.0, (name, row)
     assert count(engine, "rkv", 2, 16, prompt, 4, as_gpu=True)["moved_ratio"] == 2 * 16
 

@@ -1,11 +1,12 @@
 """Order-free scores evicted by filling holes where the backend reorders slots (issue 49).
 
-The EpiKV family's and KV-key / KV-val's scores are each slot's own (frozen, by position); SnapKV pools
-its window's attention over neighbouring positions (sorted first where the slots are not); only their
-references keep the slots in position order, where attention sums them in that order. The slab
-backend's opt-in ``reorders_slots`` evicts them as order-free methods: an eviction moves at most the
-evicted slots, not every kept one. By default it keeps the order (``hf``'s bits, which the slab == hf
-tests compare): the equivalence fuzz found multi-turn batches that part from ``hf`` when reordering. The oracle here is the ``hf`` backend keeping the order, in float64, where the order
+The EpiKV family's and KV-key / KV-val's scores are each slot's own (frozen, by position), as are H2O's
+accumulated sums (carried by position, sorted first where the slots are not); SnapKV pools its window's
+attention over neighbouring positions (sorted first where the slots are not); only their references
+keep the slots in position order, where attention sums them in that order. The slab
+backend on CUDA (``reorders_slots``) evicts them as order-free methods: an eviction moves at most the
+evicted slots, not every kept one. Off CUDA it keeps the order (``hf``'s bits, which the slab == hf
+tests compare). The oracle here is the ``hf`` backend keeping the order, in float64, where the order
 attention sums its slots in moves the logits by ~1e-16: the same tokens, kept positions and counts,
 alone and batched, with the slots out of position order on the slab backend.
 """
@@ -19,7 +20,13 @@ from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
 
 BUDGET = 16
-PROTOCOLS = {"sinks": Protocol(sink=2, recent=3), "epikv_paper": Protocol.preset("epikv_paper")}
+PROTOCOLS = {
+    "sinks": Protocol(sink=2, recent=3),
+    "epikv_paper": Protocol.preset("epikv_paper"),
+    # a prompt over the budget is kept whole: its row drops one slot a step where the others drop the
+    # buffer's, so a batched eviction fills holes in rows that drop different counts
+    "buffered": Protocol(cadence="buffer=4", recent=3, protect_prompt=True, prompt_over_budget="keep"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +53,25 @@ def _same(oracle, result) -> None:
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
-@pytest.mark.parametrize("name", ["epikv", "epikv_bands", "hs_variance", "kv_key", "kv_val", "snapkv"])
+@pytest.mark.parametrize(
+    "name", ["epikv", "epikv_bands", "hs_variance", "kv_key", "kv_val", "h2o", "snapkv", "tova", "keydiff"]
+)
 def test_order_free_scores_evicted_by_filling_holes_equal_the_ordered_cache(pair, prompt_ids, name, protocol):
-    """SnapKV with a window of 4 queries, so that it ranks slots outside its window by pooled attention."""
+    """SnapKV with a window of 4 queries, so that it ranks slots outside its window by pooled attention.
+    TOVA and KeyDiff are order-free on every backend (``Needs(ordered_slots=False)``): ``hf`` fills
+    their holes alone, and the batch must fill each row's as it would alone."""
     hf, slab = pair
     params = {"window": 4} if name == "snapkv" else {}
     proto = PROTOCOLS[protocol]
     settings = GenerationSettings(max_new_tokens=20)
-    prompts = [prompt_ids[:6], prompt_ids[3:12], prompt_ids[5:20]]
+    prompts = [prompt_ids[:6], prompt_ids[3:12], prompt_ids[5:20], prompt_ids[: BUDGET + 4]]
     oracle = [hf.generate(p, build_method(name, params), BUDGET, proto, settings) for p in prompts]
     for p, want in zip(prompts, oracle):
         _same(want, slab.generate(p, build_method(name, params), BUDGET, proto, settings))
-    batched = slab.generate_batch(prompts, [build_method(name, params) for _ in prompts], BUDGET, proto, settings)
-    for want, got in zip(oracle, batched):
-        _same(want, got)
+    for engine in (slab, hf):  # hf's batch fills the holes of order-free methods as the slabs do
+        batched = engine.generate_batch(prompts, [build_method(name, params) for _ in prompts], BUDGET, proto, settings)
+        for want, got in zip(oracle, batched):
+            _same(want, got)
     assert sum(r.ranked_evictions for r in oracle) > 0
 
 
@@ -87,9 +99,9 @@ def test_the_slots_are_out_of_order_where_the_backend_reorders_and_in_order_on_h
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["epikv", "kv_key", "snapkv"])
+@pytest.mark.parametrize("name", ["epikv", "kv_key", "h2o", "snapkv"])
 def test_order_free_scores_fill_holes_on_cuda_as_hf_keeps_order(tiny_models, prompt_ids, name):
-    """On CUDA (``scripts/gpu_check.sh``), the slab backend reordering (its opt-in): float64, its
+    """On CUDA (``scripts/gpu_check.sh``), where the slab backend reorders by default: float64, its
     captured steps against ``hf`` keeping the order on the same GPU, alone and batched."""
     from kvleague.runner.models import load_engine
 
@@ -98,6 +110,5 @@ def test_order_free_scores_fill_holes_on_cuda_as_hf_keeps_order(tiny_models, pro
     for engine in (hf, slab):
         engine.model.double()
         engine.eos_ids = set()
-    slab.backend.reorders_slots = True
-    assert slab.backend.graphs
+    assert slab.backend.reorders_slots and slab.backend.graphs
     test_order_free_scores_evicted_by_filling_holes_equal_the_ordered_cache((hf, slab), prompt_ids, name, "sinks")

@@ -23,9 +23,9 @@ starts; only decoding is counted. The benchmark counts a batched eviction as a G
 kept slot of an ordered eviction moves); on a CPU the engine reads where the first dropped slot is
 and moves only the slots from there on (``cache_rows.evict_rows``: one host read and ~9 ops). Frozen
 per-position scores (the EpiKV family's, KV-key / KV-val's) are read from their table's mirror, as on
-a GPU (``kernels.MIRROR_ON_CPU``). ``--reorder-slots``: methods whose scores are order-free but whose
-references keep slots in order (``Needs.order_free_scores``) are evicted by filling holes (the slab
-backend's opt-in ``reorders_slots``).
+a GPU (``kernels.MIRROR_ON_CPU``), and methods whose scores are order-free but whose references keep
+slots in order (``Needs.order_free_scores``) are evicted by filling holes, as the slab backend does on
+a GPU (``reorders_slots``).
 
 And bytes, per decode step, told apart by where a tensor's memory is (the slabs, and the copies the
 forward makes of them, such as K/V repeated per query head):
@@ -95,15 +95,7 @@ def _aliases(out, args) -> bool:
 
 
 def count(
-    engine,
-    name: str,
-    batch: int,
-    budget: int,
-    prompt: list[int],
-    steps: int,
-    as_gpu: bool = False,
-    recent: int = 0,
-    reorder: bool = False,
+    engine, name: str, batch: int, budget: int, prompt: list[int], steps: int, as_gpu: bool = False, recent: int = 0
 ) -> dict:
     """Per decode step of ``batch`` sequences under method ``name``: ops outside the captured body,
     host reads, K/V bytes the forward's attention reads and the bytes an eviction moves. ``as_gpu``:
@@ -179,7 +171,7 @@ def count(
 
     counter = Counter()
     reorders = engine.backend.reorders_slots
-    engine.backend.reorders_slots = reorders or reorder  # order-free scores fill holes (the opt-in)
+    engine.backend.reorders_slots = reorders or as_gpu  # order-free scores fill holes, as on a GPU
     try:
         sessions = [engine.session(build_method(name), budget, Protocol(recent=recent)) for _ in range(batch)]
     finally:
@@ -286,7 +278,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4, help="query heads (32 / 8 KV heads: the 0.57B model's ratio)")
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--reorder-slots", action="store_true", help="fill holes for order-free scores (opt-in)")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -307,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine.backend.graphs = True  # the captured body's path, run eagerly off CUDA
         prompt = h.random_prompt(args.prompt_tokens, seed=1)
         rows = [
-            count(engine, m, b, args.budget, prompt, args.steps, True, args.recent, args.reorder_slots)
+            count(engine, m, b, args.budget, prompt, args.steps, as_gpu=True, recent=args.recent)
             for m in args.methods.split(",")
             for b in (int(x) for x in args.batch_sizes.split(","))
         ]
