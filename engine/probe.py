@@ -279,9 +279,14 @@ def _make_wrapper(inner: str):
         if inner == "eager":  # over query chunks within the worker's attention memory
             batch, heads, queries = query.shape[:3]
             rows = "all" if recorder is None else recorder.eager_rows(batch, heads, queries, key.shape[-2])
-            out, weights = eager_attention(
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, rows=rows, **kwargs
-            )
+            lengths = slab_attention.active() if queries == 1 else None
+            if lengths is not None and lengths.grouped_eager:  # a slab decode step, each KV head read once
+                out, weights = slab_attention.attend_eager(query, key, value, attention_mask, scaling, lengths)
+                weights = weights.float() if rows == "sum" else weights  # one query: its sum is its row
+            else:
+                out, weights = eager_attention(
+                    module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, rows=rows, **kwargs
+                )
         else:
             lengths = slab_attention.active() if inner == "sdpa" and query.shape[2] == 1 else None
             kernel = ALL_ATTENTION_FUNCTIONS[inner]

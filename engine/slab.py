@@ -304,6 +304,10 @@ class SlabBackend(HFBackend):
         #: order-free scores evicted by filling holes (``Needs.order_free_scores``): on CUDA, where its
         #: kernels part from ``hf``'s float bits anyway; off CUDA the order is kept (``hf``'s bits, tested)
         self.reorders_slots = self.device.type == "cuda"
+        #: eager attention (methods declaring ``Needs.eager``) of a decode step in the KV heads as they
+        #: are, not repeated per query head (``slab_attention.attend_eager``): on CUDA, whose kernels
+        #: part from ``hf``'s float bits anyway; off CUDA transformers' kernel (``hf``'s bits, tested)
+        self.grouped_eager = self.device.type == "cuda"
         #: decode steps per path: ``eager`` (dynamic), ``graph`` (a CUDA graph replayed), ``static`` (the
         #: graph's body run eagerly over its static buffers: ``graphs=True`` off CUDA, for tests)
         self.steps = {"eager": 0, "graph": 0, "static": 0}
@@ -434,9 +438,9 @@ class SlabBackend(HFBackend):
             return self.model_step(token_ids, rope_positions, cache, start_slot, mask)
         self.steps["eager"] += 1
         if attention_mask is None:  # every row holds start_slot + 1 slots: SDPA reads those alone
-            lengths = slab_attention.Lengths(None, start_slot + 1)
+            lengths = slab_attention.Lengths(None, start_slot + 1, self.grouped_eager)
         else:
-            lengths = slab_attention.Lengths(attention_mask.sum(dim=-1))
+            lengths = slab_attention.Lengths(attention_mask.sum(dim=-1), grouped_eager=self.grouped_eager)
         with slab_attention.decoding(lengths):
             return self.model_step(token_ids, rope_positions, cache, start_slot, mask)
 
@@ -481,6 +485,7 @@ class SlabBackend(HFBackend):
             n,
             capacity,
             self.model.config._attn_implementation,
+            self.grouped_eager,
             hooked,
             *(b.data_ptr() for layer in layers for b in _slabs(layer)),
         )
@@ -575,7 +580,8 @@ class GraphedStep:
             layer.slots = self.slots
         backend._tap = tap
         try:
-            with recording(tap), slab_attention.decoding(slab_attention.Lengths(self.lengths)):
+            lengths = slab_attention.Lengths(self.lengths, grouped_eager=backend.grouped_eager)
+            with recording(tap), slab_attention.decoding(lengths):
                 out = backend.model(
                     input_ids=self.tokens,
                     position_ids=self.rope,

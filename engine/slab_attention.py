@@ -9,7 +9,11 @@ length (``[N, H_kv, group, d]``: one new token, so no causal order among them) a
 over the whole slab under a ``[N, 1, 1, capacity]`` validity mask: each KV head is read once, not
 repeated per query head (SDPA's ``enable_gqa`` with a mask falls back to its math kernel on CUDA).
 Methods that read attention rows get them from the same lengths (the recorders cut each row at
-``n_i``). The eager kernel (methods that declare ``Needs.eager``) keeps its own 4D mask.
+``n_i``). The eager kernel (methods that declare ``Needs.eager``) keeps transformers' steps and its
+4D mask; with ``grouped_eager`` (the slab backend's default on CUDA, :func:`attend_eager`) it folds
+the query heads into the query length too, so each KV head is read once rather than repeated per
+query head, where ``hf``'s kernel (and the CPU's default) repeats them: its matmuls' shapes differ,
+so its float bits do too (~1e-16 in float64).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class Lengths:
 
     valid: torch.Tensor | None
     one: int | None = None
+    #: eager attention in the KV heads as they are (:func:`attend_eager`), not repeated per query head
+    grouped_eager: bool = False
 
 
 _ACTIVE: contextvars.ContextVar[Lengths | None] = contextvars.ContextVar("kvleague_slab_lengths", default=None)
@@ -69,3 +75,24 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling:
     grouped = query.reshape(n, h_kv, h_q // h_kv, d)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=visible, scale=scaling)
     return out.reshape(n, h_q, 1, d).transpose(1, 2)
+
+
+def attend_eager(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float, lengths
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transformers' eager steps (scores scaled, the additive ``mask`` ``[N, 1, 1, capacity]`` added,
+    softmax in float32 cast back, weights x values) for one query per row ``[N, H_q, 1, d]``, with each
+    group of query heads folded into the query length of its KV head: K and V read once per KV head.
+    Returns the output ``[N, 1, H_q, d]`` and the weights ``[N, H_q, 1, T]`` (``T``: the one length
+    where the host knows it, else the capacity), as transformers' kernel returns them."""
+    n, h_q, _, d = query.shape
+    h_kv = key.shape[1]
+    if lengths.one is not None:
+        key, value = key.narrow(-2, 0, lengths.one), value.narrow(-2, 0, lengths.one)
+    grouped = query.reshape(n, h_kv, h_q // h_kv, d)
+    weights = torch.matmul(grouped, key.transpose(2, 3)) * scaling  # [N, H_kv, group, T]
+    if mask is not None:
+        weights = weights + mask[..., : key.shape[-2]]
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights, value)  # [N, H_kv, group, d]
+    return out.reshape(n, h_q, 1, d).transpose(1, 2).contiguous(), weights.reshape(n, h_q, 1, -1)

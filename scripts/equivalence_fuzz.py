@@ -7,7 +7,7 @@ turns, greedy or seeded sampling, sometimes an EOS token that ends rows at diffe
 batch of mixed methods, generated or teacher-forced. The oracle is the ``hf`` backend, one sequence
 at a time; against it: ``hf`` batched, ``slab`` alone and batched, and the slab backend's
 graph-ready step (what CUDA captures, run eagerly, with the holes of methods declaring order-free
-scores filled as on CUDA) alone and batched (generated batches through
+scores filled and eager attention read in the KV heads, as on CUDA) alone and batched (generated batches through
 ``drive_sessions``, the engine's multi-turn batching; single-turn batches of three or more prompts
 also through ``generate_batch`` with fewer rows than prompts, whose finished rows the waiting
 prompts take). Every difference in tokens, kept positions or
@@ -120,13 +120,13 @@ def force(engine, specs, budget, protocol, prompts, scripts, batched) -> list[tu
 
 
 def with_graphs(slab, run):
-    """``run`` on the slab backend as CUDA runs it: the graph's step, and holes filled for methods
-    whose scores are order-free (``reorders_slots``)."""
-    slab.backend.graphs = slab.backend.reorders_slots = True
+    """``run`` on the slab backend as CUDA runs it: the graph's step, holes filled for methods whose
+    scores are order-free (``reorders_slots``), eager attention in the KV heads (``grouped_eager``)."""
+    slab.backend.graphs = slab.backend.reorders_slots = slab.backend.grouped_eager = True
     try:
         return run()
     finally:
-        slab.backend.graphs = slab.backend.reorders_slots = False
+        slab.backend.graphs = slab.backend.reorders_slots = slab.backend.grouped_eager = False
 
 
 def trial(rng: random.Random, engines: dict, ids: list[int], config: dict) -> dict:

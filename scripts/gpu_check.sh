@@ -91,7 +91,7 @@ wants() { [[ $steps == *" $1 "* ]]; }
 bench() { local name=$1 limit=$2; shift 2; step "$name" "$limit" "$PY" -m kvleague.cli bench "$@" --model "$model" --json "$out/$name.json"; }
 both=(--backend hf --backend slab)
 
-wants tests && step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py tests/test_slot_order.py \
+wants tests && step cuda-tests 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_batch_cuda.py tests/test_slot_order.py tests/test_grouped_eager.py \
   tests/test_backend_slab.py --junitxml "$out/cuda-tests.xml"
 [[ -f $model/model.safetensors || $steps == " tests " ]] || step model 240 "$PY" -m kvleague.cli make-tiny-model \
   --arch llama "${model_size[@]}" --out "$model"

@@ -637,7 +637,9 @@ def cuda_pair(tiny_models):
     hf = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda")
     slab = load_engine(str(tiny_models["qwen3"]), dtype="float32", device="cuda", backend="slab")
     hf.eos_ids, slab.eos_ids = set(), set()
-    slab.backend.reorders_slots = False  # hf's slot order, so the methods' scores see what hf's do
+    # hf's slot order and eager kernel, so the methods' scores see what hf's do (each tested on its own:
+    # tests/test_slot_order.py, tests/test_grouped_eager.py)
+    slab.backend.reorders_slots = slab.backend.grouped_eager = False
     return hf, slab
 
 

@@ -23,9 +23,9 @@ starts; only decoding is counted. The benchmark counts a batched eviction as a G
 kept slot of an ordered eviction moves); on a CPU the engine reads where the first dropped slot is
 and moves only the slots from there on (``cache_rows.evict_rows``: one host read and ~9 ops). Frozen
 per-position scores (the EpiKV family's, KV-key / KV-val's) are read from their table's mirror, as on
-a GPU (``kernels.MIRROR_ON_CPU``), and methods whose scores are order-free but whose references keep
-slots in order (``Needs.order_free_scores``) are evicted by filling holes, as the slab backend does on
-a GPU (``reorders_slots``).
+a GPU (``kernels.MIRROR_ON_CPU``), methods whose scores are order-free but whose references keep
+slots in order (``Needs.order_free_scores``) are evicted by filling holes, and eager attention reads
+each KV head once (``grouped_eager``), as the slab backend does on a GPU.
 
 And bytes, per decode step, told apart by where a tensor's memory is (the slabs, and the copies the
 forward makes of them, such as K/V repeated per query head):
@@ -221,6 +221,8 @@ def count(
         (decode, "evict_rows", phase("evict", decode.evict_rows)),
         (BudgetedCache, "evict", phase("evict", BudgetedCache.evict)),
     ]
+    if as_gpu:  # eager attention in the KV heads as they are, as on a GPU
+        patches.append((engine.backend, "grouped_eager", True))
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in patches]
     for obj, attr, value in patches:
         setattr(obj, attr, value)
