@@ -25,6 +25,7 @@ from kvleague.engine.contract import CacheView, PerLayer, Phase
 from kvleague.engine.errors import KvleagueError
 from kvleague.engine.protocol import Protocol
 from kvleague.engine.selection import agreement, check_read, in_window, keep_top, ranking_decided, tiers
+from kvleague.engine.to_device import to_device
 
 #: ordered removal of at most this many slots per head moves the tail in place (CPU memmove)
 _MEMMOVE_MAX = 16
@@ -124,7 +125,7 @@ class BudgetedCache:
         """Record the slots the last forward pass appended (call right after it)."""
         c = new_positions.shape[0]
         self.prompt_fed += c if prompt else 0
-        pos = new_positions.to(self.device).expand(*self._pos.shape[:-1], c)
+        pos = to_device(new_positions, self.device).expand(*self._pos.shape[:-1], c)
         if c == 1 and not prompt:  # a decode step's: one constant, made once (cat copies it)
             if self._generated_flag is None or self._generated_flag.shape[:-1] != self._prompt.shape[:-1]:
                 self._generated_flag = torch.zeros((*self._prompt.shape[:-1], 1), dtype=torch.bool, device=self.device)
@@ -186,7 +187,7 @@ class BudgetedCache:
         ``keeps_fewer=False`` (a method that never scores -inf, ``Needs.keeps_fewer``): the kept count
         is known on the host, and the eviction's checks are read later (``deferred_reads``)."""
         length = self.length
-        scores = self._normalise(scores, length).to(self.device)
+        scores = to_device(self._normalise(scores, length), self.device)  # scores made on the host: not blocking
         if scores.dim() == 1 and not self.uniform:
             raise KvleagueError("score: per-token scores [T] need every layer and head to hold the same tokens")
         if scores.dim() == 2 and not self.heads_agree:

@@ -93,7 +93,7 @@ def evict_rows(
             return torch.stack(tensors)
         return torch.stack([torch.nn.functional.pad(x, (0, t - x.shape[-1]), value=fill) for x in tensors])
 
-    stacked = padded(scores, float("-inf")).to(first.device)  # [N, (L, (H,)) t]: one copy to the device
+    stacked = to_device(padded(scores, float("-inf")), first.device)  # [N, (L, (H,)) t]: one copy to the device
     if all(c.uniform for c in caches):  # every cache's positions broadcast over its layers, for the batch at once
         base_pos, base_prompt = (
             padded([c._pos for c in caches], -1),

@@ -24,6 +24,7 @@ from kvleague.engine.errors import KvleagueError
 from kvleague.engine.probe import AttentionRecorder, recording
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.engine.resources import PeakMemory, Spans
+from kvleague.engine.to_device import to_device
 
 
 @dataclass
@@ -291,9 +292,7 @@ class Session:
         )
         if self.recorder is not None:
             self.recorder.start(c)
-        self.logits = engine.backend.forward(
-            torch.tensor([token_ids], device=engine.device), rope[None], cache.cache, length
-        )[0]
+        self.logits = engine.backend.forward(to_device([token_ids], engine.device), rope[None], cache.cache, length)[0]
         self.after_forward(positions, prompt=True)
         if self.never_evicts:
             return

@@ -16,8 +16,14 @@ import torch
 
 
 def to_device(data: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``torch.tensor(data, dtype=dtype, device=device)``, on CUDA through pinned memory, not blocking."""
+    """``torch.tensor(data, dtype=dtype, device=device)``, on CUDA through pinned memory, not blocking.
+    ``data`` may be a tensor: one on the host (a method's scores computed there) is copied so too;
+    one already on ``device`` comes back as it is (cast to ``dtype`` if given)."""
     device = torch.device(device)
+    if isinstance(data, torch.Tensor):
+        if device.type == "cuda" and data.device.type == "cpu":
+            return data.to(dtype=dtype or data.dtype).pin_memory().to(device, non_blocking=True)
+        return data.to(device=device, dtype=dtype or data.dtype)
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)

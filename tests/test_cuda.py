@@ -84,3 +84,16 @@ def test_every_method_keeps_and_generates_the_same_on_cuda_and_cpu(float32_engin
         return
     assert cuda.token_ids == cpu.token_ids
     assert cuda.kept_positions == cpu.kept_positions
+
+
+def test_to_device_copies_host_data_and_host_tensors_to_the_gpu():
+    """``engine/to_device.py``'s pinned, non-blocking path (never run on the CPU): lists and host
+    tensors arrive with their values once the stream has run; a tensor already there is not copied."""
+    from kvleague.engine.to_device import to_device
+
+    made = to_device([[1, 2], [3, 4]], "cuda")
+    scores = to_device(torch.tensor([0.25, -1.0]), "cuda", torch.float64)
+    torch.cuda.synchronize()
+    assert made.device.type == "cuda" and made.tolist() == [[1, 2], [3, 4]]
+    assert scores.dtype == torch.float64 and scores.tolist() == [0.25, -1.0]
+    assert to_device(scores, scores.device) is scores

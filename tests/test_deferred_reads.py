@@ -349,6 +349,7 @@ def test_every_copy_to_the_device_of_a_decode_step_goes_through_to_device():
     root = Path(__file__).resolve().parents[1]
     hot = ["engine/decode.py", "engine/cache_rows.py", "engine/cache.py", "engine/contract.py", "engine/probe.py"]
     hot += ["engine/selection.py", "engine/compaction.py", "engine/slab.py", "engine/batch_invariance.py"]
+    hot += ["engine/session.py"]  # a prompt's feed
     pattern = re.compile(r"torch\.(tensor|as_tensor)\([^()]*(\([^()]*\)[^()]*)*device=")
     found = [(p, m.group(0)) for p in hot for m in pattern.finditer((root / p).read_text())]
     assert not found, found
@@ -356,3 +357,12 @@ def test_every_copy_to_the_device_of_a_decode_step_goes_through_to_device():
     made = to_device([[1, 2], [3, 4]], "cpu")
     assert made.tolist() == [[1, 2], [3, 4]] and made.dtype == torch.long
     assert to_device([0.5], torch.device("cpu"), torch.float64).dtype == torch.float64
+    scores = torch.tensor([0.25, -1.0])  # a tensor made on the host: the same values, on the device
+    assert to_device(scores, "cpu") is scores and to_device(scores, "cpu", torch.float64).tolist() == [0.25, -1.0]
+    assert (
+        re.search(
+            r"\.to\((self|first)\.device\)",
+            (root / "engine/cache.py").read_text() + (root / "engine/cache_rows.py").read_text(),
+        )
+        is None
+    )
