@@ -16,6 +16,7 @@ import torch
 from kvleague.engine import slab_attention
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
+from tests.float64_pair import float64_pair
 
 BUDGET = 16
 PROTOCOL = Protocol(sink=2, recent=3)
@@ -24,14 +25,8 @@ PROTOCOL = Protocol(sink=2, recent=3)
 @pytest.fixture(scope="module")
 def pair(tiny_models):
     """``hf`` and the slab backend with grouped eager attention, both float64 and eager."""
-    from kvleague.runner.models import load_engine
-
     torch.set_num_threads(1)
-    hf = load_engine(str(tiny_models["qwen3"]), attn_implementation="eager")
-    slab = load_engine(str(tiny_models["qwen3"]), attn_implementation="eager", backend="slab")
-    for engine in (hf, slab):
-        engine.model.double()
-        engine.eos_ids = set()
+    hf, slab = float64_pair(tiny_models["qwen3"], attn_implementation="eager")
     slab.backend.grouped_eager = True
     return hf, slab
 
@@ -96,12 +91,6 @@ def test_grouped_eager_attention_equals_transformers_kernel():
 def test_grouped_eager_attention_on_cuda_keeps_what_hf_keeps(tiny_models, prompt_ids, monkeypatch, name):
     """On CUDA (``scripts/gpu_check.sh``), where it is the slab backend's default: float64, its captured
     steps against ``hf``'s eager kernel on the same GPU, alone and batched."""
-    from kvleague.runner.models import load_engine
-
-    hf = load_engine(str(tiny_models["qwen3"]), attn_implementation="eager", device="cuda")
-    slab = load_engine(str(tiny_models["qwen3"]), attn_implementation="eager", device="cuda", backend="slab")
-    for engine in (hf, slab):
-        engine.model.double()
-        engine.eos_ids = set()
+    hf, slab = float64_pair(tiny_models["qwen3"], attn_implementation="eager", device="cuda")
     assert slab.backend.grouped_eager and slab.backend.graphs
     test_grouped_eager_attention_keeps_what_hf_keeps((hf, slab), prompt_ids, monkeypatch, name, True)

@@ -18,6 +18,7 @@ import torch
 
 from kvleague.engine.protocol import GenerationSettings, Protocol
 from kvleague.methods import build_method
+from tests.float64_pair import float64_pair
 
 BUDGET = 16
 PROTOCOLS = {
@@ -32,14 +33,8 @@ PROTOCOLS = {
 @pytest.fixture(scope="module")
 def pair(tiny_models):
     """``hf`` and the slab backend reordering as on CUDA (its captured body's path), both float64."""
-    from kvleague.runner.models import load_engine
-
     torch.set_num_threads(1)
-    hf = load_engine(str(tiny_models["llama"]))
-    slab = load_engine(str(tiny_models["llama"]), backend="slab")
-    for engine in (hf, slab):
-        engine.model.double()
-        engine.eos_ids = set()
+    hf, slab = float64_pair(tiny_models["llama"])
     slab.backend.graphs = True
     slab.backend.reorders_slots = True
     return hf, slab
@@ -103,12 +98,6 @@ def test_the_slots_are_out_of_order_where_the_backend_reorders_and_in_order_on_h
 def test_order_free_scores_fill_holes_on_cuda_as_hf_keeps_order(tiny_models, prompt_ids, name):
     """On CUDA (``scripts/gpu_check.sh``), where the slab backend reorders by default: float64, its
     captured steps against ``hf`` keeping the order on the same GPU, alone and batched."""
-    from kvleague.runner.models import load_engine
-
-    hf = load_engine(str(tiny_models["llama"]), dtype="float32", device="cuda")
-    slab = load_engine(str(tiny_models["llama"]), dtype="float32", device="cuda", backend="slab")
-    for engine in (hf, slab):
-        engine.model.double()
-        engine.eos_ids = set()
+    hf, slab = float64_pair(tiny_models["llama"], dtype="float32", device="cuda")
     assert slab.backend.reorders_slots and slab.backend.graphs
     test_order_free_scores_evicted_by_filling_holes_equal_the_ordered_cache((hf, slab), prompt_ids, name, "sinks")
