@@ -419,6 +419,7 @@ def test_handed_over_observations_are_copies_and_describe_says_which_path_ran(pa
     class Keeper(type(build_method("snapkv"))):
         def observe(self, obs: Observation) -> None:
             if obs.phase == "decode":
+                assert obs.queries is not None  # snapkv asks for them
                 seen.append((obs.queries[0], obs.queries[0].clone()))
             super().observe(obs)
 
@@ -599,7 +600,7 @@ def test_benchmarks_run_both_backends_side_by_side(tiny_models, tmp_path, capsys
     # beside the static-cache anchor (not compiled off CUDA: transformers compiles on CUDA only), same tokens
     static = [f for f in g["figures"] if f["metric"] == "speed_ratio" and f["reference"] == "generate_static"]
     assert len(static) == 2 and all(f["details"]["same_tokens"] and f["details"]["compiled"] is False for f in static)
-    assert h._LOADED[0] == model  # both backends ran one loaded model object
+    assert h._LOADED is not None and h._LOADED[0] == model  # both backends ran one loaded model object
     ratios = [f for f in g["figures"] if f["metric"] == "backend_speed_ratio"]
     assert {(f["method"], f["details"]["backend"], f["reference"]) for f in ratios} == {
         (m, "slab", "backend hf") for m in runners
