@@ -22,7 +22,9 @@ def to_device(data: Any, device: torch.device | str, dtype: torch.dtype | None =
     device = torch.device(device)
     if isinstance(data, torch.Tensor):
         if device.type == "cuda" and data.device.type == "cpu":
-            return data.to(dtype=dtype or data.dtype).pin_memory().to(device, non_blocking=True)
+            # a pinned snapshot: the caller may write to ``data`` before the copy has run
+            staged = torch.empty(data.shape, dtype=dtype or data.dtype, pin_memory=True).copy_(data)
+            return staged.to(device, non_blocking=True)
         return data.to(device=device, dtype=dtype or data.dtype)
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)

@@ -92,7 +92,9 @@ def test_to_device_copies_host_data_and_host_tensors_to_the_gpu():
     from kvleague.engine.to_device import to_device
 
     made = to_device([[1, 2], [3, 4]], "cuda")
-    scores = to_device(torch.tensor([0.25, -1.0]), "cuda", torch.float64)
+    host = torch.tensor([0.25, -1.0]).pin_memory()
+    scores = to_device(host, "cuda", torch.float64)
+    host.fill_(7.0)  # written before the copy may have run: the copy took a snapshot
     torch.cuda.synchronize()
     assert made.device.type == "cuda" and made.tolist() == [[1, 2], [3, 4]]
     assert scores.dtype == torch.float64 and scores.tolist() == [0.25, -1.0]
