@@ -438,7 +438,7 @@ class SlabBackend(HFBackend):
             return self.model_step(token_ids, rope_positions, cache, start_slot, mask)
         self.steps["eager"] += 1
         if attention_mask is None:  # every row holds start_slot + 1 slots: SDPA reads those alone
-            lengths = slab_attention.Lengths(None, start_slot + 1, self.grouped_eager)
+            lengths = slab_attention.Lengths(None, start_slot + 1, grouped_eager=self.grouped_eager)
         else:
             lengths = slab_attention.Lengths(attention_mask.sum(dim=-1), grouped_eager=self.grouped_eager)
         with slab_attention.decoding(lengths):
